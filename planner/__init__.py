@@ -1,0 +1,38 @@
+"""remat: optimal activation-checkpoint planning for PyTorch training.
+
+Public API (imported lazily so that ``import planner.cost_model`` does not import torch)::
+
+    import planner
+    prof = planner.profile(model, inputs)             # measure one training step
+    plan = planner.plan(prof, budget="12GB")          # the checkpoint set that fits, at least recompute
+    plan.save("plan.json")
+    handle = planner.apply_plan(model, "plan.json")   # enforce it on the live model
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "profile": ("planner.profiler", "profile"),
+    "plan": ("planner.api", "plan"),
+    "build_graph": ("planner.graph", "build_graph"),
+    "simulate": ("planner.cost_model", "simulate"),
+    "apply_plan": ("planner.applier", "apply_plan"),
+    "verify": ("planner.verify", "verify"),
+    "Profile": ("planner.schema", "Profile"),
+    "Plan": ("planner.schema", "Plan"),
+    "Estimate": ("planner.schema", "Estimate"),
+    "parse_bytes": ("planner.units", "parse_bytes"),
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
+    raise AttributeError(f"module 'planner' has no attribute {name!r}")

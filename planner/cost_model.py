@@ -1,0 +1,335 @@
+"""The cost model: for a graph and a checkpoint choice, predicted peak memory and recompute time.
+
+Every solver is judged by ``simulate``; every measurement is compared with it. Pure Python over
+the graph built by ``planner.graph.build_graph``; no torch import.
+
+# NOTE [ Peak-memory model ]
+#
+# What is modelled: one steady-state training step, ``zero_grad(set_to_none=True)``, forward,
+# loss, backward, ``optimizer.step()``, with the candidates in the checkpoint set C wrapped in
+# non-reentrant ``torch.utils.checkpoint`` (C is an antichain of the module tree: a unit and
+# one of its descendants are never both checkpointed).
+#
+# Static memory, alive all step: parameters + buffers + optimizer state + the input batch.
+# Gradient buffers: none during forward; during backward a parameter's gradient appears once
+# backward reaches the last forward use of that parameter (``grad_seq``), and all are alive at
+# the optimizer step.
+#
+# Activations are tracked per storage ("tensor"): a tensor costs its bytes once, however many
+# units save it. A tensor is *held* (kept alive for backward) by
+#   - every save-for-backward event of it, unless the event happens inside a checkpointed unit
+#     (checkpointed units keep nothing of their own), positioned at the event's sequence number;
+#   - every checkpointed unit it is an input of (non-reentrant checkpoint keeps the inputs),
+#     positioned at the unit's forward start.
+# A held tensor lives from its creation until backward passes its *earliest* holding position
+# p(t). Backward runs in reverse forward order, so "backward passes position p" means every
+# unit that started after p has finished its backward.
+#
+# Time is cut into windows at the leaves l_1..l_n of the graph (forward order): window i is
+# the code after l_{i-1} up to and including l_i (glue code such as a residual add or the
+# embedding sum belongs to the next leaf's window); the tail window is everything after l_n
+# (final norm, head, loss, when they are not candidates). The peak is the largest of:
+#   forward of window i:   static + |held with p <= end(l_i)  U  out_i| + T_fwd(i)
+#   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
+#   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
+#                          + max T_fwd over the leaves of c
+#   tail forward/backward: static (+ grads after l_n) + |all held| + T_tail
+#   optimizer step:        static + all grads + the optimizer's measured temporaries
+# where out_i are tensors created in window i that later code still uses (in flight, alive
+# whether held or not), R_i are the tensors a checkpointed unit c containing l_i re-creates
+# when its backward starts (everything c saves, except its inputs, which it kept) and that
+# backward has not yet passed (saved at or before end(l_i)), and grads(i) are the gradients of
+# parameters last used in window i or later.
+#
+# T are *temporaries* not explained by held tensors: activation gradients in flight, kernel
+# workspaces, tensors freed within the window. They are calibrated once per graph from the
+# profiler's measured timeline: T = max(0, measured window peak - the model's value for the
+# same window without checkpointing). So the model reproduces the measured no-checkpoint step
+# window by window, and checkpointing changes only the held and recomputed terms, which are
+# exact bytes. Recompute time is the sum of the checkpointed units' forward times (early
+# stopping of the recompute is ignored: a slight overestimate).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterable
+
+import networkx as nx
+
+from planner.errors import SolverError
+from planner.schema import Estimate
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """Derived, immutable arrays of one graph (cached on the graph; the graph is not mutated)."""
+
+    leaves: tuple[str, ...]
+    leaf_end: tuple[int, ...]
+    tb: dict[int, int]
+    saves: tuple[tuple[int, int, tuple[str, ...]], ...]  # (seq, tensor, graph nodes containing seq)
+    save_seqs: tuple[int, ...]  # the seqs of ``saves`` (sorted)
+    node_leaves: dict[str, tuple[int, ...]]  # node -> indices of the leaves inside it
+    grad_seqs: tuple[int, ...]  # sorted
+    grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
+    static_bytes: int
+
+
+def _context(g: nx.DiGraph) -> _Ctx:
+    ctx = g.graph.get("_cost_ctx")
+    if ctx is not None:
+        return ctx
+    leaves = tuple(g.graph["leaves"])
+    leaf_end = tuple(g.nodes[n]["fwd_end_seq"] for n in leaves)
+    ranges = [(n, a["fwd_start_seq"], a["fwd_end_seq"]) for n, a in g.nodes(data=True)]
+    saves = tuple(
+        (seq, t, tuple(n for n, lo, hi in ranges if lo <= seq <= hi)) for seq, t in g.graph["saves"]
+    )
+    leaf_pos = {n: i for i, n in enumerate(leaves)}
+    node_leaves = {
+        n: tuple(leaf_pos[x] for x in leaves
+                 if a["fwd_start_seq"] <= g.nodes[x]["fwd_start_seq"] <= a["fwd_end_seq"])
+        for n, a in g.nodes(data=True)
+    }
+    pg = g.graph["param_grads"]
+    grad_seqs = tuple(s for s, _ in pg)
+    suffix = [0] * (len(pg) + 1)
+    for k in range(len(pg) - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + pg[k][1]
+    static = (g.graph["params_bytes"] + g.graph["buffers_bytes"] + g.graph["optimizer_bytes"]
+              + g.graph["batch_bytes"])
+    ctx = _Ctx(leaves, leaf_end, g.graph["tensor_bytes"], saves, tuple(s[0] for s in saves), node_leaves, grad_seqs,
+               tuple(suffix), static)
+    g.graph["_cost_ctx"] = ctx
+    return ctx
+
+
+def _grads_after(ctx: _Ctx, seq: int) -> int:
+    """Bytes of parameter gradients whose last forward use is after ``seq``."""
+    return ctx.grad_suffix[bisect.bisect_right(ctx.grad_seqs, seq)]
+
+
+def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str]) -> frozenset[str]:
+    """Validate a checkpoint choice: known node ids, and no node together with an ancestor."""
+    chosen = frozenset(checkpointed)
+    unknown = sorted(chosen - set(g.nodes))
+    if unknown:
+        raise SolverError(f"unknown candidate(s) {unknown[:5]}; candidates are graph node ids")
+    for n in chosen:
+        p = g.nodes[n]["parent"]
+        while p is not None:
+            if p in chosen:
+                raise SolverError(f"cannot checkpoint both {p!r} and its descendant {n!r}")
+            p = g.nodes[p]["parent"]
+    return chosen
+
+
+def _holdings(g: nx.DiGraph, ctx: _Ctx, chosen: frozenset[str]) -> dict[int, int]:
+    """tensor -> earliest holding position p(t), for the held tensors (see NOTE)."""
+    pos: dict[int, int] = {}
+    for seq, t, containers in ctx.saves:
+        if chosen and any(c in chosen for c in containers):
+            continue
+        if seq < pos.get(t, 1 << 62):
+            pos[t] = seq
+    for c in chosen:
+        start = g.nodes[c]["fwd_start_seq"]
+        for t in g.nodes[c]["input_ids"]:
+            if start < pos.get(t, 1 << 62):
+                pos[t] = start
+    return pos
+
+
+def _recomputed(g: nx.DiGraph, ctx: _Ctx, c: str, upto_seq: int) -> int:
+    a = g.nodes[c]
+    inputs = a["input_ids"]
+    lo = bisect.bisect_left(ctx.save_seqs, a["fwd_start_seq"])
+    hi = bisect.bisect_right(ctx.save_seqs, min(a["fwd_end_seq"], upto_seq))
+    seen = {t for _, t, _ in ctx.saves[lo:hi] if t not in inputs}
+    return sum(ctx.tb[t] for t in seen)
+
+
+def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True):
+    """Yield (name, total_bytes, grads_bytes) for every probe of the NOTE."""
+    ctx = _context(g)
+    pos = _holdings(g, ctx, chosen)
+    held = sorted((p, ctx.tb[t]) for t, p in pos.items())
+    held_pos = [p for p, _ in held]
+    prefix = [0]
+    for _, b in held:
+        prefix.append(prefix[-1] + b)
+
+    def held_upto(seq: int) -> int:
+        return prefix[bisect.bisect_right(held_pos, seq)]
+
+    def tr(attrs: dict, key: str) -> int:
+        return attrs.get(key, 0) if calibrated else 0
+
+    static = ctx.static_bytes
+    owner = {i: c for c in chosen for i in ctx.node_leaves[c]}
+    prev_end = -1
+    for i, (leaf, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
+        a = g.nodes[leaf]
+        h = held_upto(end)
+        out_extra = sum(ctx.tb[t] for t in a["out_ids"] if pos.get(t, 1 << 62) > end)
+        yield f"forward of {leaf}", static + h + out_extra + tr(a, "fwd_transient_bytes"), 0
+        grads = _grads_after(ctx, prev_end)
+        rec = _recomputed(g, ctx, owner[i], end) if i in owner else 0
+        yield f"backward of {leaf}", static + grads + h + rec + tr(a, "bwd_transient_bytes"), grads
+        prev_end = end
+    for c in chosen:
+        a = g.nodes[c]
+        grads = _grads_after(ctx, a["fwd_end_seq"])
+        t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
+                    default=0) if calibrated else 0
+        total = static + grads + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"]) + t_fwd
+        yield f"recompute of {c}", total, grads
+    h_all = prefix[-1]
+    yield "end of forward", static + h_all + (g.graph.get("tail_fwd_transient_bytes", 0) if calibrated else 0), 0
+    grads = _grads_after(ctx, prev_end)
+    yield ("start of backward", static + grads + h_all
+           + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads)
+    yield ("optimizer step", static + g.graph["grads_bytes"] + g.graph["optimizer_step_transient_bytes"],
+           g.graph["grads_bytes"])
+
+
+def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
+    """Predict peak memory (with breakdown) and recompute time of one training step.
+
+    ``checkpointed`` is a set of graph node ids (an antichain of the module tree).
+    See NOTE [ Peak-memory model ] at the top of this file for the semantics.
+    Cost: O(S log S + n * s) for S saves, n leaves and s saves per checkpointed unit.
+    """
+    chosen = check_checkpoint_set(g, checkpointed)
+    name, peak, grads = max(_probes(g, chosen), key=lambda p: p[1])
+    params = g.graph["params_bytes"] + g.graph["buffers_bytes"]
+    opt = g.graph["optimizer_bytes"]
+    recompute_ms = sum(g.nodes[c]["forward_ms"] for c in chosen)
+    return Estimate(
+        checkpointed=sorted(chosen, key=lambda n: g.nodes[n]["order"]),
+        peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
+        activations_bytes=peak - params - grads - opt, peak_at=name,
+        recompute_ms=recompute_ms, step_ms=g.graph["step_ms"] + recompute_ms,
+    )
+
+
+def calibrate(g: nx.DiGraph) -> None:
+    """Set the temporaries T of NOTE [ Peak-memory model ] from the measured window peaks.
+
+    Called once by ``build_graph``. Windows without a measurement keep T = 0.
+    """
+    g.graph.pop("_cost_ctx", None)
+    probes = {name: total for name, total, _ in _probes(g, frozenset(), calibrated=False)}
+    for leaf in g.graph["leaves"]:
+        a = g.nodes[leaf]
+        for kind, key, peak_key in (("forward", "fwd_transient_bytes", "fwd_window_peak_bytes"),
+                                    ("backward", "bwd_transient_bytes", "bwd_window_peak_bytes")):
+            measured = a.get(peak_key)
+            if measured is not None:
+                a[key] = max(0, measured - probes[f"{kind} of {leaf}"])
+    for key, peak_key, probe in (("tail_fwd_transient_bytes", "tail_fwd_peak_bytes", "end of forward"),
+                                 ("tail_bwd_transient_bytes", "tail_bwd_peak_bytes", "start of backward")):
+        measured = g.graph.get(peak_key)
+        if measured is not None:
+            g.graph[key] = max(0, measured - probes[probe])
+
+
+# ----------------------------------------------------------------------------- chain decomposition
+
+
+@dataclass(frozen=True)
+class ChainTerms:
+    """The model of NOTE [ Peak-memory model ] on a graph without nesting, as a chain recurrence.
+
+    With c_i in {0, 1} (leaf i checkpointed) and H_i = sum_{j<=i} delta[j][c_{j-1}][c_i]
+    (c_{-1} = 0), the peak is max(const_bytes, max_i H_i + k[i][c_i],
+    H_{n-1} + tail_delta[c_{n-1}] + tail_k). Exact when ``exact``; otherwise every term
+    over-counts (a tensor held by two non-adjacent leaves is counted twice), so a plan that
+    fits under the recurrence fits under ``simulate``.
+    """
+
+    leaves: tuple[str, ...]
+    forward_ms: tuple[float, ...]
+    delta: tuple[tuple[tuple[int, int], tuple[int, int]], ...]  # delta[i][prev][cur]
+    k: tuple[tuple[int, int], ...]  # k[i][cur]
+    tail_delta: tuple[int, int]
+    tail_k: int
+    const_bytes: int
+    exact: bool
+
+
+def chain_terms(g: nx.DiGraph) -> ChainTerms:
+    """Decompose the cost model along the leaves; the DP solver runs on this."""
+    if any(not a["leaf"] for _, a in g.nodes(data=True)):
+        raise SolverError("the chain recurrence needs a graph without nested candidates (nested=False)")
+    ctx = _context(g)
+    n = len(ctx.leaves)
+    window = lambda seq: bisect.bisect_left(ctx.leaf_end, seq)  # noqa: E731  (n = tail)
+    leaf_pos = {x: i for i, x in enumerate(ctx.leaves)}
+    # holdings per tensor: (window, leaf or None, kind)  kind: 0 = save (dropped if leaf ckpt), 1 = ckpt input
+    hold: dict[int, list[tuple[int, int | None, int]]] = {}
+    for seq, t, containers in ctx.saves:
+        leaf = leaf_pos[containers[0]] if containers else None
+        hold.setdefault(t, []).append((window(seq), leaf, 0))
+    for i, x in enumerate(ctx.leaves):
+        for t in g.nodes[x]["input_ids"]:
+            hold.setdefault(t, []).append((i, i, 1))
+
+    def active(h: tuple[int, int | None, int], c: int) -> bool:
+        _, leaf, kind = h
+        return True if leaf is None else (c == 1) == (kind == 1)
+
+    delta = [[[0, 0], [0, 0]] for _ in range(n)]
+    tail_delta = [0, 0]
+    exact = True
+    for t, hs in hold.items():
+        b = ctx.tb[t]
+        for w in sorted({h[0] for h in hs}):
+            here = [h for h in hs if h[0] == w]
+            before = [h for h in hs if h[0] < w]
+            if any(h[1] is None for h in before):
+                continue  # a glue holding earlier is always active: counted there
+            far = [h for h in before if h[1] is not None and h[1] < w - 1]
+            prev = [h for h in before if h[1] == w - 1]
+            for a_prev in (0, 1):
+                if any(active(h, a_prev) for h in prev):
+                    if far:
+                        exact = False
+                    continue
+                if far:
+                    exact = False  # counted again although a far leaf may hold it: over-count
+                if w == n:  # the tail window holds glue holdings only: always active
+                    tail_delta[a_prev] += b
+                    continue
+                for cur in (0, 1):
+                    if any(active(h, cur) for h in here):
+                        delta[w][a_prev][cur] += b
+    static = ctx.static_bytes
+    k = []
+    prev_end = -1
+    for i, (x, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
+        a = g.nodes[x]
+        grads = _grads_after(ctx, prev_end)
+        rec = _recomputed(g, ctx, x, end)
+        terms = []
+        for cur in (0, 1):
+            out_extra = sum(ctx.tb[t] for t in a["out_ids"]
+                            if not any(h[0] <= i and active(h, cur) for h in hold.get(t, ())))
+            fwd = static + out_extra + a.get("fwd_transient_bytes", 0)
+            bwd = static + grads + (rec if cur else 0) + a.get("bwd_transient_bytes", 0)
+            rcp = (static + _grads_after(ctx, end) + rec + a.get("fwd_transient_bytes", 0)) if cur else 0
+            terms.append(max(fwd, bwd, rcp))
+        k.append((terms[0], terms[1]))
+        prev_end = end
+    tail_k = static + max(g.graph.get("tail_fwd_transient_bytes", 0),
+                          _grads_after(ctx, prev_end) + g.graph.get("tail_bwd_transient_bytes", 0))
+    const = static + g.graph["grads_bytes"] + g.graph["optimizer_step_transient_bytes"]
+    return ChainTerms(
+        leaves=ctx.leaves,
+        forward_ms=tuple(g.nodes[x]["forward_ms"] for x in ctx.leaves),
+        delta=tuple(((d[0][0], d[0][1]), (d[1][0], d[1][1])) for d in delta),
+        k=tuple(k), tail_delta=(tail_delta[0], tail_delta[1]), tail_k=tail_k,
+        const_bytes=const, exact=exact,
+    )

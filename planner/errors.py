@@ -1,0 +1,55 @@
+"""Error types. Every failure a user can cause maps to one of these; the CLI turns them
+into one line on stderr and an exit code (see ``exit_code``)."""
+
+from __future__ import annotations
+
+
+class RematError(Exception):
+    """Base class. ``exit_code`` is what the CLI exits with: 2 bad input, 1 plan/verify failed."""
+
+    exit_code = 2
+
+
+class BadInput(RematError):
+    """An argument or option has the wrong form (budget string, path, name)."""
+
+
+class ModelLoadError(RematError):
+    """``model.py`` is missing, does not import, or breaks the model-file convention."""
+
+
+class ProfileError(RematError):
+    """Running the training step to profile it failed (user code raised, OOM, bad loss)."""
+
+
+class PlanFileError(RematError):
+    """A plan or profile file is empty, truncated, not JSON, or not of the expected schema."""
+
+
+class PlanMismatch(RematError):
+    """A plan was made for another model or other input shapes. ``differences`` lists them."""
+
+    def __init__(self, message: str, differences: list[str] | None = None):
+        super().__init__(message)
+        self.differences = list(differences or [])
+
+
+class SolverError(RematError):
+    """An unknown solver, or a solver that cannot handle this graph."""
+
+
+class BudgetInfeasible(RematError):
+    """No checkpoint set fits the budget. Carries the minimum feasible budget in bytes."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int | None):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+
+
+class VerificationFailed(RematError):
+    """Measured peak over the budget, or gradients differ beyond tolerance."""
+
+    exit_code = 1

@@ -1,0 +1,302 @@
+"""Graph builder: ``Profile`` -> ``networkx.DiGraph`` of checkpoint candidates.
+
+Nodes are candidate units (module calls). Every attribute name carries its unit:
+
+========================  ==================================================================
+node attribute            meaning
+========================  ==================================================================
+``order``                 forward execution order among the graph's nodes (0, 1, ...)
+``fqn``, ``call_index``   module FQN and which call of it (0 = first) this unit is
+``module_type``           class name of the module
+``depth``                 depth in the module tree (root = 0)
+``parent``                id of the nearest enclosing *graph* node, or None
+``leaf``                  True when no other graph node lies inside this one
+``fwd_start_seq``         profiler sequence numbers bounding the unit's forward
+``fwd_end_seq``
+``forward_ms``            forward time, inclusive (what a recompute costs)
+``backward_ms``           backward time, inclusive
+``param_bytes``           parameters of the module subtree
+``saved_bytes``           unique tensors saved for backward inside the unit
+``input_bytes``           unique step-created tensors passed in (kept when checkpointed)
+``output_bytes``          unique tensors returned
+``saved_ids``             frozenset of tensor ids saved inside the unit
+``input_ids``             frozenset of tensor ids passed in
+``out_ids``               (leaves) tensors created in the leaf's window and used after it
+``fwd_window_peak_bytes``  (leaves) measured peak of the forward window, or None
+``bwd_window_peak_bytes``  (leaves) measured peak of the backward window, or None
+``fwd_transient_bytes``   (leaves) calibrated temporaries, see NOTE [ Peak-memory model ]
+``bwd_transient_bytes``
+========================  ==================================================================
+
+Edges ``u -> v`` carry ``bytes``: tensors produced inside ``u`` and passed into ``v``.
+
+``graph.graph`` holds step-level data: ``tensor_bytes`` (id -> bytes), ``saves`` (sorted
+``(seq, tensor_id)`` pairs), ``param_grads`` (``(grad_seq, bytes)`` pairs), the static memory
+(``params_bytes``, ``buffers_bytes``, ``batch_bytes``, ``optimizer_bytes``, ``grads_bytes``,
+``optimizer_step_transient_bytes``), step times, ``leaves`` (leaf ids in forward order),
+``forward_end_seq``, tail-window peaks, ``fingerprint`` and profile metadata.
+
+Granularity: by default the candidates are the repeated blocks (children of a ModuleList or
+Sequential that share a class: transformer layers, ResNet blocks) and the modules around them
+(the other children of every module that contains blocks). ``granularity=k`` goes k levels
+deeper (each candidate is split into its child module calls). ``nested=True`` keeps every
+level from the default cut down to ``granularity`` in the graph, for solvers that choose
+among nested candidates (a block, or any set of its children, never both).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import networkx as nx
+
+from planner.errors import BadInput
+from planner.schema import LOSS_ID, ROOT_ID, Profile, UnitRecord
+
+
+def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False) -> nx.DiGraph:
+    """Build the candidate graph of ``profile`` (see module docstring for its attributes)."""
+    if granularity < 0:
+        raise BadInput(f"granularity must be >= 0, got {granularity}")
+    units = {u.id: u for u in profile.units}
+    children = _children(profile.units)
+    levels = _candidate_levels(units, children, granularity)
+    chosen = [uid for level in (levels if nested else levels[-1:]) for uid in level]
+    chosen = sorted(set(chosen), key=lambda uid: (units[uid].fwd_start_seq, -units[uid].fwd_end_seq))
+
+    g = nx.DiGraph()
+    _set_graph_attrs(g, profile, granularity, nested)
+    saves_by_seq = sorted((s.seq, s.tensor_id) for s in profile.saves)
+    tensor_bytes = g.graph["tensor_bytes"]
+    for order, uid in enumerate(chosen):
+        g.add_node(uid, **_node_attrs(units[uid], order, saves_by_seq, tensor_bytes))
+    _link_tree(g, chosen, units)
+    _add_edges(g, profile, chosen, units)
+    leaves = [n for n in chosen if g.nodes[n]["leaf"]]
+    g.graph["leaves"] = leaves
+    _add_windows(g, profile, leaves, units)
+
+    from planner.cost_model import calibrate  # local import: cost_model imports nothing of ours but schema
+
+    calibrate(g)
+    return g
+
+
+# ----------------------------------------------------------------------------- candidate choice
+
+
+def _children(units: Iterable[UnitRecord]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = defaultdict(list)
+    for u in units:
+        if u.parent is not None:
+            out[u.parent].append(u.id)
+    return out
+
+
+def repeated_blocks(units: dict[str, UnitRecord], children: dict[str, list[str]]) -> set[str]:
+    """Unit ids of repeated blocks: >= 2 siblings of the same class whose names end in an index."""
+    groups: dict[tuple[str | None, str], list[str]] = defaultdict(list)
+    for u in units.values():
+        last = u.fqn.rsplit(".", 1)[-1]
+        if u.id not in (ROOT_ID, LOSS_ID) and last.isdigit():
+            groups[(u.parent, u.module_type)].append(u.id)
+    blocks = {uid for ids in groups.values() if len(ids) >= 2 for uid in ids}
+    # keep the outermost: a block inside another block is a part of it, not a block
+    return {b for b in blocks if not any(a in blocks for a in _ancestors(units, b))}
+
+
+def _ancestors(units: dict[str, UnitRecord], uid: str) -> list[str]:
+    out, p = [], units[uid].parent
+    while p is not None:
+        out.append(p)
+        p = units[p].parent
+    return out
+
+
+def _default_cut(units: dict[str, UnitRecord], children: dict[str, list[str]]) -> list[str]:
+    blocks = repeated_blocks(units, children)
+    holds_block: dict[str, bool] = {}
+
+    def contains_block(uid: str) -> bool:
+        if uid not in holds_block:
+            holds_block[uid] = uid in blocks or any(contains_block(c) for c in children.get(uid, []))
+        return holds_block[uid]
+
+    def cut(uid: str) -> list[str]:
+        if uid in blocks or not contains_block(uid):
+            return [uid]
+        return [x for c in children.get(uid, []) for x in cut(c)]
+
+    top = [c for c in children.get(ROOT_ID, [])]
+    if not top:
+        return []
+    if blocks:
+        return [x for c in top for x in cut(c)]
+    # no repeated blocks: descend through single-child wrappers, then take the children
+    while len(top) == 1 and children.get(top[0]):
+        top = children[top[0]]
+    return top
+
+
+def _candidate_levels(units: dict[str, UnitRecord], children: dict[str, list[str]],
+                      granularity: int) -> list[list[str]]:
+    level = _default_cut(units, children)
+    levels = [level]
+    for _ in range(granularity):
+        level = [x for uid in level for x in (children.get(uid) or [uid])]
+        levels.append(level)
+    return levels
+
+
+# ----------------------------------------------------------------------------- attributes
+
+
+def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) -> None:
+    s = p.step
+    g.graph.update(
+        model=p.fingerprint.model_class,
+        fingerprint=p.fingerprint.model_dump(),
+        device=p.device, device_name=p.device_name, target=p.target, dtype=p.dtype, amp=p.amp,
+        optimizer=p.optimizer, torch_version=p.torch_version,
+        granularity=granularity, nested=nested,
+        tensor_bytes={t.id: t.nbytes for t in p.tensors},
+        tensor_created_seq={t.id: t.created_seq for t in p.tensors},
+        saves=sorted({(sv.seq, sv.tensor_id) for sv in p.saves}),
+        param_grads=sorted((pr.grad_seq, pr.nbytes) for pr in p.params),
+        params_bytes=s.params_bytes, buffers_bytes=s.buffers_bytes, batch_bytes=s.batch_bytes,
+        optimizer_bytes=s.optimizer_bytes, grads_bytes=s.grads_bytes,
+        optimizer_step_transient_bytes=s.optimizer_step_transient_bytes,
+        forward_ms=s.forward_ms, backward_ms=s.backward_ms, optimizer_ms=s.optimizer_ms, step_ms=s.step_ms,
+        forward_end_seq=s.forward_end_seq, backward_start_seq=s.backward_start_seq,
+        measured_peak_bytes=s.measured_peak_bytes, peak_source=s.peak_source,
+    )
+
+
+def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
+                tensor_bytes: dict[int, int]) -> dict:
+    import bisect
+
+    lo = bisect.bisect_left(saves_by_seq, (u.fwd_start_seq, -1))
+    hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, 1 << 62))
+    saved = frozenset(t for _, t in saves_by_seq[lo:hi])
+    inputs = frozenset(u.input_ids)
+    return dict(
+        order=order, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, depth=u.depth,
+        parent=None, leaf=True, fwd_start_seq=u.fwd_start_seq, fwd_end_seq=u.fwd_end_seq,
+        forward_ms=u.forward_ms, backward_ms=u.backward_ms, flops=u.flops, param_bytes=u.param_bytes,
+        saved_bytes=sum(tensor_bytes[t] for t in saved),
+        input_bytes=sum(tensor_bytes[t] for t in inputs),
+        output_bytes=u.output_bytes,
+        saved_ids=saved, input_ids=inputs, out_ids=frozenset(),
+        fwd_window_peak_bytes=None, bwd_window_peak_bytes=None,
+        fwd_transient_bytes=0, bwd_transient_bytes=0,
+    )
+
+
+def _link_tree(g: nx.DiGraph, chosen: list[str], units: dict[str, UnitRecord]) -> None:
+    member = set(chosen)
+    for uid in chosen:
+        parent = next((a for a in _ancestors(units, uid) if a in member), None)
+        g.nodes[uid]["parent"] = parent
+        if parent is not None:
+            g.nodes[parent]["leaf"] = False
+
+
+def _graph_node_of_seq(g: nx.DiGraph, chosen: list[str], seq: int) -> str | None:
+    """Deepest graph node whose forward range contains ``seq``."""
+    best = None
+    for n in chosen:
+        a = g.nodes[n]
+        if a["fwd_start_seq"] <= seq <= a["fwd_end_seq"]:
+            if best is None or a["fwd_start_seq"] >= g.nodes[best]["fwd_start_seq"]:
+                best = n
+    return best
+
+
+def _add_edges(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, UnitRecord]) -> None:
+    producer_node = {t.id: _graph_node_of_seq(g, chosen, t.created_seq) for t in p.tensors}
+    tb = g.graph["tensor_bytes"]
+    for v in chosen:
+        for t in g.nodes[v]["input_ids"]:
+            u = producer_node.get(t)
+            if u is None or u == v:
+                continue
+            if _is_ancestor(g, u, v) or _is_ancestor(g, v, u):
+                continue
+            if g.has_edge(u, v):
+                g.edges[u, v]["bytes"] += tb[t]
+            else:
+                g.add_edge(u, v, bytes=tb[t])
+
+
+def _is_ancestor(g: nx.DiGraph, a: str, b: str) -> bool:
+    p = g.nodes[b]["parent"]
+    while p is not None:
+        if p == a:
+            return True
+        p = g.nodes[p]["parent"]
+    return False
+
+
+def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, UnitRecord]) -> None:
+    """Per leaf: tensors handed on past its window (``out_ids``) and the measured window peaks."""
+    ends = [g.nodes[n]["fwd_end_seq"] for n in leaves]
+    last_use: dict[int, int] = defaultdict(lambda: -1)
+    for u in p.units:
+        for t in u.input_ids:
+            last_use[t] = max(last_use[t], u.fwd_start_seq)
+    created = g.graph["tensor_created_seq"]
+    prev_end = -1
+    for n, end in zip(leaves, ends):
+        g.nodes[n]["out_ids"] = frozenset(
+            t for t, c in created.items() if prev_end < c <= end and last_use[t] > end
+        )
+        prev_end = end
+
+    tl = p.timeline
+    g.graph["tail_fwd_peak_bytes"] = None
+    g.graph["tail_bwd_peak_bytes"] = None
+    if not tl or not leaves:
+        return
+    index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
+    pos_of = {e.kind: i for i, e in enumerate(tl) if e.unit is None}
+
+    def peak(lo: int | None, hi: int | None) -> int | None:
+        if lo is None or hi is None or hi <= lo:
+            return None
+        return max(e.peak_bytes for e in tl[lo + 1: hi + 1])
+
+    # forward windows: (fwd_end of previous leaf, fwd_end of this leaf]
+    bounds = [pos_of.get("step_start", 0)] + [index.get(("fwd_end", n)) for n in leaves]
+    bounds.append(pos_of.get("forward_end"))
+    fwd = _merged_window_peaks(bounds, peak)
+    for n, v in zip(leaves, fwd[:-1]):
+        g.nodes[n]["fwd_window_peak_bytes"] = v
+    g.graph["tail_fwd_peak_bytes"] = fwd[-1]
+    # backward windows, in backward order: tail, then leaf n, n-1, ..., 1
+    bb = [pos_of.get("backward_start")] + [index.get(("bwd_start", n)) for n in reversed(leaves)]
+    bb.append(pos_of.get("backward_end"))
+    bwd = _merged_window_peaks(bb, peak)
+    g.graph["tail_bwd_peak_bytes"] = bwd[0]
+    for n, v in zip(reversed(leaves), bwd[1:]):
+        g.nodes[n]["bwd_window_peak_bytes"] = v
+
+
+def _merged_window_peaks(bounds: list[int | None], peak) -> list[int | None]:
+    """Peaks of windows (bounds[i], bounds[i+1]] for i in range(len(bounds)-1).
+
+    A missing inner bound merges the two windows around it; both get the merged peak.
+    """
+    n = len(bounds) - 1
+    out: list[int | None] = [None] * n
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and bounds[j] is None:
+            j += 1
+        v = peak(bounds[i], bounds[j])
+        for k in range(i, j):
+            out[k] = v
+        i = j
+    return out

@@ -1,0 +1,364 @@
+"""Data at the edges: the measured ``Profile``, the cost model's ``Estimate`` and the ``Plan`` file.
+
+All are pydantic models that serialise to JSON. Field names carry their units
+(``_bytes``, ``_ms``, ``_seq``). None of this imports torch.
+
+Sequence numbers (``*_seq``): the profiler keeps one counter for the whole training step and
+bumps it at every event it records (module forward start/end, module backward start/end,
+every tensor saved for backward). They order everything that happened in the step; the cost
+model uses them to place tensors in time (see NOTE [ Peak-memory model ] in
+``planner/cost_model.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from planner.errors import BadInput, PlanFileError
+
+PROFILE_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 1
+
+ROOT_ID = "<root>"
+"""Unit id of the model's root module call."""
+LOSS_ID = "<loss>"
+"""Unit id of the pseudo-unit that stands for ``loss_fn`` (code run outside the model)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+
+class TensorSig(_Model):
+    name: str = Field(description="Parameter FQN, or input path such as 'input_ids' or '0'.")
+    shape: list[int]
+    dtype: str
+
+
+class Fingerprint(_Model):
+    """What a plan is valid for: module names, parameter shapes/dtypes and input shapes."""
+
+    model_class: str
+    modules: list[str] = Field(description="FQNs of all submodules, in named_modules() order.")
+    params: list[TensorSig]
+    inputs: list[TensorSig]
+
+    def digest(self) -> str:
+        """Stable sha256 of the fingerprint (first 16 hex digits)."""
+        text = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def differences(self, other: "Fingerprint") -> list[str]:
+        """Human-readable list of what differs between ``self`` (plan) and ``other`` (model)."""
+        out: list[str] = []
+        if self.model_class != other.model_class:
+            out.append(f"model class: plan has {self.model_class}, model is {other.model_class}")
+        mine, theirs = set(self.modules), set(other.modules)
+        for name in sorted(mine - theirs)[:10]:
+            out.append(f"module {name!r} is in the plan but not in the model")
+        for name in sorted(theirs - mine)[:10]:
+            out.append(f"module {name!r} is in the model but not in the plan")
+        pa = {p.name: p for p in self.params}
+        pb = {p.name: p for p in other.params}
+        for name in sorted(set(pa) & set(pb)):
+            if (pa[name].shape, pa[name].dtype) != (pb[name].shape, pb[name].dtype):
+                out.append(
+                    f"parameter {name}: plan has {pa[name].shape} {pa[name].dtype}, "
+                    f"model has {pb[name].shape} {pb[name].dtype}"
+                )
+        for name in sorted(set(pa) ^ set(pb))[:10]:
+            where = "plan" if name in pa else "model"
+            out.append(f"parameter {name!r} only in the {where}")
+        ia = {i.name: i for i in self.inputs}
+        ib = {i.name: i for i in other.inputs}
+        for name in sorted(set(ia) | set(ib)):
+            a, b = ia.get(name), ib.get(name)
+            if a is None or b is None or (a.shape, a.dtype) != (b.shape, b.dtype):
+                fa = f"{a.shape} {a.dtype}" if a else "absent"
+                fb = f"{b.shape} {b.dtype}" if b else "absent"
+                out.append(f"input {name}: plan has {fa}, model has {fb}")
+        return out
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+class UnitRecord(_Model):
+    """One module call (a candidate for checkpointing), in forward execution order."""
+
+    id: str = Field(description="FQN, with '#k' appended for the k-th (k>=1) call of the same module; "
+                                "'<root>' for the model itself, '<loss>' for loss_fn.")
+    fqn: str = Field(description="Module FQN as in named_modules(); '' for the root.")
+    call_index: int = Field(0, description="0 for the first call of this module in the step, 1 for the next...")
+    module_type: str
+    parent: str | None = Field(description="Id of the innermost enclosing unit; None for the root and <loss>.")
+    depth: int = Field(description="0 for the root, 1 for its children, ...")
+    fwd_start_seq: int
+    fwd_end_seq: int
+    bwd_start_seq: int | None = Field(None, description="Seq when gradients reached the unit's outputs.")
+    bwd_end_seq: int | None = Field(None, description="Seq when gradients w.r.t. the unit's inputs were ready.")
+    forward_ms: float = Field(0.0, description="Forward time, inclusive of submodules (mean over measured steps).")
+    backward_ms: float = Field(0.0, description="Backward time, inclusive (mean over measured steps).")
+    flops: float = Field(0.0, description="Forward FLOPs, inclusive (when counted).")
+    input_ids: list[int] = Field(default_factory=list,
+                                 description="Tensors (ids into Profile.tensors) passed in as inputs and created "
+                                             "during the step. Pre-existing tensors (batch, parameters) are static.")
+    output_ids: list[int] = Field(default_factory=list, description="Tensors returned, created during the step.")
+    input_bytes: int = Field(0, description="Bytes of all tensor inputs (unique storages), pre-existing included.")
+    output_bytes: int = Field(0, description="Bytes of all tensor outputs (unique storages).")
+    param_bytes: int = Field(0, description="Bytes of the parameters of this module and its submodules.")
+
+
+class TensorRecord(_Model):
+    """One storage created during the step that matters to the memory model."""
+
+    id: int
+    nbytes: int
+    created_seq: int
+    producer: str | None = Field(None, description="Unit id innermost when it was created.")
+
+
+class SaveRecord(_Model):
+    """A tensor saved for backward (autograd pack hook), attributed to the innermost unit."""
+
+    tensor_id: int
+    seq: int
+    unit: str
+
+
+class ParamRecord(_Model):
+    name: str
+    nbytes: int
+    grad_seq: int = Field(description="Seq of the last forward use: its gradient appears once backward passes it.")
+
+
+class MemoryEvent(_Model):
+    """One point of the live-memory timeline recorded during the memory-measuring step."""
+
+    seq: int
+    kind: Literal["step_start", "fwd_start", "fwd_end", "forward_end", "backward_start",
+                  "bwd_start", "bwd_end", "backward_end", "optimizer_end"]
+    unit: str | None = None
+    live_bytes: int = Field(description="Bytes live right at this event (absolute, static memory included).")
+    peak_bytes: int = Field(description="Highest live bytes since the previous event, this one included.")
+
+
+class StepRecord(_Model):
+    params_bytes: int
+    buffers_bytes: int = 0
+    batch_bytes: int = Field(0, description="Bytes of the input batch (alive throughout the step).")
+    grads_bytes: int
+    optimizer_bytes: int = Field(description="Optimizer state (e.g. AdamW exp_avg + exp_avg_sq) in steady state.")
+    optimizer_step_transient_bytes: int = Field(0, description="Temporaries of optimizer.step(), measured.")
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float = 0.0
+    step_ms: float = Field(description="forward + backward + optimizer step, mean over measured steps.")
+    forward_end_seq: int
+    backward_start_seq: int
+    measured_peak_bytes: int | None = Field(None, description="Peak of the step as the device reports it.")
+    peak_source: str = Field("none", description="'cuda-allocator', 'cpu-profiler', 'tracker' or 'none'.")
+    warmup_steps: int = 0
+    measured_steps: int = 0
+
+
+class Profile(_Model):
+    """Everything measured about one training step of one model on one device."""
+
+    kind: Literal["remat-profile"] = "remat-profile"
+    schema_version: int = PROFILE_SCHEMA_VERSION
+    fingerprint: Fingerprint
+    device: str = Field(description="'cpu', 'cuda' or 'meta' (fake tensors, times from a roofline).")
+    device_name: str = ""
+    target: str | None = Field(None, description="Device spec name the times were modelled for (meta).")
+    dtype: str = "float32"
+    amp: str | None = None
+    optimizer: str = "adamw"
+    torch_version: str = ""
+    created_at: str = ""
+    units: list[UnitRecord]
+    tensors: list[TensorRecord]
+    saves: list[SaveRecord]
+    params: list[ParamRecord]
+    timeline: list[MemoryEvent] = Field(default_factory=list)
+    step: StepRecord
+    notes: list[str] = Field(default_factory=list)
+
+    def unit(self, unit_id: str) -> UnitRecord:
+        for u in self.units:
+            if u.id == unit_id:
+                return u
+        raise KeyError(unit_id)
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_text(path, self.model_dump_json(indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        return _load_versioned(cls, path, "remat-profile", PROFILE_SCHEMA_VERSION, "profile")
+
+
+# ----------------------------------------------------------------------------- estimate
+
+
+class Estimate(_Model):
+    """The cost model's prediction for one checkpoint set (see NOTE [ Peak-memory model ])."""
+
+    checkpointed: list[str]
+    peak_bytes: int
+    params_bytes: int = Field(description="Parameters and buffers.")
+    grads_bytes: int = Field(description="Gradient buffers live at the peak.")
+    optimizer_bytes: int
+    activations_bytes: int = Field(description="Everything else at the peak: batch, saved and recomputed "
+                                               "tensors, gradients of activations, temporaries.")
+    peak_at: str = Field(description="Where the peak happens, e.g. 'backward of h.3' or 'optimizer step'.")
+    recompute_ms: float
+    step_ms: float = Field(description="Profiled step time plus recompute_ms.")
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+class SolverInfo(_Model):
+    name: str
+    status: Literal["optimal", "feasible", "infeasible"]
+    seconds: float
+    gap: float | None = Field(None, description="Relative optimality gap when status is 'feasible'.")
+    detail: str = ""
+
+
+class Predicted(_Model):
+    peak_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    recompute_ms: float
+    step_ms: float
+    peak_at: str = ""
+    no_checkpoint_peak_bytes: int | None = None
+    min_feasible_bytes: int | None = None
+
+
+class Plan(_Model):
+    """A checkpoint plan: which module calls to checkpoint, for which model, and what it costs."""
+
+    kind: Literal["remat-plan"] = "remat-plan"
+    schema_version: int = PLAN_SCHEMA_VERSION
+    fingerprint: Fingerprint
+    fingerprint_digest: str
+    budget_bytes: int
+    checkpoints: list[str] = Field(description="Module FQNs, each checkpointed as one region (every call).")
+    checkpoint_units: list[str] = Field(default_factory=list,
+                                        description="Unit ids (FQN, '#k' for k-th call) the solver chose.")
+    solver: SolverInfo
+    predicted: Predicted
+    granularity: int = 0
+    device: str = ""
+    device_name: str = ""
+    target: str | None = None
+    dtype: str = ""
+    amp: str | None = None
+    optimizer: str = ""
+    world_size: int = 1
+    sharding: Literal["none", "ddp", "fsdp"] = "none"
+    torch_version: str = ""
+    remat_version: str = ""
+    created_at: str = Field("", description="The one field that differs between identical runs.")
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_text(path, self.to_json())
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return _load_versioned(cls, path, "remat-plan", PLAN_SCHEMA_VERSION, "plan")
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temp file in the same folder and a rename.
+
+    An interrupted run leaves either the old file or the new one, never half of one.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise BadInput(f"cannot write {path}: it is a directory; give a file name such as {path / 'plan.json'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise BadInput(f"cannot write {path}: folder {parent} does not exist; create it or pick another path")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise BadInput(f"cannot write {path}: {e.strerror}; pick a writable location") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str) -> Any:
+    path = Path(path)
+    if not path.exists():
+        raise PlanFileError(f"{what} file {path} does not exist; check the path")
+    if path.is_dir():
+        raise PlanFileError(f"{path} is a directory, not a {what} file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise PlanFileError(f"{what} file {path} is empty; re-create it with `remat {what} ...`")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanFileError(
+            f"{what} file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+            f"it may be truncated: re-create it with `remat {what} ...`"
+        ) from None
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        found = data.get("kind") if isinstance(data, dict) else type(data).__name__
+        raise PlanFileError(
+            f"{path} is JSON but not a remat {what} (kind={found!r}, expected {kind!r}); "
+            f"pass a file written by `remat {what}`"
+        )
+    sv = data.get("schema_version")
+    if not isinstance(sv, int) or sv > version or sv < 1:
+        raise PlanFileError(
+            f"{what} file {path} has schema_version {sv!r}, this remat reads version {version}; "
+            f"upgrade remat (pip install -U remat) or re-create the file"
+        )
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise PlanFileError(
+            f"{what} file {path} does not match the schema at {loc or '<top>'}: {first['msg']}; "
+            f"re-create it with `remat {what} ...`"
+        ) from None

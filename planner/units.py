@@ -1,0 +1,61 @@
+"""Byte sizes: parsing user budgets and printing sizes.
+
+GB/TB/MB/KB are read as binary units (GiB...), as GPU memory is sold and as PyTorch
+reports it; KiB/MiB/GiB/TiB are accepted too. Plain integers are bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from planner.errors import BadInput
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kb": 2**10, "kib": 2**10,
+    "m": 2**20, "mb": 2**20, "mib": 2**20,
+    "g": 2**30, "gb": 2**30, "gib": 2**30,
+    "t": 2**40, "tb": 2**40, "tib": 2**40,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_HINT = "use bytes or a number with a unit, e.g. 12GB, 12GiB, 800MiB, 1.5e9"
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse a memory size such as ``12GB``, ``12 GiB``, ``800MiB`` or ``1e9`` into bytes.
+
+    Raises ``BadInput`` naming the accepted forms for anything else, including zero,
+    negative sizes and unknown units.
+    """
+    if isinstance(text, bool):
+        raise BadInput(f"invalid size {text!r}: {_HINT}")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        raw = str(text)
+        if raw.strip().startswith("-"):
+            raise BadInput(f"invalid size {raw!r}: a memory budget must be positive; {_HINT}")
+        m = _BUDGET_RE.match(raw)
+        if not m:
+            raise BadInput(f"invalid size {raw!r}: {_HINT}")
+        value, unit = float(m.group(1)), m.group(2).lower()
+        if unit not in _UNITS:
+            raise BadInput(f"invalid size {raw!r}: unknown unit {m.group(2)!r}; {_HINT}")
+    if not math.isfinite(value) or value <= 0:
+        raise BadInput(f"invalid size {text!r}: a memory budget must be positive; {_HINT}")
+    n = int(round(value * _UNITS[unit]))
+    if n <= 0:
+        raise BadInput(f"invalid size {text!r}: it rounds to 0 bytes; {_HINT}")
+    return n
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable binary size: ``1.50 GiB``."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,50 @@
+"""Solvers: pure functions over the candidate graph. No torch import.
+
+The contract every solver meets::
+
+    solve(graph, budget_bytes, *, time_limit_s=None) -> Solution
+
+- ``graph`` is built by ``planner.graph.build_graph``; solvers read node attributes by name.
+- The returned checkpoint set is an antichain of graph node ids (see
+  ``planner.cost_model.check_checkpoint_set``).
+- ``status == "optimal"``: no other valid checkpoint set fits ``budget_bytes`` with less
+  recompute under ``planner.cost_model.simulate`` (see NOTE [ Peak-memory model ]).
+  ``"feasible"``: it fits, optimality not proven. ``"infeasible"``: nothing this solver found
+  fits; ``min_feasible_bytes`` then says what would.
+- A plan whose status is not ``"infeasible"`` is never over budget under ``simulate``.
+
+``SOLVERS`` maps the CLI names to these functions; ``solve(name, ...)`` dispatches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import networkx as nx
+
+from solvers.base import Solution
+from solvers.baselines import solve_all, solve_every_k, solve_none
+from solvers.dp import solve as solve_dp
+from solvers.sqrt_n import solve as solve_sqrt
+from solvers.sqrt_n import solve_greedy as solve_sqrt_greedy
+
+SOLVERS: dict[str, Callable[..., Solution]] = {
+    "dp": solve_dp,
+    "sqrt": solve_sqrt,
+    "sqrt-greedy": solve_sqrt_greedy,
+    "all": solve_all,
+    "every-2": lambda g, b, **kw: solve_every_k(g, b, k=2, **kw),
+    "none": solve_none,
+}
+
+
+def register(name: str, fn: Callable[..., Solution]) -> None:
+    """Add a solver under ``name`` (used by optional backends such as the ILP)."""
+    SOLVERS[name] = fn
+
+
+def available() -> list[str]:
+    return ["auto", *SOLVERS]
+
+
+__all__ = ["SOLVERS", "Solution", "available", "register"]

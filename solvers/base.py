@@ -1,0 +1,44 @@
+"""The ``Solution`` every solver returns, and helpers shared by the solvers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+import networkx as nx
+
+from planner.cost_model import simulate
+
+Status = Literal["optimal", "feasible", "infeasible"]
+
+
+@dataclass(frozen=True)
+class Solution:
+    """What a solver found. ``checkpointed`` is in forward order."""
+
+    solver: str
+    checkpointed: tuple[str, ...]
+    status: Status
+    seconds: float
+    peak_bytes: int
+    recompute_ms: float
+    gap: float | None = None
+    min_feasible_bytes: int | None = None
+    detail: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def top_level(g: nx.DiGraph) -> list[str]:
+    """Graph nodes without a graph parent, in forward order."""
+    return sorted((n for n, a in g.nodes(data=True) if a["parent"] is None), key=lambda n: g.nodes[n]["order"])
+
+
+def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, seconds: float,
+           *, status_if_fits: Status = "feasible", detail: str = "") -> Solution:
+    """A ``Solution`` for ``chosen`` as ``simulate`` sees it: infeasible when over budget."""
+    est = simulate(g, chosen)
+    fits = est.peak_bytes <= budget_bytes
+    return Solution(
+        solver=name, checkpointed=tuple(est.checkpointed), status=status_if_fits if fits else "infeasible",
+        seconds=seconds, peak_bytes=est.peak_bytes, recompute_ms=est.recompute_ms, detail=detail,
+    )
