@@ -48,6 +48,20 @@ the graph built by ``planner.graph.build_graph``; no torch import.
 # window by window, and checkpointing changes only the held and recomputed terms, which are
 # exact bytes. Recompute time is the sum of the checkpointed units' forward times (early
 # stopping of the recompute is ignored: a slight overestimate).
+#
+# Per rank, under torch.distributed (graph.graph "world_size" N and "sharding"):
+#   ddp:  static memory as above, plus DDP's gradient buckets (one flat copy of the gradients,
+#         allocated when the DDP wrapper is built, with the default gradient_as_bucket_view=False).
+#   fsdp: (FSDP2, fully_shard on every repeated block and on the root) parameters, gradients and
+#         optimizer state are divided by N. On top of that, in forward and backward: the root
+#         group's parameters unsharded (FSDP2 keeps the root unsharded between forward and
+#         backward), and TWO blocks' parameters all-gathered at once, the running block and the
+#         next one, because FSDP2 prefetches the next all-gather while a block computes
+#         (implicit prefetching); the largest block is assumed for both. In backward also the
+#         running block's unsharded gradients before their reduce-scatter, and the root group's
+#         unsharded gradients, which are reduce-scattered only when backward ends.
+#   Activations, recompute and temporaries do not change with N: each rank runs the same
+#   per-rank batch.
 """
 
 from __future__ import annotations
@@ -74,7 +88,40 @@ class _Ctx:
     node_leaves: dict[str, tuple[int, ...]]  # node -> indices of the leaves inside it
     grad_seqs: tuple[int, ...]  # sorted
     grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
-    static_bytes: int
+    static_bytes: int  # one process: params + buffers + optimizer state + batch
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """Static memory of one rank, per phase (see "Per rank" in the NOTE)."""
+
+    params_bytes: int  # parameters + buffers held by this rank outside forward/backward
+    optimizer_bytes: int
+    fwd_static_bytes: int  # everything static during forward
+    bwd_static_bytes: int  # everything static during backward, gradients excepted
+    opt_static_bytes: int  # during optimizer.step(): static + all of this rank's gradients + temporaries
+    gathered_bytes: int  # unsharded parameters (FSDP) on top of params_bytes in forward/backward
+    grad_divisor: int  # gradients are split this many ways (FSDP)
+
+
+def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
+    """Static memory of one rank for the graph's ``world_size`` and ``sharding``."""
+    gg = g.graph
+    n = int(gg.get("world_size", 1)) if per_rank else 1
+    sharding = gg.get("sharding", "none") if per_rank else "none"
+    params, buffers, opt = gg["params_bytes"], gg["buffers_bytes"], gg["optimizer_bytes"]
+    grads, batch, opt_tr = gg["grads_bytes"], gg["batch_bytes"], gg["optimizer_step_transient_bytes"]
+    if sharding == "fsdp" and n > 1:
+        shard = lambda b: -(-b // n)  # noqa: E731
+        root, block = gg.get("fsdp_root_param_bytes", 0), gg.get("fsdp_max_block_param_bytes", 0)
+        gathered = (root - shard(root)) + 2 * (block - shard(block))
+        p_rank, o_rank = shard(params) + buffers, shard(opt)
+        base = p_rank + o_rank + batch
+        return _Rank(p_rank, o_rank, base + gathered, base + gathered + block + (root - shard(root)),
+                     base + shard(grads) + shard(opt_tr), gathered, n)
+    buckets = grads if sharding == "ddp" and n > 1 else 0
+    base = params + buffers + opt + batch + buckets
+    return _Rank(params + buffers, opt, base, base, base + grads + opt_tr, buckets, 1)
 
 
 def _context(g: nx.DiGraph) -> _Ctx:
@@ -98,8 +145,7 @@ def _context(g: nx.DiGraph) -> _Ctx:
     suffix = [0] * (len(pg) + 1)
     for k in range(len(pg) - 1, -1, -1):
         suffix[k] = suffix[k + 1] + pg[k][1]
-    static = (g.graph["params_bytes"] + g.graph["buffers_bytes"] + g.graph["optimizer_bytes"]
-              + g.graph["batch_bytes"])
+    static = rank_memory(g, per_rank=False).fwd_static_bytes
     ctx = _Ctx(leaves, leaf_end, g.graph["tensor_bytes"], saves, tuple(s[0] for s in saves), node_leaves, grad_seqs,
                tuple(suffix), static)
     g.graph["_cost_ctx"] = ctx
@@ -151,9 +197,10 @@ def _recomputed(g: nx.DiGraph, ctx: _Ctx, c: str, upto_seq: int) -> int:
     return sum(ctx.tb[t] for t in seen)
 
 
-def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True):
-    """Yield (name, total_bytes, grads_bytes) for every probe of the NOTE."""
+def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_rank: bool = True):
+    """Yield (name, total_bytes, grads_bytes, extra_params_bytes) for every probe of the NOTE."""
     ctx = _context(g)
+    rk = rank_memory(g, per_rank=per_rank)
     pos = _holdings(g, ctx, chosen)
     held = sorted((p, ctx.tb[t]) for t, p in pos.items())
     held_pos = [p for p, _ in held]
@@ -167,32 +214,35 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True):
     def tr(attrs: dict, key: str) -> int:
         return attrs.get(key, 0) if calibrated else 0
 
-    static = ctx.static_bytes
+    fwd_static, bwd_static, extra = rk.fwd_static_bytes, rk.bwd_static_bytes, rk.gathered_bytes
+    div = rk.grad_divisor
     owner = {i: c for c in chosen for i in ctx.node_leaves[c]}
     prev_end = -1
     for i, (leaf, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
         a = g.nodes[leaf]
         h = held_upto(end)
         out_extra = sum(ctx.tb[t] for t in a["out_ids"] if pos.get(t, 1 << 62) > end)
-        yield f"forward of {leaf}", static + h + out_extra + tr(a, "fwd_transient_bytes"), 0
-        grads = _grads_after(ctx, prev_end)
+        yield f"forward of {leaf}", fwd_static + h + out_extra + tr(a, "fwd_transient_bytes"), 0, extra
+        grads = -(-_grads_after(ctx, prev_end) // div)
         rec = _recomputed(g, ctx, owner[i], end) if i in owner else 0
-        yield f"backward of {leaf}", static + grads + h + rec + tr(a, "bwd_transient_bytes"), grads
+        yield f"backward of {leaf}", bwd_static + grads + h + rec + tr(a, "bwd_transient_bytes"), grads, extra
         prev_end = end
     for c in chosen:
         a = g.nodes[c]
-        grads = _grads_after(ctx, a["fwd_end_seq"])
+        grads = -(-_grads_after(ctx, a["fwd_end_seq"]) // div)
         t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
                     default=0) if calibrated else 0
-        total = static + grads + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"]) + t_fwd
-        yield f"recompute of {c}", total, grads
+        total = (bwd_static + grads + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"])
+                 + t_fwd)
+        yield f"recompute of {c}", total, grads, extra
     h_all = prefix[-1]
-    yield "end of forward", static + h_all + (g.graph.get("tail_fwd_transient_bytes", 0) if calibrated else 0), 0
-    grads = _grads_after(ctx, prev_end)
-    yield ("start of backward", static + grads + h_all
-           + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads)
-    yield ("optimizer step", static + g.graph["grads_bytes"] + g.graph["optimizer_step_transient_bytes"],
-           g.graph["grads_bytes"])
+    yield ("end of forward", fwd_static + h_all
+           + (g.graph.get("tail_fwd_transient_bytes", 0) if calibrated else 0), 0, extra)
+    grads = -(-_grads_after(ctx, prev_end) // div)
+    yield ("start of backward", bwd_static + grads + h_all
+           + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads, extra)
+    all_grads = -(-g.graph["grads_bytes"] // div)
+    yield "optimizer step", rk.opt_static_bytes, all_grads, 0
 
 
 def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
@@ -203,9 +253,13 @@ def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
     Cost: O(S log S + n * s) for S saves, n leaves and s saves per checkpointed unit.
     """
     chosen = check_checkpoint_set(g, checkpointed)
-    name, peak, grads = max(_probes(g, chosen), key=lambda p: p[1])
-    params = g.graph["params_bytes"] + g.graph["buffers_bytes"]
-    opt = g.graph["optimizer_bytes"]
+    name, peak, grads, extra = max(_probes(g, chosen), key=lambda p: p[1])
+    rk = rank_memory(g)
+    if g.graph.get("sharding") == "ddp":  # the extra is DDP's gradient buckets
+        grads, params = grads + extra, rk.params_bytes
+    else:  # the extra is FSDP's unsharded parameters
+        params = rk.params_bytes + extra
+    opt = rk.optimizer_bytes
     recompute_ms = sum(g.nodes[c]["forward_ms"] for c in chosen)
     return Estimate(
         checkpointed=sorted(chosen, key=lambda n: g.nodes[n]["order"]),
@@ -221,7 +275,7 @@ def calibrate(g: nx.DiGraph) -> None:
     Called once by ``build_graph``. Windows without a measurement keep T = 0.
     """
     g.graph.pop("_cost_ctx", None)
-    probes = {name: total for name, total, _ in _probes(g, frozenset(), calibrated=False)}
+    probes = {p[0]: p[1] for p in _probes(g, frozenset(), calibrated=False, per_rank=False)}
     for leaf in g.graph["leaves"]:
         a = g.nodes[leaf]
         for kind, key, peak_key in (("forward", "fwd_transient_bytes", "fwd_window_peak_bytes"),
@@ -306,26 +360,28 @@ def chain_terms(g: nx.DiGraph) -> ChainTerms:
                 for cur in (0, 1):
                     if any(active(h, cur) for h in here):
                         delta[w][a_prev][cur] += b
-    static = ctx.static_bytes
+    rk = rank_memory(g)
+    fwd_static, bwd_static, div = rk.fwd_static_bytes, rk.bwd_static_bytes, rk.grad_divisor
     k = []
     prev_end = -1
     for i, (x, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
         a = g.nodes[x]
-        grads = _grads_after(ctx, prev_end)
+        grads = -(-_grads_after(ctx, prev_end) // div)
         rec = _recomputed(g, ctx, x, end)
         terms = []
         for cur in (0, 1):
             out_extra = sum(ctx.tb[t] for t in a["out_ids"]
                             if not any(h[0] <= i and active(h, cur) for h in hold.get(t, ())))
-            fwd = static + out_extra + a.get("fwd_transient_bytes", 0)
-            bwd = static + grads + (rec if cur else 0) + a.get("bwd_transient_bytes", 0)
-            rcp = (static + _grads_after(ctx, end) + rec + a.get("fwd_transient_bytes", 0)) if cur else 0
+            fwd = fwd_static + out_extra + a.get("fwd_transient_bytes", 0)
+            bwd = bwd_static + grads + (rec if cur else 0) + a.get("bwd_transient_bytes", 0)
+            rcp = (bwd_static + -(-_grads_after(ctx, end) // div) + rec + a.get("fwd_transient_bytes", 0)
+                   if cur else 0)
             terms.append(max(fwd, bwd, rcp))
         k.append((terms[0], terms[1]))
         prev_end = end
-    tail_k = static + max(g.graph.get("tail_fwd_transient_bytes", 0),
-                          _grads_after(ctx, prev_end) + g.graph.get("tail_bwd_transient_bytes", 0))
-    const = static + g.graph["grads_bytes"] + g.graph["optimizer_step_transient_bytes"]
+    tail_k = max(fwd_static + g.graph.get("tail_fwd_transient_bytes", 0),
+                 bwd_static + -(-_grads_after(ctx, prev_end) // div) + g.graph.get("tail_bwd_transient_bytes", 0))
+    const = rk.opt_static_bytes
     return ChainTerms(
         leaves=ctx.leaves,
         forward_ms=tuple(g.nodes[x]["forward_ms"] for x in ctx.leaves),

@@ -55,10 +55,19 @@ from planner.errors import BadInput
 from planner.schema import LOSS_ID, ROOT_ID, Profile, UnitRecord
 
 
-def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False) -> nx.DiGraph:
-    """Build the candidate graph of ``profile`` (see module docstring for its attributes)."""
+def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False, world_size: int = 1,
+                sharding: str = "none") -> nx.DiGraph:
+    """Build the candidate graph of ``profile`` (see module docstring for its attributes).
+
+    ``world_size`` and ``sharding`` (``none``, ``ddp``, ``fsdp``) make the cost model count
+    memory per rank (see NOTE [ Peak-memory model ], "Per rank").
+    """
     if granularity < 0:
         raise BadInput(f"granularity must be >= 0, got {granularity}")
+    if world_size < 1:
+        raise BadInput(f"world size must be >= 1, got {world_size}")
+    if sharding not in ("none", "ddp", "fsdp"):
+        raise BadInput(f"unknown sharding {sharding!r}; choose none, ddp or fsdp")
     units = {u.id: u for u in profile.units}
     children = _children(profile.units)
     levels = _candidate_levels(units, children, granularity)
@@ -67,6 +76,7 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False)
 
     g = nx.DiGraph()
     _set_graph_attrs(g, profile, granularity, nested)
+    g.graph.update(world_size=world_size, sharding=sharding, **_fsdp_units(units, children, profile))
     saves_by_seq = sorted((s.seq, s.tensor_id) for s in profile.saves)
     tensor_bytes = g.graph["tensor_bytes"]
     for order, uid in enumerate(chosen):
@@ -171,6 +181,16 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         forward_end_seq=s.forward_end_seq, backward_start_seq=s.backward_start_seq,
         measured_peak_bytes=s.measured_peak_bytes, peak_source=s.peak_source,
     )
+
+
+def _fsdp_units(units: dict[str, UnitRecord], children: dict[str, list[str]], p: Profile) -> dict:
+    """FSDP2 wraps every repeated block and the root: the largest block's and the root group's
+    parameter bytes (see NOTE [ Peak-memory model ], "Per rank")."""
+    blocks = repeated_blocks(units, children)
+    per_fqn = {units[b].fqn: units[b].param_bytes for b in blocks}
+    largest = max(per_fqn.values(), default=0)
+    return dict(fsdp_max_block_param_bytes=largest,
+                fsdp_root_param_bytes=max(0, p.step.params_bytes - sum(per_fqn.values())))
 
 
 def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],

@@ -231,11 +231,15 @@ class Estimate(_Model):
 
 
 class SolverInfo(_Model):
-    name: str
+    name: str = Field(description="Solver that produced the plan ('dp', 'ilp', ...); 'auto' resolves to one.")
     status: Literal["optimal", "feasible", "infeasible"]
-    seconds: float
     gap: float | None = Field(None, description="Relative optimality gap when status is 'feasible'.")
     detail: str = ""
+
+
+class RunStamp(_Model):
+    at: str = Field("", description="Creation time, ISO 8601 UTC.")
+    solver_seconds: float = Field(0.0, description="Wall-clock seconds the solver took.")
 
 
 class Predicted(_Model):
@@ -275,7 +279,9 @@ class Plan(_Model):
     sharding: Literal["none", "ddp", "fsdp"] = "none"
     torch_version: str = ""
     remat_version: str = ""
-    created_at: str = Field("", description="The one field that differs between identical runs.")
+    created: RunStamp = Field(default_factory=lambda: RunStamp(),
+                              description="The one field that differs between identical runs: when the plan "
+                                          "was made and how long the solver took.")
 
     def save(self, path: str | Path) -> Path:
         return atomic_write_text(path, self.to_json())

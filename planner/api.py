@@ -1,0 +1,178 @@
+"""Python API: from a model (or a saved profile) and a budget to a ``Plan``.
+
+Example::
+
+    import planner
+    from examples.gpt2 import build_model, example_inputs
+
+    plan = planner.plan(build_model(), "2GB", inputs=example_inputs(), device="cpu")
+    print(plan.checkpoints, plan.predicted.peak_bytes)
+    plan.save("plan.json")
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import networkx as nx
+
+from planner.cost_model import chain_terms, simulate
+from planner.errors import BadInput, BudgetInfeasible, SolverError
+from planner.graph import build_graph
+from planner.schema import Plan, Predicted, Profile, RunStamp, SolverInfo, now_iso
+from planner.units import format_bytes, parse_bytes
+
+NESTING_SOLVERS = ("ilp", "auto")
+"""Solvers that choose among nested candidates; the others get the single level ``granularity``."""
+
+
+def graph_for(profile: Profile, *, solver: str = "auto", granularity: int = 0, world_size: int = 1,
+              sharding: str = "none") -> nx.DiGraph:
+    """The candidate graph a solver works on: nested levels for the ILP, one level otherwise."""
+    nested = granularity > 0 and solver in NESTING_SOLVERS
+    return build_graph(profile, granularity=granularity, nested=nested, world_size=world_size,
+                       sharding=sharding)
+
+
+def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
+                time_limit_s: float | None = None):
+    """Run one solver by name; returns a ``solvers.Solution``."""
+    from solvers import SOLVERS
+
+    name = solver
+    if name == "auto" and "auto" not in SOLVERS:
+        name = "dp"
+    fn = SOLVERS.get(name)
+    if fn is None:
+        choices = ", ".join(["auto", *sorted(k for k in SOLVERS if k != "auto")])
+        raise SolverError(f"unknown solver {solver!r}; choose one of: {choices}")
+    try:
+        return fn(g, budget_bytes, time_limit_s=time_limit_s)
+    except SolverError:
+        raise
+    except ValueError as e:  # a solver that cannot handle this graph shape
+        raise SolverError(f"solver {name!r} cannot plan this graph: {e}") from None
+
+
+def min_feasible_bytes(g: nx.DiGraph) -> int:
+    """Lowest predicted peak of any checkpoint set (exact on chains; an upper bound otherwise)."""
+    from solvers.base import top_level
+    from solvers.dp import min_feasible
+
+    candidates = [simulate(g, top_level(g)).peak_bytes]
+    if all(a["leaf"] for _, a in g.nodes(data=True)):
+        candidates.append(min_feasible(chain_terms(g))[0])
+    return min(candidates)
+
+
+def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "auto", granularity: int = 0,
+                      time_limit_s: float | None = 60.0, world_size: int = 1, sharding: str = "none",
+                      graph: nx.DiGraph | None = None) -> Plan:
+    """Plan on a measured profile. Raises ``BudgetInfeasible`` when nothing fits ``budget``.
+
+    ``world_size``/``sharding`` plan per rank (see NOTE [ Peak-memory model ], "Per rank").
+    """
+    budget_bytes = parse_bytes(budget)
+    g = graph if graph is not None else graph_for(profile, solver=solver, granularity=granularity,
+                                                  world_size=world_size, sharding=sharding)
+    t0 = time.perf_counter()
+    sol = solve_graph(g, budget_bytes, solver=solver, time_limit_s=time_limit_s)
+    seconds = time.perf_counter() - t0
+    if sol.status == "infeasible":
+        lowest = sol.min_feasible_bytes if sol.min_feasible_bytes is not None else min_feasible_bytes(g)
+        raise BudgetInfeasible(
+            f"no checkpoint plan fits the budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); "
+            f"the minimum feasible budget is {lowest} bytes ({format_bytes(lowest)}): raise --budget, "
+            f"use a finer --granularity, or reduce the batch",
+            budget_bytes=budget_bytes, min_feasible_bytes=lowest,
+        )
+    chosen = _every_call(g, sol.checkpointed)
+    est = simulate(g, chosen)
+    if est.peak_bytes > budget_bytes:
+        # checkpointing every call of a module (as the applier does) must not break the budget
+        raise SolverError(
+            f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
+            f"{budget_bytes}; please report this with the profile (--debug)")
+    return Plan(
+        fingerprint=profile.fingerprint, fingerprint_digest=profile.fingerprint.digest(),
+        budget_bytes=budget_bytes,
+        checkpoints=_fqns(g, est.checkpointed), checkpoint_units=list(est.checkpointed),
+        solver=SolverInfo(name=sol.solver, status=sol.status, gap=sol.gap, detail=sol.detail),
+        predicted=Predicted(
+            peak_bytes=est.peak_bytes, params_bytes=est.params_bytes, grads_bytes=est.grads_bytes,
+            optimizer_bytes=est.optimizer_bytes, activations_bytes=est.activations_bytes,
+            recompute_ms=round(est.recompute_ms, 6), step_ms=round(est.step_ms, 6), peak_at=est.peak_at,
+            no_checkpoint_peak_bytes=simulate(g, []).peak_bytes,
+            min_feasible_bytes=sol.min_feasible_bytes,
+        ),
+        granularity=g.graph["granularity"], device=profile.device, device_name=profile.device_name,
+        target=profile.target, dtype=profile.dtype, amp=profile.amp, optimizer=profile.optimizer,
+        world_size=g.graph["world_size"], sharding=g.graph["sharding"],
+        torch_version=profile.torch_version, remat_version=_version(),
+        created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
+    )
+
+
+def plan(model_or_profile: Any, budget: int | str, *, inputs: Any = None,
+         loss_fn: Callable[[Any], Any] | None = None, solver: str = "auto", device: str = "auto",
+         optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
+         steps: int = 3, world_size: int = 1, sharding: str = "none") -> Plan:
+    """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
+
+    Args:
+        model_or_profile: an ``nn.Module`` (then ``inputs`` is required) or a ``Profile``.
+        budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB).
+        solver: ``auto`` (DP on chains, ILP otherwise), ``dp``, ``ilp``, ``sqrt``, ``all``, ``none``...
+        granularity: extra depth below the default candidates (repeated blocks and their neighbours).
+    Returns:
+        The ``Plan``; ``plan.save(path)`` writes it atomically.
+    Raises:
+        BudgetInfeasible: nothing fits; ``.min_feasible_bytes`` says what would.
+    """
+    if isinstance(model_or_profile, Profile):
+        prof = model_or_profile
+    else:
+        if inputs is None:
+            raise BadInput("plan(model, ...) needs inputs=<one training batch>; or pass a Profile")
+        from planner.profiler import profile as run_profile
+
+        prof = run_profile(model_or_profile, inputs, loss_fn=loss_fn, device=device, optimizer=optimizer,
+                           steps=steps)
+    return plan_from_profile(prof, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
+                             world_size=world_size, sharding=sharding)
+
+
+def _every_call(g: nx.DiGraph, chosen) -> list[str]:
+    """The applier checkpoints every call of a module: extend the set to all calls of chosen FQNs."""
+    fqns = {g.nodes[n]["fqn"] for n in chosen}
+    out = set(chosen)
+    for n, a in g.nodes(data=True):
+        if a["fqn"] in fqns and n not in out:
+            if not any(_is_under(g, n, m) or _is_under(g, m, n) for m in out):
+                out.add(n)
+    return sorted(out, key=lambda n: g.nodes[n]["order"])
+
+
+def _is_under(g: nx.DiGraph, node: str, ancestor: str) -> bool:
+    p = g.nodes[node]["parent"]
+    while p is not None:
+        if p == ancestor:
+            return True
+        p = g.nodes[p]["parent"]
+    return False
+
+
+def _fqns(g: nx.DiGraph, chosen) -> list[str]:
+    seen: list[str] = []
+    for n in chosen:
+        f = g.nodes[n]["fqn"]
+        if f not in seen:
+            seen.append(f)
+    return seen
+
+
+def _version() -> str:
+    from planner import __version__
+
+    return __version__
