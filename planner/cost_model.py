@@ -275,6 +275,7 @@ def calibrate(g: nx.DiGraph) -> None:
     Called once by ``build_graph``. Windows without a measurement keep T = 0.
     """
     g.graph.pop("_cost_ctx", None)
+    g.graph.pop("_chain_terms", None)
     probes = {p[0]: p[1] for p in _probes(g, frozenset(), calibrated=False, per_rank=False)}
     for leaf in g.graph["leaves"]:
         a = g.nodes[leaf]
@@ -315,7 +316,17 @@ class ChainTerms:
 
 
 def chain_terms(g: nx.DiGraph) -> ChainTerms:
-    """Decompose the cost model along the leaves; the DP solver runs on this."""
+    """Decompose the cost model along the leaves; the DP solver runs on this.
+
+    Computed once per graph and cached on it, so budget sweeps pay for it once.
+    """
+    cached = g.graph.get("_chain_terms")
+    if cached is None:
+        cached = g.graph["_chain_terms"] = _chain_terms(g)
+    return cached
+
+
+def _chain_terms(g: nx.DiGraph) -> ChainTerms:
     if any(not a["leaf"] for _, a in g.nodes(data=True)):
         raise SolverError("the chain recurrence needs a graph without nested candidates (nested=False)")
     ctx = _context(g)

@@ -1,0 +1,83 @@
+"""The memory/recompute trade-off: solvers and baselines swept over budgets, or side by side.
+
+``frontier`` sweeps budgets from the minimum feasible peak to the no-checkpoint peak; the
+profile and graph are built once and the DP's chain recurrence is computed once (cached on the
+graph), so a sweep costs little more than one plan. ``compare`` is one budget, every solver.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Literal
+
+import networkx as nx
+from pydantic import BaseModel, Field
+
+from planner.api import min_feasible_bytes
+from planner.cost_model import simulate
+
+BASELINES = ("none", "all", "every-2", "every-3", "every-4")
+"""Fixed rules: nothing, every layer (Hugging Face's gradient_checkpointing_enable), every k-th layer
+(torchtitan's selective option)."""
+
+
+class FrontierPoint(BaseModel):
+    solver: str
+    budget_bytes: int
+    peak_bytes: int = Field(description="Predicted peak of the solver's plan (also when over budget).")
+    recompute_ms: float
+    status: Literal["optimal", "feasible", "infeasible"]
+    checkpointed: int = Field(description="Number of checkpointed units.")
+
+
+def default_solvers() -> list[str]:
+    from solvers import SOLVERS
+
+    optimal = [s for s in ("auto", "ilp", "dp") if s in SOLVERS]
+    return optimal[:1] + [s for s in ("sqrt-greedy", "sqrt") if s in SOLVERS]
+
+
+def run_solver(g: nx.DiGraph, name: str, budget_bytes: int, *, time_limit_s: float | None = None) -> FrontierPoint:
+    """One solver or baseline at one budget, as a ``FrontierPoint``."""
+    from solvers import SOLVERS
+    from solvers.baselines import solve_every_k
+
+    if name.startswith("every-") and name not in SOLVERS:
+        sol = solve_every_k(g, budget_bytes, k=int(name.split("-", 1)[1]))
+    else:
+        from planner.api import solve_graph
+
+        sol = solve_graph(g, budget_bytes, solver=name, time_limit_s=time_limit_s)
+    est = simulate(g, sol.checkpointed)
+    return FrontierPoint(solver=name, budget_bytes=budget_bytes, peak_bytes=est.peak_bytes,
+                         recompute_ms=round(est.recompute_ms, 6), status=sol.status,
+                         checkpointed=len(sol.checkpointed))
+
+
+def budgets(g: nx.DiGraph, points: int) -> list[int]:
+    """``points`` budgets evenly spaced from the minimum feasible peak to the no-checkpoint peak."""
+    lo, hi = min_feasible_bytes(g), simulate(g, []).peak_bytes
+    if points <= 1 or hi <= lo:
+        return [hi]
+    return sorted({lo + (hi - lo) * i // (points - 1) for i in range(points)})
+
+
+def frontier(g: nx.DiGraph, *, points: int = 12, solvers: Iterable[str] | None = None,
+             baselines: Iterable[str] = BASELINES, time_limit_s: float | None = 30.0,
+             progress: Callable[[int, int], None] | None = None) -> list[FrontierPoint]:
+    """Every solver and baseline at every budget of ``budgets(g, points)``."""
+    names = list(solvers if solvers is not None else default_solvers()) + list(baselines)
+    grid = budgets(g, points)
+    out, total = [], len(grid) * len(names)
+    for i, b in enumerate(grid):
+        for j, name in enumerate(names):
+            out.append(run_solver(g, name, b, time_limit_s=time_limit_s))
+            if progress:
+                progress(i * len(names) + j + 1, total)
+    return out
+
+
+def compare(g: nx.DiGraph, budget_bytes: int, *, solvers: Iterable[str] | None = None,
+            baselines: Iterable[str] = BASELINES, time_limit_s: float | None = 30.0) -> list[FrontierPoint]:
+    """All solvers and baselines side by side at one budget."""
+    names = list(solvers if solvers is not None else default_solvers()) + list(baselines)
+    return [run_solver(g, n, budget_bytes, time_limit_s=time_limit_s) for n in names]
