@@ -1,0 +1,389 @@
+"""remat: plan activation checkpointing for a PyTorch training step within a memory budget.
+
+Commands to paste (from a checkout, ``python cli.py`` works wherever ``remat`` does)::
+
+    remat plan --budget 2GB examples/gpt2.py                      # profile on this machine, plan, show
+    remat plan --budget 2GB examples/gpt2.py -o plan.json         # ... and save the plan
+    remat profile examples/gpt2.py -o profile.json --steps 2      # measure once ...
+    remat plan --budget 300MB --profile profile.json --json       # ... plan many times, no torch run
+    remat show plan.json                                          # a plan (or a profile) as tables
+    remat verify examples/gpt2.py plan.json                       # predicted vs measured, exit 1 if off
+    remat devices                                                 # known accelerators
+
+Results go to stdout, logs and progress to stderr; ``--quiet`` silences the latter and
+``--json`` makes stdout machine-readable. Exit codes: 0 ok, 1 no plan fits / verification
+failed / internal error, 2 bad input or usage, 130 interrupted. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+if __package__ in (None, "") and __name__ == "__main__":  # `python cli.py` from anywhere
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import typer
+
+from planner import render
+from planner.errors import BadInput, PlanMismatch, ProfileError, RematError, VerificationFailed
+
+app = typer.Typer(
+    name="remat",
+    help="Plan activation checkpointing for a PyTorch training step within a memory budget.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+DEVICES = ("auto", "cpu", "cuda", "meta")
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+
+# ----------------------------------------------------------------------------- shared options
+
+Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback of any error.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Only the result: no logs or progress on stderr.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout, not tables.")]
+Steps = Annotated[int, typer.Option("--steps", min=1, help="Training steps measured (after a warm-up step).")]
+
+
+def _device_option(value: str) -> str:
+    v = value.strip().lower()
+    if v in DEVICES or (v.startswith("cuda:") and v[5:].isdigit()):
+        return v
+    raise typer.BadParameter(f"unknown device {value!r}; choose one of {', '.join(DEVICES)} or cuda:N "
+                             f"(meta: no memory used, times modelled)")
+
+
+Device = Annotated[str, typer.Option(
+    "--device", callback=_device_option,
+    help="Where to run the step: auto (cuda if available, else cpu), cpu, cuda[:N], meta.")]
+def _optimizer_option(value: str) -> str:
+    v = value.strip().lower()
+    if v in OPTIMIZERS:
+        return v
+    raise typer.BadParameter(f"unknown optimizer {value!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+Optimizer = Annotated[str, typer.Option(
+    "--optimizer", callback=_optimizer_option,
+    help="Optimizer whose state is counted in the peak: adamw, adam, sgd, none.")]
+
+
+# ----------------------------------------------------------------------------- errors
+
+# NOTE [ CLI errors and exit codes ]
+#
+# Every command runs inside ``_guarded``, the one place that turns failures into output:
+#   - RematError (and subclasses): "error: <message>" on stderr, exit ``err.exit_code``
+#     (2 bad input, 1 no plan fits / verification failed). PlanMismatch adds its differences.
+#   - KeyboardInterrupt: "interrupted", exit 130. Files are written last and atomically
+#     (planner.schema.atomic_write_text), so an interrupted run leaves nothing behind.
+#   - anything else is a bug in remat: "internal error: ...", exit 1.
+# Tracebacks only with --debug. Usage errors (unknown option, bad --device) are typer's:
+# exit 2 with the usage line.
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a command so that errors end as one line and an exit code (see NOTE above)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        debug = bool(kwargs.get("debug", False))
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, typer.BadParameter):
+            raise
+        except KeyboardInterrupt:
+            _traceback(debug)
+            render.error_line("nothing was written", prefix="interrupted")
+            raise typer.Exit(130) from None
+        except RematError as e:
+            _traceback(debug)
+            message = str(e)
+            if isinstance(e, PlanMismatch) and e.differences and e.differences[0] not in message:
+                message += "\n  " + "\n  ".join(e.differences)
+            render.error_line(message)
+            raise typer.Exit(e.exit_code) from None
+        except Exception as e:  # noqa: BLE001 -- a bug in remat: one line unless --debug
+            _traceback(debug)
+            if _is_oom(e):
+                render.error_line(f"out of memory ({type(e).__name__}); use --device meta to plan without "
+                                  f"running, or a smaller batch in example_inputs()")
+                raise typer.Exit(ProfileError.exit_code) from None
+            hint = "" if debug else "; rerun with --debug for the traceback"
+            render.error_line(f"{type(e).__name__}: {e}{hint}", prefix="internal error")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _traceback(debug: bool) -> None:
+    if debug:
+        traceback.print_exc(file=sys.stderr)
+
+
+def _is_oom(e: BaseException) -> bool:
+    # without importing torch: torch.OutOfMemoryError and torch.cuda.OutOfMemoryError share the name
+    return type(e).__name__ == "OutOfMemoryError"
+
+
+def command(name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``@app.command`` with the error handling of NOTE [ CLI errors and exit codes ]."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        app.command(name)(_guarded(fn))
+        return fn
+
+    return deco
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@command("plan")
+def plan_cmd(
+    model: Annotated[Path | None, typer.Argument(
+        help="model.py defining build_model() and example_inputs(); optional with --profile.",
+        metavar="MODEL.py", show_default=False)] = None,
+    budget: Annotated[str, typer.Option(
+        "--budget", "-b", help="Memory budget: 12GB, 12GiB, 800MiB, 1.5e9 (GB = GiB).",
+        show_default=False)] = ...,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write the plan here (atomic). Without it nothing is written.")] = None,
+    solver: Annotated[str, typer.Option(
+        "--solver", help="auto, dp, ilp, sqrt, sqrt-greedy, all, every-2 or none.")] = "auto",
+    device: Device = "auto",
+    optimizer: Optimizer = "adamw",
+    profile: Annotated[Path | None, typer.Option(
+        "--profile", help="Plan on a saved profile: nothing is run.")] = None,
+    granularity: Annotated[int, typer.Option(
+        "--granularity", min=0, help="Candidate levels below the repeated blocks (0 = blocks).")] = 0,
+    time_limit: Annotated[float, typer.Option(
+        "--time-limit", min=0.001, help="Seconds the ILP may search; then its best plan is kept.")] = 60.0,
+    steps: Steps = 3,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Find the checkpoint set that fits --budget with the least recompute."""
+    from planner.api import graph_for, plan_from_profile
+    from planner.units import parse_bytes
+
+    out, log = render.consoles(quiet=quiet)
+    budget_bytes = _budget(budget, parse_bytes)
+    if profile is None and model is None:
+        raise BadInput("give a model file (remat plan --budget 12GB model.py) or a saved profile "
+                       "(remat plan --budget 12GB --profile profile.json)")
+    _check_solver(solver)
+    _check_output(output)
+    render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
+    prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log)
+    graph = graph_for(prof, solver=solver, granularity=granularity)
+    render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
+    plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
+                             time_limit_s=time_limit, graph=graph)
+    if output is not None:
+        plan.save(output)
+    if as_json:
+        render.print_json(plan)
+        if output is not None:
+            render.plain(log, render.written_line(output))
+    else:
+        render.show_plan(out, plan, graph=graph, fresh=True, written=output)
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+@command("profile")
+def profile_cmd(
+    model: Annotated[Path, typer.Argument(help="model.py defining build_model() and example_inputs().",
+                                          metavar="MODEL.py")],
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write the profile here (atomic). Without it nothing is written.")] = None,
+    device: Device = "auto",
+    optimizer: Optimizer = "adamw",
+    steps: Steps = 3,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Measure one training step of model.py: module times, saved tensors, memory timeline."""
+    from planner.api import graph_for
+
+    out, log = render.consoles(quiet=quiet)
+    _check_output(output)
+    prof = _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log)
+    if output is not None:
+        prof.save(output)
+    if as_json:
+        render.print_json(prof)
+        if output is not None:
+            render.plain(log, render.written_line(output, "profile"))
+    else:
+        render.show_profile(out, prof, graph_for(prof), fresh=True, written=output)
+
+
+# ----------------------------------------------------------------------------- show
+
+
+@command("show")
+def show_cmd(
+    path: Annotated[Path, typer.Argument(help="A plan or profile JSON file.", metavar="FILE")],
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Show a plan file (or a profile file) as tables."""
+    from planner.api import graph_for
+    from planner.schema import Plan, Profile
+
+    out, _ = render.consoles(quiet=quiet)
+    if _file_kind(path) == "remat-profile":
+        prof = Profile.load(path)
+        render.print_json(prof) if as_json else render.show_profile(out, prof, graph_for(prof))
+    else:
+        plan = Plan.load(path)
+        render.print_json(plan) if as_json else render.show_plan(out, plan)
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+@command("verify")
+def verify_cmd(
+    model: Annotated[Path, typer.Argument(help="model.py the plan was made for.", metavar="MODEL.py")],
+    plan: Annotated[Path, typer.Argument(help="The plan file to check.", metavar="PLAN.json")],
+    steps: Steps = 3,
+    device: Device = "auto",
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Train with and without the plan; compare measured peak, time and gradients with the prediction."""
+    from planner.verify import verify
+
+    out, log = render.consoles(quiet=quiet)
+    report = verify(model, plan, steps=steps, device=device, progress=_progress(log))
+    if as_json:
+        render.print_json(report)
+    else:
+        render.show_verify(out, report)
+    if not report.ok:
+        raise VerificationFailed("the plan failed verification: " + "; ".join(report.problems))
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@command("devices")
+def devices_cmd(as_json: AsJson = False, quiet: Quiet = False, debug: Debug = False) -> None:
+    """List the accelerators remat knows (profiles/devices/*.json)."""
+    from planner.devices import load_devices
+
+    out, _ = render.consoles(quiet=quiet)
+    specs = load_devices()
+    render.print_json(specs) if as_json else render.show_devices(out, specs)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _budget(text: str, parse: Callable[[str], int]) -> int:
+    try:
+        return parse(text)
+    except BadInput as e:
+        raise BadInput(f"--budget: {e}") from None
+
+
+def _check_solver(name: str) -> None:
+    from solvers import available
+
+    names = available()
+    if name not in names:
+        raise BadInput(f"unknown solver {name!r}; choose one of: {', '.join(names)}")
+
+
+def _check_output(path: Path | None) -> None:
+    """Fail before minutes of profiling, not after, when ``path`` cannot be written.
+
+    The write itself goes through ``atomic_write_text``; this only probes the folder.
+    """
+    if path is None:
+        return
+    if path.is_dir():
+        raise BadInput(f"cannot write {path}: it is a directory; give a file name such as "
+                       f"{path / 'plan.json'}")
+    parent = path.parent
+    if not parent.exists():
+        raise BadInput(f"cannot write {path}: folder {parent} does not exist; create it or pick another path")
+    if not parent.is_dir():
+        raise BadInput(f"cannot write {path}: {parent} is a file, not a folder; pick another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise BadInput(f"cannot write {path}: {e.strerror}; pick a writable location") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _file_kind(path: Path) -> str | None:
+    """The ``kind`` a JSON file declares, or None; loading reports what is wrong with it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("kind") if isinstance(data, dict) else None
+
+
+def _profile_source(model: Path | None, profile: Path | None, *, device: str, optimizer: str, steps: int,
+                    log: Any) -> Any:
+    """The profile to plan on: loaded from --profile, else measured by running model.py."""
+    from planner.schema import Profile
+
+    if profile is None:
+        return _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log)
+    prof = Profile.load(profile)
+    if model is not None:
+        _check_profile_matches(prof, model)
+    return prof
+
+
+def _check_profile_matches(prof: Any, model_path: Path) -> None:
+    """With both --profile and model.py: build the model (no step is run) and compare fingerprints."""
+    from planner.fingerprint import fingerprint
+    from planner.model_file import load_model_file
+
+    mf = load_model_file(model_path)
+    diffs = prof.fingerprint.differences(fingerprint(mf.build_model(), mf.example_inputs()))
+    if diffs:
+        listing = "\n  ".join(diffs)
+        raise PlanMismatch(f"the profile was made for another model or input shapes:\n  {listing}\n"
+                           f"re-profile: remat profile {model_path} -o profile.json", diffs)
+
+
+def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: Any) -> Any:
+    from planner.model_file import load_model_file
+    from planner.profiler import profile
+
+    render.plain(log, f"profiling {model} on {device} ({steps} steps) ...")
+    mf = load_model_file(model)
+    return profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=device,
+                   optimizer=optimizer, steps=steps, progress=_progress(log))
+
+
+def _progress(log: Any) -> Callable[[str], None]:
+    return lambda message: render.plain(log, message)
+
+
+if __name__ == "__main__":
+    app()

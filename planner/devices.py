@@ -1,0 +1,76 @@
+"""Device specs: the accelerators in ``profiles/devices/*.json``, as typed records.
+
+One JSON file per device, its file name the device's ``name``. ``remat devices`` lists them;
+``get_device`` resolves a name or alias (case-insensitive). Data only, no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from planner.errors import BadInput
+
+DEVICES_DIR = Path(__file__).resolve().parent.parent / "profiles" / "devices"
+
+
+class PeakFlops(BaseModel):
+    """Dense peak throughput in FLOP/s per precision; ``None`` where the device has no such unit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fp32: float = Field(description="FLOP/s at fp32 (CUDA cores).")
+    tf32: float | None = Field(None, description="FLOP/s at TF32 (tensor cores); None if unsupported.")
+    bf16: float | None = Field(None, description="FLOP/s at bf16 (tensor cores); None if unsupported.")
+    fp16: float | None = Field(None, description="FLOP/s at fp16 (tensor cores); None if unsupported.")
+
+
+class DeviceSpec(BaseModel):
+    """One accelerator as its datasheet describes it (keys as in the JSON files)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Lower-case id, the file's stem, e.g. 'h100-sxm'.")
+    display_name: str
+    aliases: list[str] = Field(default_factory=list, description="Other accepted names, lower-case.")
+    memory_bytes: int = Field(description="Nominal device memory in bytes.")
+    memory_bandwidth_bytes_per_s: float
+    peak_flops: PeakFlops
+    source: str = Field(description="Where the figures come from.")
+    notes: str = ""
+
+
+def load_devices(directory: str | Path | None = None) -> list[DeviceSpec]:
+    """All device specs in ``directory`` (default ``profiles/devices``), sorted by name.
+
+    Raises ``BadInput`` naming the file when one is not valid JSON or lacks a key.
+    """
+    folder = Path(directory) if directory is not None else DEVICES_DIR
+    specs = [_load_one(p) for p in sorted(folder.glob("*.json"))]
+    return sorted(specs, key=lambda s: s.name)
+
+
+def get_device(name: str, *, directory: str | Path | None = None) -> DeviceSpec:
+    """The spec whose name or alias is ``name`` (case-insensitive, surrounding spaces ignored)."""
+    specs = load_devices(directory)
+    wanted = name.strip().lower()
+    for spec in specs:
+        if wanted == spec.name or wanted in spec.aliases:
+            return spec
+    valid = ", ".join(s.name for s in specs) or "(none found in profiles/devices)"
+    raise BadInput(f"unknown device {name!r}; choose one of: {valid} (or an alias, see `remat devices`)")
+
+
+def _load_one(path: Path) -> DeviceSpec:
+    try:
+        return DeviceSpec.model_validate(json.loads(path.read_text(encoding="utf-8")))
+    except json.JSONDecodeError as e:
+        raise BadInput(f"device spec {path} is not valid JSON (line {e.lineno}: {e.msg}); "
+                       f"fix or remove it") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise BadInput(f"device spec {path} is malformed at {loc or '<top>'}: {first['msg']}; "
+                       f"fix or remove it") from None

@@ -1,0 +1,272 @@
+"""Everything the CLI shows: one helper per thing, rich for people, plain JSON for machines.
+
+Results go to stdout, logs and progress to stderr (see ``consoles``). User-supplied text
+(module names, shapes such as ``[4, 256]``, error messages) is printed as plain text, never
+parsed as rich markup. No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from planner.schema import Plan, Predicted, Profile, SolverInfo
+from planner.units import format_bytes
+
+MIB = 2**20
+
+
+def consoles(*, quiet: bool = False) -> tuple[Console, Console]:
+    """``(out, log)``: results on stdout; logs on stderr, silenced by ``quiet``.
+
+    Made per command (not at import) so the streams are those current when the command runs.
+    """
+    out = Console(file=sys.stdout, highlight=False, soft_wrap=False)
+    log = Console(file=sys.stderr, highlight=False, quiet=quiet)
+    return out, log
+
+
+def plain(console: Console, text: str) -> None:
+    """Print ``text`` verbatim: no markup, no highlighting, no wrapping."""
+    console.print(Text(text), soft_wrap=True)
+
+
+def error_line(message: str, *, prefix: str = "error") -> None:
+    """``error: ...`` on stderr, written directly so that nothing (rich, quiet) can swallow it."""
+    sys.stderr.write(f"{prefix}: {message.rstrip()}\n")
+    sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- JSON
+
+
+def json_text(obj: BaseModel | Sequence[BaseModel] | dict | list) -> str:
+    """Machine-readable JSON (indent 2, trailing newline) for a model, a list of models or plain data."""
+    if isinstance(obj, Plan):
+        return obj.to_json()
+    if isinstance(obj, BaseModel):
+        return obj.model_dump_json(indent=2) + "\n"
+    if isinstance(obj, (list, tuple)):
+        obj = [o.model_dump(mode="json") if isinstance(o, BaseModel) else o for o in obj]
+    return json.dumps(obj, indent=2, default=str) + "\n"
+
+
+def print_json(obj: Any) -> None:
+    """Write ``json_text(obj)`` to stdout, bypassing rich so that nothing is wrapped or coloured."""
+    sys.stdout.write(json_text(obj))
+    sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def budget_line(text: str, budget_bytes: int) -> str:
+    """``budget 12GB = 12884901888 bytes (12.00 GiB)``: the echo of a parsed budget."""
+    return f"budget {text.strip()} = {budget_bytes} bytes ({format_bytes(budget_bytes)})"
+
+
+def units_table(g: nx.DiGraph, checkpointed: Iterable[str] = ()) -> Table:
+    """The candidate units in forward order: name, type, forward ms, saved MiB, checkpointed.
+
+    A unit inside a checkpointed one is marked ``inside <id>``: it is recomputed with it.
+    """
+    chosen = set(checkpointed)
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("#", justify="right", style="dim")
+    table.add_column("unit", overflow="fold")
+    table.add_column("type", overflow="ellipsis", max_width=24)
+    table.add_column("forward ms", justify="right")
+    table.add_column("saved MiB", justify="right")
+    table.add_column("checkpoint", justify="left")
+    for i, n in enumerate(sorted(g.nodes, key=lambda n: g.nodes[n]["order"])):
+        a = g.nodes[n]
+        depth = _graph_depth(g, n)
+        mark = Text("yes", style="bold green") if n in chosen else Text(_inside(g, n, chosen), style="dim")
+        table.add_row(str(i), Text("  " * depth + n), Text(a["module_type"]), f"{a['forward_ms']:.3f}",
+                      f"{a['saved_bytes'] / MIB:.2f}", mark)
+    return table
+
+
+def checkpoints_table(plan: Plan) -> Table:
+    """The plan's checkpointed modules, when no profile is at hand to show all units."""
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("#", justify="right", style="dim")
+    table.add_column("checkpointed module", overflow="fold")
+    for i, fqn in enumerate(plan.checkpoints):
+        table.add_row(str(i), Text(fqn or "<root>"))
+    if not plan.checkpoints:
+        table.add_row("-", Text("(none: the model fits without checkpointing)"))
+    return table
+
+
+def peak_lines(p: Predicted, budget_bytes: int | None) -> list[str]:
+    """Predicted peak, where it happens, and its breakdown."""
+    used = f", {100 * p.peak_bytes / budget_bytes:.1f}% of the budget" if budget_bytes else ""
+    where = p.peak_at or "?"
+    lines = [f"predicted peak {p.peak_bytes} bytes ({format_bytes(p.peak_bytes)}) at {where}{used}"]
+    for name, value in (("params", p.params_bytes), ("grads", p.grads_bytes),
+                        ("optimizer", p.optimizer_bytes), ("activations", p.activations_bytes)):
+        lines.append(f"  {name:<12}{format_bytes(value):>12}")
+    extra = []
+    if p.no_checkpoint_peak_bytes is not None:
+        extra.append(f"without checkpointing {format_bytes(p.no_checkpoint_peak_bytes)}")
+    if p.min_feasible_bytes is not None:
+        extra.append(f"lowest feasible {format_bytes(p.min_feasible_bytes)}")
+    if extra:
+        lines.append("  (" + "; ".join(extra) + ")")
+    return lines
+
+
+def recompute_line(p: Predicted) -> str:
+    """Recompute overhead in ms and as a share of the step without it."""
+    base = p.step_ms - p.recompute_ms
+    share = f"{100 * p.recompute_ms / base:.1f}%" if base > 0 else "n/a"
+    return f"recompute {p.recompute_ms:.3f} ms per step (+{share} of the {base:.3f} ms step)"
+
+
+def solver_line(s: SolverInfo, seconds: float | None = None) -> str:
+    """Which solver made the plan and what it proved."""
+    gap = f", gap {100 * s.gap:.2f}%" if s.gap is not None and s.status == "feasible" else ""
+    took = f" in {seconds:.3f} s" if seconds is not None else ""
+    detail = f" ({s.detail})" if s.detail else ""
+    return f"solver {s.name}: {s.status}{gap}{detail}{took}"
+
+
+def written_line(path: Path | str | None, what: str = "plan") -> str:
+    """Where the result went, or how to save it."""
+    if path is None:
+        return f"{what} not written: pass -o {what}.json to save it"
+    return f"wrote {path}"
+
+
+# ----------------------------------------------------------------------------- per command
+
+
+def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fresh: bool = False,
+              written: Path | str | None = None) -> None:
+    """A plan for people: units (or checkpointed modules), peak, recompute, solver.
+
+    ``fresh``: the plan was just made (the budget line is already out): add the solver's time
+    and where the plan was written. Otherwise (``remat show``) start with what the plan is for.
+    """
+    if not fresh:
+        plain(out, f"plan for {plan.fingerprint.model_class} ({plan.fingerprint_digest}), "
+                   f"budget {plan.budget_bytes} bytes ({format_bytes(plan.budget_bytes)})")
+    out.print(units_table(graph, plan.checkpoint_units) if graph is not None else checkpoints_table(plan))
+    for line in peak_lines(plan.predicted, plan.budget_bytes):
+        plain(out, line)
+    plain(out, recompute_line(plan.predicted))
+    plain(out, solver_line(plan.solver, plan.created.solver_seconds if fresh else None))
+    if fresh:
+        plain(out, written_line(written))
+
+
+def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bool = False,
+                 written: Path | str | None = None) -> None:
+    """A profile for people: its candidate units and the measured step (``fresh``: and where it went)."""
+    s = profile.step
+    where = profile.device_name or profile.device
+    plain(out, f"profile of {profile.fingerprint.model_class} on {where} ({profile.dtype}, "
+               f"optimizer {profile.optimizer}), {len(profile.units)} module calls")
+    plain(out, f"{graph.number_of_nodes()} candidate units:")
+    out.print(units_table(graph))
+    plain(out, f"step {s.step_ms:.3f} ms (forward {s.forward_ms:.3f}, backward {s.backward_ms:.3f}, "
+               f"optimizer {s.optimizer_ms:.3f})")
+    for name, value in (("params", s.params_bytes + s.buffers_bytes), ("grads", s.grads_bytes),
+                        ("optimizer", s.optimizer_bytes), ("batch", s.batch_bytes)):
+        plain(out, f"  {name:<12}{format_bytes(value):>12}")
+    if s.measured_peak_bytes is not None:
+        plain(out, f"measured peak {s.measured_peak_bytes} bytes ({format_bytes(s.measured_peak_bytes)}) "
+                   f"[{s.peak_source}]")
+    for note in profile.notes:
+        plain(out, f"note: {note}")
+    if fresh:
+        plain(out, written_line(written, "profile"))
+
+
+def verify_table(rows: Iterable[Any]) -> Table:
+    """Predicted vs measured, one row per quantity (rows are dicts or sequences)."""
+    rows = list(rows)
+    table = Table(show_edge=False, pad_edge=False)
+    if rows and isinstance(rows[0], dict):
+        keys = list(rows[0])
+        for k in keys:
+            table.add_column(str(k), justify="left" if k == keys[0] else "right")
+        for r in rows:
+            table.add_row(*(Text(_cell(r.get(k))) for k in keys))
+        return table
+    for k in ("quantity", "predicted", "measured", "check"):
+        table.add_column(k, justify="left" if k == "quantity" else "right")
+    for r in rows:
+        cells = list(r) + [""] * (4 - len(r))
+        table.add_row(*(Text(_cell(c)) for c in cells[:4]))
+    return table
+
+
+def show_verify(out: Console, report: Any) -> None:
+    """The verification report: what ran, its rows, notes, problems and the verdict."""
+    plain(out, f"verify {report.model} on {report.device} ({report.steps} steps per run, "
+               f"peak from {report.peak_source}): {len(report.checkpointed)} modules checkpointed")
+    for name, why in report.skipped.items():
+        plain(out, f"skipped {name}: {why}")
+    out.print(verify_table(report.rows()))
+    for note in report.notes:
+        plain(out, f"note: {note}")
+    for problem in report.problems:
+        plain(out, f"problem: {problem}")
+    plain(out, "verify: OK" if report.ok else "verify: FAILED")
+
+
+def devices_table(specs: Sequence[Any]) -> Table:
+    """Known devices: name, memory, bf16 TFLOP/s, bandwidth, full name (aliases: ``--json``)."""
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("name", no_wrap=True)
+    table.add_column("memory", justify="right", no_wrap=True)
+    table.add_column("bf16 TFLOP/s", justify="right")
+    table.add_column("GB/s", justify="right")
+    table.add_column("device", overflow="fold")
+    for s in specs:
+        bf16 = f"{s.peak_flops.bf16 / 1e12:.1f}" if s.peak_flops.bf16 else "-"
+        table.add_row(Text(s.name), format_bytes(s.memory_bytes), bf16,
+                      f"{s.memory_bandwidth_bytes_per_s / 1e9:.0f}", Text(s.display_name))
+    return table
+
+
+def show_devices(out: Console, specs: Sequence[Any]) -> None:
+    out.print(devices_table(specs))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _graph_depth(g: nx.DiGraph, n: str) -> int:
+    d, p = 0, g.nodes[n]["parent"]
+    while p is not None:
+        d, p = d + 1, g.nodes[p]["parent"]
+    return d
+
+
+def _inside(g: nx.DiGraph, n: str, chosen: set[str]) -> str:
+    p = g.nodes[n]["parent"]
+    while p is not None:
+        if p in chosen:
+            return f"inside {p}"
+        p = g.nodes[p]["parent"]
+    return "-"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, bool):
+        return "ok" if value else "FAIL"
+    return "" if value is None else str(value)
