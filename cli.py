@@ -386,4 +386,4 @@ def _progress(log: Any) -> Callable[[str], None]:
 
 
 if __name__ == "__main__":
-    app()
+    app(prog_name="remat")

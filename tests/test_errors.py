@@ -355,9 +355,14 @@ def test_ilp_time_limit_returns_the_best_plan_found(tmp_path: Path):
 
     if "ilp" not in SOLVERS:
         pytest.skip("solver 'ilp' is not registered in solvers.SOLVERS yet")
-    path = tmp_path / "big.json"
-    synthetic_profile(random_dag(random.Random(1), 300, p_skip=0.05, p_nested=0.5)).save(path)
-    r = invoke("plan", "--budget", "40MB", "--profile", path, "--solver", "ilp", "--granularity", "1",
+    from planner.api import graph_for, min_feasible_bytes
+    from planner.cost_model import simulate
+
+    prof = synthetic_profile(random_dag(random.Random(1), 300, p_skip=0.05, p_nested=0.5))
+    path = prof.save(tmp_path / "big.json")
+    g = graph_for(prof, solver="ilp", granularity=1)
+    budget = (min_feasible_bytes(g) + simulate(g, []).peak_bytes) // 2  # feasible, needs checkpoints
+    r = invoke("plan", "--budget", str(budget), "--profile", path, "--solver", "ilp", "--granularity", "1",
                "--time-limit", "0.05", "--json", "-q")
     check(r, 0)
     plan = Plan.model_validate_json(r.stdout)
