@@ -81,6 +81,10 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
     seconds = time.perf_counter() - t0
     if sol.status == "infeasible":
         lowest = sol.min_feasible_bytes if sol.min_feasible_bytes is not None else min_feasible_bytes(g)
+        if lowest <= budget_bytes:
+            raise SolverError(
+                f"solver {sol.solver!r} found no plan within its limits ({sol.detail or 'no detail'}), "
+                f"although a plan with a peak of {lowest} bytes exists; raise --time-limit or use --solver dp")
         raise BudgetInfeasible(
             f"no checkpoint plan fits the budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); "
             f"the minimum feasible budget is {lowest} bytes ({format_bytes(lowest)}): raise --budget, "
