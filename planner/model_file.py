@@ -1,0 +1,313 @@
+"""Load a user's ``model.py`` and run its code with errors a user can act on.
+
+The model-file convention::
+
+    build_model() -> torch.nn.Module        # required
+    example_inputs() -> Tensor | tuple | dict   # required: model(x), model(*args) or model(**kwargs)
+    loss_fn(output) -> scalar Tensor        # optional; default: see ``default_loss``
+
+Everything that can go wrong with the file (missing, not Python, syntax error, a function
+missing, user code raising, wrong return types) raises ``ModelLoadError`` with one message
+that names the fix. A user's exception is shown with the frames from their own file only:
+the bug is there, not in importlib or torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import itertools
+import os
+import sys
+import sysconfig
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner.errors import ModelLoadError, ProfileError
+
+Inputs = torch.Tensor | tuple | dict
+"""What ``example_inputs()`` returns: one tensor, positional args, or keyword args."""
+
+TEMPLATE = """\
+import torch
+def build_model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+def example_inputs():
+    return torch.randn(32, 64)  # a tensor, a tuple of positional args, or a dict of kwargs
+def loss_fn(output): return output.square().mean()  # optional"""
+
+_REQUIRED = ("build_model", "example_inputs")
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A loaded model file. ``build_model`` and ``example_inputs`` check what they return."""
+
+    build_model: Callable[[], torch.nn.Module]
+    example_inputs: Callable[[], Inputs]
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    path: Path
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import ``path`` and return its ``build_model``, ``example_inputs`` and optional ``loss_fn``.
+
+    The file's folder is on ``sys.path`` while its code runs (at import and in every call of
+    the returned functions), as it would be for ``python model.py``, so it can import its
+    neighbours.
+
+    Raises:
+        ModelLoadError: the file is missing or not a ``.py`` file, has a syntax error, raises
+            at import, or lacks ``build_model`` / ``example_inputs``.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model file {path} does not exist; check the path")
+    if path.is_dir():
+        hint = f"; did you mean {path / 'model.py'}?" if (path / "model.py").exists() else ""
+        raise ModelLoadError(f"{path} is a directory, not a model file{hint}")
+    if path.suffix != ".py":
+        raise ModelLoadError(f"model file {path} is not a .py file; pass the Python file that defines "
+                             f"build_model() and example_inputs()")
+    path = path.resolve()
+    module = _import(path)
+    missing = [name for name in _REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        names = " and ".join(f"{n}()" for n in missing)
+        raise ModelLoadError(f"{path} does not define {names}; a valid model file looks like:\n{TEMPLATE}")
+    loss_fn = getattr(module, "loss_fn", None)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ModelLoadError(f"{path}: loss_fn is a {type(loss_fn).__name__}, not a function; "
+                             f"define it as `def loss_fn(output): ...` or remove it")
+    return ModelFile(
+        build_model=lambda: _build(module.build_model, path),
+        example_inputs=lambda: _inputs(module.example_inputs, path),
+        loss_fn=loss_fn,
+        path=path,
+    )
+
+
+def _import(path: Path) -> Any:
+    name = f"remat_model_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelLoadError(f"cannot import {path}; is it a Python source file?")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        with _on_sys_path(path.parent):
+            spec.loader.exec_module(module)
+    except SyntaxError as e:
+        del sys.modules[name]
+        where = f"{e.filename or path}:{e.lineno}" if e.lineno else str(path)
+        text = f"\n    {e.text.rstrip()}" if e.text else ""
+        raise ModelLoadError(f"syntax error in {where} ({e.msg}); fix that line:{text}") from None
+    except BaseException as e:
+        del sys.modules[name]
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ModelLoadError(
+            f"importing {path} raised {_describe(e)}\n{user_frames(e, only_file=path)}"
+        ) from e
+    return module
+
+
+def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
+    model = _call_user(fn, path, "build_model()")
+    if not isinstance(model, torch.nn.Module):
+        raise ModelLoadError(f"build_model() in {path} returned a {type(model).__name__}; it must return "
+                             f"a torch.nn.Module (the model itself, not a tuple or a state_dict)")
+    if not any(True for _ in model.parameters()):
+        raise ModelLoadError(f"the model from build_model() in {path} has no parameters: there is nothing to "
+                             f"train, so nothing to plan; return the model you train")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelLoadError(f"the model from build_model() in {path} has no trainable parameters (all have "
+                             f"requires_grad=False); unfreeze the ones you train")
+    return model
+
+
+def _inputs(fn: Callable[[], Any], path: Path) -> Inputs:
+    inputs = _call_user(fn, path, "example_inputs()")
+    if isinstance(inputs, torch.Tensor):
+        return inputs
+    if isinstance(inputs, list):
+        inputs = tuple(inputs)
+    if isinstance(inputs, tuple):
+        return inputs
+    if isinstance(inputs, Mapping):  # e.g. a tokenizer's BatchEncoding
+        bad = [k for k in inputs if not isinstance(k, str)]
+        if bad:
+            raise ModelLoadError(f"example_inputs() in {path} returned a dict with non-string key {bad[0]!r}; "
+                                 f"keys must be the forward() argument names")
+        return dict(inputs)
+    raise ModelLoadError(f"example_inputs() in {path} returned a {type(inputs).__name__}; return a tensor "
+                         f"(model(x)), a tuple of positional args (model(*args)) or a dict of keyword "
+                         f"args (model(**kwargs))")
+
+
+def _call_user(fn: Callable[[], Any], path: Path, what: str) -> Any:
+    try:
+        with _on_sys_path(path.parent):
+            return fn()
+    except (KeyboardInterrupt, SystemExit, ModelLoadError):
+        raise
+    except BaseException as e:
+        raise ModelLoadError(f"{what} in {path} raised {_describe(e)}\n{user_frames(e, only_file=path)}") from e
+
+
+@contextlib.contextmanager
+def _on_sys_path(folder: Path) -> Iterator[None]:
+    entry = str(folder)
+    if entry in sys.path:
+        yield
+        return
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(entry)
+
+
+# ----------------------------------------------------------------------------- tracebacks
+
+def _dirs(*paths: str) -> tuple[str, ...]:
+    return tuple(os.path.normcase(os.path.realpath(p)) + os.sep for p in paths)
+
+
+_OWN_DIRS = _dirs(os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+_STDLIB_DIRS = _dirs(sysconfig.get_paths()["stdlib"])
+_THIRD_PARTY_DIRS = _dirs(sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+
+
+def user_frames(exc: BaseException, *, only_file: str | Path | None = None, limit: int = 3) -> str:
+    """The last ``limit`` traceback frames of ``exc`` that are the user's code, formatted.
+
+    With ``only_file``, only frames from that file; otherwise every frame outside torch,
+    this package and the standard library (so a Hugging Face model's frames are kept).
+    Returns '' when no frame qualifies.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    if only_file is not None:
+        target = os.path.normcase(os.path.realpath(only_file))
+        keep = [f for f in frames if os.path.normcase(os.path.realpath(f.filename)) == target]
+    else:
+        keep = [f for f in frames if not _is_library(f.filename)]
+    return "\n".join(f'  File "{f.filename}", line {f.lineno}, in {f.name}' + (f"\n    {f.line.strip()}" if f.line else "")
+                     for f in keep[-limit:])
+
+
+def _is_library(filename: str) -> bool:
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+        return True
+    path = os.path.normcase(os.path.realpath(filename))
+    if path.startswith(_OWN_DIRS):
+        return True
+    # site-packages may sit inside the stdlib folder (system Python): third-party code is kept
+    return path.startswith(_STDLIB_DIRS) and not path.startswith(_THIRD_PARTY_DIRS)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------- calling the model
+
+
+def call_model(model: torch.nn.Module, inputs: Inputs) -> Any:
+    """``model(x)`` for a tensor, ``model(*args)`` for a tuple, ``model(**kwargs)`` for a dict."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss when ``model.py`` has no ``loss_fn``.
+
+    ``output.loss`` (attribute or key) when it is a tensor, as Hugging Face models return when
+    given labels; otherwise the sum of every floating-point tensor in the output, looking
+    through tuples, lists, dicts and ``ModelOutput``. Low-precision tensors are summed in
+    float32 so the loss does not overflow.
+    """
+    loss = _loss_member(output)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    floats = [t for t in _tensors(output) if t.is_floating_point()]
+    if not floats:
+        raise ProfileError(f"the model output ({type(output).__name__}) holds no floating-point tensor to "
+                           f"use as a loss; define loss_fn(output) in the model file")
+    total = _sum(floats[0])
+    for t in floats[1:]:
+        total = total + _sum(t)
+    return total
+
+
+def _loss_member(output: Any) -> Any:
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    if isinstance(output, (torch.Tensor, tuple, list)):
+        return None
+    return getattr(output, "loss", None)
+
+
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    """Return ``loss`` if it can be back-propagated; raise ``ProfileError`` naming the fix if not."""
+    if not isinstance(loss, torch.Tensor):
+        raise ProfileError(f"loss_fn must return a scalar tensor, got a {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ProfileError(f"loss_fn must return a scalar tensor, got shape {list(loss.shape)}; "
+                           f"reduce it, e.g. .mean()")
+    if not loss.is_floating_point():
+        raise ProfileError(f"loss_fn must return a floating-point scalar, got {loss.dtype}; "
+                           f"compute the loss from the model's floating-point outputs")
+    if not loss.requires_grad:
+        raise ProfileError("the loss does not require grad, so backward() would do nothing: is the "
+                           "forward run under torch.no_grad(), or does loss_fn detach the output?")
+    return loss
+
+
+def check_materialized(model: torch.nn.Module) -> None:
+    """``ModelLoadError`` if a parameter or buffer is on the meta device (has no data to move)."""
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        raise ModelLoadError("the model has parameters or buffers on the meta device (no data); build it on "
+                             "the CPU, or materialise it with model.to_empty(device=...) and initialise it")
+
+
+def check_devices(model: torch.nn.Module, inputs: Inputs) -> torch.device:
+    """The one device holding the model's parameters and the input tensors, or ``ModelLoadError``."""
+    check_materialized(model)
+    param_devices = {p.device for p in model.parameters()}
+    if len(param_devices) > 1:
+        names = ", ".join(sorted(map(str, param_devices)))
+        raise ModelLoadError(f"the model's parameters are on several devices ({names}); remat profiles "
+                             f"a model on one device: build it on the CPU and let remat move it")
+    (device,) = param_devices
+    for t in _tensors(inputs):
+        if t.device != device:
+            raise ModelLoadError(f"example_inputs() returns a tensor on {t.device} but the model is on {device}; "
+                                 f"return CPU tensors (remat moves the model and the inputs to the device)")
+    return device

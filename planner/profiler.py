@@ -1,0 +1,826 @@
+"""Measure one training step of a model: what each module call costs in time and memory.
+
+``profile(model, inputs)`` runs the step of ``planner.measure.make_step`` several times:
+
+1. ``warmup_steps`` plain steps: they create the optimizer state, so what follows is the
+   steady state of training;
+2. ``steps`` timing steps with module and gradient hooks only (no tracker, so nothing
+   slows them down): forward and backward milliseconds per unit, and per step phase;
+3. one memory step under the live-bytes tracker (see NOTE [ Live-bytes tracker ] in
+   ``planner/tracker.py``): sequence numbers, the tensors each unit saves for backward,
+   the units' inputs and outputs, when each parameter's gradient appears, and a timeline
+   of live memory;
+4. one step measured by the device itself (``planner.measure.measure_step``), to check the
+   tracker. On the CPU the two peaks agree to the byte, give or take a few scalar bytes,
+   for models of matmuls, attention, norms and elementwise ops; kernels that allocate
+   scratch memory inside one op (CPU convolution backward: im2col/oneDNN buffers) make
+   the device's peak higher than the tracker's, by 1.7% on examples/resnet.py and 4.7% on
+   examples/unet.py. The profile records both; a note is added past 2%.
+
+The result is a ``schema.Profile``; the solvers and the cost model read nothing else.
+
+NOTE [ Units ]
+A unit is one call of a module: the candidate for checkpointing. Its id is the module's
+FQN ('<root>' for the model itself), with '#k' appended for the k-th call (k >= 1) of the
+same module in the step (a shared block, a tied embedding). ``loss_fn`` runs as the
+pseudo-unit '<loss>'. Units are listed in the order their forward started; ``parent`` is
+the innermost unit running when the call started.
+
+Backward boundaries come from gradient hooks registered during the forward:
+``bwd_start`` is when the gradient of the first of the unit's outputs is complete;
+``bwd_end`` is when the gradients of all its inputs that require grad are complete (the
+last such hook to fire). A unit whose inputs need no gradient (an embedding of token ids,
+the first conv on images) ends its backward when the gradients of its parameters are
+complete, if its call is their first use in the step; otherwise ``bwd_end`` stays None.
+An input also consumed by a later sibling (q/k/v projections of one tensor) completes its
+gradient only after that sibling's backward, so the earlier sibling's ``bwd_end`` is late.
+
+Profiling runs the optimizer with lr=0 (see ``make_optimizer``), restores buffers
+(BatchNorm statistics), the RNG state and every module's train/eval flag, clears the
+gradients and removes every hook, so the model comes back as it went in, moved to the
+profiling device and otherwise unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import platform
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from typing_extensions import Self
+
+from planner import schema
+from planner.errors import BadInput
+from planner.fingerprint import fingerprint
+from planner.measure import AMP_DTYPES, OPTIMIZERS, Measured, make_optimizer, make_step, measure_step
+from planner.model_file import Inputs, check_devices, check_materialized
+from planner.schema import LOSS_ID, ROOT_ID
+from planner.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
+
+Progress = Callable[[str], None]
+
+_ROUND_TO = {"cuda": 512}
+"""Allocation granularity per device type: the CUDA caching allocator rounds to 512 bytes."""
+
+
+def profile(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str | torch.device = "auto",
+    optimizer: str = "adamw",
+    warmup_steps: int = 1,
+    steps: int = 3,
+    amp: str | None = None,
+    progress: Progress | None = None,
+) -> schema.Profile:
+    """Profile one training step of ``model`` on ``inputs``.
+
+    The step is ``zero_grad(set_to_none=True)`` -> forward -> ``loss_fn`` -> ``backward()``
+    -> ``optimizer.step()`` (``planner.measure.make_step``). See the module docstring for
+    what runs and NOTE [ Units ] for what a unit is.
+
+    Args:
+        model: the model; moved to ``device`` in place and left there. It is profiled in
+            train mode; its modules' train/eval flags are restored afterwards.
+        inputs: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
+            (``model(**kwargs)``); moved to ``device``.
+        loss_fn: ``loss_fn(output) -> scalar tensor``; default ``model_file.default_loss``.
+        device: 'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1' or a
+            ``torch.device``.
+        optimizer: 'adamw', 'adam', 'sgd' (momentum 0.9) or 'none'.
+        warmup_steps: plain steps before measuring (they create the optimizer state).
+        steps: timing steps; times are means over them.
+        amp: None, 'bf16' or 'fp16': forward and loss under ``torch.autocast``.
+        progress: called with a short message as each stage starts.
+
+    Returns:
+        The ``schema.Profile``, with the device's own peak in ``step.measured_peak_bytes``.
+
+    Raises:
+        BadInput: an unknown device, optimizer or amp, or fewer than one timing step.
+        ModelLoadError: parameters on the meta device or on several devices.
+        ProfileError: the model, ``loss_fn`` or the optimizer raised (the message shows
+            the user's frames), the loss is not a scalar, or the device ran out of memory.
+    """
+    dev = resolve_device(device)
+    if optimizer.lower() not in OPTIMIZERS:
+        raise BadInput(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if amp is not None and amp.lower() not in AMP_DTYPES and amp.lower() not in ("", "none", "off"):
+        raise BadInput(f"unknown amp {amp!r}; use bf16, fp16 or none")
+    if steps < 1 or warmup_steps < 0:
+        raise BadInput(f"need steps >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup_steps}")
+    say = progress or (lambda _msg: None)
+    clock = _CLOCKS[dev.type](dev)
+
+    check_materialized(model)
+    with _restoring(model, dev):
+        model.to(dev)
+        model.train()
+        inputs = _to_device(inputs, dev)
+        check_devices(model, inputs)
+        opt = make_optimizer(optimizer, model)
+        step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
+        for i in range(warmup_steps):
+            say(f"warm-up step {i + 1}/{warmup_steps}")
+            step()
+        times = _timing_steps(model, step, clock, steps, say)
+        say("memory step")
+        mem = _memory_step(model, step, inputs, opt, dev)
+        say("measuring the step's peak")
+        _release(model, dev)
+        measured = measure_step(step, dev, static_bytes=mem.static_bytes)
+        result = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, warmup_steps, steps)
+    return result
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto' -> cuda if available else cpu; checks that CUDA exists when asked for."""
+    if isinstance(device, str):
+        name = device.strip().lower()
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "meta":
+            raise BadInput("device 'meta' (planning without running) is not available yet; use cpu or cuda")
+        if name != "cpu" and not name.startswith("cuda"):
+            raise BadInput(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N")
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise BadInput(f"invalid device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    else:
+        dev = torch.device(device)
+    if dev.type not in _CLOCKS:
+        raise BadInput(f"cannot profile on device {dev}; use cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BadInput("device 'cuda' asked for, but CUDA is not available to this PyTorch; use --device cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise BadInput(f"device {dev} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+    return dev
+
+
+# ----------------------------------------------------------------------------- clocks
+# One small clock per device type; a device without a clock (meta) will get times from
+# FLOPs instead, in its own function.
+
+
+class _WallClock:
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        pass
+
+    def ms(self, start: float, end: float) -> float:
+        return (end - start) * 1e3
+
+
+class _CudaClock:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def stamp(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end)
+
+
+_CLOCKS: dict[str, Callable[[torch.device], Any]] = {
+    "cpu": lambda _dev: _WallClock(),
+    "cuda": _CudaClock,
+}
+
+
+# ----------------------------------------------------------------------------- units
+
+
+class _Unit:
+    """One module call while a step runs. ``fwd_*``/``bwd_*`` hold clock stamps or seqs."""
+
+    __slots__ = (
+        "bwd_end",
+        "bwd_end_event",
+        "bwd_start",
+        "call_index",
+        "depth",
+        "fqn",
+        "fwd_end",
+        "fwd_start",
+        "has_input_grads",
+        "id",
+        "index",
+        "input_bytes",
+        "input_ids",
+        "key",
+        "module_type",
+        "output_bytes",
+        "output_ids",
+        "param_bytes",
+        "parent",
+    )
+
+    def __init__(self, uid: str, fqn: str, call_index: int, module_type: str, parent: str | None,
+                 depth: int, key: int | None, index: int):
+        self.id, self.fqn, self.call_index, self.module_type = uid, fqn, call_index, module_type
+        self.parent, self.depth, self.key, self.index = parent, depth, key, index
+        self.fwd_start = self.fwd_end = self.bwd_start = self.bwd_end = None
+        self.bwd_end_event: int | None = None
+        self.has_input_grads = False
+        self.input_ids: list[int] = []
+        self.output_ids: list[int] = []
+        self.input_bytes = self.output_bytes = self.param_bytes = 0
+
+
+@dataclass
+class _Point:
+    """One gradient that units listen to (see NOTE [ Gradient points ])."""
+
+    ref: weakref.ref
+    node: int | None
+    """Sequence number of the tensor's grad_fn when hooked; it changes if modified in place."""
+    units: list[_Unit]
+
+
+class _Recorder:
+    """Module-call bookkeeping shared by the timing and the memory step (see NOTE [ Units ]).
+
+    Subclasses say what a point in time is (``_note``: a clock stamp, or a seq plus a
+    timeline event) and may look at each unit's inputs and outputs.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.named = list(model.named_modules())
+        self.names = {id(m): name for name, m in self.named}
+        self.modules = {id(m): m for _, m in self.named}
+        self.handles: list[Any] = []
+        self.grad_handles: list[Any] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self._remove(self.grad_handles)
+        self.units: list[_Unit] = []
+        self.stack: list[_Unit] = []
+        self.calls: dict[int, int] = {}
+        self.first_use: dict[torch.nn.Parameter, int] = {}
+        self.end_points: dict[int, _Point] = {}
+        self.start_points: dict[int, _Point] = {}
+        self.marks: dict[str, Any] = {}
+        self.in_forward = False
+
+    def __enter__(self) -> Self:
+        try:
+            for _, m in self.named:
+                self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
+                self.handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        except BaseException:
+            self._remove(self.handles)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove(self.handles)
+        self._remove(self.grad_handles)
+
+    @staticmethod
+    def _remove(handles: list[Any]) -> None:
+        while handles:
+            handles.pop().remove()
+
+    # ------------------------------------------------------------- step marks
+
+    def mark(self, name: str, value: Any = None) -> None:
+        """The step's ``mark`` callback (``planner.measure.STEP_MARKS``)."""
+        if name == "step_start":
+            self.in_forward = True
+            self.marks[name] = self._note(name, None)
+        elif name == "loss_start":
+            self._enter(None, LOSS_ID, LOSS_ID, "loss_fn", (value,), {})
+        elif name == "forward_end":
+            if self.stack and self.stack[-1].key is None:
+                self._exit(self.stack[-1], (), {}, value)
+            self.in_forward = False
+            self.marks[name] = self._note(name, None)
+        else:
+            self.marks[name] = self._note(name, None)
+
+    # ------------------------------------------------------------- module hooks
+
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.in_forward:  # e.g. recomputation by the model's own checkpointing
+            return
+        fqn = self.names[id(module)]
+        unit = self._enter(id(module), fqn or ROOT_ID, fqn, type(module).__name__, args, kwargs)
+        for p in module.parameters(recurse=False):
+            self.first_use.setdefault(p, unit.index)
+
+    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.stack and self.stack[-1].key == id(module):
+            self._exit(self.stack[-1], args, kwargs, output, module)
+
+    def _enter(self, key: int | None, base: str, fqn: str, module_type: str, args: tuple, kwargs: dict) -> _Unit:
+        k = self.calls.get(key, 0) if key is not None else 0
+        if key is not None:
+            self.calls[key] = k + 1
+        parent = self.stack[-1] if self.stack and key is not None else None
+        unit = _Unit(base if k == 0 else f"{base}#{k}", fqn, k, module_type,
+                     parent.id if parent else None, len(self.stack) if key is not None else 0, key, len(self.units))
+        self.units.append(unit)
+        self.stack.append(unit)
+        unit.fwd_start = self._note("fwd_start", unit)
+        self._on_inputs(unit, args, kwargs)
+        # Hooked now, before forward runs: an in-place module (ReLU(inplace=True)) would
+        # otherwise hand us its input already turned into its output.
+        for t in _io_tensors(args, kwargs):
+            if t.requires_grad:
+                unit.has_input_grads = True
+                self._listen_end(t, unit)
+        return unit
+
+    def _exit(self, unit: _Unit, args: tuple, kwargs: dict, output: Any,
+              module: torch.nn.Module | None = None) -> None:
+        self.stack.pop()
+        self._on_outputs(unit, output)
+        unit.fwd_end = self._note("fwd_end", unit)
+        for t in _io_tensors(output):
+            if t.requires_grad:
+                self._listen_start(t, unit)
+        if not unit.has_input_grads and module is not None:
+            # NOTE [ Units ]: parameters first used in this call complete their gradient
+            # when this call's backward is done.
+            for p in module.parameters():
+                if p.requires_grad and self.first_use.get(p, -1) >= unit.index:
+                    self._listen_end(p, unit)
+
+    # NOTE [ Gradient points ]
+    # Units nest and share tensors: a block's input is its first child's input, its output
+    # its last child's output, one unit's output the next one's input. Autograd runs the
+    # hooks on one gradient in the order they were registered, which is not the order of
+    # the units' backward. So each gradient gets one hook (a "point") that notes every unit
+    # listening to it in backward order: ends innermost and latest-called first, then starts
+    # outermost first. Ends hook the tensor and starts the node that made it; autograd runs
+    # a node's tensor hooks before its node hooks, so when one unit's output is the next
+    # one's input, the next unit's backward ends before this one's starts.
+
+    def _listen_end(self, t: torch.Tensor, unit: _Unit) -> None:
+        self._listen(self.end_points, t, unit, self._fire_ends, lambda t, fn: t.register_hook(fn))
+
+    def _listen_start(self, t: torch.Tensor, unit: _Unit) -> None:
+        def register(t: torch.Tensor, fn: Callable[[Any], None]) -> Any:
+            return t.register_hook(fn) if t.grad_fn is None else t.grad_fn.register_prehook(fn)
+
+        self._listen(self.start_points, t, unit, self._fire_starts, register)
+
+    def _listen(self, points: dict[int, _Point], t: torch.Tensor, unit: _Unit,
+                fire: Callable[[list[_Unit], Any], None], register: Callable[..., Any]) -> None:
+        node = t.grad_fn._sequence_nr() if t.grad_fn is not None else None
+        point = points.get(id(t))
+        if point is None or point.ref() is not t or point.node != node:  # new, or modified in place
+            point = points[id(t)] = _Point(weakref.ref(t), node, [])
+            self.grad_handles.append(register(t, functools.partial(fire, point.units)))
+        if unit not in point.units:
+            point.units.append(unit)
+
+    def _fire_ends(self, units: list[_Unit], _grad: Any) -> None:
+        for unit in sorted(units, key=lambda u: -u.index):
+            if unit.bwd_start is None:  # an identity (shortcut, loss_fn returning its input)
+                unit.bwd_start = self._note("bwd_start", unit)
+            unit.bwd_end = self._note("bwd_end", unit)  # the last gradient to complete wins
+
+    def _fire_starts(self, units: list[_Unit], _grads: Any) -> None:
+        for unit in sorted(units, key=lambda u: u.index):
+            if unit.bwd_start is None:
+                unit.bwd_start = self._note("bwd_start", unit)
+
+    # ------------------------------------------------------------- subclass points
+
+    def _note(self, kind: str, unit: _Unit | None) -> Any:
+        raise NotImplementedError
+
+    def _on_inputs(self, unit: _Unit, args: tuple, kwargs: dict) -> None:
+        pass
+
+    def _on_outputs(self, unit: _Unit, output: Any) -> None:
+        pass
+
+
+def _io_tensors(*trees: Any) -> Iterator[torch.Tensor]:
+    """Tensors among a module's inputs or outputs: pytree knows ``ModelOutput`` and friends;
+    containers it does not know are searched as plain tuples, lists and dicts."""
+    for leaf in pytree.tree_leaves(trees):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif isinstance(leaf, (tuple, list)):
+            yield from _io_tensors(*leaf)
+        elif isinstance(leaf, Mapping):
+            yield from _io_tensors(*leaf.values())
+
+
+# ----------------------------------------------------------------------------- timing steps
+
+
+class _TimingRecorder(_Recorder):
+    def __init__(self, model: torch.nn.Module, clock: Any):
+        self.clock = clock
+        super().__init__(model)
+
+    def _note(self, kind: str, unit: _Unit | None) -> Any:
+        return self.clock.stamp()
+
+
+@dataclass
+class _Times:
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    optimizer_ms: float = 0.0
+    unit_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Unit id -> (forward ms, backward ms), means over the steps it appeared in."""
+    unit_ids: list[list[str]] = field(default_factory=list)
+    """The unit ids of each timing step, to check the steps called the same modules."""
+
+
+def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int, say: Progress) -> _Times:
+    sums: dict[str, list[float]] = {}
+    times = _Times()
+    with _TimingRecorder(model, clock) as rec:
+        for i in range(steps):
+            say(f"timing step {i + 1}/{steps}")
+            rec.reset()
+            step(rec.mark)
+            clock.sync()
+            m = rec.marks
+            times.forward_ms += clock.ms(m["step_start"], m["forward_end"]) / steps
+            times.backward_ms += clock.ms(m["backward_start"], m["backward_end"]) / steps
+            times.optimizer_ms += clock.ms(m["backward_end"], m["optimizer_end"]) / steps
+            times.unit_ids.append([u.id for u in rec.units])
+            for u in rec.units:
+                fwd = clock.ms(u.fwd_start, u.fwd_end)
+                bwd = clock.ms(u.bwd_start, u.bwd_end) if u.bwd_start is not None and u.bwd_end is not None else 0.0
+                acc = sums.setdefault(u.id, [0.0, 0.0, 0])
+                acc[0] += fwd
+                acc[1] += max(bwd, 0.0)
+                acc[2] += 1
+    times.unit_ms = {uid: (f / n, b / n) for uid, (f, b, n) in sums.items()}
+    return times
+
+
+# ----------------------------------------------------------------------------- memory step
+
+
+@dataclass
+class _Event:
+    seq: int
+    kind: str
+    unit: str | None
+    live_bytes: int
+    peak_bytes: int
+    superseded: bool = False
+
+
+@dataclass
+class _Tensor:
+    id: int
+    nbytes: int
+    created_seq: int
+    producer: str | None
+
+
+class _MemoryRecorder(_Recorder):
+    """Sequence numbers, tensors, saves, parameter uses and the timeline of one step."""
+
+    def __init__(self, model: torch.nn.Module, tracker: LiveBytesTracker):
+        self.tracker = tracker
+        self.seq = 0
+        self.events: list[_Event] = []
+        self.created: dict[int, tuple[int, str | None]] = {}
+        """Storage serial -> (seq, innermost unit) when it was allocated in the forward."""
+        self.tensors: dict[int, _Tensor] = {}
+        """Storage serial -> its TensorRecord, for storages that are saved or unit inputs/outputs."""
+        self.saves: list[tuple[int, int, str]] = []
+        self.saved_pairs: set[tuple[int, str]] = set()
+        self.unattributed_saves = 0
+        self.param_last_use: dict[int, int] = {}
+        """Storage serial of a parameter -> seq of the last forward op that read it."""
+        self.param_bytes_cache: dict[int, int] = {}
+        super().__init__(model)
+        tracker.observer = self._on_op
+
+    def _next(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _note(self, kind: str, unit: _Unit | None) -> int:
+        seq = self._next()
+        live = self.tracker.live_bytes
+        peak = max(self.tracker.mark(), live)
+        if kind == "bwd_end" and unit is not None:
+            if unit.bwd_end_event is not None:
+                self.events[unit.bwd_end_event].superseded = True
+            unit.bwd_end_event = len(self.events)
+        self.events.append(_Event(seq, kind, unit.id if unit else None, live, peak))
+        return seq
+
+    def _on_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry]) -> None:
+        if not self.in_forward:
+            return
+        producer = self.stack[-1].id if self.stack else None
+        for e in new:
+            self.created[e.serial] = (self._next(), producer)
+        for e in inputs:
+            if e.serial in self.param_last_use:
+                self.param_last_use[e.serial] = self.seq
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks`` pack hook: note the save, keep the tensor as it is."""
+        if not self.in_forward:
+            return t
+        e = self.tracker.entry(t)
+        if e is None or e.static:  # parameters, their views, buffers, the batch: not new memory
+            return t
+        if not self.stack:
+            self.unattributed_saves += 1
+            return t
+        unit = self.stack[-1].id
+        tid = self._tensor_id(e)
+        if (tid, unit) not in self.saved_pairs:
+            self.saved_pairs.add((tid, unit))
+            self.saves.append((tid, self._next(), unit))
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def _tensor_id(self, e: StorageEntry) -> int:
+        rec = self.tensors.get(e.serial)
+        if rec is None:
+            seq, producer = self.created.get(e.serial, (self.seq, self.stack[-1].id if self.stack else None))
+            rec = self.tensors[e.serial] = _Tensor(len(self.tensors), e.nbytes, seq, producer)
+        return rec.id
+
+    def _io(self, *trees: Any) -> tuple[list[int], int]:
+        seen: set[int] = set()
+        ids: list[int] = []
+        total = 0
+        for t in _io_tensors(*trees):
+            e = self.tracker.entry(t)
+            if e is None:
+                continue
+            if e.serial in seen:
+                continue
+            seen.add(e.serial)
+            total += e.nbytes
+            if not e.static:
+                ids.append(self._tensor_id(e))
+        return ids, total
+
+    def _on_inputs(self, unit: _Unit, args: tuple, kwargs: dict) -> None:
+        unit.input_ids, unit.input_bytes = self._io(args, kwargs)
+        if unit.key is not None:
+            if unit.key not in self.param_bytes_cache:
+                params = self.modules[unit.key].parameters()
+                self.param_bytes_cache[unit.key] = storage_bytes(params, round_to=self.tracker.round_to)
+            unit.param_bytes = self.param_bytes_cache[unit.key]
+
+    def _on_outputs(self, unit: _Unit, output: Any) -> None:
+        unit.output_ids, unit.output_bytes = self._io(output)
+
+    def timeline(self) -> list[schema.MemoryEvent]:
+        """The events, a superseded ``bwd_end`` folded into the next kept event's peak."""
+        out: list[schema.MemoryEvent] = []
+        carried = 0
+        for ev in self.events:
+            if ev.superseded:
+                carried = max(carried, ev.peak_bytes)
+                continue
+            out.append(schema.MemoryEvent(seq=ev.seq, kind=ev.kind, unit=ev.unit, live_bytes=ev.live_bytes,
+                                          peak_bytes=max(ev.peak_bytes, carried)))
+            carried = 0
+        return out
+
+
+@dataclass
+class _Memory:
+    recorder: _MemoryRecorder
+    params_bytes: int
+    buffers_bytes: int
+    batch_bytes: int
+    optimizer_bytes: int
+    grads_bytes: int
+    found_bytes: int
+    optimizer_transient_bytes: int
+    static_bytes: int
+    """What was live before the step: parameters, buffers, optimizer state, batch, found tensors."""
+    param_records: list[schema.ParamRecord]
+    unused_params: int
+
+
+def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
+                 opt: torch.optim.Optimizer | None, dev: torch.device) -> _Memory:
+    _release(model, dev)
+    tracker = LiveBytesTracker(device_type=dev.type, round_to=_ROUND_TO.get(dev.type, 1))
+    params = [p for p in model.parameters()]
+    params_bytes = tracker.register_static(params)
+    buffers_bytes = tracker.register_static(model.buffers())
+    optimizer_bytes = tracker.register_static(_optimizer_tensors(opt))
+    batch_bytes = tracker.register_static(iter_tensors(inputs))
+    rec = _MemoryRecorder(model, tracker)
+    serials: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        e = tracker.entry(p)
+        if e is not None and p.requires_grad:
+            serials[name] = e.serial
+            rec.param_last_use[e.serial] = -1
+    with rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), tracker:
+        step(rec.mark)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads_bytes = storage_bytes(grads, round_to=tracker.round_to)
+    records: list[schema.ParamRecord] = []
+    forward_end = rec.marks["forward_end"]
+    unused = 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            unused += 1
+            continue
+        last = rec.param_last_use.get(serials.get(name, -1), -1)
+        records.append(schema.ParamRecord(name=name, nbytes=tracker.round_bytes(p.numel() * p.element_size()),
+                                          grad_seq=last if last >= 0 else forward_end))
+    events = {e.kind: e for e in rec.events if e.unit is None}
+    transient = events["optimizer_end"].peak_bytes - events["backward_end"].live_bytes
+    static = params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + tracker.found_bytes
+    return _Memory(rec, params_bytes, buffers_bytes, batch_bytes, optimizer_bytes, grads_bytes, tracker.found_bytes,
+                   max(transient, 0), static, records, unused)
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
+    if opt is None:
+        return
+    for state in opt.state.values():
+        yield from iter_tensors(state)
+
+
+def _release(model: torch.nn.Module, dev: torch.device) -> None:
+    """Free the last step's gradients (and, on CUDA, its cyclic garbage) before a measured step.
+
+    ``max_memory_allocated`` is absolute, so garbage still holding device memory would count
+    in the CUDA peak. The tracker and the CPU profiler see only what the step allocates, so
+    on the CPU a full ``gc.collect()`` (0.1 s and more) would buy nothing.
+    """
+    model.zero_grad(set_to_none=True)
+    if dev.type != "cpu":
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------- assembling
+
+
+def _assemble(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimizer: str, amp: str | None,
+              times: _Times, mem: _Memory, measured: Measured, warmup_steps: int, steps: int) -> schema.Profile:
+    rec = mem.recorder
+    notes: list[str] = []
+    if opt_note := _OPTIMIZER_NOTE.get(optimizer.lower()):
+        notes.append(opt_note)
+    # Ids in creation order, so reading the list follows the step.
+    order = sorted(rec.tensors.values(), key=lambda t: (t.created_seq, t.id))
+    remap = {t.id: i for i, t in enumerate(order)}
+    tensors = [schema.TensorRecord(id=remap[t.id], nbytes=t.nbytes, created_seq=t.created_seq, producer=t.producer)
+               for t in order]
+    units = [_unit_record(u, times.unit_ms.get(u.id, (0.0, 0.0)), remap) for u in rec.units]
+    saves = [schema.SaveRecord(tensor_id=remap[tid], seq=seq, unit=unit) for tid, seq, unit in rec.saves]
+    memory_ids = [u.id for u in rec.units]
+    if any(ids != memory_ids for ids in times.unit_ids):
+        notes.append("the module calls differed between steps (data-dependent control flow?); "
+                     "times are matched to units by id")
+    if mem.found_bytes:
+        notes.append(f"{mem.found_bytes} bytes of tensors held outside parameters and buffers (plain attributes, "
+                     f"globals) were live before the step; counted in buffers_bytes")
+    if mem.unused_params:
+        notes.append(f"{mem.unused_params} trainable parameter(s) got no gradient (not used in the forward)")
+    if rec.unattributed_saves:
+        notes.append(f"{rec.unattributed_saves} tensor(s) saved for backward outside any module call were ignored")
+    tracker_peak = max((e.peak_bytes for e in rec.events), default=0)
+    if measured.peak_bytes and abs(measured.peak_bytes - tracker_peak) > 0.02 * measured.peak_bytes:
+        notes.append(f"tracked peak {tracker_peak} bytes differs from the {measured.source} peak "
+                     f"{measured.peak_bytes} bytes by more than 2%")
+    step = schema.StepRecord(
+        params_bytes=mem.params_bytes,
+        buffers_bytes=mem.buffers_bytes + mem.found_bytes,
+        batch_bytes=mem.batch_bytes,
+        grads_bytes=mem.grads_bytes,
+        optimizer_bytes=mem.optimizer_bytes,
+        optimizer_step_transient_bytes=mem.optimizer_transient_bytes,
+        forward_ms=times.forward_ms,
+        backward_ms=times.backward_ms,
+        optimizer_ms=times.optimizer_ms,
+        step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
+        forward_end_seq=rec.marks["forward_end"],
+        backward_start_seq=rec.marks["backward_start"],
+        measured_peak_bytes=measured.peak_bytes,
+        peak_source=measured.source,
+        warmup_steps=warmup_steps,
+        measured_steps=steps,
+    )
+    return schema.Profile(
+        fingerprint=fingerprint(model, inputs),
+        device=dev.type,
+        device_name=_device_name(dev),
+        dtype=_dtype(model),
+        amp=_amp_name(amp),
+        optimizer=optimizer.lower(),
+        torch_version=torch.__version__,
+        created_at=schema.now_iso(),
+        units=units,
+        tensors=tensors,
+        saves=saves,
+        params=mem.param_records,
+        timeline=rec.timeline(),
+        step=step,
+        notes=notes,
+    )
+
+
+_OPTIMIZER_NOTE = {
+    name: f"{name} ran with lr=0: same state, kernels and temporaries as training, weights unchanged"
+    for name in OPTIMIZERS if name != "none"
+}
+
+
+def _unit_record(u: _Unit, ms: tuple[float, float], remap: dict[int, int]) -> schema.UnitRecord:
+    return schema.UnitRecord(
+        id=u.id, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, parent=u.parent, depth=u.depth,
+        fwd_start_seq=u.fwd_start, fwd_end_seq=u.fwd_end, bwd_start_seq=u.bwd_start, bwd_end_seq=u.bwd_end,
+        forward_ms=ms[0], backward_ms=ms[1],
+        input_ids=[remap[i] for i in u.input_ids], output_ids=[remap[i] for i in u.output_ids],
+        input_bytes=u.input_bytes, output_bytes=u.output_bytes, param_bytes=u.param_bytes,
+    )
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _dtype(model: torch.nn.Module) -> str:
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return str(max(sizes, key=sizes.__getitem__)).removeprefix("torch.") if sizes else "float32"
+
+
+def _amp_name(amp: str | None) -> str | None:
+    if amp is None or amp.lower() in ("", "none", "off"):
+        return None
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP_DTYPES[amp.lower()]]
+
+
+def _to_device(obj: Any, dev: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(v, dev) for v in obj)
+    if isinstance(obj, list):
+        return [_to_device(v, dev) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, dev) for k, v in obj.items()}
+    return obj
+
+
+@contextlib.contextmanager
+def _restoring(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
+    """Give the model back as it came: train/eval flags, buffers, RNG state; gradients cleared."""
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers()}
+    cuda = [dev.index] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        try:
+            yield
+        finally:
+            model.zero_grad(set_to_none=True)
+            for m, training in modes:
+                m.training = training
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    saved = buffers.get(name)
+                    if saved is not None and saved.shape == b.shape:
+                        b.copy_(saved)
