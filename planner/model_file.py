@@ -107,7 +107,7 @@ def _import(path: Path) -> Any:
         del sys.modules[name]
         where = f"{e.filename or path}:{e.lineno}" if e.lineno else str(path)
         text = f"\n    {e.text.rstrip()}" if e.text else ""
-        raise ModelLoadError(f"syntax error in {where} ({e.msg}); fix that line:{text}") from None
+        raise ModelLoadError(f"syntax error in {where} ({e.msg}); fix the line:{text}") from None
     except BaseException as e:
         del sys.modules[name]
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -128,7 +128,7 @@ def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
                              f"train, so nothing to plan; return the model you train")
     if not any(p.requires_grad for p in model.parameters()):
         raise ModelLoadError(f"the model from build_model() in {path} has no trainable parameters (all have "
-                             f"requires_grad=False); unfreeze the ones you train")
+                             f"requires_grad=False): nothing to train. Unfreeze at least one parameter")
     return model
 
 
