@@ -1,0 +1,414 @@
+"""Enforce a ``Plan`` on a live model: checkpoint the planned modules in place, undoably.
+
+Example::
+
+    handle = apply_plan(model, "plan.json")      # or a Plan object
+    for batch in loader:
+        loss = model(**batch).loss
+        loss.backward()
+        ...
+    print(handle.recompute_count, "forwards recomputed")
+    handle.remove()                               # the model is exactly as before
+
+    with apply_plan(model, plan):                 # or scoped
+        ...
+
+Each planned module is checkpointed as one region on every call, with non-reentrant
+``torch.utils.checkpoint`` (keyword arguments and non-tensor outputs pass through). The model
+keeps its structure: no wrapper modules, so parameter names, ``state_dict`` keys and parameter
+objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` still match.
+
+# NOTE [ Checkpointing by instance forward ]
+#
+# ``nn.Module.__call__`` runs hooks and then ``self.forward``. ``apply_plan`` sets an instance
+# attribute ``forward`` on each planned module: a ``_CheckpointedForward`` object that calls the
+# module's previous forward (the bound class method, or an instance-level forward someone else
+# installed) inside ``checkpoint(..., use_reentrant=False, preserve_rng_state=True)``. So:
+#   - the module's own hooks stay outside the region and run once (as Hugging Face's
+#     ``GradientCheckpointingLayer`` does, and for the same reason: FSDP2's hooks);
+#   - ``remove()`` deletes the attribute (or puts back the instance forward it replaced);
+#     ``type(module).forward`` is never touched;
+#   - it is an object, not a closure: ``copy.deepcopy(model)`` gives a copy whose forward is
+#     rebound to the copy's own module (bound methods deep-copy that way; a closure would keep
+#     calling the original model's module), and ``torch.save(model)`` can pickle it.
+# Tensors passed as keyword arguments are handed to ``checkpoint`` positionally, because
+# ``checkpoint`` looks for the device whose RNG state it must preserve in the positional
+# arguments only: a dropout inside a region called as ``block(x=h)`` on a GPU would otherwise
+# draw a different mask when recomputed (silently wrong gradients).
+# A recomputation is recognised without any global flag: every call builds a fresh inner
+# function for ``checkpoint``; its first run is the forward, any later run of the same function
+# is ``checkpoint`` replaying it during backward. Under ``torch.compile`` the region becomes a
+# ``tag_activation_checkpoint`` higher-order op and the compiled backward recomputes it, so no
+# Python runs at recompute time and nothing is counted.
+#
+# NOTE [ BatchNorm under recomputation ]
+#
+# A training-mode BatchNorm updates ``running_mean``, ``running_var`` and
+# ``num_batches_tracked`` in place on every forward, so recomputing a region would update them
+# twice per step. While a region is recomputed (eager mode), the running statistics of the
+# norm layers inside it are copied beforehand and copied back afterwards (also when the
+# recomputation stops early, which ``checkpoint`` does by raising inside it). The output of a
+# training-mode BatchNorm does not read the running statistics, so the recomputed activations
+# are unaffected; after the step the statistics equal the unplanned model's exactly. Other
+# in-place updates of module state inside a region (a custom counter, a KV cache) are not
+# undone: keep such modules out of plans, or train with ``use_cache=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.errors import BadInput, PlanMismatch
+from planner.fingerprint import fingerprint
+from planner.schema import Fingerprint, Plan
+from planner.units import format_bytes
+
+logger = logging.getLogger("remat")
+
+_WRAPPED = "_checkpoint_wrapped_module"
+"""Attribute under which torch's ``CheckpointWrapper`` keeps the module it checkpoints."""
+
+
+class PlanAlreadyApplied(BadInput):
+    """``apply_plan`` was called on a model that already carries a remat plan."""
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+
+@dataclass
+class RegionCounts:
+    """How often one checkpointed module ran, since ``apply_plan`` or ``reset_counts()``."""
+
+    calls: int = 0
+    """Checkpointed forward calls (with grad enabled; eager mode only)."""
+    recomputes: int = 0
+    """Forwards ``checkpoint`` replayed during backward (eager mode only)."""
+
+
+class _CheckpointedForward:
+    """The instance-level ``forward`` of a planned module; see NOTE [ Checkpointing by instance forward ]."""
+
+    _remat_forward = True  # marks a module that already carries a plan
+
+    def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts,
+                 norms: list[nn.Module] | None = None):
+        self.module = module
+        self.previous = previous  # the instance forward we replaced, or None
+        # Bound here rather than read as ``module.forward``: when deepcopy or pickle rebuilds
+        # this object, the module is only half restored and ``module.forward`` may be us.
+        self.inner = previous if previous is not None else type(module).forward.__get__(module, type(module))
+        self.counts = counts
+        self.norms = norms if norms is not None else [
+            m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+        functools.update_wrapper(self, self.inner, assigned=("__doc__", "__name__", "__qualname__"), updated=())
+        self.__wrapped__ = self.inner  # inspect.signature(module.forward) shows the real parameters
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.module, self.previous, self.counts, self.norms)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)  # no backward, nothing to recompute
+        if torch.compiler.is_compiling():
+            return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        self.counts.calls += 1
+        return checkpoint(self._replayable(len(args), tuple(kwargs)), *args, *kwargs.values(),
+                          use_reentrant=False, preserve_rng_state=True)
+
+    def _replayable(self, n_args: int, keys: tuple[str, ...]):
+        first_run = True
+
+        def run(*flat: Any) -> Any:
+            nonlocal first_run
+            args, kwargs = flat[:n_args], dict(zip(keys, flat[n_args:]))
+            if first_run:
+                first_run = False
+                return self.inner(*args, **kwargs)
+            self.counts.recomputes += 1
+            with _running_stats_kept(self.norms):
+                return self.inner(*args, **kwargs)
+
+        return run
+
+
+class _running_stats_kept:
+    """Restore the running statistics of ``norms`` on exit; see NOTE [ BatchNorm under recomputation ]."""
+
+    def __init__(self, norms: list[nn.Module]):
+        self.saved = [(buf, buf.clone()) for m in norms if m.training and m.track_running_stats
+                      for buf in (m.running_mean, m.running_var, m.num_batches_tracked) if buf is not None]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for buf, value in self.saved:
+                buf.copy_(value)
+
+
+# ----------------------------------------------------------------------------- the handle
+
+
+@dataclass
+class AppliedPlan:
+    """What ``apply_plan`` did to a model, and how to undo it.
+
+    A context manager: ``with apply_plan(model, plan): ...`` removes the plan on exit.
+    """
+
+    checkpointed: list[str]
+    """FQNs of the modules now checkpointed, in plan order."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Plan FQNs left alone, with the reason (already checkpointed by the user, not in the model)."""
+    _forwards: dict[str, _CheckpointedForward] = field(default_factory=dict, repr=False)
+    _active: bool = field(default=True, repr=False)
+
+    @property
+    def recompute_count(self) -> int:
+        """Forwards recomputed during backward, all regions together (eager mode only)."""
+        return sum(f.counts.recomputes for f in self._forwards.values())
+
+    @property
+    def call_count(self) -> int:
+        """Checkpointed forward calls, all regions together (eager mode, grad enabled)."""
+        return sum(f.counts.calls for f in self._forwards.values())
+
+    def counts(self) -> dict[str, RegionCounts]:
+        """Calls and recomputations per checkpointed FQN."""
+        return {name: f.counts for name, f in self._forwards.items()}
+
+    def reset_counts(self) -> None:
+        for f in self._forwards.values():
+            f.counts.calls = f.counts.recomputes = 0
+
+    def remove(self) -> None:
+        """Undo ``apply_plan``: every planned module gets back the forward it had. Idempotent.
+
+        The counts stay readable after ``remove()``.
+        """
+        if not self._active:
+            return
+        self._active = False
+        for name, fwd in self._forwards.items():
+            module = fwd.module
+            if module.__dict__.get("forward") is not fwd:
+                warnings.warn(f"remat: the forward of {name!r} was replaced after apply_plan; "
+                              f"leaving it as it is", stacklevel=2)
+            elif fwd.previous is not None:
+                module.forward = fwd.previous
+            else:
+                del module.forward
+
+    def __enter__(self) -> AppliedPlan:  # noqa: PYI034 (a dataclass nobody subclasses)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+# ----------------------------------------------------------------------------- apply_plan
+
+
+def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: bool = True,
+               inputs: Any = None) -> AppliedPlan:
+    """Checkpoint the modules a plan names, in place on ``model``.
+
+    Every call of each module in ``plan.checkpoints`` runs inside non-reentrant
+    ``torch.utils.checkpoint`` with the RNG state preserved, so dropout masks, the loss and
+    the gradients are those of the unplanned model. See NOTE [ Checkpointing by instance
+    forward ] and NOTE [ BatchNorm under recomputation ].
+
+    .. warning::
+        Apply the plan before ``torch.compile`` (``model = torch.compile(model)`` afterwards).
+        Modules the user already checkpointed (Hugging Face ``gradient_checkpointing_enable()``,
+        torch's ``checkpoint_wrapper`` or composable ``checkpoint``) are skipped with a warning,
+        never checkpointed twice; so are plan modules inside or around them.
+
+    Args:
+        model: the model the plan was made for (structure and parameter shapes must match).
+        plan_or_path: a ``Plan`` or the path of a plan file.
+        strict: if True, any difference between the plan's fingerprint and the model raises
+            ``PlanMismatch``; if False, they are reported in a warning and the plan
+            modules present in the model are checkpointed.
+        inputs: the inputs the model will be trained on (as ``example_inputs()`` returns them);
+            when given, their shapes are checked against the plan's too.
+
+    Returns:
+        An ``AppliedPlan``: ``.checkpointed``, ``.skipped``, ``.recompute_count``, ``.remove()``.
+
+    Raises:
+        PlanMismatch: the plan was made for another model or input shapes (``strict=True``).
+        PlanAlreadyApplied: the model already carries a remat plan.
+        BadInput: the model is a ``torch.compile`` wrapper, or the plan nests checkpoints.
+
+    Example::
+
+        handle = apply_plan(model, "plan.json", inputs=batch)
+        model = torch.compile(model)  # optional, after the plan
+    """
+    plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
+    _check_model(model)
+    wanted = _check_antichain(list(dict.fromkeys(plan.checkpoints)))
+    modules = _modules_by_plain_name(model)
+    _check_fingerprint(plan, model, inputs, [n for n in wanted if n not in modules], strict=strict)
+
+    already = _user_checkpointed(model, modules)
+    skipped: dict[str, str] = {}
+    handle = AppliedPlan(checkpointed=[], skipped=skipped)
+    seen: set[int] = set()
+    for name in wanted:
+        module = modules.get(name)
+        if module is None:
+            skipped[name] = "not in the model"
+            continue
+        reason = _overlap(name, already)
+        if reason:
+            skipped[name] = reason
+            continue
+        if id(module) in seen:  # one module registered under two names: wrapped once
+            continue
+        seen.add(id(module))
+        previous = module.__dict__.get("forward")
+        fwd = _CheckpointedForward(module, previous, RegionCounts())
+        module.forward = fwd
+        handle._forwards[name] = fwd
+        handle.checkpointed.append(name)
+
+    _report(plan, handle, already)
+    return handle
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise BadInput(f"apply_plan needs a torch.nn.Module, got a {type(model).__name__}")
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise BadInput("apply_plan got a torch.compile'd model; apply the plan to the model first, then "
+                       "compile: `apply_plan(model, plan); model = torch.compile(model)`")
+    carrying = planned_modules(model)
+    if carrying:
+        raise PlanAlreadyApplied(
+            f"the model already carries a remat plan ({len(carrying)} modules checkpointed, e.g. "
+            f"{carrying[0] or '<root>'!r}); call .remove() on the handle apply_plan returned before applying another")
+
+
+def planned_modules(model: nn.Module) -> list[str]:
+    """FQNs ('' for the root) of the modules that carry a remat plan's checkpointed forward."""
+    return [name for name, m in model.named_modules()
+            if getattr(m.__dict__.get("forward"), "_remat_forward", False)]
+
+
+def _check_antichain(names: list[str]) -> list[str]:
+    for a in names:
+        for b in names:
+            if a != b and (a == "" or b.startswith(a + ".")):
+                raise BadInput(f"the plan checkpoints both {a or '<root>'!r} and its submodule {b!r}; "
+                               f"checkpoint regions must not nest: re-create the plan")
+    return names
+
+
+def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[str], *, strict: bool) -> None:
+    mine = _plain_fingerprint(fingerprint(model, inputs))
+    if inputs is None:  # nothing to compare the plan's input shapes with
+        mine = mine.model_copy(update={"inputs": plan.fingerprint.inputs})
+    diffs = [f"checkpoint {name!r} is not a module of the model" for name in missing]
+    diffs += plan.fingerprint.differences(mine)
+    if not diffs:
+        return
+    listing = "\n  ".join(diffs)
+    if strict:
+        raise PlanMismatch(f"the plan was made for another model or input shapes:\n  {listing}\n"
+                           f"re-plan for this model, or pass strict=False to apply the modules that exist",
+                           diffs)
+    warnings.warn(f"remat: the plan does not match the model (applying what matches):\n  {listing}",
+                  stacklevel=3)
+
+
+def _plain(name: str) -> str:
+    """FQN without torch ``CheckpointWrapper`` levels, as its ``state_dict`` hook names things."""
+    return ".".join(part for part in name.split(".") if part != _WRAPPED)
+
+
+def _plain_fingerprint(fp: Fingerprint) -> Fingerprint:
+    modules = list(dict.fromkeys(m for m in map(_plain, fp.modules) if m))
+    params = [p.model_copy(update={"name": _plain(p.name)}) for p in fp.params]
+    return fp.model_copy(update={"modules": modules, "params": params})
+
+
+def _modules_by_plain_name(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN -> module; a ``CheckpointWrapper`` takes the name of the module it wraps."""
+    out: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        out.setdefault(_plain(name), m)
+    return out
+
+
+def _user_checkpointed(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, str]:
+    """Modules the user already checkpoints: plain FQN -> how."""
+    found: dict[str, str] = {}
+    for name, m in modules.items():
+        how = _checkpointed_by(m)
+        if how:
+            found[name] = how
+    hf_layer = any(_is_hf_layer(m) for m in modules.values())
+    if not hf_layer and getattr(model, "is_gradient_checkpointing", False) is True:
+        # Older Hugging Face models: the container calls checkpoint on its layers itself.
+        for name, m in modules.items():
+            if getattr(m, "gradient_checkpointing", False) is True:
+                found.setdefault(name, "Hugging Face gradient checkpointing (inside this module)")
+    return found
+
+
+def _checkpointed_by(m: nn.Module) -> str | None:
+    if type(m).__name__ == "CheckpointWrapper":
+        return "torch checkpoint_wrapper"
+    if _is_hf_layer(m) and getattr(m, "gradient_checkpointing", False) is True:
+        return "Hugging Face gradient_checkpointing_enable()"
+    registry = getattr(m, "__composable_api_registry", None)
+    if isinstance(registry, dict) and "checkpoint" in registry:
+        return "torch.distributed._composable checkpoint"
+    return None
+
+
+def _is_hf_layer(m: nn.Module) -> bool:
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
+
+
+def _overlap(name: str, already: dict[str, str]) -> str | None:
+    """Why ``name`` must be left alone: it is, is inside, or contains a user-checkpointed module."""
+    for other, how in already.items():
+        if other == name:
+            return f"already checkpointed ({how})"
+        if name == "" or other.startswith(name + "."):
+            return f"contains {other!r}, already checkpointed ({how})"
+        if other == "" or name.startswith(other + "."):
+            return f"inside {other or '<root>'!r}, already checkpointed ({how})"
+    return None
+
+
+def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
+    user_skips = {n: r for n, r in handle.skipped.items() if r != "not in the model"}
+    if user_skips:
+        listing = ", ".join(f"{n} ({r})" for n, r in user_skips.items())
+        warnings.warn(f"remat: {len(user_skips)} planned module(s) left as the user checkpointed them, "
+                      f"not checkpointed twice: {listing}", stacklevel=3)
+    elif already:
+        logger.info("the model already checkpoints %s (not in the plan; left as is)",
+                    ", ".join(sorted(already)))
+    p = plan.predicted
+    logger.info(
+        "checkpointed %d/%d planned modules%s; predicted peak %s (budget %s), recompute +%.1f ms/step",
+        len(handle.checkpointed), len(plan.checkpoints),
+        f", skipped {len(handle.skipped)}: {', '.join(handle.skipped)}" if handle.skipped else "",
+        format_bytes(p.peak_bytes), format_bytes(plan.budget_bytes), p.recompute_ms,
+    )

@@ -1,0 +1,307 @@
+"""Check a plan against reality: train with and without it, compare memory, time and gradients.
+
+Example::
+
+    from planner.verify import verify
+    report = verify("examples/gpt2.py", "plan.json", steps=3, device="cpu")
+    for label, predicted, measured, check in report.rows():
+        print(f"{label:28} {predicted:>12} {measured:>12}  {check}")
+    assert report.ok
+
+The model is trained twice from identical copies (built once, deep-copied per run, one run on
+the device at a time so neither sees the other's memory): without the plan, then with it. Each
+run does the step of ``planner.measure.make_step`` with the plan's optimizer at lr=0 (its state
+is allocated, the weights do not move) and amp setting:
+
+1. one step from the identical starting state with ``torch.manual_seed`` reset, so dropout
+   draws the same masks: its loss, gradients and buffers (BatchNorm statistics) are compared,
+   and it counts the recomputed forwards;
+2. ``steps`` timed steps (the median is the step time);
+3. one step measured by ``planner.measure.measure_step`` (the device's own peak).
+
+The report is ``ok`` when the planned peak fits ``plan.budget_bytes`` and no gradient or
+buffer element differs by more than ``tolerance``. Predictions come from the plan (see
+NOTE [ Peak-memory model ] in ``planner/cost_model.py``); nothing is re-derived here.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from planner.applier import PlanAlreadyApplied, apply_plan, planned_modules
+from planner.errors import BadInput
+from planner.measure import Measured, make_optimizer, make_step, measure_step
+from planner.model_file import Inputs, load_model_file
+from planner.profiler import resolve_device
+from planner.schema import Plan
+from planner.tracker import iter_tensors, storage_bytes
+from planner.units import format_bytes
+
+SEED = 1234
+"""RNG seed set before the compared step of each run: both draw the same dropout masks."""
+
+
+class VerifyReport(BaseModel):
+    """Predicted (from the plan) vs measured (with and without the plan), and the verdict."""
+
+    model: str = Field(description="Model file path, or the model's class name.")
+    device: str
+    peak_source: str = Field(description="'cuda-allocator' or 'cpu-profiler' (see planner.measure).")
+    steps: int = Field(description="Timed steps per run.")
+    budget_bytes: int
+    tolerance: float = Field(description="Largest allowed |difference| of any gradient or buffer element.")
+    checkpointed: list[str]
+    skipped: dict[str, str] = Field(default_factory=dict, description="Plan modules not applied, and why.")
+
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    predicted_no_plan_peak_bytes: int | None
+    measured_no_plan_peak_bytes: int
+    predicted_step_ms: float
+    measured_step_ms: float
+    measured_no_plan_step_ms: float
+    predicted_recompute_ms: float
+    measured_recompute_ms: float = Field(description="Planned minus unplanned step time (noisy on a busy CPU).")
+    planned_recomputes: int = Field(description="Checkpointed module calls per step the plan names.")
+    measured_recomputes: int = Field(description="Forwards recomputed during the compared step.")
+    loss: float
+    loss_diff: float
+    max_grad_diff: float
+    max_buffer_diff: float
+    problems: list[str] = Field(default_factory=list, description="Why ok is False; empty when ok.")
+    notes: list[str] = Field(default_factory=list, description="Worth knowing, not failures.")
+    ok: bool
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """``(quantity, predicted, measured, check)`` rows for a table."""
+        fits = self.measured_peak_bytes <= self.budget_bytes
+        over = format_bytes(self.measured_peak_bytes - self.budget_bytes)
+        no_plan = self.predicted_no_plan_peak_bytes
+        return [
+            ("peak memory", format_bytes(self.predicted_peak_bytes), format_bytes(self.measured_peak_bytes),
+             f"fits {format_bytes(self.budget_bytes)}" if fits else f"OVER budget by {over}"),
+            ("peak without the plan", format_bytes(no_plan) if no_plan is not None else "-",
+             format_bytes(self.measured_no_plan_peak_bytes), ""),
+            ("step time", f"{self.predicted_step_ms:.1f} ms", f"{self.measured_step_ms:.1f} ms", ""),
+            ("recompute overhead", f"+{self.predicted_recompute_ms:.1f} ms",
+             f"{self.measured_recompute_ms:+.1f} ms", ""),
+            ("recomputed forwards/step", str(self.planned_recomputes), str(self.measured_recomputes),
+             "" if self.measured_recomputes == self.planned_recomputes else "differs"),
+            ("max |grad diff|", f"<= {self.tolerance:g}", f"{self.max_grad_diff:.3g}",
+             "ok" if self.max_grad_diff <= self.tolerance else "FAIL"),
+            ("max |buffer diff|", f"<= {self.tolerance:g}", f"{self.max_buffer_diff:.3g}",
+             "ok" if self.max_buffer_diff <= self.tolerance else "FAIL"),
+        ]
+
+
+def verify(model_file_or_model: str | Path | torch.nn.Module, plan: Plan | str | Path, *, steps: int = 3,
+           device: str | torch.device = "cpu", tolerance: float = 1e-5, inputs: Inputs | None = None,
+           loss_fn: Callable[[Any], torch.Tensor] | None = None,
+           progress: Callable[[str], None] | None = None) -> VerifyReport:
+    """Train with and without ``plan`` and report predicted vs measured memory, time and gradients.
+
+    Args:
+        model_file_or_model: a model file (``build_model()``, ``example_inputs()``, optional
+            ``loss_fn``), or an ``nn.Module`` without a plan (it is deep-copied, never changed;
+            then ``inputs`` is required).
+        plan: a ``Plan`` or the path of a plan file.
+        steps: timed steps per run (>= 1).
+        device: 'cpu', 'cuda', 'cuda:1', 'auto' or a ``torch.device``.
+        tolerance: largest allowed absolute difference of any gradient or buffer element after
+            the compared step. On the CPU the difference is 0 (recomputation is bitwise); on
+            CUDA nondeterministic kernels (atomic adds in embedding or scatter backward) differ
+            slightly between any two runs.
+        inputs, loss_fn: for an ``nn.Module``; a model file brings its own.
+        progress: called with a short message as each run starts.
+
+    Returns:
+        A ``VerifyReport``; ``.ok`` is False when the measured peak is over ``plan.budget_bytes``
+        or gradients/buffers differ by more than ``tolerance``; ``.rows()`` for printing.
+
+    Raises:
+        PlanMismatch: the plan was made for another model or input shapes.
+        PlanAlreadyApplied: the model given already carries a plan.
+        BadInput, ModelLoadError, ProfileError: bad arguments, model file or training step.
+    """
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if steps < 1:
+        raise BadInput(f"verify needs steps >= 1, got {steps}")
+    if tolerance < 0:
+        raise BadInput(f"tolerance must be >= 0, got {tolerance}")
+    master, inputs, loss_fn, label = _load(model_file_or_model, inputs, loss_fn)
+    dev = resolve_device(device)
+    say = progress or (lambda _msg: None)
+    say(f"training {steps + 2} steps without the plan")
+    base = _run(master, inputs, loss_fn, plan, dev, steps, planned=False)
+    say(f"training {steps + 2} steps with the plan")
+    mine = _run(master, inputs, loss_fn, plan, dev, steps, planned=True)
+    return _report(plan, master, label, dev, steps, tolerance, base, mine)
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+@dataclass
+class _Run:
+    loss: float
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    step_ms: float
+    peak: Measured
+    checkpointed: list[str]
+    skipped: dict[str, str]
+    recomputes: int
+
+
+def _load(source: Any, inputs: Inputs | None, loss_fn: Any) -> tuple[torch.nn.Module, Inputs, Any, str]:
+    if isinstance(source, torch.nn.Module):
+        if inputs is None:
+            raise BadInput("verify(model, plan) needs inputs=<one training batch>; or pass a model file")
+        if planned_modules(source):
+            raise PlanAlreadyApplied("verify needs the model without a plan (it trains a copy with and one "
+                                     "without); call .remove() on the handle apply_plan returned")
+        return source, inputs, loss_fn, type(source).__name__
+    mf = load_model_file(source)
+    return mf.build_model(), mf.example_inputs(), mf.loss_fn, str(source)
+
+
+def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev: torch.device,
+         steps: int, *, planned: bool) -> _Run:
+    model = copy.deepcopy(master).to(dev).train()
+    batch = _to_device(inputs, dev)
+    handle = apply_plan(model, plan, inputs=batch) if planned else None
+    opt = make_optimizer(plan.optimizer or "adamw", model)
+    step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, amp=plan.amp)
+    losses: list[float] = []
+
+    def mark(name: str, value: Any) -> None:
+        if name == "forward_end":
+            losses.append(float(value.detach()))
+
+    torch.manual_seed(SEED)
+    step(mark)
+    grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+             for n, p in model.named_parameters()}
+    buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}
+    recomputes = handle.recompute_count if handle else 0
+
+    times = []
+    for i in range(steps):
+        torch.manual_seed(SEED + 1 + i)
+        _sync(dev)
+        start = time.perf_counter()
+        step()
+        _sync(dev)
+        times.append((time.perf_counter() - start) * 1e3)
+
+    model.zero_grad(set_to_none=True)  # see measure_step's warning
+    gc.collect()
+    static = storage_bytes(itertools.chain(model.parameters(), model.buffers(),
+                                           iter_tensors(*opt.state.values()) if opt else (), iter_tensors(batch)))
+    torch.manual_seed(SEED)
+    peak = measure_step(step, dev, static_bytes=static)
+    run = _Run(losses[0], grads, buffers, statistics.median(times), peak,
+               list(handle.checkpointed) if handle else [], dict(handle.skipped) if handle else {}, recomputes)
+    if handle:
+        handle.remove()
+    del model, opt, step, batch
+    _free(dev)
+    return run
+
+
+def _to_device(obj: Any, dev: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(v, dev) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, dev) for k, v in obj.items()}
+    return obj
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _max_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
+    """Largest |a - b| over all entries; inf where one side has a tensor and the other not."""
+    worst = 0.0
+    for name in a.keys() | b.keys():
+        x, y = a.get(name), b.get(name)
+        if x is None and y is None:
+            continue
+        if x is None or y is None or x.shape != y.shape:
+            return float("inf")
+        if x.is_floating_point():
+            worst = max(worst, float((x.double() - y.double()).abs().max()) if x.numel() else 0.0)
+        elif not torch.equal(x, y):
+            worst = max(worst, float((x.double() - y.double()).abs().max()))
+    return worst
+
+
+def _planned_recomputes(plan: Plan, applied: list[str]) -> int:
+    """Checkpointed calls per step: the plan's unit ids (one per call) of the applied FQNs."""
+    if not plan.checkpoint_units:
+        return len(applied)
+    return sum(1 for u in plan.checkpoint_units if u.split("#", 1)[0] in applied)
+
+
+def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, steps: int, tolerance: float,
+            base: _Run, mine: _Run) -> VerifyReport:
+    p = plan.predicted
+    grad_diff = _max_diff(base.grads, mine.grads)
+    buffer_diff = _max_diff(base.buffers, mine.buffers)  # type: ignore[arg-type]
+    planned = _planned_recomputes(plan, mine.checkpointed)
+    problems, notes = [], []
+    if mine.peak.peak_bytes > plan.budget_bytes:
+        problems.append(f"measured peak {format_bytes(mine.peak.peak_bytes)} is over the budget "
+                        f"{format_bytes(plan.budget_bytes)}")
+    if grad_diff > tolerance:
+        problems.append(f"gradients differ from the unplanned model's by up to {grad_diff:.3g} "
+                        f"(tolerance {tolerance:g})")
+    if buffer_diff > tolerance:
+        problems.append(f"buffers (e.g. BatchNorm statistics) differ by up to {buffer_diff:.3g} "
+                        f"(tolerance {tolerance:g})")
+    if mine.skipped:
+        notes.append("not applied: " + ", ".join(f"{n} ({why})" for n, why in mine.skipped.items()))
+    if mine.recomputes != planned:
+        notes.append(f"{mine.recomputes} forwards recomputed, {planned} planned: a region that saves no "
+                     f"tensor for backward is never recomputed")
+    if any(p.device.type == dev.type for p in master.parameters()) and dev.type != "cpu":
+        notes.append(f"the model given lives on {dev}: its own memory is in both measured peaks")
+    if dev.type != (plan.device or dev.type) and plan.device != "meta":
+        notes.append(f"the plan was made on {plan.device}, verified on {dev.type}")
+    return VerifyReport(
+        model=label, device=str(dev), peak_source=mine.peak.source, steps=steps,
+        budget_bytes=plan.budget_bytes, tolerance=tolerance,
+        checkpointed=mine.checkpointed, skipped=mine.skipped,
+        predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=mine.peak.peak_bytes,
+        predicted_no_plan_peak_bytes=p.no_checkpoint_peak_bytes, measured_no_plan_peak_bytes=base.peak.peak_bytes,
+        predicted_step_ms=p.step_ms, measured_step_ms=mine.step_ms, measured_no_plan_step_ms=base.step_ms,
+        predicted_recompute_ms=p.recompute_ms, measured_recompute_ms=mine.step_ms - base.step_ms,
+        planned_recomputes=planned, measured_recomputes=mine.recomputes,
+        loss=mine.loss, loss_diff=abs(mine.loss - base.loss),
+        max_grad_diff=grad_diff, max_buffer_diff=buffer_diff,
+        problems=problems, notes=notes, ok=not problems,
+    )
