@@ -81,6 +81,7 @@ def profile(
     warmup_steps: int = 1,
     steps: int = 3,
     amp: str | None = None,
+    target: str | Any | None = None,
     progress: Progress | None = None,
 ) -> schema.Profile:
     """Profile one training step of ``model`` on ``inputs``.
@@ -95,19 +96,24 @@ def profile(
         inputs: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
             (``model(**kwargs)``); moved to ``device``.
         loss_fn: ``loss_fn(output) -> scalar tensor``; default ``model_file.default_loss``.
-        device: 'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1' or a
-            ``torch.device``.
+        device: 'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1', a
+            ``torch.device``, or 'meta': nothing runs, fake tensors give the bytes and a
+            roofline for ``target`` the times (``planner.meta.profile_meta``; build the model
+            with ``planner.meta.build_on_meta`` so that it takes no memory).
         optimizer: 'adamw', 'adam', 'sgd' (momentum 0.9) or 'none'.
         warmup_steps: plain steps before measuring (they create the optimizer state).
         steps: timing steps; times are means over them.
         amp: None, 'bf16' or 'fp16': forward and loss under ``torch.autocast``.
+        target: with device='meta' (required there), the device spec or its name
+            (``planner.devices``) the times are modelled for. Measured devices refuse it.
         progress: called with a short message as each stage starts.
 
     Returns:
         The ``schema.Profile``, with the device's own peak in ``step.measured_peak_bytes``.
 
     Raises:
-        BadInput: an unknown device, optimizer or amp, or fewer than one timing step.
+        BadInput: an unknown device, optimizer, amp or target, fewer than one timing step,
+            device='meta' without a target or a target with another device.
         ModelLoadError: parameters on the meta device or on several devices.
         ProfileError: the model, ``loss_fn`` or the optimizer raised (the message shows
             the user's frames), the loss is not a scalar, or the device ran out of memory.
@@ -119,6 +125,10 @@ def profile(
         raise BadInput(f"unknown amp {amp!r}; use bf16, fp16 or none")
     if steps < 1 or warmup_steps < 0:
         raise BadInput(f"need steps >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup_steps}")
+    if dev.type == "meta":
+        return _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, amp=amp, progress=progress)
+    if target is not None:
+        raise BadInput(f"target={target!r} models times for device='meta'; on {dev} the times are measured")
     say = progress or (lambda _msg: None)
     clock = _CLOCKS[dev.type](dev)
 
@@ -150,7 +160,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if name == "auto":
             name = "cuda" if torch.cuda.is_available() else "cpu"
         if name == "meta":
-            raise BadInput("device 'meta' (planning without running) is not available yet; use cpu or cuda")
+            return torch.device("meta")
         if name != "cpu" and not name.startswith("cuda"):
             raise BadInput(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N")
         try:
@@ -159,6 +169,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
             raise BadInput(f"invalid device {device!r}; use auto, cpu, cuda or cuda:N") from None
     else:
         dev = torch.device(device)
+    if dev.type == "meta":
+        return dev
     if dev.type not in _CLOCKS:
         raise BadInput(f"cannot profile on device {dev}; use cpu or cuda")
     if dev.type == "cuda":
@@ -171,9 +183,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _profile_meta(model: torch.nn.Module, inputs: Inputs, target: Any, **kwargs: Any) -> schema.Profile:
+    from planner.devices import load_devices
+    from planner.meta import profile_meta
+
+    if target is None:
+        names = ", ".join(s.name for s in load_devices())
+        raise BadInput(f"device 'meta' models times for a target device: give --target NAME (one of: {names})")
+    return profile_meta(model, inputs, target=target, **kwargs)
+
+
 # ----------------------------------------------------------------------------- clocks
-# One small clock per device type; a device without a clock (meta) will get times from
-# FLOPs instead, in its own function.
+# One small clock per device type; the meta device has none: planner/meta.py models its
+# times with a roofline (NOTE [ Roofline ]).
 
 
 class _WallClock:
@@ -520,6 +542,8 @@ class _MemoryRecorder(_Recorder):
         self.param_last_use: dict[int, int] = {}
         """Storage serial of a parameter -> seq of the last forward op that read it."""
         self.param_bytes_cache: dict[int, int] = {}
+        self.on_event: Callable[[int], None] | None = None
+        """Called with each event's seq, so the device's allocator view can mark the moment."""
         super().__init__(model)
         tracker.observer = self._on_op
 
@@ -536,6 +560,8 @@ class _MemoryRecorder(_Recorder):
                 self.events[unit.bwd_end_event].superseded = True
             unit.bwd_end_event = len(self.events)
         self.events.append(_Event(seq, kind, unit.id if unit else None, live, peak))
+        if self.on_event is not None:
+            self.on_event(seq)
         return seq
 
     def _on_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry]) -> None:
@@ -634,23 +660,31 @@ class _Memory:
 
 
 def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
-                 opt: torch.optim.Optimizer | None, dev: torch.device) -> _Memory:
+                 opt: torch.optim.Optimizer | None, dev: torch.device, *, round_to: int | None = None,
+                 recorder: Callable[[torch.nn.Module, LiveBytesTracker], _MemoryRecorder] | None = None) -> _Memory:
+    """One step under the tracker. ``round_to`` (default: ``dev``'s) and ``recorder`` are
+    for planner/meta.py, whose fake CPU tensors follow CUDA's rules and whose recorder also
+    notes the roofline's clock."""
     _release(model, dev)
-    tracker = LiveBytesTracker(device_type=dev.type, round_to=_ROUND_TO.get(dev.type, 1))
+    round_to = _ROUND_TO.get(dev.type, 1) if round_to is None else round_to
+    tracker = LiveBytesTracker(device_type=dev.type, round_to=round_to)
     params = [p for p in model.parameters()]
     params_bytes = tracker.register_static(params)
     buffers_bytes = tracker.register_static(model.buffers())
     optimizer_bytes = tracker.register_static(_optimizer_tensors(opt))
     batch_bytes = tracker.register_static(iter_tensors(inputs))
-    rec = _MemoryRecorder(model, tracker)
+    rec = (recorder or _MemoryRecorder)(model, tracker)
     serials: dict[str, int] = {}
     for name, p in model.named_parameters():
         e = tracker.entry(p)
         if e is not None and p.requires_grad:
             serials[name] = e.serial
             rec.param_last_use[e.serial] = -1
-    with rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), tracker:
+    with _allocator_view(dev) as view, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), \
+            tracker:
+        rec.on_event = view.note
         step(rec.mark)
+    view.apply(rec.events, params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + tracker.found_bytes)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grads_bytes = storage_bytes(grads, round_to=tracker.round_to)
     records: list[schema.ParamRecord] = []
@@ -670,6 +704,105 @@ def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
     static = params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + tracker.found_bytes
     return _Memory(rec, params_bytes, buffers_bytes, batch_bytes, optimizer_bytes, grads_bytes, tracker.found_bytes,
                    max(transient, 0), static, records, unused)
+
+
+class _TrackerView:
+    """The timeline as the tracker saw it (fake tensors; or no allocator view available)."""
+
+    def note(self, seq: int) -> None:
+        pass
+
+    def apply(self, events: list[_Event], static_bytes: int) -> None:
+        pass
+
+
+class _CudaAllocatorView(_TrackerView):
+    """Live and peak bytes of every event from the CUDA caching allocator itself.
+
+    The tracker sees tensor storages; the allocator also sees cuBLAS/cuDNN workspaces and its
+    own block rounding, which are real memory. ``memory_allocated`` is host-side bookkeeping,
+    exact at launch time without a synchronisation.
+    """
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.points = dev, {}
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    def note(self, seq: int) -> None:
+        self.points[seq] = (torch.cuda.memory_allocated(self.dev), torch.cuda.max_memory_allocated(self.dev))
+        torch.cuda.reset_peak_memory_stats(self.dev)
+
+    def apply(self, events: list[_Event], static_bytes: int) -> None:
+        for ev in events:
+            if ev.seq in self.points:
+                ev.live_bytes, ev.peak_bytes = self.points[ev.seq]
+
+
+class _CpuAllocatorView(_TrackerView):
+    """Live and peak bytes of every event from the CPU allocator's own events.
+
+    ``torch.profiler`` with ``profile_memory=True`` records every CPU allocation and free,
+    scratch memory inside kernels included (CPU convolution backward allocates megabytes the
+    tracker cannot see); a ``record_function`` marker per event places the events among them
+    in time (nanosecond timestamps of the same clock).
+    """
+
+    PREFIX = "remat::event::"
+
+    def __init__(self, prof: Any):
+        self.prof = prof
+
+    def note(self, seq: int) -> None:
+        with torch.autograd.profiler.record_function(f"{self.PREFIX}{seq}"):
+            pass
+
+    def apply(self, events: list[_Event], static_bytes: int) -> None:
+        kev = self.prof.profiler.kineto_results.events()
+        cpu = torch.autograd.DeviceType.CPU
+        mem = sorted((e.start_ns(), e.nbytes()) for e in kev if e.name() == "[memory]" and e.device_type() == cpu)
+        marks = {int(e.name()[len(self.PREFIX):]): e.start_ns() for e in kev if e.name().startswith(self.PREFIX)}
+        if len(marks) < len(events):
+            return  # the profiler lost markers: keep the tracker's view
+        running = peak = 0
+        i = 0
+        for ev in events:
+            t = marks[ev.seq]
+            while i < len(mem) and mem[i][0] <= t:
+                running += mem[i][1]
+                peak = max(peak, running)
+                i += 1
+            ev.live_bytes = static_bytes + running
+            ev.peak_bytes = static_bytes + max(peak, running)
+            peak = running
+
+
+@contextlib.contextmanager
+def _allocator_view(dev: torch.device) -> Iterator[_TrackerView]:
+    """The device allocator's view of the memory step's timeline (see the view classes)."""
+    from torch._guards import detect_fake_mode
+
+    if detect_fake_mode() is not None:  # planner/meta.py: fake tensors allocate nothing; the tracker is exact
+        yield _TrackerView()
+        return
+    if dev.type == "cuda":
+        yield _CudaAllocatorView(dev)
+        return
+    if dev.type != "cpu":
+        yield _TrackerView()
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from planner.measure import _quiet_stderr
+
+    prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():
+        prof.__enter__()
+    try:
+        yield _CpuAllocatorView(prof)
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:

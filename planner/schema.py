@@ -263,6 +263,8 @@ class Plan(_Model):
     fingerprint: Fingerprint
     fingerprint_digest: str
     budget_bytes: int
+    headroom_bytes: int = Field(0, description="Kept free below the budget: the solver planned for "
+                                               "budget_bytes - headroom_bytes (see planner.api.DEFAULT_HEADROOM).")
     checkpoints: list[str] = Field(description="Module FQNs, each checkpointed as one region (every call).")
     checkpoint_units: list[str] = Field(default_factory=list,
                                         description="Unit ids (FQN, '#k' for k-th call) the solver chose.")
