@@ -1,0 +1,490 @@
+"""Profile a training step without running it: fake tensors for the bytes, a roofline for the times.
+
+``profile(..., device="meta", target="h100")`` (``remat plan --device meta --target h100``)
+lands here. The model is built on the meta device (``build_on_meta``: no memory, so a 7B
+model costs nothing to build), its parameters are swapped for fake tensors, and the same
+warm-up step and memory step as ``planner.profiler`` run under
+``torch._subclasses.fake_tensor.FakeTensorMode``: every aten op computes output shapes,
+dtypes and strides, and nothing is allocated. See docs/meta.md for what comes out.
+
+NOTE [ Meta profiling ]
+Bytes. The live-bytes tracker (NOTE [ Live-bytes tracker ]) runs on the fake tensors, whose
+storages carry real ``nbytes``: saved-for-backward tensors, unit inputs and outputs, the
+timeline, gradients and the optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` created by
+the optimizer's own first ``step()`` in the warm-up, under the fake mode) are the bytes a
+real step would allocate, byte for byte, as far as the dispatcher sees them. Not seen: a
+kernel's internal workspace (cuBLAS, flash-attention backward scratch), allocator
+fragmentation and the CUDA context (see ``planner.devices.usable_bytes``).
+
+Whose rules. The step follows the *target's* rules: a GPU target gets 512-byte allocation
+blocks, the foreach optimizer (torch's default on CUDA) and CUDA's choice of
+scaled-dot-product-attention kernel (flash for fp16/bf16 without a mask, memory-efficient
+otherwise: they save the output and a log-sum-exp, where the CPU's math path with dropout
+saves the S x S attention matrix). The fake tensors themselves are CUDA tensors when this
+PyTorch has CUDA, else CPU tensors: autograd on fake CUDA tensors needs the CUDA runtime
+(without it, ``InputMetadata`` aborts the process, uncatchably), so on a CPU-only machine
+the rules above are applied by hand and autocast uses the CPU's op lists (the CUDA lists
+also run softmax, layer_norm and losses in fp32; see docs/meta.md).
+
+Times. One roofline per aten op (``Roofline``), summed between the same module hooks the
+profiler times real steps with; see NOTE [ Roofline ].
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from planner import schema
+from planner.profiler import _assemble, _MemoryRecorder, _memory_step, _Times
+from planner.devices import DeviceSpec, get_device
+from planner.errors import BadInput, ProfileError
+from planner.measure import Measured, make_optimizer, make_step
+from planner.model_file import Inputs
+from planner.tracker import LiveBytesTracker, iter_tensors
+
+Progress = Callable[[str], None]
+
+# NOTE [ Roofline ]
+# An op takes max(compute time, memory time): it is bound by whichever unit it saturates.
+#   compute = FLOPs / (peak FLOP/s of the op's dtype * MATMUL_EFFICIENCY)
+#   memory  = bytes moved / (memory bandwidth * BANDWIDTH_EFFICIENCY)
+# FLOPs are torch.utils.flop_counter's (the FlopCounterMode registry: matmuls, convolutions,
+# attention; causal attention counted in full, as it does), forward and backward. Bytes moved
+# are the bytes of the op's tensor inputs and outputs (each tensor's elements, capped by its
+# storage: an expanded tensor is read once); views and allocations without a write move
+# nothing. The dtype column is that of the op's first floating-point input (bf16/fp16;
+# fp32 uses tf32 when torch.backends.cuda.matmul.allow_tf32 is set, as in PyTorch); a column
+# the device lacks (bf16 on a T4) falls back to fp32. Kernel launch overhead (a few us per
+# op) is not modelled: small models come out faster than they run.
+
+MATMUL_EFFICIENCY = 0.6
+"""Assumption: share of the datasheet's dense peak FLOP/s that large bf16 matmuls reach in
+training (cuBLAS on H100 reaches 60-75% on big GEMMs, less on the odd shapes of attention
+projections and small batches). One factor for every op with FLOPs."""
+
+BANDWIDTH_EFFICIENCY = 0.8
+"""Assumption: share of the datasheet's memory bandwidth that elementwise and reduction
+kernels reach (STREAM-like copies reach 85-90% on HBM; norms, softmax and optimizer updates
+somewhat less)."""
+
+_NO_TRAFFIC_PREFIXES = ("empty", "new_empty", "sym_")
+"""Ops that allocate without writing, or read only metadata: no bytes moved."""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How the faked step behaves: the target device type's rules, on fake tensors of ``fake_device``."""
+
+    device_type: str
+    """'cuda' for GPU targets; 'cpu' to reproduce a real CPU step exactly (tests)."""
+    fake_device: str
+    """Device type of the fake tensors: 'cuda' only when this PyTorch can run CUDA autograd."""
+
+    @property
+    def round_to(self) -> int:
+        return 512 if self.device_type == "cuda" else 1
+
+    @property
+    def emulate_cuda(self) -> bool:
+        """CUDA rules on fake CPU tensors: the foreach optimizer and the SDPA choice by hand."""
+        return self.device_type == "cuda" and self.fake_device == "cpu"
+
+
+def rules_for(device_type: str = "cuda") -> Rules:
+    if device_type not in ("cuda", "cpu"):
+        raise BadInput(f"meta profiling follows 'cuda' or 'cpu' rules, got {device_type!r}")
+    fake = "cuda" if device_type == "cuda" and torch.cuda.is_available() else "cpu"
+    return Rules(device_type=device_type, fake_device=fake)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def build_on_meta(build_model: Callable[[], nn.Module]) -> nn.Module:
+    """``build_model()`` with the meta device as the default: parameters take no memory."""
+    with torch.device("meta"):
+        return build_model()
+
+
+def profile_meta(
+    model: nn.Module,
+    inputs: Inputs,
+    *,
+    target: str | DeviceSpec,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: str = "adamw",
+    amp: str | None = None,
+    device_type: str = "cuda",
+    progress: Progress | None = None,
+) -> schema.Profile:
+    """Profile one training step of ``model`` on fake tensors, with times modelled for ``target``.
+
+    See the module docstring and NOTE [ Meta profiling ]. The model may be on the meta
+    device (``build_on_meta``) or real; its parameters and buffers are swapped for fake
+    tensors during the call and put back afterwards, train/eval flags restored.
+
+    Args:
+        model: the model, ideally built with ``build_on_meta``.
+        inputs: as for ``planner.profiler.profile``; real tensors (turned into fake ones).
+        target: a device spec or its name/alias (``planner.devices``): peak FLOP/s and
+            bandwidth for the roofline.
+        loss_fn, optimizer, amp: as for ``planner.profiler.profile``.
+        device_type: whose rules the step follows (NOTE [ Meta profiling ]): 'cuda' for a
+            GPU target; 'cpu' makes the faked step the same as a real CPU step (to compare).
+        progress: called with a short message as each stage starts.
+
+    Returns:
+        A ``schema.Profile`` with ``device='meta'``, ``target`` the spec's name,
+        ``step.peak_source='tracker'`` and each unit's forward ``flops``.
+
+    Raises:
+        BadInput: an unknown target.
+        ProfileError: the model reads tensor values (``.item()``, ``nonzero``), which fake
+            tensors do not have, or user code raised.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = target if isinstance(target, DeviceSpec) else get_device(target)
+    rules = rules_for(device_type)
+    say = progress or (lambda _msg: None)
+    dev = torch.device(rules.fake_device)
+    roofline = Roofline(spec)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _fake_state(model, dev), _sdpa(rules), \
+            _hf_unpacked(inputs), _explaining_fake_errors():
+        fake_inputs = _fake_inputs(fake, inputs, dev)
+        opt = make_optimizer(optimizer, model)
+        if rules.emulate_cuda and opt is not None:
+            for group in opt.param_groups:  # torch picks foreach for CUDA params; ours are fake CPU ones
+                group["foreach"] = True
+        step = make_step(model, fake_inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
+        say("warm-up step (fake tensors)")
+        step()
+        say("memory and roofline step (fake tensors)")
+        stamps: dict[int, tuple[float, float]] = {}
+        with roofline:
+            mem = _memory_step(
+                model, step, fake_inputs, opt, dev, round_to=rules.round_to,
+                recorder=lambda m, tracker: _RooflineRecorder(m, tracker, roofline, stamps))
+        times, flops = _times(mem.recorder, stamps)
+        peak = max((e.peak_bytes for e in mem.recorder.events), default=0)
+        measured = Measured(peak_bytes=peak, step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
+                            source="tracker")
+        prof = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, 1, 1)
+    units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
+    return prof.model_copy(update={
+        "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units,
+        "notes": [*prof.notes, *_notes(spec, rules)],
+    })
+
+
+def _notes(spec: DeviceSpec, rules: Rules) -> list[str]:
+    notes = [f"no step was run: bytes from fake tensors, times from a roofline for {spec.display_name} "
+             f"(efficiency {MATMUL_EFFICIENCY} of peak FLOP/s, {BANDWIDTH_EFFICIENCY} of bandwidth; "
+             f"see docs/meta.md)"]
+    if rules.emulate_cuda:
+        notes.append("fake tensors on the CPU with CUDA's rules (512-byte blocks, foreach optimizer, "
+                     "CUDA's attention kernels); autocast followed the CPU's op lists")
+    return notes
+
+
+# ----------------------------------------------------------------------------- fake state
+
+
+@contextlib.contextmanager
+def _fake_state(model: nn.Module, dev: torch.device) -> Iterator[None]:
+    """Swap every parameter and buffer for an empty fake tensor on ``dev``; put them back after.
+
+    Shared parameters (tied embeddings) stay shared: one fake parameter per original. Must run
+    inside the fake mode, so ``torch.empty_strided`` makes fake tensors.
+    """
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    fakes: dict[int, torch.Tensor] = {}
+    modes = [(m, m.training) for m in model.modules()]
+
+    def fake_of(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in fakes:
+            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+            fakes[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if param else new
+        return fakes[id(t)]
+
+    try:
+        for m in model.modules():
+            for table, param in ((m._parameters, True), (m._buffers, False)):
+                for name, t in list(table.items()):
+                    if t is not None:
+                        swapped.append((table, name, t))
+                        table[name] = fake_of(t, param)
+        model.train()
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for table, name, original in reversed(swapped):
+            table[name] = original
+        for m, training in modes:
+            m.training = training
+
+
+def _fake_inputs(fake: Any, inputs: Any, dev: torch.device) -> Any:
+    """``inputs`` with every tensor a fake tensor on ``dev`` (non-tensors as they are)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(inputs, torch.Tensor):
+        return (inputs if isinstance(inputs, FakeTensor) else fake.from_tensor(inputs)).to(dev)
+    if isinstance(inputs, tuple):
+        return tuple(_fake_inputs(fake, v, dev) for v in inputs)
+    if isinstance(inputs, list):
+        return [_fake_inputs(fake, v, dev) for v in inputs]
+    if isinstance(inputs, dict):
+        return {k: _fake_inputs(fake, v, dev) for k, v in inputs.items()}
+    return inputs
+
+
+@contextlib.contextmanager
+def _explaining_fake_errors() -> Iterator[None]:
+    """A model that reads tensor values cannot run on fake tensors: say so, and what to do."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except ProfileError as e:
+        cause = e.__cause__
+        if isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException)):
+            raise ProfileError(
+                f"{e}\n--device meta runs the step on fake tensors, which have shapes but no values; "
+                f"this model reads values ({type(cause).__name__}: {cause}). Use --device cpu or cuda, "
+                f"or make the forward shape-only (no .item(), nonzero, boolean masks)") from cause
+        raise
+
+
+@contextlib.contextmanager
+def _hf_unpacked(inputs: Any) -> Iterator[None]:
+    """Hugging Face's answer for unpacked sequences, which it cannot compute on fake tensors.
+
+    Given no attention mask, transformers' ``create_causal_mask`` asks
+    ``find_packed_sequence_indices(position_ids)`` whether several sequences share a row: a
+    data-dependent check it skips on fake tensors (as under ``torch.compile``), answering "maybe",
+    which makes it build a 4-D mask and rules out SDPA's flash kernel, costing a B x S x S
+    mask and, on CUDA, a saved attention bias per layer that the real step does not have.
+    When the model makes its own position ids (no ``position_ids`` among the inputs) they are
+    ``arange`` rows, and the real answer is None ("not packed"): give that.
+    """
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices") or \
+            (isinstance(inputs, dict) and "position_ids" in inputs):
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+# ----------------------------------------------------------------------------- CUDA attention
+
+
+class _CudaSdpa(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` as CUDA's dispatcher would run it (sm80 and later).
+
+    Flash attention for fp16/bf16 without a mask, memory-efficient attention otherwise, the
+    math path (what the CPU runs) for grouped-query attention with a mask or odd head sizes.
+    Under autocast, SDPA runs in the autocast dtype, as on CUDA. The aten kernels are CUDA's,
+    computed by their meta functions on the fake CPU tensors.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = _cuda_sdpa(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor | None:
+    """The CUDA kernel's output, or None to let the call run as it is (math path)."""
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    head_dim = query.shape[-1]
+    gqa = enable_gqa and key.shape[-3] != query.shape[-3]
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if query.dim() != 4 or head_dim % 8 or head_dim > 256:
+        return None
+    aten = torch.ops.aten
+    if attn_mask is None and half:
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                        scale=scale)[0]
+    if gqa:
+        return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # CUDA turns it into an additive bias
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        attn_mask = attn_mask.to(query.dtype)
+    needs_grad = query.requires_grad or key.requires_grad or value.requires_grad
+    return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, needs_grad, dropout_p,
+                                                        is_causal, scale=scale)[0]
+
+
+def _sdpa(rules: Rules) -> contextlib.AbstractContextManager:
+    return _CudaSdpa() if rules.emulate_cuda else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def _cpu_flash_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+_EXTRA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+}
+"""Attention kernels the flop counter does not know (the CPU's flash attention), same formula."""
+
+
+class Roofline(TorchDispatchMode):
+    """Model each aten op's time on ``spec`` (NOTE [ Roofline ]) and keep running totals.
+
+    ``ms`` and ``flops`` only grow; differences between two readings are what ran in between.
+    """
+
+    def __init__(self, spec: DeviceSpec):
+        super().__init__()
+        self.spec = spec
+        self.ms = 0.0
+        self.flops = 0.0
+        self._bytes_per_ms = spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY / 1e3
+        self._tf32 = _tf32_enabled()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.add(func, args, kwargs, out)
+        return out
+
+    def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Account for one op (called by the mode; public so a test can feed it ops)."""
+        if _moves_nothing(func, args, out):
+            return
+        flops = self._op_flops(func, args, kwargs, out)
+        moved = sum(_moved_bytes(t) for t in iter_tensors(args, kwargs, out))
+        ms = moved / self._bytes_per_ms
+        if flops:
+            rate = self._flops_per_s(_op_dtype(args)) * MATMUL_EFFICIENCY
+            ms = max(ms, flops / rate * 1e3)
+            self.flops += flops
+        self.ms += ms
+
+    @staticmethod
+    def _op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+        packet = func._overloadpacket
+        count = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+        return float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
+
+    def _flops_per_s(self, dtype: torch.dtype | None) -> float:
+        peak = self.spec.peak_flops
+        column = {torch.bfloat16: peak.bf16, torch.float16: peak.fp16}.get(dtype) if dtype else None
+        if dtype == torch.float32 and self._tf32:
+            column = peak.tf32
+        return column or peak.fp32
+
+
+def _moves_nothing(func: Any, args: tuple, out: Any) -> bool:
+    """Views (``_unsafe_view`` too: its output shares the input's storage), metadata queries
+    (``prim.device``), and allocations that write nothing."""
+    if func.is_view or func.namespace == "prim" or func.__name__.startswith(_NO_TRAFFIC_PREFIXES):
+        return True
+    if func._schema.is_mutable:  # in-place and out= ops return their input, and write it
+        return False
+    outs = list(iter_tensors(out))
+    if not outs:
+        return True
+    inputs = {_storage_key(t) for t in iter_tensors(args)}
+    return all(_storage_key(t) in inputs for t in outs)
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _moved_bytes(t: torch.Tensor) -> int:
+    n = t.numel() * t.element_size()
+    try:
+        return min(n, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return n
+
+
+def _op_dtype(args: tuple) -> torch.dtype | None:
+    for t in iter_tensors(args):
+        if t.is_floating_point():
+            return t.dtype
+    return None
+
+
+def _tf32_enabled() -> bool:
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ----------------------------------------------------------------------------- times per unit
+
+
+class _RooflineRecorder(_MemoryRecorder):
+    """The profiler's memory recorder, also noting the roofline's totals at every event."""
+
+    def __init__(self, model: nn.Module, tracker: LiveBytesTracker, roofline: Roofline,
+                 stamps: dict[int, tuple[float, float]]):
+        self.roofline = roofline
+        self.stamps = stamps
+        super().__init__(model, tracker)
+
+    def _note(self, kind: str, unit: Any) -> int:
+        seq = super()._note(kind, unit)
+        self.stamps[seq] = (self.roofline.ms, self.roofline.flops)
+        return seq
+
+
+def _times(rec: Any, stamps: dict[int, tuple[float, float]]) -> tuple[Any, dict[str, float]]:
+    """The profiler's ``_Times`` from the stamps, and each unit's forward FLOPs."""
+
+    def span(a: int | None, b: int | None, i: int) -> float:
+        if a is None or b is None:
+            return 0.0
+        return max(stamps[b][i] - stamps[a][i], 0.0)
+
+    m = rec.marks
+    times = _Times(
+        forward_ms=span(m["step_start"], m["forward_end"], 0),
+        backward_ms=span(m["backward_start"], m["backward_end"], 0),
+        optimizer_ms=span(m["backward_end"], m["optimizer_end"], 0),
+        unit_ms={u.id: (span(u.fwd_start, u.fwd_end, 0), span(u.bwd_start, u.bwd_end, 0)) for u in rec.units},
+        unit_ids=[[u.id for u in rec.units]],
+    )
+    return times, {u.id: span(u.fwd_start, u.fwd_end, 1) for u in rec.units}
