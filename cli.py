@@ -78,6 +78,39 @@ Optimizer = Annotated[str, typer.Option(
     help="Optimizer whose state is counted in the peak: adamw, adam, sgd, none.")]
 
 
+def _amp_option(value: str | None) -> str | None:
+    v = value.strip().lower() if value is not None else None
+    if v in (None, "none", "off"):
+        return None
+    if v in ("bf16", "fp16"):
+        return v
+    raise typer.BadParameter(f"unknown amp {value!r}; choose bf16, fp16 or none")
+
+
+Amp = Annotated[str | None, typer.Option(
+    "--amp", callback=_amp_option, show_default=False,
+    help="Mixed precision: bf16 or fp16 (torch.autocast around forward and loss; with --device meta, "
+         "for the target). Default: the model's own dtype.")]
+Target = Annotated[str | None, typer.Option(
+    "--target", show_default=False,
+    help="Device spec (remat devices; aliases, any case): --device meta models times for it; without "
+         "--budget, the budget is its usable memory.")]
+WorldSize = Annotated[int, typer.Option(
+    "--world-size", min=1, help="Data-parallel ranks; the budget and the peak are per rank (> 1 needs "
+                                "--sharding ddp or fsdp). See docs/distributed.md.")]
+def _sharding_option(value: str) -> str:
+    v = value.strip().lower()
+    if v in SHARDINGS:
+        return v
+    raise typer.BadParameter(f"unknown sharding {value!r}; choose one of {', '.join(SHARDINGS)}")
+
+
+Sharding = Annotated[str, typer.Option(
+    "--sharding", callback=_sharding_option,
+    help="How the ranks hold the model: none (one process), ddp (a full replica plus gradient buckets), "
+         "fsdp (FSDP2 on every block and the root: sharded, all-gathered per block).")]
+
+
 # ----------------------------------------------------------------------------- errors
 
 # NOTE [ CLI errors and exit codes ]
@@ -154,14 +187,17 @@ def plan_cmd(
     model: Annotated[Path | None, typer.Argument(
         help="model.py defining build_model() and example_inputs(); optional with --profile.",
         metavar="MODEL.py", show_default=False)] = None,
-    budget: Annotated[str, typer.Option(
-        "--budget", "-b", help="Memory budget: 12GB, 12GiB, 800MiB, 1.5e9 (GB = GiB).",
-        show_default=False)] = ...,
+    budget: Annotated[str | None, typer.Option(
+        "--budget", "-b", help="Memory budget: 12GB, 12GiB, 800MiB, 1.5e9 (GB = GiB). Default with "
+                               "--target: the target's usable memory.",
+        show_default=False)] = None,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Write the plan here (atomic). Without it nothing is written.")] = None,
     solver: Annotated[str, typer.Option(
         "--solver", help="auto, dp, ilp, sqrt, sqrt-greedy, all, every-2 or none.")] = "auto",
     device: Device = "auto",
+    target: Target = None,
+    amp: Amp = None,
     optimizer: Optimizer = "adamw",
     profile: Annotated[Path | None, typer.Option(
         "--profile", help="Plan on a saved profile: nothing is run.")] = None,
@@ -179,14 +215,15 @@ def plan_cmd(
     from planner.units import parse_bytes
 
     out, log = render.consoles(quiet=quiet)
-    budget_bytes = _budget(budget, parse_bytes)
+    budget, budget_bytes = _budget_or_target(budget, target, parse_bytes)
     if profile is None and model is None:
         raise BadInput("give a model file (remat plan --budget 12GB model.py) or a saved profile "
                        "(remat plan --budget 12GB --profile profile.json)")
     _check_solver(solver)
     _check_output(output)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
-    prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log)
+    prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
+                           target=target, amp=amp)
     graph = graph_for(prof, solver=solver, granularity=granularity)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
     plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
@@ -211,6 +248,8 @@ def profile_cmd(
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Write the profile here (atomic). Without it nothing is written.")] = None,
     device: Device = "auto",
+    target: Target = None,
+    amp: Amp = None,
     optimizer: Optimizer = "adamw",
     steps: Steps = 3,
     as_json: AsJson = False,
@@ -222,7 +261,7 @@ def profile_cmd(
 
     out, log = render.consoles(quiet=quiet)
     _check_output(output)
-    prof = _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log)
+    prof = _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target, amp=amp)
     if output is not None:
         prof.save(output)
     if as_json:
@@ -287,12 +326,16 @@ def verify_cmd(
 
 @command("devices")
 def devices_cmd(as_json: AsJson = False, quiet: Quiet = False, debug: Debug = False) -> None:
-    """List the accelerators remat knows (profiles/devices/*.json)."""
-    from planner.devices import load_devices
+    """List the accelerators remat knows (profiles/devices/*.json), with the memory a plan may use."""
+    from planner.devices import load_devices, reserve_bytes, usable_bytes
 
     out, _ = render.consoles(quiet=quiet)
     specs = load_devices()
-    render.print_json(specs) if as_json else render.show_devices(out, specs)
+    if as_json:
+        render.print_json([{**s.model_dump(mode="json"), "reserve_bytes": reserve_bytes(s),
+                            "usable_bytes": usable_bytes(s)} for s in specs])
+    else:
+        render.show_devices(out, specs)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -346,12 +389,13 @@ def _file_kind(path: Path) -> str | None:
 
 
 def _profile_source(model: Path | None, profile: Path | None, *, device: str, optimizer: str, steps: int,
-                    log: Any) -> Any:
+                    log: Any, target: str | None = None, amp: str | None = None) -> Any:
     """The profile to plan on: loaded from --profile, else measured by running model.py."""
     from planner.schema import Profile
 
     if profile is None:
-        return _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log)
+        return _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target,
+                             amp=amp)
     prof = Profile.load(profile)
     if model is not None:
         _check_profile_matches(prof, model)
@@ -363,22 +407,48 @@ def _check_profile_matches(prof: Any, model_path: Path) -> None:
     from planner.fingerprint import fingerprint
     from planner.model_file import load_model_file
 
+    from planner.meta import build_on_meta
+
     mf = load_model_file(model_path)
-    diffs = prof.fingerprint.differences(fingerprint(mf.build_model(), mf.example_inputs()))
+    # shapes and names are all a fingerprint needs: build on the meta device (a 7B model costs nothing)
+    diffs = prof.fingerprint.differences(fingerprint(build_on_meta(mf.build_model), mf.example_inputs()))
     if diffs:
         listing = "\n  ".join(diffs)
         raise PlanMismatch(f"the profile was made for another model or input shapes:\n  {listing}\n"
                            f"re-profile: remat profile {model_path} -o profile.json", diffs)
 
 
-def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: Any) -> Any:
+def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: Any, target: str | None = None,
+                  amp: str | None = None) -> Any:
+    from planner.meta import build_on_meta
     from planner.model_file import load_model_file
     from planner.profiler import profile
 
-    render.plain(log, f"profiling {model} on {device} ({steps} steps) ...")
+    meta = device == "meta"
+    if meta and target is None:
+        from planner.devices import load_devices
+
+        raise BadInput(f"--device meta models times for a target device: add --target NAME, one of: "
+                       f"{', '.join(s.name for s in load_devices())}")
+    where = f"on fake tensors for {target}" if meta else f"on {device} ({steps} steps)"
+    render.plain(log, f"profiling {model} {where} ...")
     mf = load_model_file(model)
-    return profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=device,
-                   optimizer=optimizer, steps=steps, progress=_progress(log))
+    net = build_on_meta(mf.build_model) if meta else mf.build_model()
+    return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,
+                   steps=steps, amp=amp, target=target if meta else None, progress=_progress(log))
+
+
+def _budget_or_target(budget: str | None, target: str | None, parse: Callable[[str], int]) -> tuple[str, int]:
+    """``--budget`` as text and bytes; without it, the usable memory of ``--target`` (see ``usable_bytes``)."""
+    from planner.devices import get_device, usable_bytes
+
+    spec = get_device(target) if target is not None else None  # an unknown name fails here, before profiling
+    if budget is not None:
+        return budget, _budget(budget, parse)
+    if spec is None:
+        raise BadInput("give --budget SIZE (remat plan --budget 12GB model.py), or --target NAME to plan for "
+                       "a device's usable memory (remat devices lists them)")
+    return f"{spec.name} usable memory", usable_bytes(spec)
 
 
 def _progress(log: Any) -> Callable[[str], None]:

@@ -1,7 +1,8 @@
 """Device specs: the accelerators in ``profiles/devices/*.json``, as typed records.
 
 One JSON file per device, its file name the device's ``name``. ``remat devices`` lists them;
-``get_device`` resolves a name or alias (case-insensitive). Data only, no torch import.
+``get_device`` resolves a name or alias (case-insensitive); ``usable_bytes`` is the default
+budget on a device. Data only, no torch import.
 """
 
 from __future__ import annotations
@@ -40,6 +41,35 @@ class DeviceSpec(BaseModel):
     peak_flops: PeakFlops
     source: str = Field(description="Where the figures come from.")
     notes: str = ""
+
+
+# NOTE [ Usable memory ]
+# A budget is compared with the peak of *allocated* tensor bytes (torch.cuda.max_memory_allocated),
+# but the card's nominal memory also holds what no tensor accounts for:
+#   - the CUDA context: driver state, loaded kernel images and the cuBLAS/cuDNN handles and
+#     workspaces, 500-800 MiB on recent GPUs and drivers (more with many kernels loaded, e.g.
+#     NCCL for distributed runs): CONTEXT_RESERVE_BYTES, a flat 1 GiB;
+#   - the caching allocator's slack: blocks reserved but not allocated (rounding to 2 MiB
+#     segments, fragmentation between differently sized tensors), typically a few percent
+#     of what is in use: FRAGMENTATION_FRACTION of the memory, 5%.
+# Both are assumptions; pass --budget to override. usable = memory - 1 GiB - 5% of memory:
+# 75 GiB of an 80 GiB H100, 14.2 GiB of a 16 GiB T4.
+
+CONTEXT_RESERVE_BYTES = 1 << 30
+"""CUDA context, kernel images and library workspaces (see NOTE [ Usable memory ])."""
+
+FRAGMENTATION_FRACTION = 0.05
+"""Caching-allocator slack, as a share of the device memory (see NOTE [ Usable memory ])."""
+
+
+def reserve_bytes(spec: DeviceSpec) -> int:
+    """Memory of ``spec`` not available to tensors (see NOTE [ Usable memory ])."""
+    return CONTEXT_RESERVE_BYTES + int(spec.memory_bytes * FRAGMENTATION_FRACTION)
+
+
+def usable_bytes(spec: DeviceSpec) -> int:
+    """The default budget on ``spec``: its memory less ``reserve_bytes`` (see NOTE [ Usable memory ])."""
+    return spec.memory_bytes - reserve_bytes(spec)
 
 
 def load_devices(directory: str | Path | None = None) -> list[DeviceSpec]:

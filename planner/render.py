@@ -227,17 +227,23 @@ def show_verify(out: Console, report: Any) -> None:
 
 
 def devices_table(specs: Sequence[Any]) -> Table:
-    """Known devices: name, memory, bf16 TFLOP/s, bandwidth, full name (aliases: ``--json``)."""
+    """Known devices: name, memory, reserve and usable memory (the default budget, see NOTE
+    [ Usable memory ] in planner/devices.py), bf16 TFLOP/s, bandwidth, full name (aliases: ``--json``)."""
+    from planner.devices import reserve_bytes, usable_bytes
+
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("name", no_wrap=True)
     table.add_column("memory", justify="right", no_wrap=True)
+    table.add_column("reserve", justify="right", no_wrap=True)
+    table.add_column("usable", justify="right", no_wrap=True)
     table.add_column("bf16 TFLOP/s", justify="right")
     table.add_column("GB/s", justify="right")
     table.add_column("device", overflow="fold")
     for s in specs:
         bf16 = f"{s.peak_flops.bf16 / 1e12:.1f}" if s.peak_flops.bf16 else "-"
-        table.add_row(Text(s.name), format_bytes(s.memory_bytes), bf16,
-                      f"{s.memory_bandwidth_bytes_per_s / 1e9:.0f}", Text(s.display_name))
+        table.add_row(Text(s.name), format_bytes(s.memory_bytes), format_bytes(reserve_bytes(s)),
+                      format_bytes(usable_bytes(s)), bf16, f"{s.memory_bandwidth_bytes_per_s / 1e9:.0f}",
+                      Text(s.display_name))
     return table
 
 

@@ -349,7 +349,7 @@ def test_unknown_device(profile_path: Path):
 
 def test_unknown_command_and_missing_budget():
     check(invoke("plann"), 2, "No such command")
-    check(invoke("plan", "x.py"), 2, "Missing option '--budget'")
+    check(invoke("plan", "x.py"), 2, "give --budget SIZE", "or --target NAME")
 
 
 # ----------------------------------------------------------------------------- solver limits
