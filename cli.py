@@ -8,6 +8,7 @@ Commands to paste (from a checkout, ``python cli.py`` works wherever ``remat`` d
     remat plan --budget 300MB --profile profile.json --json       # ... plan many times, no torch run
     remat show plan.json                                          # a plan (or a profile) as tables
     remat verify examples/gpt2.py plan.json                       # predicted vs measured, exit 1 if off
+    remat plan --device meta --target h100 examples/llama7b.py    # a 7B model planned without a GPU (seconds)
     remat devices                                                 # known accelerators
 
 Results go to stdout, logs and progress to stderr; ``--quiet`` silences the latter and

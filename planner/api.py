@@ -156,16 +156,21 @@ def budget_with_headroom(peak_bytes: int, headroom: float = DEFAULT_HEADROOM) ->
     return b
 
 
-def plan(model_or_profile: Any, budget: int | str, *, inputs: Any = None,
+def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
          loss_fn: Callable[[Any], Any] | None = None, solver: str = "auto", device: str = "auto",
          optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
          steps: int = 3, world_size: int = 1, sharding: str = "none",
-         headroom: float = DEFAULT_HEADROOM) -> Plan:
+         headroom: float = DEFAULT_HEADROOM, amp: str | None = None, target: str | None = None) -> Plan:
     """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
 
     Args:
-        model_or_profile: an ``nn.Module`` (then ``inputs`` is required) or a ``Profile``.
-        budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB).
+        model_or_profile: an ``nn.Module`` (then ``inputs`` is required) or a ``Profile``. With
+            ``device="meta"``, build it with ``planner.meta.build_on_meta`` (no memory used).
+        budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
+            memory of ``target`` (``planner.devices.usable_bytes``).
+        amp: None, ``"bf16"`` or ``"fp16"``: forward and loss under ``torch.autocast``.
+        target: a device spec name (``remat devices``): with ``device="meta"`` the times are
+            modelled for it (see docs/meta.md); on any device it gives the default budget.
         solver: ``auto`` (DP on chains, ILP otherwise), ``dp``, ``ilp``, ``sqrt``, ``all``, ``none``...
         granularity: extra depth below the default candidates (repeated blocks and their neighbours).
     Returns:
@@ -173,6 +178,12 @@ def plan(model_or_profile: Any, budget: int | str, *, inputs: Any = None,
     Raises:
         BudgetInfeasible: nothing fits; ``.min_feasible_bytes`` says what would.
     """
+    if budget is None:  # before minutes of profiling, not after
+        if target is None:
+            raise BadInput("plan() needs a budget, or target=<device name> to plan for its usable memory")
+        from planner.devices import get_device, usable_bytes
+
+        budget = usable_bytes(get_device(target))
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile
     else:
@@ -180,8 +191,9 @@ def plan(model_or_profile: Any, budget: int | str, *, inputs: Any = None,
             raise BadInput("plan(model, ...) needs inputs=<one training batch>; or pass a Profile")
         from planner.profiler import profile as run_profile
 
+        meta = str(device).strip().lower() == "meta"
         prof = run_profile(model_or_profile, inputs, loss_fn=loss_fn, device=device, optimizer=optimizer,
-                           steps=steps)
+                           steps=steps, amp=amp, target=target if meta else None)
     return plan_from_profile(prof, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
                              world_size=world_size, sharding=sharding, headroom=headroom)
 

@@ -96,15 +96,22 @@ class Rules:
 
     @property
     def emulate_cuda(self) -> bool:
-        """CUDA rules on fake CPU tensors: the foreach optimizer and the SDPA choice by hand."""
+        """CUDA rules on fake CPU tensors: the SDPA choice (and autocast's op lists, not emulated)."""
         return self.device_type == "cuda" and self.fake_device == "cpu"
 
 
-def rules_for(device_type: str = "cuda") -> Rules:
+def rules_for(device_type: str = "cuda", fake_device: str | None = None) -> Rules:
+    """The rules of ``device_type`` on fake tensors of ``fake_device`` (default: CUDA ones when
+    this PyTorch can run CUDA, else CPU ones; see NOTE [ Meta profiling ])."""
     if device_type not in ("cuda", "cpu"):
         raise BadInput(f"meta profiling follows 'cuda' or 'cpu' rules, got {device_type!r}")
-    fake = "cuda" if device_type == "cuda" and torch.cuda.is_available() else "cpu"
-    return Rules(device_type=device_type, fake_device=fake)
+    if fake_device is None:
+        fake_device = "cuda" if device_type == "cuda" and torch.cuda.is_available() else "cpu"
+    if fake_device not in ("cpu", device_type):
+        raise BadInput(f"fake {fake_device} tensors cannot follow {device_type} rules; use fake cpu tensors")
+    if fake_device == "cuda" and not torch.cuda.is_available():
+        raise BadInput("fake CUDA tensors need a PyTorch with CUDA (autograd asks the CUDA runtime for streams)")
+    return Rules(device_type=device_type, fake_device=fake_device)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -125,6 +132,7 @@ def profile_meta(
     optimizer: str = "adamw",
     amp: str | None = None,
     device_type: str = "cuda",
+    fake_device: str | None = None,
     progress: Progress | None = None,
 ) -> schema.Profile:
     """Profile one training step of ``model`` on fake tensors, with times modelled for ``target``.
@@ -141,6 +149,9 @@ def profile_meta(
         loss_fn, optimizer, amp: as for ``planner.profiler.profile``.
         device_type: whose rules the step follows (NOTE [ Meta profiling ]): 'cuda' for a
             GPU target; 'cpu' makes the faked step the same as a real CPU step (to compare).
+        fake_device: the fake tensors' device type; default 'cuda' where this PyTorch has
+            CUDA, else 'cpu' (with ``device_type``'s rules applied by hand). 'cpu' on a CUDA
+            machine measures what CPU-only machines get (benchmarks/gpu_check.py).
         progress: called with a short message as each stage starts.
 
     Returns:
@@ -155,16 +166,16 @@ def profile_meta(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     spec = target if isinstance(target, DeviceSpec) else get_device(target)
-    rules = rules_for(device_type)
+    rules = rules_for(device_type, fake_device)
     say = progress or (lambda _msg: None)
     dev = torch.device(rules.fake_device)
     roofline = Roofline(spec)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _fake_state(model, dev), _sdpa(rules), \
-            _hf_unpacked(inputs), _explaining_fake_errors():
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _KernelDtypes(rules), _fake_state(model, dev), \
+            _sdpa(rules), _hf_unpacked(inputs), _explaining_fake_errors():
         fake_inputs = _fake_inputs(fake, inputs, dev)
         opt = make_optimizer(optimizer, model)
-        if rules.emulate_cuda and opt is not None:
-            for group in opt.param_groups:  # torch picks foreach for CUDA params; ours are fake CPU ones
+        if rules.device_type == "cuda" and opt is not None:
+            for group in opt.param_groups:  # torch picks foreach for CUDA tensors, but not for FakeTensors
                 group["foreach"] = True
         step = make_step(model, fake_inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
         say("warm-up step (fake tensors)")
@@ -291,6 +302,33 @@ def _hf_unpacked(inputs: Any) -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+
+
+class _KernelDtypes(TorchDispatchMode):
+    """Output dtypes where PyTorch's fake kernels and the real ones disagree.
+
+    ``native_layer_norm``'s fake kernel returns the per-row mean and rstd (saved for backward)
+    in the input's dtype on the CPU. The real kernels use fp32 for an fp16/bf16 input on CUDA,
+    and on the CPU when the weight is fp32 (autocast's mixed case): 4 bytes a row, not 2.
+    """
+
+    def __init__(self, rules: Rules):
+        super().__init__()
+        self.cuda = rules.device_type == "cuda"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.native_layer_norm.default and self._fp32_stats(*args):
+            y, mean, rstd = out
+            out = (y, *(torch.empty_strided(t.shape, t.stride(), dtype=torch.float32, device=t.device)
+                        for t in (mean, rstd)))
+        return out
+
+    def _fp32_stats(self, x: torch.Tensor, _shape: Any, weight: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, *_: Any) -> bool:
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        return self.cuda or any(t is not None and t.dtype == torch.float32 for t in (weight, bias))
 
 
 # ----------------------------------------------------------------------------- CUDA attention

@@ -1,0 +1,205 @@
+"""The GPU check: plan, apply and verify two examples on CUDA, and calibrate --device meta against them.
+
+    python benchmarks/gpu_check.py                    # on a CUDA machine: about a minute
+    OUT=/tmp/out python benchmarks/gpu_check.py       # ... and every number in /tmp/out/gpu_check.json
+
+For examples/gpt2.py and examples/llama.py, each in its own try/except (one failure still
+reports the other):
+
+1. profile on CUDA (a warm-up and 3 timing steps), plan at the budget halfway between the
+   lowest feasible peak and the peak without checkpointing, then ``planner.verify.verify``:
+   it applies the plan (``planner.applier.apply_plan``), trains with and without it and reads
+   the CUDA caching allocator's peak (``torch.cuda.max_memory_allocated`` after
+   ``reset_peak_memory_stats``). Printed: predicted vs measured peak, step and recompute time.
+2. profile on fake tensors for this GPU's spec (``--device meta --target``, the spec matched
+   from ``torch.cuda.get_device_name()``), twice: on fake CUDA tensors (what a CUDA machine
+   gets) and on fake CPU tensors with CUDA's rules (what a CPU-only machine and the reference
+   profiles get). Printed: modelled / measured time for the step and per candidate unit (the
+   roofline's calibration), and the worst per-unit gap in saved bytes against the CUDA profile.
+
+Without CUDA it prints "no CUDA device: skipping" and exits 0. Exit 1 when a model failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from planner.api import graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
+from planner.cost_model import simulate  # noqa: E402
+from planner.meta import build_on_meta  # noqa: E402
+from planner.model_file import load_model_file  # noqa: E402
+from planner.profiler import profile  # noqa: E402
+from planner.schema import Profile  # noqa: E402
+from planner.units import format_bytes  # noqa: E402
+from planner.verify import verify  # noqa: E402
+
+MODELS = ("gpt2", "llama")
+STEPS = 3
+
+CUDA_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"), ("L40S", "l40s"), ("L4", "l4"),
+              ("4090", "rtx-4090"), ("3090", "rtx-3090"), ("3060", "rtx-3060-12gb"), ("T4", "t4"),
+              ("V100", "v100"))
+"""Substring of ``torch.cuda.get_device_name()`` -> device spec, first match wins (L40S before L4)."""
+
+
+def match_target(cuda_name: str) -> str:
+    """The device spec for a CUDA device name; h100-sxm when none matches (said in the output)."""
+    upper = cuda_name.upper()
+    for needle, spec in CUDA_NAMES:
+        if needle in upper:
+            if spec == "a100-80gb" and "40GB" in upper:
+                return "a100-40gb"
+            return spec
+    return "h100-sxm"
+
+
+def mid_budget(prof: Profile) -> int:
+    g = graph_for(prof)
+    return (min_feasible_bytes(g) + simulate(g, []).peak_bytes) // 2
+
+
+def saved_bytes(prof: Profile) -> dict[str, int]:
+    nbytes = {t.id: t.nbytes for t in prof.tensors}
+    out = {u.id: 0 for u in prof.units}
+    for s in prof.saves:
+        out[s.unit] += nbytes[s.tensor_id]
+    return out
+
+
+def calibration(measured: Profile, modelled: Profile) -> dict[str, Any]:
+    """Modelled over measured: step phases, every candidate unit's times, per-unit saved bytes."""
+    s, m = measured.step, modelled.step
+    ratio = lambda a, b: a / b if b else None  # noqa: E731
+    units = []
+    for node in graph_for(measured).nodes:
+        try:
+            u, v = measured.unit(node), modelled.unit(node)
+        except KeyError:
+            continue
+        units.append({"unit": node, "measured_fwd_ms": u.forward_ms, "modelled_fwd_ms": v.forward_ms,
+                      "measured_bwd_ms": u.backward_ms, "modelled_bwd_ms": v.backward_ms,
+                      "fwd_ratio": ratio(v.forward_ms, u.forward_ms), "bwd_ratio": ratio(v.backward_ms, u.backward_ms),
+                      "flops": v.flops})
+    sm, sf = saved_bytes(measured), saved_bytes(modelled)
+    gaps = [(abs(sm[k] - sf.get(k, 0)) / max(sm[k], sf.get(k, 0), 1), k) for k in sm]
+    worst = max(gaps, default=(0.0, ""))
+    fwd = [u["fwd_ratio"] for u in units if u["fwd_ratio"]]
+    return {
+        "step_ratio": ratio(m.step_ms, s.step_ms), "forward_ratio": ratio(m.forward_ms, s.forward_ms),
+        "backward_ratio": ratio(m.backward_ms, s.backward_ms), "optimizer_ratio": ratio(m.optimizer_ms, s.optimizer_ms),
+        "modelled_step_ms": m.step_ms, "measured_step_ms": s.step_ms,
+        "unit_fwd_ratio_median": statistics.median(fwd) if fwd else None,
+        "unit_fwd_ratio_min": min(fwd, default=None), "unit_fwd_ratio_max": max(fwd, default=None),
+        "modelled_peak_bytes": m.measured_peak_bytes, "measured_peak_bytes": s.measured_peak_bytes,
+        "worst_unit_saved_bytes_gap": worst[0], "worst_unit": worst[1], "units": units, "notes": modelled.notes,
+    }
+
+
+def check_model(name: str, *, device: str, target: str) -> dict[str, Any]:
+    """Profile, plan, verify on ``device``; then the meta profiles for ``target`` and their calibration."""
+    path = ROOT / "examples" / f"{name}.py"
+    mf = load_model_file(path)
+    t0 = time.perf_counter()
+    measured = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=device, steps=STEPS)
+    budget = mid_budget(measured)
+    plan = plan_from_profile(measured, budget)
+    report = verify(path, plan, steps=STEPS, device=device)
+    out: dict[str, Any] = {
+        "budget_bytes": budget, "checkpoints": plan.checkpoints, "ok": report.ok, "problems": report.problems,
+        "predicted_peak_bytes": report.predicted_peak_bytes, "measured_peak_bytes": report.measured_peak_bytes,
+        "predicted_no_plan_peak_bytes": report.predicted_no_plan_peak_bytes,
+        "measured_no_plan_peak_bytes": report.measured_no_plan_peak_bytes, "peak_source": report.peak_source,
+        "predicted_step_ms": report.predicted_step_ms, "measured_step_ms": report.measured_step_ms,
+        "predicted_recompute_ms": report.predicted_recompute_ms, "measured_recompute_ms": report.measured_recompute_ms,
+        "recomputes": [report.planned_recomputes, report.measured_recomputes],
+        "max_grad_diff": report.max_grad_diff, "profile_peak_bytes": measured.step.measured_peak_bytes,
+        "meta": {},
+    }
+    fakes = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
+    for fake in fakes:
+        modelled = profile_meta_for(mf, target, fake)
+        out["meta"][f"fake-{fake}"] = calibration(measured, modelled)
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def profile_meta_for(mf: Any, target: str, fake_device: str) -> Profile:
+    from planner.meta import profile_meta
+
+    return profile_meta(build_on_meta(mf.build_model), mf.example_inputs(), loss_fn=mf.loss_fn, target=target,
+                        fake_device=fake_device)
+
+
+def _pct(a: float | None, b: float | None) -> str:
+    return f"{(a - b) / b:+.1%}" if a is not None and b else "-"
+
+
+def _x(r: float | None) -> str:
+    return f"{r:.2f}x" if r is not None else "-"
+
+
+def print_tables(results: dict[str, Any], target: str) -> None:
+    print(f"{'model':<7}{'budget':>11}{'pred peak':>12}{'meas peak':>12}{'err':>8}{'pred step':>11}"
+          f"{'meas step':>11}{'pred recomp':>13}{'meas recomp':>13}  ok")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<7} FAILED: {r['error']}")
+            continue
+        print(f"{name:<7}{format_bytes(r['budget_bytes']):>11}{format_bytes(r['predicted_peak_bytes']):>12}"
+              f"{format_bytes(r['measured_peak_bytes']):>12}{_pct(r['predicted_peak_bytes'], r['measured_peak_bytes']):>8}"
+              f"{r['predicted_step_ms']:>9.2f}ms{r['measured_step_ms']:>9.2f}ms{r['predicted_recompute_ms']:>11.2f}ms"
+              f"{r['measured_recompute_ms']:>11.2f}ms  {'yes' if r['ok'] else 'NO'}")
+    print(f"\ncalibration: --device meta --target {target} over CUDA-measured (1.00x = exact)")
+    print(f"{'model':<7}{'fake':<6}{'step':>7}{'fwd':>7}{'bwd':>7}{'optim':>7}{'units fwd: median [min, max]':>31}"
+          f"{'peak':>9}  worst unit saved bytes")
+    for name, r in results.items():
+        for fake, c in r.get("meta", {}).items():
+            units = f"{_x(c['unit_fwd_ratio_median'])} [{_x(c['unit_fwd_ratio_min'])}, {_x(c['unit_fwd_ratio_max'])}]"
+            print(f"{name:<7}{fake[5:]:<6}{_x(c['step_ratio']):>7}{_x(c['forward_ratio']):>7}"
+                  f"{_x(c['backward_ratio']):>7}{_x(c['optimizer_ratio']):>7}{units:>31}"
+                  f"{_pct(c['modelled_peak_bytes'], c['measured_peak_bytes']):>9}"
+                  f"  {c['worst_unit_saved_bytes_gap']:.2%} ({c['worst_unit']})")
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipping")
+        return 0
+    gpu = torch.cuda.get_device_name()
+    target = match_target(gpu)
+    matched = any(n in gpu.upper() for n, _ in CUDA_NAMES)
+    print(f"{gpu}: target {target}{'' if matched else ' (no spec matched this name: assumed)'}, "
+          f"torch {torch.__version__}")
+    results: dict[str, Any] = {}
+    for name in MODELS:
+        try:
+            results[name] = check_model(name, device="cuda", target=target)
+        except Exception as e:  # noqa: BLE001 -- report it and go on with the next model
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print(results[name]["traceback"], file=sys.stderr)
+        torch.cuda.empty_cache()
+    print_tables(results, target)
+    out = os.environ.get("OUT")
+    if out:
+        doc = {"gpu": gpu, "target": target, "torch": torch.__version__, "host": platform.node(), "models": results}
+        path = Path(out) / "gpu_check.json"
+        path.write_text(json.dumps(doc, indent=1, default=str))
+        print(f"wrote {path}")
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
