@@ -35,16 +35,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from planner.api import graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
-from planner.cost_model import simulate  # noqa: E402
-from planner.meta import build_on_meta  # noqa: E402
-from planner.model_file import load_model_file  # noqa: E402
-from planner.profiler import profile  # noqa: E402
-from planner.schema import Profile  # noqa: E402
-from planner.units import format_bytes  # noqa: E402
-from planner.verify import verify  # noqa: E402
+from planner.api import graph_for, min_feasible_bytes, plan_from_profile
+from planner.cost_model import simulate
+from planner.meta import build_on_meta
+from planner.model_file import load_model_file
+from planner.profiler import profile
+from planner.schema import Profile
+from planner.units import format_bytes
+from planner.verify import verify
 
 MODELS = ("gpt2", "llama")
 STEPS = 3
@@ -82,7 +82,10 @@ def saved_bytes(prof: Profile) -> dict[str, int]:
 def calibration(measured: Profile, modelled: Profile) -> dict[str, Any]:
     """Modelled over measured: step phases, every candidate unit's times, per-unit saved bytes."""
     s, m = measured.step, modelled.step
-    ratio = lambda a, b: a / b if b else None  # noqa: E731
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b else None
+
     units = []
     for node in graph_for(measured).nodes:
         try:

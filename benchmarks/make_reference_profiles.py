@@ -36,14 +36,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-from planner.meta import build_on_meta  # noqa: E402
-from planner.model_file import load_model_file  # noqa: E402
-from planner.profiler import profile  # noqa: E402
-from profiles import MODELS_DIR  # noqa: E402
+from planner.meta import build_on_meta
+from planner.model_file import load_model_file
+from planner.profiler import profile
+from profiles import MODELS_DIR
 
 
 @dataclass(frozen=True)

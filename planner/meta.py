@@ -45,11 +45,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from planner import schema
-from planner.profiler import _assemble, _MemoryRecorder, _memory_step, _Times
 from planner.devices import DeviceSpec, get_device
 from planner.errors import BadInput, ProfileError
 from planner.measure import Measured, make_optimizer, make_step
 from planner.model_file import Inputs
+from planner.profiler import _assemble, _memory_step, _MemoryRecorder, _Times
 from planner.tracker import LiveBytesTracker, iter_tensors
 
 Progress = Callable[[str], None]
@@ -199,9 +199,9 @@ def profile_meta(
 
 
 def _notes(spec: DeviceSpec, rules: Rules) -> list[str]:
-    notes = [f"no step was run: bytes from fake tensors, times from a roofline for {spec.display_name} "
-             f"(efficiency {MATMUL_EFFICIENCY} of peak FLOP/s, {BANDWIDTH_EFFICIENCY} of bandwidth; "
-             f"see docs/meta.md)"]
+    notes = [(f"no step was run: bytes from fake tensors, times from a roofline for {spec.display_name} "
+              f"(efficiency {MATMUL_EFFICIENCY} of peak FLOP/s, {BANDWIDTH_EFFICIENCY} of bandwidth; "
+              f"see docs/meta.md)")]
     if rules.emulate_cuda:
         notes.append("fake tensors on the CPU with CUDA's rules (512-byte blocks, foreach optimizer, "
                      "CUDA's attention kernels); autocast followed the CPU's op lists")
