@@ -170,7 +170,7 @@ def profile_meta(
     say = progress or (lambda _msg: None)
     dev = torch.device(rules.fake_device)
     roofline = Roofline(spec)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _KernelDtypes(rules), _fake_state(model, dev), \
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _RealKernelOutputs(rules), _fake_state(model, dev), \
             _sdpa(rules), _hf_unpacked(inputs), _explaining_fake_errors():
         fake_inputs = _fake_inputs(fake, inputs, dev)
         opt = make_optimizer(optimizer, model)
@@ -304,12 +304,16 @@ def _hf_unpacked(inputs: Any) -> Iterator[None]:
         masking.find_packed_sequence_indices = original
 
 
-class _KernelDtypes(TorchDispatchMode):
-    """Output dtypes where PyTorch's fake kernels and the real ones disagree.
+class _RealKernelOutputs(TorchDispatchMode):
+    """Outputs where PyTorch's fake kernels and the real ones disagree on memory.
 
-    ``native_layer_norm``'s fake kernel returns the per-row mean and rstd (saved for backward)
-    in the input's dtype on the CPU. The real kernels use fp32 for an fp16/bf16 input on CUDA,
-    and on the CPU when the weight is fp32 (autocast's mixed case): 4 bytes a row, not 2.
+    * ``native_layer_norm``'s fake kernel returns the per-row mean and rstd (saved for
+      backward) in the input's dtype on the CPU. The real kernels use fp32 for an fp16/bf16
+      input on CUDA, and on the CPU when the weight is fp32 (autocast's mixed case).
+    * ``mse_loss`` and ``smooth_l1_loss`` with a reduction return a 0-d tensor that is a view
+      of the unreduced element-wise loss (one element per input element), which stays alive
+      as long as the loss does, through the whole backward; the fake kernel returns a fresh
+      scalar.
     """
 
     def __init__(self, rules: Rules):
@@ -317,11 +321,17 @@ class _KernelDtypes(TorchDispatchMode):
         self.cuda = rules.device_type == "cuda"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.native_layer_norm.default and self._fp32_stats(*args):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        aten = torch.ops.aten
+        if func is aten.native_layer_norm.default and self._fp32_stats(*args):
             y, mean, rstd = out
             out = (y, *(torch.empty_strided(t.shape, t.stride(), dtype=torch.float32, device=t.device)
                         for t in (mean, rstd)))
+        elif func in (aten.mse_loss.default, aten.smooth_l1_loss.default) and out.dim() == 0:
+            x, target = args[0], args[1]
+            unreduced = torch.empty(torch.broadcast_shapes(x.shape, target.shape), dtype=out.dtype, device=out.device)
+            out = unreduced.as_strided((), (), 0)
         return out
 
     def _fp32_stats(self, x: torch.Tensor, _shape: Any, weight: torch.Tensor | None = None,

@@ -52,8 +52,8 @@ def _transformer_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _gpt2() -> tuple:
-    mf = load_model_file(EXAMPLES / "gpt2.py")
+def _example(name: str) -> tuple:
+    mf = load_model_file(EXAMPLES / f"{name}.py")
     return mf.build_model, mf.example_inputs, mf.loss_fn
 
 
@@ -62,8 +62,12 @@ CASES = {
     "mlp-bf16-autocast": lambda: (_mlp, lambda: torch.randn(32, 64, generator=torch.Generator().manual_seed(0)),
                                   _sum, "bf16"),
     "transformer": lambda: (_small_transformer, _transformer_inputs, lambda loss: loss, None),
-    "gpt2": lambda: (*_gpt2(), None),
+    "gpt2": lambda: (*_example("gpt2"), None),
+    "unet": lambda: (*_example("unet"), None),  # convolutions, BatchNorm, mse_loss
 }
+PEAK_TOLERANCE = {"unet": 0.06}
+"""The CPU's convolution backward allocates scratch inside its kernels, which the device sees and
+no tracker does (4.7% on examples/unet.py; see planner/profiler.py): only the peak differs."""
 
 
 def _saved_bytes(prof: Profile) -> dict[str, int]:
@@ -99,7 +103,8 @@ def test_fake_bytes_equal_a_real_cpu_step(case: str):
     for field in ("params_bytes", "buffers_bytes", "batch_bytes", "grads_bytes", "optimizer_bytes"):
         assert getattr(fake.step, field) == getattr(real.step, field), field
     assert fake.amp == real.amp and fake.dtype == real.dtype
-    assert fake.step.measured_peak_bytes == pytest.approx(real.step.measured_peak_bytes, rel=0.01)
+    assert fake.step.measured_peak_bytes == pytest.approx(real.step.measured_peak_bytes,
+                                                          rel=PEAK_TOLERANCE.get(case, 0.01))
     assert (fake.device, fake.target, fake.step.peak_source) == ("meta", "h100-sxm", "tracker")
 
 
