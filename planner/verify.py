@@ -141,6 +141,9 @@ def verify(model_file_or_model: str | Path | torch.nn.Module, plan: Plan | str |
         raise BadInput(f"tolerance must be >= 0, got {tolerance}")
     master, inputs, loss_fn, label = _load(model_file_or_model, inputs, loss_fn)
     dev = resolve_device(device)
+    if dev.type == "meta":
+        raise BadInput("verify trains the model for real, which fake tensors cannot: use --device cpu or cuda "
+                       "(a plan made with --device meta is verified on the device it was made for)")
     say = progress or (lambda _msg: None)
     say(f"training {steps + 2} steps without the plan")
     base = _run(master, inputs, loss_fn, plan, dev, steps, planned=False)

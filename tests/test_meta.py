@@ -276,6 +276,13 @@ def test_cli_target_errors(tiny: Path):
     assert r.exit_code == 2 and "unknown amp" in r.output
 
 
+def test_cli_verify_refuses_meta(tiny: Path, tmp_path: Path):
+    plan = tmp_path / "plan.json"
+    assert invoke("plan", "--device", "meta", "--target", "h100", tiny, "-o", plan, "-q").exit_code == 0
+    r = invoke("verify", tiny, plan, "--device", "meta")
+    assert r.exit_code == 2 and "use --device cpu or cuda" in r.output
+
+
 def test_cli_target_on_a_real_device_sets_only_the_budget(tiny: Path):
     r = invoke("plan", "--device", "cpu", "--steps", "1", "--target", "rtx-3060-12gb", tiny, "--json", "--quiet")
     assert r.exit_code == 0, r.output
