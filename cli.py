@@ -8,6 +8,8 @@ Commands to paste (from a checkout, ``python cli.py`` works wherever ``remat`` d
     remat plan --budget 300MB --profile profile.json --json       # ... plan many times, no torch run
     remat show plan.json                                          # a plan (or a profile) as tables
     remat verify examples/gpt2.py plan.json                       # predicted vs measured, exit 1 if off
+    remat frontier examples/gpt2.py --plot frontier.png           # recompute vs peak over all budgets
+    remat compare --budget 150MB --profile profile.json           # all solvers and baselines at one budget
     remat plan --device meta --target h100 examples/llama7b.py    # a 7B model planned without a GPU (seconds)
     remat devices                                                 # known accelerators
 
@@ -273,6 +275,131 @@ def profile_cmd(
         render.show_profile(out, prof, graph_for(prof), fresh=True, written=output)
 
 
+# ----------------------------------------------------------------------------- frontier
+
+
+Solvers = Annotated[str | None, typer.Option(
+    "--solvers", help="Comma-separated solvers to run (default: the optimal one, sqrt-greedy, sqrt); "
+                      "the baselines none, all, every-2/3/4 always run.", show_default=False)]
+Granularity = Annotated[int, typer.Option(
+    "--granularity", min=0, help="Candidate levels below the repeated blocks (0 = blocks).")]
+TimeLimit = Annotated[float, typer.Option(
+    "--time-limit", min=0.001, help="Seconds the ILP may search at each budget.")]
+ProfileFile = Annotated[Path | None, typer.Option("--profile", help="Use a saved profile: nothing is run.")]
+ModelArg = Annotated[Path | None, typer.Argument(
+    help="model.py defining build_model() and example_inputs(); optional with --profile.",
+    metavar="MODEL.py", show_default=False)]
+
+
+@command("frontier")
+def frontier_cmd(
+    model: ModelArg = None,
+    points: Annotated[int, typer.Option(
+        "--points", min=1, help="Budgets swept, evenly spaced from the lowest feasible peak to the "
+                                "peak without checkpointing.")] = 12,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write the points as JSON here (atomic).")] = None,
+    profile: ProfileFile = None,
+    device: Device = "auto",
+    optimizer: Optimizer = "adamw",
+    steps: Steps = 3,
+    target: Target = None,
+    amp: Amp = None,
+    granularity: Granularity = 0,
+    solvers: Solvers = None,
+    time_limit: TimeLimit = 30.0,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Sweep budgets: recompute and peak of every solver and baseline, as a table, JSON or a plot."""
+    import time
+
+    from planner.frontier import frontier, tradeoff
+    from planner.schema import atomic_write_text
+
+    out, log = render.consoles(quiet=quiet)
+    names = _solver_list(solvers)
+    _need_source(model, profile, "remat frontier model.py", "remat frontier --profile profile.json")
+    _check_output(output)
+    _check_output(plot)
+    if plot is not None:
+        from planner.plot import require_matplotlib
+
+        require_matplotlib()  # before minutes of profiling, not after
+    prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
+                           target=target, amp=amp)
+    graph = _graph(prof, names, granularity)
+    t0 = time.perf_counter()
+    with render.counter(log, f"sweeping {points} budgets") as tick:
+        pts = frontier(graph, points=points, solvers=names, time_limit_s=time_limit, progress=tick)
+    report = tradeoff(graph, pts, kind="remat-frontier", model=prof.fingerprint.model_class,
+                      device=_device_text(prof), seconds=time.perf_counter() - t0)
+    budgets = len({p.budget_bytes for p in pts})
+    render.plain(log, f"swept {budgets} budgets x {len(pts) // max(budgets, 1)} solvers and baselines "
+                      f"({len(pts)} plans) in {report.seconds:.2f} s")
+    written = []
+    if output is not None:
+        written.append(atomic_write_text(output, render.json_text(report)))
+    if plot is not None:
+        from planner.plot import plot_frontier
+
+        written.append(plot_frontier(report, plot))
+    if as_json:
+        render.print_json(report)
+        for path in written:
+            render.plain(log, render.written_line(path))
+    else:
+        render.show_frontier(out, report, written=written)
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+@command("compare")
+def compare_cmd(
+    model: ModelArg = None,
+    budget: Annotated[str | None, typer.Option(
+        "--budget", "-b", help="Memory budget: 12GB, 12GiB, 800MiB, 1.5e9 (GB = GiB). Default with "
+                               "--target: the target's usable memory.", show_default=False)] = None,
+    profile: ProfileFile = None,
+    device: Device = "auto",
+    optimizer: Optimizer = "adamw",
+    steps: Steps = 3,
+    target: Target = None,
+    amp: Amp = None,
+    granularity: Granularity = 0,
+    solvers: Solvers = None,
+    time_limit: TimeLimit = 60.0,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Every solver and baseline side by side at one budget: peak, recompute, what fits."""
+    import time
+
+    from planner.frontier import compare, tradeoff
+    from planner.units import parse_bytes
+
+    out, log = render.consoles(quiet=quiet)
+    budget, budget_bytes = _budget_or_target(budget, target, parse_bytes)
+    names = _solver_list(solvers)
+    _need_source(model, profile, "remat compare --budget 2GB model.py",
+                 "remat compare --budget 2GB --profile profile.json")
+    render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
+    prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
+                           target=target, amp=amp)
+    graph = _graph(prof, names, granularity)
+    t0 = time.perf_counter()
+    pts = compare(graph, budget_bytes, solvers=names, time_limit_s=time_limit)
+    report = tradeoff(graph, pts, kind="remat-compare", model=prof.fingerprint.model_class,
+                      device=_device_text(prof), budget_bytes=budget_bytes,
+                      seconds=time.perf_counter() - t0)
+    render.print_json(report) if as_json else render.show_compare(out, report)
+
+
 # ----------------------------------------------------------------------------- show
 
 
@@ -357,6 +484,48 @@ def _check_solver(name: str) -> None:
         raise BadInput(f"unknown solver {name!r}; choose one of: {', '.join(names)}")
 
 
+def _solver_list(text: str | None) -> list[str] | None:
+    """``--solvers a,b``: validated names, baselines dropped (they always run); None: the default set."""
+    from planner.frontier import BASELINES
+    from solvers import available
+
+    if text is None:
+        return None
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    if not names:
+        raise BadInput("--solvers: give at least one solver name, e.g. --solvers dp,sqrt")
+    known = available()
+    for n in names:
+        if n not in known and n not in BASELINES:
+            raise BadInput(f"--solvers: unknown solver {n!r}; choose from: {', '.join(known)}")
+    return [n for n in dict.fromkeys(names) if n not in BASELINES]
+
+
+def _device_text(prof: Any) -> str:
+    """``cpu (x86_64)``, ``cuda (NVIDIA H100 80GB HBM3)``: the device kind and what it was."""
+    name = prof.device_name
+    return f"{prof.device} ({name})" if name and name != prof.device else prof.device
+
+
+def _need_source(model: Path | None, profile: Path | None, with_model: str, with_profile: str) -> None:
+    if profile is None and model is None:
+        raise BadInput(f"give a model file ({with_model}) or a saved profile ({with_profile})")
+
+
+def _graph(prof: Any, names: list[str] | None, granularity: int) -> Any:
+    """One candidate graph for all solvers of a sweep: nested only when every solver handles it."""
+    from planner.api import graph_for
+    from planner.frontier import OPTIMAL_SOLVERS, default_solvers
+
+    names = names if names is not None else default_solvers()
+    optimal = next((n for n in names if n in OPTIMAL_SOLVERS), "dp")
+    graph = graph_for(prof, solver=optimal, granularity=granularity)
+    if "dp" in names and any(not a["leaf"] for _, a in graph.nodes(data=True)):  # the DP runs on chains
+        raise BadInput(f"--granularity {granularity} with {optimal} gives nested candidates, which dp "
+                       f"cannot plan; drop dp from --solvers or use --granularity 0")
+    return graph
+
+
 def _check_output(path: Path | None) -> None:
     """Fail before minutes of profiling, not after, when ``path`` cannot be written.
 
@@ -431,12 +600,14 @@ def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: 
 
         raise BadInput(f"--device meta models times for a target device: add --target NAME, one of: "
                        f"{', '.join(s.name for s in load_devices())}")
-    where = f"on fake tensors for {target}" if meta else f"on {device} ({steps} steps)"
-    render.plain(log, f"profiling {model} {where} ...")
-    mf = load_model_file(model)
-    net = build_on_meta(mf.build_model) if meta else mf.build_model()
-    return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,
-                   steps=steps, amp=amp, target=target if meta else None, progress=_progress(log))
+    # stages the profiler announces: a warm-up step, the timing steps, the memory step, the peak
+    # (meta: a warm-up step and one memory-and-roofline step on fake tensors)
+    title = f"profiling {model} on fake tensors for {target}" if meta else f"profiling {model} on {device} ({steps} steps)"
+    with render.stages(log, f"{title} ...", total=2 if meta else steps + 3) as say:
+        mf = load_model_file(model)
+        net = build_on_meta(mf.build_model) if meta else mf.build_model()
+        return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,
+                       steps=steps, amp=amp, target=target if meta else None, progress=say)
 
 
 def _budget_or_target(budget: str | None, target: str | None, parse: Callable[[str], int]) -> tuple[str, int]:

@@ -19,6 +19,9 @@ BASELINES = ("none", "all", "every-2", "every-3", "every-4")
 """Fixed rules: nothing, every layer (Hugging Face's gradient_checkpointing_enable), every k-th layer
 (torchtitan's selective option)."""
 
+OPTIMAL_SOLVERS = ("auto", "ilp", "dp")
+"""Solvers that minimise recompute under the budget; the sweep's frontier is drawn from one of them."""
+
 
 class FrontierPoint(BaseModel):
     solver: str
@@ -29,10 +32,37 @@ class FrontierPoint(BaseModel):
     checkpointed: int = Field(description="Number of checkpointed units.")
 
 
+class Tradeoff(BaseModel):
+    """A sweep (``frontier``) or a side-by-side (``compare``) with what it is relative to: what
+    ``remat frontier -o`` and ``remat compare --json`` write."""
+
+    kind: Literal["remat-frontier", "remat-compare"]
+    model: str = Field(description="Model class the profile was made for.")
+    device: str = Field(description="Device the profile was measured (or modelled) on.")
+    budget_bytes: int | None = Field(None, description="The one budget of a comparison; None for a sweep.")
+    no_checkpoint_peak_bytes: int = Field(description="Predicted peak without checkpointing.")
+    min_feasible_bytes: int = Field(description="Lowest predicted peak of any checkpoint set.")
+    step_ms: float = Field(description="Predicted step without recompute; recompute_ms is relative to it.")
+    optimal_solver: str | None = Field(None, description="The solver whose points are the frontier.")
+    seconds: float = Field(0.0, description="Wall-clock seconds the solvers took, all points together.")
+    points: list[FrontierPoint]
+
+
+def tradeoff(g: nx.DiGraph, points: list[FrontierPoint], *, kind: str, model: str, device: str,
+             budget_bytes: int | None = None, seconds: float = 0.0) -> Tradeoff:
+    """Wrap ``frontier``/``compare`` output with the no-checkpoint peak, the minimum and the step time."""
+    base = simulate(g, [])
+    optimal = next((p.solver for p in points if p.solver in OPTIMAL_SOLVERS), None)
+    return Tradeoff(kind=kind, model=model, device=device, budget_bytes=budget_bytes,
+                    no_checkpoint_peak_bytes=base.peak_bytes, min_feasible_bytes=min_feasible_bytes(g),
+                    step_ms=round(base.step_ms, 6), optimal_solver=optimal, seconds=round(seconds, 6),
+                    points=points)
+
+
 def default_solvers() -> list[str]:
     from solvers import SOLVERS
 
-    optimal = [s for s in ("auto", "ilp", "dp") if s in SOLVERS]
+    optimal = [s for s in OPTIMAL_SOLVERS if s in SOLVERS]
     return optimal[:1] + [s for s in ("sqrt-greedy", "sqrt") if s in SOLVERS]
 
 

@@ -7,15 +7,17 @@ parsed as rich markup. No torch import.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 from pydantic import BaseModel
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -44,6 +46,51 @@ def error_line(message: str, *, prefix: str = "error") -> None:
     """``error: ...`` on stderr, written directly so that nothing (rich, quiet) can swallow it."""
     sys.stderr.write(f"{prefix}: {message.rstrip()}\n")
     sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+def _bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)
+
+
+@contextlib.contextmanager
+def stages(console: Console, title: str, total: int) -> Iterator[Callable[[str], None]]:
+    """Progress through ``total`` named stages; yields ``say(message)``, called as each one starts.
+
+    On a terminal: one rich bar on ``console`` (stderr), its description the current stage.
+    Elsewhere (a pipe, a CI log, ``--quiet``): ``title`` and each message as a plain line.
+    """
+    if not console.is_terminal or console.quiet:
+        plain(console, title)
+        yield lambda message: plain(console, message)
+        return
+    with _bar(console) as bar:
+        task = bar.add_task(title, total=total)
+        started = 0
+
+        def say(message: str) -> None:
+            nonlocal started
+            started += 1
+            if started > bar.tasks[0].total:
+                bar.update(task, total=started)
+            bar.update(task, completed=started - 1, description=f"{title} {message}")
+
+        yield say
+        bar.update(task, completed=bar.tasks[0].total, description=title)
+
+
+@contextlib.contextmanager
+def counter(console: Console, title: str) -> Iterator[Callable[[int, int], None]]:
+    """Yields ``tick(done, total)``: a rich bar on a terminal, nothing elsewhere (say the result after)."""
+    if not console.is_terminal or console.quiet:
+        yield lambda done, total: None
+        return
+    with _bar(console) as bar:
+        task = bar.add_task(title, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -161,6 +208,8 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
     if not fresh:
         plain(out, f"plan for {plan.fingerprint.model_class} ({plan.fingerprint_digest}), "
                    f"budget {plan.budget_bytes} bytes ({format_bytes(plan.budget_bytes)})")
+    if plan.world_size > 1 or plan.sharding != "none":
+        plain(out, f"per rank: {plan.world_size} rank(s) with {plan.sharding} (budget and peak are one rank's)")
     out.print(units_table(graph, plan.checkpoint_units) if graph is not None else checkpoints_table(plan))
     for line in peak_lines(plan.predicted, plan.budget_bytes):
         plain(out, line)
@@ -251,6 +300,79 @@ def show_devices(out: Console, specs: Sequence[Any]) -> None:
     out.print(devices_table(specs))
 
 
+def frontier_table(report: Any) -> Table:
+    """One row per budget; per solver its recompute and predicted peak, or "over" (no plan fits)."""
+    names = [n for n in dict.fromkeys(p.solver for p in report.points) if not _baseline(n)]
+    cells = {(p.budget_bytes, p.solver): p for p in report.points}
+    table = Table(show_edge=False, pad_edge=False, title_justify="left",
+                  caption="cells: recompute ms per step / predicted peak", caption_justify="left")
+    table.add_column("budget", justify="right", no_wrap=True)
+    for n in names:
+        table.add_column(_solver_header(report, n), justify="right", no_wrap=True)
+    for b in sorted({p.budget_bytes for p in report.points}):
+        row = [format_bytes(b)]
+        for n in names:
+            p = cells.get((b, n))
+            row.append("-" if p is None else _tradeoff_cell(p))
+        table.add_row(*row)
+    return table
+
+
+def baselines_table(report: Any) -> Table:
+    """The fixed rules once each: their plans do not depend on the budget."""
+    table = Table(show_edge=False, pad_edge=False)
+    for k, justify in (("baseline", "left"), ("peak", "right"), ("recompute ms", "right"),
+                       ("% of step", "right"), ("checkpointed", "right")):
+        table.add_column(k, justify=justify, no_wrap=True)
+    seen: set[str] = set()
+    for p in report.points:
+        if _baseline(p.solver) and p.solver not in seen:
+            seen.add(p.solver)
+            table.add_row(Text(_label(p.solver)), format_bytes(p.peak_bytes), f"{p.recompute_ms:.1f}",
+                          _share(p.recompute_ms, report.step_ms), str(p.checkpointed))
+    return table
+
+
+def show_frontier(out: Console, report: Any, *, written: Sequence[Path | str] = ()) -> None:
+    """``remat frontier``: the sweep table, the baselines, the range swept, the files written."""
+    plain(out, f"frontier of {report.model} on {report.device}: predicted peak from "
+               f"{format_bytes(report.min_feasible_bytes)} (lowest feasible) to "
+               f"{format_bytes(report.no_checkpoint_peak_bytes)} (no checkpointing); "
+               f"step {report.step_ms:.1f} ms without recompute")
+    out.print(frontier_table(report))
+    out.print(baselines_table(report))
+    for path in written:
+        plain(out, f"wrote {path}")
+
+
+def compare_table(report: Any) -> Table:
+    """Every solver and baseline at one budget: status ("over": over the budget), peak, share of
+    the budget, recompute, number of checkpointed units. Fits 80 columns."""
+    table = Table(show_edge=False, pad_edge=False)
+    for k, justify in (("solver", "left"), ("status", "left"), ("peak", "right"), ("% budget", "right"),
+                       ("recompute ms", "right"), ("% step", "right"), ("#ckpt", "right")):
+        table.add_column(k, justify=justify, no_wrap=True)
+    for p in report.points:
+        status = Text("over", style="red") if p.status == "infeasible" else Text(p.status)
+        table.add_row(Text(p.solver), status, format_bytes(p.peak_bytes),
+                      f"{100 * p.peak_bytes / report.budget_bytes:.1f}%", f"{p.recompute_ms:.1f}",
+                      _share(p.recompute_ms, report.step_ms), str(p.checkpointed))
+    return table
+
+
+def show_compare(out: Console, report: Any) -> None:
+    """``remat compare``: the table at one budget, then the fastest plan that fits."""
+    out.print(compare_table(report))
+    fits = [p for p in report.points if p.status != "infeasible"]
+    if fits:
+        best = min(fits, key=lambda p: (p.recompute_ms, p.peak_bytes))
+        plain(out, f"least recompute within the budget: {best.solver} ({best.recompute_ms:.1f} ms per step, "
+                   f"{_share(best.recompute_ms, report.step_ms)} of the step)")
+    else:
+        plain(out, f"nothing fits; the lowest feasible budget is {report.min_feasible_bytes} bytes "
+                   f"({format_bytes(report.min_feasible_bytes)})")
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -268,6 +390,36 @@ def _inside(g: nx.DiGraph, n: str, chosen: set[str]) -> str:
             return f"inside {p}"
         p = g.nodes[p]["parent"]
     return "-"
+
+
+_BASELINE_NAMES = {"none": "none (no checkpointing)", "all": "all (every layer)"}
+
+
+def _baseline(name: str) -> bool:
+    """A fixed rule (planner.frontier.BASELINES): its plan does not depend on the budget."""
+    from planner.frontier import BASELINES
+
+    return name in BASELINES
+
+
+def _label(name: str) -> str:
+    return _BASELINE_NAMES.get(name, name)
+
+
+def _solver_header(report: Any, name: str) -> str:
+    """``dp (optimal)`` when the optimal solver proved every plan of the sweep, ``dp`` otherwise."""
+    proven = all(p.status == "optimal" for p in report.points if p.solver == name and p.status != "infeasible")
+    return f"{name} (optimal)" if name == report.optimal_solver and proven else name
+
+
+def _tradeoff_cell(p: Any) -> str:
+    if p.status == "infeasible":
+        return "over"
+    return f"{p.recompute_ms:.1f} / {format_bytes(p.peak_bytes)}"
+
+
+def _share(ms: float, step_ms: float) -> str:
+    return f"{100 * ms / step_ms:.1f}%" if step_ms > 0 else "n/a"
 
 
 def _cell(value: Any) -> str:

@@ -1,0 +1,246 @@
+"""`remat frontier` and `remat compare`: JSON schema, the frontier's shape, tables, the plot.
+
+Synthetic profiles (no torch run) for everything but one small real model profiled on the CPU.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from cli import app
+from planner import render
+from planner.api import graph_for
+from planner.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers
+from planner.synthetic import random_chain, random_dag, synthetic_profile
+
+runner = CliRunner()
+
+TINY_MODEL = '''\
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)], nn.Linear(32, 4))
+
+def example_inputs():
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+
+def loss_fn(output):
+    return output.square().mean()
+'''
+
+POINT_KEYS = {"solver", "budget_bytes", "peak_bytes", "recompute_ms", "status", "checkpointed"}
+
+
+def invoke(*args: str | Path):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _profile(tmp_path: Path, units, name: str = "profile.json") -> Path:
+    path = tmp_path / name
+    synthetic_profile(units).save(path)
+    return path
+
+
+@pytest.fixture
+def chain_profile(tmp_path: Path) -> Path:
+    return _profile(tmp_path, random_chain(random.Random(0), 8))
+
+
+@pytest.fixture(params=[("chain", 1), ("chain", 2), ("dag", 3), ("dag", 4)], ids=lambda p: f"{p[0]}-{p[1]}")
+def any_profile(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    kind, seed = request.param
+    rng = random.Random(seed)
+    units = random_chain(rng, 10) if kind == "chain" else random_dag(rng, 10)
+    return _profile(tmp_path, units)
+
+
+def _frontier_json(profile: Path, *extra: str) -> dict:
+    r = invoke("frontier", "--profile", profile, "--json", "--quiet", *extra)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+# ----------------------------------------------------------------------------- frontier
+
+
+def test_frontier_json_schema(chain_profile: Path, tmp_path: Path):
+    out = tmp_path / "frontier.json"
+    r = invoke("frontier", "--profile", chain_profile, "--points", "6", "-o", out, "--quiet")
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["kind"] == "remat-frontier" and data["budget_bytes"] is None
+    assert data["optimal_solver"] in OPTIMAL_SOLVERS
+    assert data["min_feasible_bytes"] <= data["no_checkpoint_peak_bytes"] and data["step_ms"] > 0
+    grid = sorted({p["budget_bytes"] for p in data["points"]})
+    assert 1 < len(grid) <= 6
+    assert grid[0] == data["min_feasible_bytes"] and grid[-1] == data["no_checkpoint_peak_bytes"]
+    for p in data["points"]:
+        assert set(p) == POINT_KEYS, p
+        assert p["status"] in ("optimal", "feasible", "infeasible")
+    solvers = {p["solver"] for p in data["points"]}
+    assert set(BASELINES) <= solvers and {"sqrt", "sqrt-greedy"} <= solvers
+    for s in solvers:  # every solver at every budget
+        assert sorted(p["budget_bytes"] for p in data["points"] if p["solver"] == s) == grid, s
+    assert "wrote" in r.stdout and "budget" in r.stdout  # the table, then the file
+
+
+def test_optimal_curve_is_monotone_and_within_budget(any_profile: Path):
+    data = _frontier_json(any_profile, "--points", "10")
+    opt = data["optimal_solver"]
+    curve = sorted((p for p in data["points"] if p["solver"] == opt), key=lambda p: p["budget_bytes"])
+    fits = [p for p in curve if p["status"] != "infeasible"]
+    assert fits, "the optimal solver found nothing at any budget"
+    if fits[-1]["status"] == "optimal":  # the top budget is the no-checkpoint peak
+        assert fits[-1]["recompute_ms"] == 0.0
+    for a, b in itertools.pairwise(fits):
+        assert b["recompute_ms"] <= a["recompute_ms"] + 1e-9, f"{opt}: more budget, more recompute: {a} -> {b}"
+    # once a budget fits, every larger one does
+    first = next(i for i, p in enumerate(curve) if p["status"] != "infeasible")
+    assert all(p["status"] != "infeasible" for p in curve[first:]), curve
+
+
+def test_no_plan_that_claims_to_fit_is_over_its_budget(any_profile: Path):
+    data = _frontier_json(any_profile, "--points", "8")
+    for p in data["points"]:
+        if p["status"] != "infeasible":
+            assert p["peak_bytes"] <= p["budget_bytes"], p
+        else:
+            assert p["peak_bytes"] > p["budget_bytes"] or p["solver"] in OPTIMAL_SOLVERS, p
+
+
+def test_frontier_table_and_quiet(chain_profile: Path):
+    r = invoke("frontier", "--profile", chain_profile, "--points", "4")
+    assert r.exit_code == 0, r.output
+    assert "frontier of" in r.stdout and "lowest feasible" in r.stdout
+    assert "recompute ms per step / predicted peak" in r.stdout
+    for name in ("none (no checkpointing)", "all (every layer)", "every-2", "% of step"):
+        assert name in r.stdout, name
+    assert "swept 4 budgets" in r.stderr
+    q = invoke("frontier", "--profile", chain_profile, "--points", "4", "--quiet")
+    assert q.exit_code == 0 and q.stderr == ""
+
+
+def test_frontier_solvers_option(chain_profile: Path):
+    data = _frontier_json(chain_profile, "--points", "3", "--solvers", "sqrt,all")
+    assert {p["solver"] for p in data["points"]} == {"sqrt", *BASELINES}
+    r = invoke("frontier", "--profile", chain_profile, "--solvers", "dp,bogus")
+    assert r.exit_code == 2 and "unknown solver 'bogus'" in r.stderr
+
+
+def test_frontier_needs_a_model_or_a_profile():
+    r = invoke("frontier")
+    assert r.exit_code == 2 and "give a model file" in r.stderr
+
+
+def test_sweep_grid_spans_min_feasible_to_no_checkpoint(chain_profile: Path):
+    from planner.schema import Profile
+
+    g = graph_for(Profile.load(chain_profile))
+    grid = budgets(g, 5)
+    assert grid == sorted(grid) and len(grid) == 5
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def test_compare_table(chain_profile: Path):
+    r = invoke("compare", "--profile", chain_profile, "--budget", "10MB")
+    assert r.exit_code == 0, r.output
+    assert "budget 10MB = 10485760 bytes (10.00 MiB)" in r.stdout
+    optimal = default_solvers()[0]  # whatever is registered: auto once the ILP is, else dp
+    for word in ("solver", "status", "peak", "% budget", "recompute ms", "% step", "#ckpt",
+                 optimal, "sqrt-greedy", "every-2", f"least recompute within the budget: {optimal}"):
+        assert word in r.stdout, word
+
+
+def test_compare_json(chain_profile: Path):
+    r = invoke("compare", "--profile", chain_profile, "--budget", "10MB", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["kind"] == "remat-compare" and data["budget_bytes"] == 10485760
+    names = [p["solver"] for p in data["points"]]
+    assert names[0] in OPTIMAL_SOLVERS and set(BASELINES) <= set(names)
+    for p in data["points"]:
+        assert set(p) == POINT_KEYS and p["budget_bytes"] == 10485760
+        assert (p["peak_bytes"] <= 10485760) == (p["status"] != "infeasible"), p
+    best = min((p for p in data["points"] if p["status"] != "infeasible"), key=lambda p: p["recompute_ms"])
+    assert best["solver"] == data["optimal_solver"] or best["recompute_ms"] == next(
+        p["recompute_ms"] for p in data["points"] if p["solver"] == data["optimal_solver"])
+    assert "budget 10MB" in r.stderr  # the echo moves to stderr under --json
+
+
+def test_compare_says_when_nothing_fits(chain_profile: Path):
+    r = invoke("compare", "--profile", chain_profile, "--budget", "1MB")
+    assert r.exit_code == 0, r.output
+    assert "nothing fits; the lowest feasible budget is 6857133 bytes" in r.stdout
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def test_missing_matplotlib_is_one_line_before_profiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    model = tmp_path / "tiny.py"
+    model.write_text(TINY_MODEL)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    r = invoke("frontier", model, "--device", "cpu", "--plot", tmp_path / "f.png")
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip().splitlines() == [
+        "error: --plot needs matplotlib, which is not installed: pip install 'remat[plot]'"]
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_plot_is_a_png(chain_profile: Path, tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "frontier.png"
+    r = invoke("frontier", "--profile", chain_profile, "--points", "5", "--plot", png, "--quiet")
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"wrote {png}" in r.stdout
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_plot_to_a_missing_folder_fails_before_work(chain_profile: Path, tmp_path: Path):
+    r = invoke("frontier", "--profile", chain_profile, "--plot", tmp_path / "nope" / "f.png")
+    assert r.exit_code == 2 and "does not exist" in r.stderr
+
+
+# ----------------------------------------------------------------------------- real model, progress
+
+
+def test_frontier_on_a_real_tiny_model(tmp_path: Path):
+    model = tmp_path / "tiny.py"
+    model.write_text(TINY_MODEL)
+    r = invoke("frontier", model, "--device", "cpu", "--steps", "1", "--points", "4", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)  # stdout is JSON only: logs went to stderr
+    assert data["model"] == "Sequential" and data["device"].startswith("cpu")
+    assert "profiling" in r.stderr and "timing step 1/1" in r.stderr and "swept" in r.stderr
+
+
+def test_stages_draw_a_bar_on_a_terminal_and_lines_elsewhere():
+    buf = io.StringIO()
+    tty = Console(file=buf, force_terminal=True, width=100)
+    with render.stages(tty, "profiling", total=3) as say:
+        for m in ("a", "b", "c", "d"):  # one more stage than announced: the bar grows
+            say(m)
+    assert "4/4" in buf.getvalue()
+    buf = io.StringIO()
+    with render.stages(Console(file=buf, force_terminal=False), "profiling", total=3) as say:
+        say("warm-up step 1/1")
+    assert buf.getvalue().splitlines() == ["profiling", "warm-up step 1/1"]
+    buf = io.StringIO()
+    with render.counter(Console(file=buf, force_terminal=True, width=100), "sweeping") as tick:
+        tick(5, 10)
+        tick(10, 10)
+    assert "10/10" in buf.getvalue()
