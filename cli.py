@@ -49,6 +49,7 @@ app = typer.Typer(
 
 DEVICES = ("auto", "cpu", "cuda", "meta")
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+SHARDINGS = ("none", "ddp", "fsdp")
 
 # ----------------------------------------------------------------------------- shared options
 
@@ -209,6 +210,8 @@ def plan_cmd(
     time_limit: Annotated[float, typer.Option(
         "--time-limit", min=0.001, help="Seconds the ILP may search; then its best plan is kept.")] = 60.0,
     steps: Steps = 3,
+    world_size: WorldSize = 1,
+    sharding: Sharding = "none",
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -224,10 +227,11 @@ def plan_cmd(
                        "(remat plan --budget 12GB --profile profile.json)")
     _check_solver(solver)
     _check_output(output)
+    _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
                            target=target, amp=amp)
-    graph = graph_for(prof, solver=solver, granularity=granularity)
+    graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
     plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
                              time_limit_s=time_limit, graph=graph)
@@ -310,6 +314,8 @@ def frontier_cmd(
     granularity: Granularity = 0,
     solvers: Solvers = None,
     time_limit: TimeLimit = 30.0,
+    world_size: WorldSize = 1,
+    sharding: Sharding = "none",
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -323,6 +329,7 @@ def frontier_cmd(
     out, log = render.consoles(quiet=quiet)
     names = _solver_list(solvers)
     _need_source(model, profile, "remat frontier model.py", "remat frontier --profile profile.json")
+    _check_ranks(world_size, sharding)
     _check_output(output)
     _check_output(plot)
     if plot is not None:
@@ -331,7 +338,7 @@ def frontier_cmd(
         require_matplotlib()  # before minutes of profiling, not after
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
                            target=target, amp=amp)
-    graph = _graph(prof, names, granularity)
+    graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
     with render.counter(log, f"sweeping {points} budgets") as tick:
         pts = frontier(graph, points=points, solvers=names, time_limit_s=time_limit, progress=tick)
@@ -373,6 +380,8 @@ def compare_cmd(
     granularity: Granularity = 0,
     solvers: Solvers = None,
     time_limit: TimeLimit = 60.0,
+    world_size: WorldSize = 1,
+    sharding: Sharding = "none",
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -388,10 +397,11 @@ def compare_cmd(
     names = _solver_list(solvers)
     _need_source(model, profile, "remat compare --budget 2GB model.py",
                  "remat compare --budget 2GB --profile profile.json")
+    _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
                            target=target, amp=amp)
-    graph = _graph(prof, names, granularity)
+    graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
     pts = compare(graph, budget_bytes, solvers=names, time_limit_s=time_limit)
     report = tradeoff(graph, pts, kind="remat-compare", model=prof.fingerprint.model_class,
@@ -512,18 +522,29 @@ def _need_source(model: Path | None, profile: Path | None, with_model: str, with
         raise BadInput(f"give a model file ({with_model}) or a saved profile ({with_profile})")
 
 
-def _graph(prof: Any, names: list[str] | None, granularity: int) -> Any:
+def _graph(prof: Any, names: list[str] | None, granularity: int, *, world_size: int = 1,
+           sharding: str = "none") -> Any:
     """One candidate graph for all solvers of a sweep: nested only when every solver handles it."""
     from planner.api import graph_for
     from planner.frontier import OPTIMAL_SOLVERS, default_solvers
 
     names = names if names is not None else default_solvers()
     optimal = next((n for n in names if n in OPTIMAL_SOLVERS), "dp")
-    graph = graph_for(prof, solver=optimal, granularity=granularity)
+    graph = graph_for(prof, solver=optimal, granularity=granularity, world_size=world_size, sharding=sharding)
     if "dp" in names and any(not a["leaf"] for _, a in graph.nodes(data=True)):  # the DP runs on chains
         raise BadInput(f"--granularity {granularity} with {optimal} gives nested candidates, which dp "
                        f"cannot plan; drop dp from --solvers or use --granularity 0")
     return graph
+
+
+def _check_ranks(world_size: int, sharding: str) -> None:
+    """--world-size with --sharding, checked before any profiling (see docs/distributed.md)."""
+    from planner.api import check_ranks
+
+    try:
+        check_ranks(world_size, sharding)
+    except BadInput as e:
+        raise BadInput(f"--world-size/--sharding: {e}") from None
 
 
 def _check_output(path: Path | None) -> None:

@@ -52,6 +52,27 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 # are unaffected; after the step the statistics equal the unplanned model's exactly. Other
 # in-place updates of module state inside a region (a custom counter, a KV cache) are not
 # undone: keep such modules out of plans, or train with ``use_cache=False``.
+#
+# NOTE [ Plans under FSDP2 and DDP ]
+#
+# A plan applies to the model before or after it is wrapped for data parallelism, by the same
+# FQNs:
+#   - FSDP2's ``fully_shard`` keeps the module tree and names. It swaps each wrapped module's
+#     class for a subclass ``FSDP<Class>`` in place and its parameters for DTensors, whose
+#     ``.shape`` is the global shape. The fingerprint check uses the original class name and
+#     those global shapes, so a plan made on the plain model matches on every rank.
+#   - ``DistributedDataParallel`` holds the model as ``.module`` (its FQNs gain a ``module.``
+#     prefix); ``apply_plan`` looks through the wrapper and plans ``ddp.module``.
+# With FSDP2 the checkpoint sits inside the FSDP unit, as in torchtitan: the unit's hooks are
+# module hooks around ``__call__``, so the all-gather (pre-forward) and the reshard
+# (post-forward) surround the region, and the recompute re-runs only ``forward``, without the
+# hooks. It happens in the unit's backward, when autograd first unpacks a tensor the region
+# saved, and FSDP2's pre-backward hook, a hook on the unit's outputs, has by then all-gathered
+# the parameters again: the gradient reaches an output (firing the hook) before autograd runs
+# anything inside the unit. So the recompute reads unsharded parameters and nothing is
+# all-gathered twice, whichever of ``apply_plan`` and ``fully_shard`` runs first. Regions must
+# not contain an FSDP unit (its hooks would run inside the recompute); the default candidates,
+# the repeated blocks and the modules around them, never do when each block is a unit.
 """
 
 from __future__ import annotations
@@ -229,6 +250,10 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     the gradients are those of the unplanned model. See NOTE [ Checkpointing by instance
     forward ] and NOTE [ BatchNorm under recomputation ].
 
+    Under torch.distributed the plan may be applied before or after ``fully_shard`` or
+    ``DistributedDataParallel``; a DDP wrapper is looked through (its ``.module`` is planned).
+    See NOTE [ Plans under FSDP2 and DDP ].
+
     .. warning::
         Apply the plan before ``torch.compile`` (``model = torch.compile(model)`` afterwards).
         Modules the user already checkpointed (Hugging Face ``gradient_checkpointing_enable()``,
@@ -258,6 +283,7 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         model = torch.compile(model)  # optional, after the plan
     """
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
+    model = _unwrap_ddp(model)
     _check_model(model)
     wanted = _check_antichain(list(dict.fromkeys(plan.checkpoints)))
     modules = _modules_by_plain_name(model)
@@ -289,6 +315,12 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     return handle
 
 
+def _unwrap_ddp(model: nn.Module) -> nn.Module:
+    """``ddp.module`` for a ``DistributedDataParallel`` wrapper (see NOTE [ Plans under FSDP2 and DDP ])."""
+    ddp = getattr(nn.parallel, "DistributedDataParallel", None)
+    return model.module if ddp is not None and isinstance(model, ddp) else model
+
+
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise BadInput(f"apply_plan needs a torch.nn.Module, got a {type(model).__name__}")
@@ -318,7 +350,7 @@ def _check_antichain(names: list[str]) -> list[str]:
 
 
 def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[str], *, strict: bool) -> None:
-    mine = _plain_fingerprint(fingerprint(model, inputs))
+    mine = _plain_fingerprint(fingerprint(model, inputs)).model_copy(update={"model_class": _plain_class(model)})
     if inputs is None:  # nothing to compare the plan's input shapes with
         mine = mine.model_copy(update={"inputs": plan.fingerprint.inputs})
     diffs = [f"checkpoint {name!r} is not a module of the model" for name in missing]
@@ -337,6 +369,14 @@ def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[
 def _plain(name: str) -> str:
     """FQN without torch ``CheckpointWrapper`` levels, as its ``state_dict`` hook names things."""
     return ".".join(part for part in name.split(".") if part != _WRAPPED)
+
+
+def _plain_class(model: nn.Module) -> str:
+    """The model's own class name: ``fully_shard`` (and ``replicate``) swap in a subclass ``FSDP<Class>``."""
+    cls = type(model)
+    if len(cls.__bases__) == 2 and cls.__bases__[0].__name__ in ("FSDPModule", "ReplicateModule"):
+        return cls.__bases__[1].__name__
+    return cls.__name__
 
 
 def _plain_fingerprint(fp: Fingerprint) -> Fingerprint:
@@ -370,7 +410,7 @@ def _user_checkpointed(model: nn.Module, modules: dict[str, nn.Module]) -> dict[
 
 
 def _checkpointed_by(m: nn.Module) -> str | None:
-    if type(m).__name__ == "CheckpointWrapper":
+    if any(c.__name__ == "CheckpointWrapper" for c in type(m).__mro__):  # FSDPCheckpointWrapper too
         return "torch checkpoint_wrapper"
     if _is_hf_layer(m) and getattr(m, "gradient_checkpointing", False) is True:
         return "Hugging Face gradient_checkpointing_enable()"
