@@ -50,16 +50,22 @@ the graph built by ``planner.graph.build_graph``; no torch import.
 # stopping of the recompute is ignored: a slight overestimate).
 #
 # Per rank, under torch.distributed (graph.graph "world_size" N and "sharding"):
-#   ddp:  static memory as above, plus DDP's gradient buckets (one flat copy of the gradients,
-#         allocated when the DDP wrapper is built, with the default gradient_as_bucket_view=False).
-#   fsdp: (FSDP2, fully_shard on every repeated block and on the root) parameters, gradients and
-#         optimizer state are divided by N. On top of that, in forward and backward: the root
-#         group's parameters unsharded (FSDP2 keeps the root unsharded between forward and
-#         backward), and TWO blocks' parameters all-gathered at once, the running block and the
-#         next one, because FSDP2 prefetches the next all-gather while a block computes
-#         (implicit prefetching); the largest block is assumed for both. In backward also the
-#         running block's unsharded gradients before their reduce-scatter, and the root group's
-#         unsharded gradients, which are reduce-scattered only when backward ends.
+#   ddp:  static memory as above, plus DDP's gradient buckets: one flat copy of the gradients,
+#         allocated when the DDP wrapper is built (default gradient_as_bucket_view=False), for
+#         any N (measured: 14,768,128 bytes kept at construction = the gradients' bytes).
+#   fsdp: FSDP2, fully_shard on every repeated block and on the root. Parameters, gradients and
+#         optimizer state are divided by N. Unsharded parameters live in buffers of their own
+#         (FSDPParam.all_gather_outputs), apart from the local shard, so they add their full
+#         size, for any N. With R the root group's and B the largest block's parameter bytes:
+#         forward:  R (the root stays unsharded from forward to backward) + B (the running block)
+#                   + B when N > 1 (the running block's all-gather output, kept in the
+#                   all-gather state until the next unit waits for its own unshard);
+#         backward: R + B (parameters) + B when N > 1 (the previous block, prefetched)
+#                   + B (a later block's reduce-scatter input, kept until this block's
+#                   reduce-scatter) + B (the running block's unsharded gradients)
+#                   + R (the root group's unsharded gradients, reduce-scattered when backward
+#                   ends).
+#         Read off FSDP2's own state inside a step (benchmarks/fsdp_memory_census.py).
 #   Activations, recompute and temporaries do not change with N: each rank runs the same
 #   per-rank batch.
 """
@@ -98,9 +104,10 @@ class _Rank:
     params_bytes: int  # parameters + buffers held by this rank outside forward/backward
     optimizer_bytes: int
     fwd_static_bytes: int  # everything static during forward
-    bwd_static_bytes: int  # everything static during backward, gradients excepted
+    bwd_static_bytes: int  # everything static during backward, this rank's gradients excepted
     opt_static_bytes: int  # during optimizer.step(): static + all of this rank's gradients + temporaries
-    gathered_bytes: int  # unsharded parameters (FSDP) on top of params_bytes in forward/backward
+    fwd_extra: tuple[int, int]  # (parameter, gradient) bytes on top of the shards in forward
+    bwd_extra: tuple[int, int]  # the same in backward (FSDP unsharded buffers, DDP buckets)
     grad_divisor: int  # gradients are split this many ways (FSDP)
 
 
@@ -111,17 +118,19 @@ def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
     sharding = gg.get("sharding", "none") if per_rank else "none"
     params, buffers, opt = gg["params_bytes"], gg["buffers_bytes"], gg["optimizer_bytes"]
     grads, batch, opt_tr = gg["grads_bytes"], gg["batch_bytes"], gg["optimizer_step_transient_bytes"]
-    if sharding == "fsdp" and n > 1:
+    if sharding == "fsdp":
         shard = lambda b: -(-b // n)  # noqa: E731
         root, block = gg.get("fsdp_root_param_bytes", 0), gg.get("fsdp_max_block_param_bytes", 0)
-        gathered = (root - shard(root)) + 2 * (block - shard(block))
+        pending = block if n > 1 else 0  # an all-gather output kept, or a prefetched block
+        fwd = (root + block + pending, 0)
+        bwd = (root + block + pending, block + block + root)
         p_rank, o_rank = shard(params) + buffers, shard(opt)
         base = p_rank + o_rank + batch
-        return _Rank(p_rank, o_rank, base + gathered, base + gathered + block + (root - shard(root)),
-                     base + shard(grads) + shard(opt_tr), gathered, n)
-    buckets = grads if sharding == "ddp" and n > 1 else 0
+        return _Rank(p_rank, o_rank, base + sum(fwd), base + sum(bwd), base + shard(grads) + shard(opt_tr),
+                     fwd, bwd, n)
+    buckets = grads if sharding == "ddp" else 0
     base = params + buffers + opt + batch + buckets
-    return _Rank(params + buffers, opt, base, base, base + grads + opt_tr, buckets, 1)
+    return _Rank(params + buffers, opt, base, base, base + grads + opt_tr, (0, buckets), (0, buckets), 1)
 
 
 def _context(g: nx.DiGraph) -> _Ctx:
@@ -214,18 +223,19 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
     def tr(attrs: dict, key: str) -> int:
         return attrs.get(key, 0) if calibrated else 0
 
-    fwd_static, bwd_static, extra = rk.fwd_static_bytes, rk.bwd_static_bytes, rk.gathered_bytes
-    div = rk.grad_divisor
+    fwd_static, bwd_static, div = rk.fwd_static_bytes, rk.bwd_static_bytes, rk.grad_divisor
+    (fwd_p, fwd_g), (bwd_p, bwd_g) = rk.fwd_extra, rk.bwd_extra
     owner = {i: c for c in chosen for i in ctx.node_leaves[c]}
     prev_end = -1
     for i, (leaf, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
         a = g.nodes[leaf]
         h = held_upto(end)
         out_extra = sum(ctx.tb[t] for t in a["out_ids"] if pos.get(t, 1 << 62) > end)
-        yield f"forward of {leaf}", fwd_static + h + out_extra + tr(a, "fwd_transient_bytes"), 0, extra
+        yield f"forward of {leaf}", fwd_static + h + out_extra + tr(a, "fwd_transient_bytes"), fwd_g, fwd_p
         grads = -(-_grads_after(ctx, prev_end) // div)
         rec = _recomputed(g, ctx, owner[i], end) if i in owner else 0
-        yield f"backward of {leaf}", bwd_static + grads + h + rec + tr(a, "bwd_transient_bytes"), grads, extra
+        yield (f"backward of {leaf}", bwd_static + grads + h + rec + tr(a, "bwd_transient_bytes"),
+               grads + bwd_g, bwd_p)
         prev_end = end
     for c in chosen:
         a = g.nodes[c]
@@ -234,15 +244,15 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
                     default=0) if calibrated else 0
         total = (bwd_static + grads + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"])
                  + t_fwd)
-        yield f"recompute of {c}", total, grads, extra
+        yield f"recompute of {c}", total, grads + bwd_g, bwd_p
     h_all = prefix[-1]
     yield ("end of forward", fwd_static + h_all
-           + (g.graph.get("tail_fwd_transient_bytes", 0) if calibrated else 0), 0, extra)
+           + (g.graph.get("tail_fwd_transient_bytes", 0) if calibrated else 0), fwd_g, fwd_p)
     grads = -(-_grads_after(ctx, prev_end) // div)
     yield ("start of backward", bwd_static + grads + h_all
-           + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads, extra)
+           + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads + bwd_g, bwd_p)
     all_grads = -(-g.graph["grads_bytes"] // div)
-    yield "optimizer step", rk.opt_static_bytes, all_grads, 0
+    yield "optimizer step", rk.opt_static_bytes, all_grads + (fwd_g if g.graph.get("sharding") == "ddp" else 0), 0
 
 
 def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
@@ -255,10 +265,7 @@ def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
     chosen = check_checkpoint_set(g, checkpointed)
     name, peak, grads, extra = max(_probes(g, chosen), key=lambda p: p[1])
     rk = rank_memory(g)
-    if g.graph.get("sharding") == "ddp":  # the extra is DDP's gradient buckets
-        grads, params = grads + extra, rk.params_bytes
-    else:  # the extra is FSDP's unsharded parameters
-        params = rk.params_bytes + extra
+    params = rk.params_bytes + extra  # extra: FSDP's unsharded parameters at that point
     opt = rk.optimizer_bytes
     recompute_ms = sum(g.nodes[c]["forward_ms"] for c in chosen)
     return Estimate(
