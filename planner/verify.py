@@ -135,6 +135,10 @@ def verify(model_file_or_model: str | Path | torch.nn.Module, plan: Plan | str |
         BadInput, ModelLoadError, ProfileError: bad arguments, model file or training step.
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if plan.world_size > 1 or plan.sharding != "none":
+        raise BadInput(f"this plan is for one of {plan.world_size} ranks under {plan.sharding}; verify runs one "
+                       f"process, so it would measure another memory layout. Verify a plan made without "
+                       f"--world-size/--sharding, or train under torchrun (examples/train_distributed.py)")
     if steps < 1:
         raise BadInput(f"verify needs steps >= 1, got {steps}")
     if tolerance < 0:

@@ -431,3 +431,18 @@ def test_verify_model_file_and_train_script(tmp_path, capsys):
     train.main([str(model_file), "--plan", str(plan_path), "--steps", "2", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "step 1: loss" in out and "recomputed 4 checkpointed forwards in 2 steps" in out
+
+
+def test_verify_refuses_a_per_rank_plan(tmp_path):
+    """verify runs one process: a plan for FSDP/DDP ranks would be measured against the wrong layout."""
+    import random
+
+    from planner.api import plan_from_profile
+    from planner.errors import BadInput
+    from planner.synthetic import random_chain, synthetic_profile
+    from planner.verify import verify
+
+    prof = synthetic_profile(random_chain(random.Random(0), 4))
+    plan = plan_from_profile(prof, "1GB", solver="none", world_size=2, sharding="fsdp")
+    with pytest.raises(BadInput, match="verify runs one process"):
+        verify(torch.nn.Linear(2, 2), plan, inputs=torch.ones(1, 2))
