@@ -49,6 +49,11 @@ the graph built by ``planner.graph.build_graph``; no torch import.
 # exact bytes. Recompute time is the sum of the checkpointed units' forward times (early
 # stopping of the recompute is ignored: a slight overestimate).
 #
+# Not modelled: the CPU RNG state each checkpointed region keeps (preserve_rng_state=True,
+# 5056 bytes per region in host memory: device memory on a CPU run only, measured in
+# docs/benchmarks.md) and allocations too brief to leave a window; the planner's headroom
+# (planner.api.DEFAULT_HEADROOM) covers them.
+#
 # Per rank, under torch.distributed (graph.graph "world_size" N and "sharding"):
 #   ddp:  static memory as above, plus DDP's gradient buckets: one flat copy of the gradients,
 #         allocated when the DDP wrapper is built (default gradient_as_bucket_view=False), for
