@@ -40,7 +40,7 @@ import torch
 from planner.api import graph_for, plan_from_profile
 from planner.applier import apply_plan
 from planner.frontier import run_solver
-from planner.measure import make_optimizer, make_step, measure_step
+from planner.measure import free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.model_file import load_model_file
 from planner.profiler import profile, resolve_device
 from planner.schema import Plan
@@ -129,7 +129,7 @@ def _applier(plan: Plan) -> Callable[[torch.nn.Module, Any], str]:
 def _build(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> tuple[Any, Any, Any, Any]:
     """A fresh model with the variant applied, its optimizer, its step, its batch; one warm-up step."""
     model = mf.build_model().to(dev).train()
-    batch = _to_device(mf.example_inputs(), dev)
+    batch = to_device(mf.example_inputs(), dev)
     v.what = v.setup(model, batch)
     opt = make_optimizer(optimizer, model)
     step = make_step(model, batch, loss_fn=mf.loss_fn, optimizer=opt)
@@ -153,7 +153,7 @@ def _measure_peak(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> Non
         v.error = str(e)
     finally:
         model = opt = step = batch = None  # drop them before the next variant is built
-        _free(dev)
+        free(dev)
 
 
 def _time_round_robin(variants: list[Variant], mf: Any, dev: torch.device, optimizer: str, repeats: int) -> None:
@@ -162,10 +162,10 @@ def _time_round_robin(variants: list[Variant], mf: Any, dev: torch.device, optim
         print(f"round {r + 1}/{repeats}", file=sys.stderr)
         for v, step in runs:
             torch.manual_seed(r)
-            _sync(dev)
+            sync(dev)
             t0, c0 = time.perf_counter(), time.process_time()
             step()
-            _sync(dev)
+            sync(dev)
             v.times_ms.append((time.perf_counter() - t0) * 1e3)
             v.cpu_ms.append((time.process_time() - c0) * 1e3)
 
@@ -201,25 +201,10 @@ def _print_table(args: argparse.Namespace, dev: torch.device, budget: int, varia
     print("\nstep ms range (min-max) per variant: " + "; ".join(f"{k}: {r}" for k, r in spread.items()))
 
 
-def _to_device(obj: Any, dev: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dev)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(x, dev) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(x, dev) for k, x in obj.items()}
-    return obj
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
-def _free(dev: torch.device) -> None:
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import networkx as nx
 
 from planner.cost_model import chain_terms, simulate
 from planner.errors import BadInput, BudgetInfeasible, SolverError
-from planner.graph import build_graph
+from planner.graph import build_graph, is_ancestor
 from planner.schema import Plan, Predicted, Profile, RunStamp, SolverInfo, now_iso
 from planner.units import format_bytes, parse_bytes
 
@@ -204,18 +204,11 @@ def _every_call(g: nx.DiGraph, chosen) -> list[str]:
     out = set(chosen)
     for n, a in g.nodes(data=True):
         if a["fqn"] in fqns and n not in out:
-            if not any(_is_under(g, n, m) or _is_under(g, m, n) for m in out):
+            if not any(is_ancestor(g, m, n) or is_ancestor(g, n, m) for m in out):
                 out.add(n)
     return sorted(out, key=lambda n: g.nodes[n]["order"])
 
 
-def _is_under(g: nx.DiGraph, node: str, ancestor: str) -> bool:
-    p = g.nodes[node]["parent"]
-    while p is not None:
-        if p == ancestor:
-            return True
-        p = g.nodes[p]["parent"]
-    return False
 
 
 def _fqns(g: nx.DiGraph, chosen) -> list[str]:

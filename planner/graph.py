@@ -242,7 +242,7 @@ def _add_edges(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
             u = producer_node.get(t)
             if u is None or u == v:
                 continue
-            if _is_ancestor(g, u, v) or _is_ancestor(g, v, u):
+            if is_ancestor(g, u, v) or is_ancestor(g, v, u):
                 continue
             if g.has_edge(u, v):
                 g.edges[u, v]["bytes"] += tb[t]
@@ -250,7 +250,8 @@ def _add_edges(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
                 g.add_edge(u, v, bytes=tb[t])
 
 
-def _is_ancestor(g: nx.DiGraph, a: str, b: str) -> bool:
+def is_ancestor(g: nx.DiGraph, a: str, b: str) -> bool:
+    """True when graph node ``a`` encloses graph node ``b`` (through ``parent`` links)."""
     p = g.nodes[b]["parent"]
     while p is not None:
         if p == a:

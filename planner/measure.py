@@ -113,6 +113,32 @@ def make_step(
     return step
 
 
+def to_device(obj: Any, dev: torch.device) -> Any:
+    """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor moved to ``dev``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(v, dev) for v in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, dev) for k, v in obj.items()}
+    return obj
+
+
+def sync(dev: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so wall-clock times are real."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def free(dev: torch.device) -> None:
+    """Collect garbage and, on CUDA, hand cached blocks back, so the next measurement starts clean."""
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _no_mark(_name: str, _value: Any) -> None:
     pass
 

@@ -60,7 +60,7 @@ from typing_extensions import Self
 from planner import schema
 from planner.errors import BadInput
 from planner.fingerprint import fingerprint
-from planner.measure import AMP_DTYPES, OPTIMIZERS, Measured, make_optimizer, make_step, measure_step
+from planner.measure import AMP_DTYPES, OPTIMIZERS, Measured, make_optimizer, make_step, measure_step, to_device
 from planner.model_file import Inputs, check_devices, check_materialized
 from planner.schema import LOSS_ID, ROOT_ID
 from planner.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
@@ -136,7 +136,7 @@ def profile(
     with _restoring(model, dev):
         model.to(dev)
         model.train()
-        inputs = _to_device(inputs, dev)
+        inputs = to_device(inputs, dev)
         check_devices(model, inputs)
         opt = make_optimizer(optimizer, model)
         step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
@@ -927,16 +927,6 @@ def _amp_name(amp: str | None) -> str | None:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP_DTYPES[amp.lower()]]
 
 
-def _to_device(obj: Any, dev: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dev)
-    if isinstance(obj, tuple):
-        return tuple(_to_device(v, dev) for v in obj)
-    if isinstance(obj, list):
-        return [_to_device(v, dev) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _to_device(v, dev) for k, v in obj.items()}
-    return obj
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from pydantic import BaseModel, Field
 
 from planner.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.errors import BadInput
-from planner.measure import Measured, make_optimizer, make_step, measure_step
+from planner.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.model_file import Inputs, load_model_file
 from planner.profiler import resolve_device
 from planner.schema import Plan
@@ -186,7 +186,7 @@ def _load(source: Any, inputs: Inputs | None, loss_fn: Any) -> tuple[torch.nn.Mo
 def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev: torch.device,
          steps: int, *, planned: bool) -> _Run:
     model = copy.deepcopy(master).to(dev).train()
-    batch = _to_device(inputs, dev)
+    batch = to_device(inputs, dev)
     handle = apply_plan(model, plan, inputs=batch) if planned else None
     opt = make_optimizer(plan.optimizer or "adamw", model)
     step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, amp=plan.amp)
@@ -206,10 +206,10 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     times = []
     for i in range(steps):
         torch.manual_seed(SEED + 1 + i)
-        _sync(dev)
+        sync(dev)
         start = time.perf_counter()
         step()
-        _sync(dev)
+        sync(dev)
         times.append((time.perf_counter() - start) * 1e3)
 
     model.zero_grad(set_to_none=True)  # see measure_step's warning
@@ -223,29 +223,14 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     if handle:
         handle.remove()
     del model, opt, step, batch
-    _free(dev)
+    free(dev)
     return run
 
 
-def _to_device(obj: Any, dev: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dev)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(v, dev) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, dev) for k, v in obj.items()}
-    return obj
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
-def _free(dev: torch.device) -> None:
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- the report
