@@ -210,6 +210,9 @@ def plan_cmd(
     time_limit: Annotated[float, typer.Option(
         "--time-limit", min=0.001, help="Seconds the ILP may search; then its best plan is kept.")] = 60.0,
     steps: Steps = 3,
+    headroom: Annotated[str, typer.Option(
+        "--headroom", help="Part of the budget kept free, for what the cost model cannot see: "
+                           "0.5%, 2% or a fraction such as 0.01.")] = "0.5%",
     world_size: WorldSize = 1,
     sharding: Sharding = "none",
     as_json: AsJson = False,
@@ -234,7 +237,7 @@ def plan_cmd(
     graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
     plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
-                             time_limit_s=time_limit, graph=graph)
+                             time_limit_s=time_limit, headroom=_fraction(headroom, "--headroom"), graph=graph)
     if output is not None:
         plan.save(output)
     if as_json:
@@ -484,6 +487,18 @@ def _budget(text: str, parse: Callable[[str], int]) -> int:
         return parse(text)
     except BadInput as e:
         raise BadInput(f"--budget: {e}") from None
+
+
+def _fraction(text: str, option: str) -> float:
+    """'0.5%' or '0.005' -> 0.005; BadInput naming the option otherwise."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise BadInput(f"{option} {text!r} is not a fraction; use e.g. 0.5% or 0.005") from None
+    if not 0 <= value < 0.5:
+        raise BadInput(f"{option} {text!r} must be between 0% and 50%")
+    return value
 
 
 def _check_solver(name: str) -> None:

@@ -227,3 +227,19 @@ def test_verify_failure_exits_1(tiny_model: Path, tiny_profile: Path, tmp_path: 
     r = invoke("verify", tiny_model, out, "--device", "cpu", "--steps", "1")
     assert r.exit_code == 1, r.output
     assert "verify: FAILED" in r.stdout and "error: the plan failed verification" in r.stderr
+
+
+def test_headroom_is_kept_free_and_recorded(profile_path: Path, tmp_path: Path):
+    out = tmp_path / "plan.json"
+    r = invoke("plan", "--budget", "10MB", "--profile", profile_path, "--headroom", "2%", "-o", out)
+    assert r.exit_code == 0, r.output
+    plan = Plan.load(out)
+    assert plan.headroom_bytes == int(10 * 2**20 * 0.02)
+    assert plan.predicted.peak_bytes <= plan.budget_bytes - plan.headroom_bytes
+
+
+@pytest.mark.parametrize("bad", ["abc", "60%", "-1%"])
+def test_bad_headroom_is_a_usage_error(profile_path: Path, bad: str):
+    r = invoke("plan", "--budget", "10MB", "--profile", profile_path, "--headroom", bad)
+    assert r.exit_code == 2
+    assert "--headroom" in r.output and "Traceback" not in r.output
