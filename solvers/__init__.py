@@ -22,14 +22,18 @@ from typing import Callable
 
 import networkx as nx
 
+from solvers.auto import solve_auto
 from solvers.base import Solution
 from solvers.baselines import solve_all, solve_every_k, solve_none
 from solvers.dp import solve as solve_dp
+from solvers.ilp import solve as solve_ilp
 from solvers.sqrt_n import solve as solve_sqrt
 from solvers.sqrt_n import solve_greedy as solve_sqrt_greedy
 
 SOLVERS: dict[str, Callable[..., Solution]] = {
     "dp": solve_dp,
+    "ilp": solve_ilp,
+    "auto": solve_auto,
     "sqrt": solve_sqrt,
     "sqrt-greedy": solve_sqrt_greedy,
     "all": solve_all,

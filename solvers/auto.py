@@ -1,0 +1,72 @@
+"""``auto``: the chain DP where its recurrence is exact, the ILP everywhere else.
+
+- No nested candidates and ``chain_terms(g).exact``: the DP (``solvers/dp.py``), optimal and
+  fast (a 200-unit chain in ~0.05 s).
+- Otherwise (nested candidates, or tensors held across non-adjacent units, where the DP's
+  recurrence over-counts): the ILP (``solvers/ilp.py``), optimal when it proves it in time.
+  When the time limit stops it with a plan, that plan ("feasible", with its gap); when it
+  stops it before any plan, the DP's conservative plan on the graph's leaves (which fits under
+  ``simulate`` whenever the DP finds one: its recurrence only over-counts).
+
+``Solution.detail`` starts with which solver ran and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import networkx as nx
+
+from planner.cost_model import chain_terms
+from solvers.base import Solution, judged
+from solvers.dp import solve as solve_dp
+from solvers.ilp import solve as solve_ilp
+
+
+def solve_auto(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None, **kw: object) -> Solution:
+    """Least-recompute plan within ``budget_bytes``, by the DP or the ILP (see module docstring)."""
+    nested = any(not a["leaf"] for _, a in g.nodes(data=True))
+    if not nested and chain_terms(g).exact:
+        sol = solve_dp(g, budget_bytes, **kw)
+        return _labelled(sol, "dp: a chain without nested candidates, where the DP's recurrence is exact")
+    why = "nested candidates" if nested else "tensors held across non-adjacent units (the DP would over-count)"
+    sol = solve_ilp(g, budget_bytes, time_limit_s=time_limit_s, **kw)
+    if sol.status != "infeasible" or "before any plan was found" not in sol.detail:
+        return _labelled(sol, f"ilp: {why}")
+    return _dp_fallback(g, budget_bytes, sol, why)
+
+
+def _labelled(sol: Solution, why: str) -> Solution:
+    return dataclasses.replace(sol, solver="auto", detail=f"{why}; {sol.detail}" if sol.detail else why)
+
+
+def _dp_fallback(g: nx.DiGraph, budget_bytes: int, ilp: Solution, why: str) -> Solution:
+    """The ILP found nothing in time: the DP on the leaves, whose plans fit whenever it finds one."""
+    t0 = time.perf_counter()
+    leaves = leaf_graph(g)
+    dp = solve_dp(leaves, budget_bytes)
+    seconds = ilp.seconds + time.perf_counter() - t0
+    head = f"ilp: {why}; it found no plan in time, so the DP's conservative plan on the leaves"
+    if dp.status == "infeasible":
+        lowest = min((b for b in (ilp.min_feasible_bytes, dp.min_feasible_bytes) if b is not None), default=None)
+        return dataclasses.replace(ilp, solver="auto", seconds=seconds, min_feasible_bytes=lowest,
+                                   detail=f"{head}: none fits either (minimum feasible budget not proven); "
+                                          f"{ilp.detail}")
+    return judged("auto", g, dp.checkpointed, budget_bytes, seconds, status_if_fits="feasible",
+                  detail=f"{head} (optimality not proven); {ilp.detail}")
+
+
+def leaf_graph(g: nx.DiGraph) -> nx.DiGraph:
+    """``g`` without its non-leaf candidates: the same cost model for plans made of leaves.
+
+    A save is dropped iff a chosen candidate contains it, so for plans of leaves the containers
+    that are not leaves never matter; every other probe term is per leaf or per chosen unit.
+    """
+    h = g.copy()
+    h.graph = {k: v for k, v in g.graph.items() if k != "_cost_ctx"}
+    h.graph["nested"] = False
+    h.remove_nodes_from([n for n, a in g.nodes(data=True) if not a["leaf"]])
+    for order, n in enumerate(sorted(h.nodes, key=lambda n: g.nodes[n]["order"])):
+        h.nodes[n].update(parent=None, order=order)
+    return h

@@ -1,0 +1,838 @@
+"""Optimal checkpoint sets on any graph (DAGs, nested candidates): an exact integer program.
+
+The program is NOTE [ Peak-memory model ] (``planner/cost_model.py``) written linearly, with
+nothing approximated: a checkpoint set fits the budget in the program iff it fits under
+``simulate`` (NOTE [ ILP formulation ] below; ``tests/test_ilp.py`` compares every probe).
+
+How ``solve`` proceeds:
+
+1. Checkpointing nothing fits: done, optimal.
+2. The sequential relaxation (``solvers/ilp_bound.py``, NOTE [ Sequential relaxation ]): a
+   lower bound on recompute and a plan reaching it. If that plan fits under ``simulate`` it is
+   optimal. On stacks of near-identical blocks this is the common case (500 candidates in
+   under a second), where branch-and-bound alone often cannot close the last 0.3 % in minutes.
+3. Otherwise branch-and-bound on the program, with the bound as a cut (HiGHS only, see
+   ``solve``). A plan a solver accepts within its tolerances but ``simulate`` puts over budget
+   is excluded and the solve repeated (``_Run.fitting``).
+4. No plan fits: the same program minimising the peak gives ``min_feasible_bytes``.
+5. Among plans of the optimal recompute, a short search for a lower peak (``prefer_low_peak``).
+6. The returned plan is judged by ``simulate`` (``solvers.base.judged``); a plan over budget
+   there would be a bug, and is reported as such (a RuntimeWarning, status "infeasible").
+
+Backends, through PuLP: HiGHS (``HiGHS``, needs highspy) and CBC (``PULP_CBC_CMD``, bundled
+with PuLP). HiGHS is the default: ``python benchmarks/ilp_scaling.py`` measured it equal on the
+transformer-like stacks (the relaxation decides them) and 3-18x faster where branch-and-bound
+does the work (1.5-2 s against 6-36 s at 542 candidates), it runs in-process (CBC writes an
+MPS file and starts a process per solve: ~20 ms), and CBC 2.10.3 needs guarding against
+wrong "optimal" answers (see ``_run_cbc``). Branch-and-bound alone on the stacks
+(``--no-relaxation``, 30 s) proves 8 of 12 with either. Without highspy the HiGHS backend
+falls back to CBC and says so in ``Solution.detail``.
+
+Size: one binary per candidate, an OR variable only for a tensor whose "held by then" is not
+affine in x, one running-sum variable per probe position where held bytes change; rows: one
+per probe, per root-to-leaf path, per OR lower bound and per running sum. A 200-candidate
+transformer stack: 200 binaries, 161 continuous, 843 rows. Building it is O(S + n * b) for S
+save events, n candidates and b leaves; solving is exponential in the worst case.
+
+# NOTE [ ILP formulation ]
+#
+# x_v in {0, 1} per candidate v (checkpoint v). Antichain: per root-to-leaf path of the
+# candidate tree, sum x <= 1 ("antichain ..."). Hence a save event with containing nodes S is
+# active (held) iff 1 - sum_{c in S} x_c = 1, an affine expression; a checkpoint input of c is
+# active iff x_c.
+#
+# Only comparisons "holding position <= probe position" matter, so positions are replaced by
+# *buckets*: the rank of the first probe position (a leaf's or a candidate's fwd_end_seq) at or
+# after them. Per tensor t, with its holdings grouped by bucket b_1 < b_2 < ..., "t is held
+# with p(t) <= b_j" is F_j = OR of the holdings in buckets b_1..b_j. Per prefix j:
+#   - F_j == F_{j-1} (decided on the truth table over the antichains of the few candidates the
+#     tensor's holdings mention): the new holdings can never be earliest; nothing is added.
+#   - F_j affine on those antichains (e.g. "saved inside B, or an input of checkpointed B" is
+#     1 - sum of x over B's ancestors): F_j is that affine expression; no variable.
+#   - otherwise a continuous y in [0, 1] with y >= F_{j-1} (its expression or variable) and
+#     y >= each new holding ("or ..."). y may exceed the OR, which only over-counts memory, so
+#     every plan the program accepts fits under simulate, and every plan that fits under
+#     simulate is accepted with y = OR.
+# Tensors with the same steps (and the same "in flight" leaf, below) are one group with the
+# summed bytes, sharing the y variables.
+#
+# H_b = held bytes with p <= bucket b: H_b = H_{b-1} + sum_t bytes_t * (F_{j(b)} - F_{j(b)-1})
+# ("held ..."), a running sum, so each probe row has a handful of entries instead of every
+# tensor. Probes, each one row against the peak variable P ("P >= probe"):
+#   forward of leaf i:    H(e_i) - sum_{t in out_i} bytes_t * F_t(e_i) + const: a tensor in
+#                         flight costs its bytes held or not, so its held term cancels (same
+#                         expression, exact) and its bytes go into the constant.
+#   backward of leaf i:   H(e_i) + sum_{c containing leaf i} x_c * recomputed(c, e_i) + const;
+#                         at most one such x_c is 1 (antichain), as in simulate's ``owner``.
+#   recompute of c:       H(end c) + x_c * (recomputed(c) + max T_fwd) - (1 - x_c) * M_c + const.
+#                         simulate has this probe only when c is checkpointed. With x_c = 0 the
+#                         row must not cut anything: M_c is how much its constant exceeds that of
+#                         the backward of the first leaf ending at or after end(c) (or of the
+#                         start of backward), which has at least the same H and R >= 0; with the
+#                         NOTE's constants M_c = 0 (that leaf's gradients include c's), so the
+#                         row is big-M free in practice.
+#   end of forward, start of backward: H(all) + const;  optimizer step: P >= const.
+# Recompute model: min sum_v forward_ms(v) x_v with P <= budget + 1/2 (probes are whole bytes,
+# so "<= budget + 1/2" is "<= budget" with half a byte of slack against solver tolerances).
+# Minimum peak model (status infeasible): min P, no budget. Tie-break (``prefer_low_peak``):
+# min P subject to recompute <= the optimum, kept only if simulate confirms it is no slower.
+# Not an epsilon * P term in the objective: within the solver's gap tolerance that term could
+# buy a lower peak with more recompute; a separate, time-boxed solve cannot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import networkx as nx
+import pulp
+
+from planner.cost_model import _context, _grads_after, _recomputed, rank_memory, simulate
+from solvers.base import Solution, Status, judged
+from solvers.ilp_bound import Bound, sequential_bound
+
+Backend = Literal["highs", "cbc"]
+
+DEFAULT_BACKEND: Backend = "highs"
+"""See the module docstring: equal or faster than CBC in ``benchmarks/ilp_scaling.py``."""
+
+_ANTICHAIN_CAP = 512
+"""Truth tables are built over at most this many antichains per tensor (else no pruning)."""
+
+_Affine = tuple[int, tuple[tuple[str, int], ...]]  # (constant, ((node, coefficient), ...)), sorted
+_Term = tuple[str, object]  # ("save", frozenset of containing nodes) | ("input", node)
+_ZERO: _Affine = (0, ())
+
+
+# ----------------------------------------------------------------------------- program
+
+Lin = dict  # linear form: {node id (x) | int (y index) | None (constant): coefficient}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe of NOTE [ Peak-memory model ]: bytes = (H(bucket) + extra) * unit + const_bytes."""
+
+    name: str  # as ``simulate`` names it: "backward of h.3", "optimizer step", ...
+    bucket: int | None  # held bytes up to this bucket count; None: none (the optimizer step)
+    extra: Lin  # in units: recompute terms, in-flight tensors (see NOTE [ ILP formulation ])
+    const_bytes: int
+
+
+@dataclass
+class Program:
+    """NOTE [ ILP formulation ] as plain data, before any solver sees it. Memory in units."""
+
+    nodes: list[str]  # candidates, forward order
+    forward_ms: dict[str, float]
+    parent: dict[str, str | None]
+    paths: list[tuple[str, ...]]  # root-to-leaf paths of two or more candidates: sum x <= 1
+    ors: list[list[Lin]]  # y_k >= each form of ors[k] (forms may use earlier y)
+    delta: dict[int, Lin]  # held bytes added at each bucket
+    probes: list[Probe]
+    unit_bytes: int  # a power of two
+    stats: dict = field(default_factory=dict)
+
+
+def _lin_add(acc: Lin, form: Lin, scale: float = 1.0) -> None:
+    for k, c in form.items():
+        acc[k] = acc.get(k, 0.0) + scale * c
+
+
+def _lin_value(form: Lin, x: dict[str, float], y: list[float]) -> float:
+    total = 0.0
+    for k, c in form.items():
+        total += c if k is None else c * (y[k] if isinstance(k, int) else x.get(k, 0.0))
+    return total
+
+
+def probe_values(program: Program, chosen: frozenset[str]) -> dict[str, float]:
+    """Each probe's bytes in the program at ``chosen`` (least y and H), by simulate's probe name.
+
+    ``simulate`` reports the same values for the probes it has (it has "recompute of c" only for
+    checkpointed c); the tests compare the two.
+    """
+    x = {v: 1.0 if v in chosen else 0.0 for v in program.nodes}
+    y: list[float] = []
+    for lows in program.ors:  # a form refers only to earlier y
+        y.append(max(_lin_value(lo, x, y) for lo in lows))
+    held, running = {}, 0.0
+    for b in range(max([*program.delta, *(p.bucket or 0 for p in program.probes), 0]) + 1):
+        running += _lin_value(program.delta.get(b, {}), x, y)
+        held[b] = running
+    return {p.name: ((held[p.bucket] if p.bucket is not None else 0.0) + _lin_value(p.extra, x, y))
+            * program.unit_bytes + p.const_bytes for p in program.probes}
+
+
+def _variable(prob: pulp.LpProblem, name: str, low: float | None, up: float | None = None,
+              cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+    """A new variable: PuLP 3's ``add_variable`` (PuLP 4 requires it), ``LpVariable`` before."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat)
+    return pulp.LpVariable(name, low, up, cat)
+
+
+def _row(prob: pulp.LpProblem, name: str) -> pulp.LpConstraint | None:
+    """A row by name: PuLP 3's ``get_constraint_by_name``, the constraints dict before."""
+    if hasattr(prob, "get_constraint_by_name"):
+        return prob.get_constraint_by_name(name)
+    return prob.constraints.get(name)
+
+
+def _sanitize(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", s)
+
+
+def _ancestors(g: nx.DiGraph) -> dict[str, frozenset[str]]:
+    out = {}
+    for v in g.nodes:
+        acc, p = [], g.nodes[v]["parent"]
+        while p is not None:
+            acc.append(p)
+            p = g.nodes[p]["parent"]
+        out[v] = frozenset(acc)
+    return out
+
+
+def _term_affine(term: _Term) -> _Affine:
+    kind, p = term
+    if kind == "save":
+        return (1, tuple(sorted((c, -1) for c in p)))  # type: ignore[union-attr]
+    return (0, ((p, 1),))  # type: ignore[list-item]
+
+
+def _term_active(term: _Term, chosen: frozenset[str]) -> bool:
+    kind, p = term
+    return not (p & chosen) if kind == "save" else p in chosen  # type: ignore[operator]
+
+
+def _antichains(nodes: list[str], anc: dict[str, frozenset[str]]) -> list[frozenset[str]] | None:
+    """All antichains of ``nodes`` (empty first), or None past ``_ANTICHAIN_CAP``."""
+    out: list[frozenset[str]] = []
+
+    def rec(start: int, cur: frozenset[str]) -> bool:
+        out.append(cur)
+        if len(out) > _ANTICHAIN_CAP:
+            return False
+        for j in range(start, len(nodes)):
+            v = nodes[j]
+            if all(v not in anc[u] and u not in anc[v] for u in cur) and not rec(j + 1, cur | {v}):
+                return False
+        return True
+
+    return out if rec(0, frozenset()) else None
+
+
+def _fit_affine(table: tuple[bool, ...], chains: list[frozenset[str]],
+                index: dict[frozenset[str], int], nodes: list[str]) -> _Affine | None:
+    """The affine function of x equal to the Boolean ``table`` on every antichain, if any."""
+    c0 = int(table[0])
+    coef = {v: int(table[index[frozenset((v,))]]) - c0 for v in nodes}
+    for a, val in zip(chains, table):
+        if c0 + sum(coef[v] for v in a) != int(val):
+            return None
+    return (c0, tuple(sorted((v, c) for v, c in coef.items() if c)))
+
+
+def _tensor_steps(groups: list[tuple[int, set[_Term]]], anc: dict[str, frozenset[str]]) -> tuple:
+    """The steps (bucket, representation) of one tensor's prefix ORs; see NOTE [ ILP formulation ].
+
+    A representation is ("aff", affine) or ("or", frozenset of lower bounds), a lower bound
+    being ("aff", affine) or ("prev",) for the previous step's variable.
+    """
+    nodes = sorted({n for _, terms in groups for kind, p in terms
+                    for n in (p if kind == "save" else (p,))})  # type: ignore[union-attr]
+    chains = _antichains(nodes, anc)
+    index = {a: k for k, a in enumerate(chains)} if chains is not None else {}
+    steps: list[tuple[int, tuple]] = []
+    acc: set[_Term] = set()
+    prev_table: tuple[bool, ...] | None = tuple(False for _ in chains) if chains is not None else None
+    prev_rep: tuple = ("aff", _ZERO)
+    for bucket, terms in groups:
+        acc |= terms
+        rep: tuple | None = None
+        if chains is not None:
+            table = tuple(any(_term_active(t, a) for t in acc) for a in chains)
+            if table == prev_table:
+                continue  # these holdings are never the earliest active one
+            prev_table = table
+            aff = _fit_affine(table, chains, index, nodes)
+            if aff is not None:
+                rep = ("aff", aff)
+        elif len(acc) == 1:
+            rep = ("aff", _term_affine(next(iter(acc))))
+        if rep is None:
+            lows = {("aff", _term_affine(t)) for t in terms}
+            if prev_rep != ("aff", _ZERO):
+                lows.add(("prev",) if prev_rep[0] == "or" else prev_rep)
+            rep = ("or", frozenset(lows))
+        steps.append((bucket, rep))
+        prev_rep = rep
+    return tuple(steps)
+
+
+def build_program(g: nx.DiGraph) -> Program:
+    """The program of NOTE [ ILP formulation ] for ``g``.
+
+    Memory is counted in units of 2^k bytes, k chosen so that the largest term is below 2^24
+    units: CBC's preprocessing loses feasibility with raw byte counts of 1e10 ("possible
+    tolerance issue"). Powers of two keep every byte count exactly representable.
+    """
+    ctx = _context(g)
+    rk = rank_memory(g)
+    magnitude = max(rk.opt_static_bytes, rk.bwd_static_bytes + sum(ctx.tb.values()), 1)
+    unit = 2 ** max(0, magnitude.bit_length() - 24)
+    nodes = sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
+    anc = _ancestors(g)
+    start = {v: g.nodes[v]["fwd_start_seq"] for v in nodes}
+    end = {v: g.nodes[v]["fwd_end_seq"] for v in nodes}
+    thresholds = sorted(set(ctx.leaf_end) | set(end.values()))
+    last_bucket = len(thresholds)  # positions after every probe: only the tail probes see them
+
+    def bucket(pos: int) -> int:
+        return bisect.bisect_left(thresholds, pos)
+
+    # --- holdings per tensor, grouped by bucket
+    holds: dict[int, dict[int, set[_Term]]] = {}
+    for seq, t, containers in ctx.saves:
+        holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("save", frozenset(containers)))
+    for v in nodes:
+        for t in g.nodes[v]["input_ids"]:
+            holds.setdefault(t, {}).setdefault(bucket(start[v]), set()).add(("input", v))
+    out_leaf = {t: i for i, leaf in enumerate(ctx.leaves) for t in g.nodes[leaf]["out_ids"]}
+    leaf_bucket = [bucket(e) for e in ctx.leaf_end]
+
+    # --- steps per tensor; tensors with the same steps (and in-flight leaf, if it matters) grouped
+    step_cache: dict[tuple, tuple] = {}
+    groups: dict[tuple, int] = {}
+    for t, by_bucket in holds.items():
+        key = tuple(sorted((b, frozenset(ts)) for b, ts in by_bucket.items()))
+        steps = step_cache.get(key)
+        if steps is None:
+            steps = step_cache[key] = _tensor_steps([(b, set(ts)) for b, ts in key], anc)
+        if steps:
+            i = out_leaf.get(t)
+            flying = i if i is not None and steps[0][0] <= leaf_bucket[i] else None
+            groups[(steps, flying)] = groups.get((steps, flying), 0) + ctx.tb[t]
+
+    def aff(a: _Affine) -> Lin:
+        return {None: float(a[0]), **{v: float(c) for v, c in a[1]}}
+
+    ors: list[list[Lin]] = []
+    delta: dict[int, Lin] = {}
+    in_flight: dict[int, Lin] = {}
+    for (steps, flying), nbytes in sorted(groups.items(), key=lambda kv: repr(kv[0])):
+        w = nbytes / unit
+        prev: Lin = {}
+        reps: list[tuple[int, Lin]] = []
+        for b, rep in steps:
+            if rep[0] == "aff":
+                cur = aff(rep[1])
+            else:
+                ors.append([{k: 1.0 for k in prev if isinstance(k, int)} if low[0] == "prev" else aff(low[1])
+                            for low in sorted(rep[1], key=repr)])
+                cur = {len(ors) - 1: 1.0}
+            d = delta.setdefault(b, {})
+            _lin_add(d, cur, w)
+            _lin_add(d, prev, -w)
+            reps.append((b, cur))
+            prev = cur
+        if flying is not None:
+            _lin_add(in_flight.setdefault(flying, {}), [r for b, r in reps if b <= leaf_bucket[flying]][-1], -w)
+    for d in delta.values():
+        for k in [k for k, c in d.items() if c == 0]:
+            del d[k]
+
+    # --- probes of NOTE [ Peak-memory model ], named as simulate names them
+    probes: list[Probe] = []
+    div = rk.grad_divisor
+    contains = {i: [c for c in nodes if i in ctx.node_leaves[c]] for i in range(len(ctx.leaves))}
+    bwd_const: list[int] = []
+    prev_end = -1
+    for i, (leaf, e) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
+        a = g.nodes[leaf]
+        probes.append(Probe(f"forward of {leaf}", leaf_bucket[i], in_flight.get(i, {}),
+                            rk.fwd_static_bytes + sum(ctx.tb[t] for t in a["out_ids"])
+                            + a.get("fwd_transient_bytes", 0)))
+        bc = rk.bwd_static_bytes + -(-_grads_after(ctx, prev_end) // div) + a.get("bwd_transient_bytes", 0)
+        bwd_const.append(bc)
+        rec = {c: _recomputed(g, ctx, c, e) / unit for c in contains[i]}
+        probes.append(Probe(f"backward of {leaf}", leaf_bucket[i], {c: r for c, r in rec.items() if r}, bc))
+        prev_end = e
+    tail_bwd = (rk.bwd_static_bytes + -(-_grads_after(ctx, prev_end) // div)
+                + g.graph.get("tail_bwd_transient_bytes", 0))
+    big_m = 0
+    for c in nodes:
+        const = rk.bwd_static_bytes + -(-_grads_after(ctx, end[c]) // div)
+        t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
+                    default=0)
+        later = bisect.bisect_left(ctx.leaf_end, end[c])
+        m = max(0, const - (bwd_const[later] if later < len(ctx.leaves) else tail_bwd))
+        big_m += m > 0
+        coef = (_recomputed(g, ctx, c, end[c]) + t_fwd + m) / unit
+        extra = {**({c: coef} if coef else {}), **({None: -m / unit} if m else {})}
+        probes.append(Probe(f"recompute of {c}", bucket(end[c]), extra, const))
+    probes.append(Probe("end of forward", last_bucket, {},
+                        rk.fwd_static_bytes + g.graph.get("tail_fwd_transient_bytes", 0)))
+    probes.append(Probe("start of backward", last_bucket, {}, tail_bwd))
+    probes.append(Probe("optimizer step", None, {}, rk.opt_static_bytes))
+
+    paths = [p for p in ((leaf, *anc[leaf]) for leaf in ctx.leaves) if len(p) > 1]
+    stats = {"unit_bytes": unit, "candidates": len(nodes), "leaves": len(ctx.leaves), "tensors": len(holds),
+             "tensor_groups": len(groups), "or_variables": len(ors), "or_rows": sum(map(len, ors)),
+             "buckets": last_bucket + 1, "probe_rows": len(probes), "antichain_rows": len(paths),
+             "big_m_rows": big_m}
+    return Program(nodes, {v: g.nodes[v]["forward_ms"] for v in nodes},
+                   {v: g.nodes[v]["parent"] for v in nodes}, paths, ors, delta, probes, unit, stats)
+
+
+@dataclass
+class IlpModel:
+    """A ``Program`` as a PuLP problem, reusable across objectives and caps."""
+
+    program: Program
+    prob: pulp.LpProblem
+    x: dict[str, pulp.LpVariable]
+    peak: pulp.LpVariable
+    recompute: pulp.LpAffineExpression
+    stats: dict
+
+    def set_cap(self, cap_bytes: int | None) -> None:
+        """P <= cap (None: no cap). Probes are whole bytes: half a byte of slack is exact."""
+        self.peak.upBound = None if cap_bytes is None else (cap_bytes + 0.5) / self.program.unit_bytes
+
+    def recompute_row(self, name: str, sense: int, rhs: float | None) -> None:
+        """Set the row ``recompute <= rhs`` (sense LE) or ``>= rhs`` (GE); None switches it off.
+
+        Rows are switched off, not deleted (PuLP has no public way to delete a row).
+        """
+        row = _row(self.prob, name)
+        if row is None:
+            if rhs is None:
+                return
+            row = pulp.LpConstraint(self.recompute, sense, name, 0.0)
+            self.prob.addConstraint(row, name)
+        off = sum(self.program.forward_ms.values()) + 1.0 if sense == pulp.LpConstraintLE else -1.0
+        row.constant = -(off if rhs is None else rhs)
+
+
+def build_model(g: nx.DiGraph, budget_bytes: int | None = None, program: Program | None = None) -> IlpModel:
+    """The PuLP problem of NOTE [ ILP formulation ]: min recompute, P <= budget when given."""
+    pg = program or build_program(g)
+    prob = pulp.LpProblem("remat_checkpoint", pulp.LpMinimize)
+    x = {v: _variable(prob, f"x{i}_{_sanitize(v)}", 0, 1, pulp.LpBinary) for i, v in enumerate(pg.nodes)}
+    y: list[pulp.LpVariable] = []
+
+    def expr(form: Lin) -> pulp.LpAffineExpression:
+        return pulp.LpAffineExpression(
+            [((y[k] if isinstance(k, int) else x[k]), c) for k, c in form.items() if k is not None and c],
+            constant=form.get(None, 0.0))
+
+    for path in pg.paths:
+        prob.addConstraint(pulp.lpSum(x[v] for v in path) <= 1, f"antichain_{_sanitize(path[0])}")
+    for k, lows in enumerate(pg.ors):
+        y.append(_variable(prob, f"y{k}", 0, 1))
+        for j, lo in enumerate(lows):
+            prob.addConstraint(y[k] - expr(lo) >= 0, f"or_{k}_{j}")
+    # H_b: running sum of the deltas, a variable wherever a delta has variables
+    held: dict[int, pulp.LpAffineExpression] = {}
+    running = pulp.LpAffineExpression()
+    n_held = 0
+    for b in range(max([*pg.delta, *(p.bucket or 0 for p in pg.probes), 0]) + 1):
+        d = pg.delta.get(b)
+        if d:
+            if any(k is not None for k in d):
+                hv = _variable(prob, f"H{b}", 0)
+                prob.addConstraint(hv - running - expr(d) == 0, f"held_{b}")
+                running = pulp.LpAffineExpression(hv)
+                n_held += 1
+            else:
+                running = running + d[None]
+        held[b] = running
+    peak = _variable(prob, "P", 0)
+    for i, p in enumerate(pg.probes):
+        h = held[p.bucket] if p.bucket is not None else pulp.LpAffineExpression()
+        e = h + expr(p.extra)
+        e = pulp.LpAffineExpression({v: c for v, c in e.items() if c != 0}, constant=e.constant)
+        prob.addConstraint(e - peak <= -p.const_bytes / pg.unit_bytes, f"p{i}_{_sanitize(p.name)}")
+    recompute = pulp.lpSum(pg.forward_ms[v] * x[v] for v in pg.nodes)
+    prob.setObjective(recompute)
+    stats = {**pg.stats, "binaries": len(x), "held_variables": n_held,
+             "variables": len(x) + len(y) + n_held + 1, "constraints": prob.numConstraints()}
+    model = IlpModel(pg, prob, x, peak, recompute, stats)
+    model.set_cap(budget_bytes)
+    return model
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    state: Literal["optimal", "feasible", "infeasible", "none"]  # "none": no solution in time
+    chosen: frozenset[str]
+    objective: float | None
+    bound: float | None
+    seconds: float
+    note: str = ""  # something worth saying in Solution.detail
+
+
+def _highs_available() -> bool:
+    return bool(pulp.HiGHS().available())
+
+
+@functools.cache
+def _swallow_highs_banner() -> None:
+    """highspy prints a banner to the C-level stdout when the first ``Highs`` is made, which
+    would corrupt machine-readable output (``--json``): make that first one into /dev/null."""
+    import highspy
+
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no usable stdout: nothing to protect
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _solve(model: IlpModel, backend: Backend, time_limit_s: float | None, mip_gap: float,
+           threads: int | None) -> _Outcome:
+    t0 = time.perf_counter()
+    limit = None if time_limit_s is None else max(0.05, time_limit_s)
+    if backend == "highs":
+        state, objective, bound, note = _run_highs(model.prob, limit, mip_gap, threads)
+    else:
+        state, objective, bound, note = _run_cbc(model.prob, limit, mip_gap, threads, [])
+        if note:  # see _run_cbc: its "optimal" is not to be trusted; heuristics off avoid the restart
+            left = None if limit is None else limit - (time.perf_counter() - t0)
+            if left is None or left > 0.05:
+                state, objective, bound, _ = _run_cbc(model.prob, left, mip_gap, threads, ["heur off"])
+                note += "; re-solved with CBC's heuristics off"
+            else:
+                state, bound = "feasible", None
+    chosen = frozenset(v for v, var in model.x.items()
+                       if state in ("optimal", "feasible") and (var.varValue or 0) > 0.5)
+    return _Outcome(state, chosen, objective, bound, time.perf_counter() - t0, note)
+
+
+def _run_highs(prob: pulp.LpProblem, limit: float | None, mip_gap: float, threads: int | None):
+    from highspy import HighsModelStatus as ms
+
+    _swallow_highs_banner()
+    prob.solve(pulp.HiGHS(msg=False, timeLimit=limit, gapRel=mip_gap, gapAbs=1e-9, threads=threads))
+    h = prob.solverModel
+    st, info = h.getModelStatus(), h.getInfo()
+    has_sol = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if st == ms.kOptimal:
+        state = "optimal"
+    elif st in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
+        state = "infeasible"
+    else:
+        state = "feasible" if has_sol else "none"
+    found = state in ("optimal", "feasible")
+    return (state, info.objective_function_value if found else None, info.mip_dual_bound if found else None, "")
+
+
+def _run_cbc(prob: pulp.LpProblem, limit: float | None, mip_gap: float, threads: int | None, extra: list[str]):
+    """CBC through PuLP, with its log read back for the bound and for a known CBC 2.10.3 bug.
+
+    The bug: after "Reduced cost fixing - restarting search", the restarted search may report
+    an "Integer solution" below the root bound (494.7 ms with the root at 596.95) and end the
+    whole search with a worse plan called optimal (597.263 where 597.119 exists). Any integer
+    solution in the log below the returned objective marks such a run; the note says so.
+    """
+    with tempfile.TemporaryDirectory(prefix="remat_cbc_") as tmp:
+        log = os.path.join(tmp, "cbc.log")
+        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC for PuLP 4
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # A plan within half a byte of the budget is 5e-8 of a 1e7-byte row. With CBC's
+            # default tolerances (1e-7) it returned worse plans as "optimal"; its preprocessing
+            # (Cgl) did too even with tight tolerances ("Cbc3007W No integer variables").
+            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, gapRel=mip_gap, gapAbs=1e-9, threads=threads,
+                                       logPath=log, options=["integerT 1e-9", "primalT 1e-9", "preprocess off",
+                                                             *extra])
+            prob.solve(solver)
+        text = Path(log).read_text() if os.path.exists(log) else ""
+    has_sol = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if prob.status == pulp.LpStatusInfeasible:
+        state = "infeasible"
+    elif prob.sol_status == pulp.LpSolutionOptimal and prob.status == pulp.LpStatusOptimal:
+        state = "optimal"
+    else:
+        state = "feasible" if has_sol else "none"
+    objective = pulp.value(prob.objective) if state in ("optimal", "feasible") else None
+    bound = _cbc_bound(text, objective) if state == "feasible" else objective
+    note = ""
+    if objective is not None:
+        reported = [float(v) for v in re.findall(r"Integer solution of\s*([-+0-9.eE]+)", text)]
+        if reported and min(reported) < objective - 1e-6 * max(1.0, abs(objective)):
+            note = (f"CBC reported a spurious solution ({min(reported):.6g} below its answer "
+                    f"{objective:.6g}) after a restart")
+    return state, objective, bound, note
+
+
+def _cbc_bound(log: str, objective: float | None) -> float | None:
+    """Best bound from CBC's log ("Lower bound: ..." or "best possible ...")."""
+    for pat in (r"Lower bound:\s*([-+0-9.eE]+)", r"best possible\s*([-+0-9.eE]+)"):
+        found = re.findall(pat, log)
+        if found:
+            return float(found[-1])
+    return None
+
+
+def _gap(objective: float | None, bound: float | None) -> float | None:
+    if objective is None or bound is None:
+        return None
+    return max(0.0, objective - bound) / max(abs(objective), 1e-12)
+
+
+# ----------------------------------------------------------------------------- solve
+
+_MAX_REPAIRS = 20
+"""Re-solves allowed when the solver's plan is over budget under simulate (see ``_fitting``)."""
+
+
+def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None,
+          backend: Backend | None = None, mip_gap: float = 0.0, prefer_low_peak: bool = True,
+          use_relaxation: bool = True, threads: int | None = None, **_: object) -> Solution:
+    """Least-recompute checkpoint set that fits ``budget_bytes``, on any candidate graph.
+
+    Args:
+        g: a graph from ``planner.graph.build_graph`` (nested candidates allowed).
+        budget_bytes: peak memory allowed, per NOTE [ Peak-memory model ].
+        time_limit_s: wall-clock limit for all solves together (None: none).
+        backend: "highs" (default, needs highspy) or "cbc"; None means the default.
+        mip_gap: relative gap at which the solver may stop (0: prove optimality).
+        prefer_low_peak: among plans of least recompute, look for the lowest peak, with a
+            quarter of the time spent so far (the recompute stays optimal either way).
+        use_relaxation: first try NOTE [ Sequential relaxation ] (False: the ILP alone).
+        threads: solver threads (None: the solver's default).
+
+    Returns:
+        A ``Solution``: "optimal" when proven, "feasible" with ``gap`` when the time limit
+        stopped the search, "infeasible" with ``min_feasible_bytes`` (the lowest peak any plan
+        reaches; proven unless ``detail`` says otherwise).
+    """
+    run = _Run(g, budget_bytes, time_limit_s, *_pick_backend(backend), mip_gap, threads)
+    if simulate(g, []).peak_bytes <= budget_bytes:
+        return run.finish([], "optimal", "checkpointing nothing fits")
+    run.program = build_program(g)
+    bound = sequential_bound(run.program, budget_bytes) if use_relaxation else None
+    run.bound = bound
+    if bound is not None and bound.recompute_ms == math.inf:
+        run.notes.append("the sequential relaxation admits no plan (NOTE [ Sequential relaxation ])")
+        return run.infeasible()
+    if bound is not None and simulate(g, bound.plan).peak_bytes <= budget_bytes:
+        run.notes.append("proven by the sequential relaxation: its plan fits, and no plan has less recompute "
+                         "(NOTE [ Sequential relaxation ])")
+        chosen = run.lower_peak(frozenset(bound.plan)) if prefer_low_peak else bound.plan
+        return run.finish(chosen, "optimal")
+    run.build()
+    if bound is not None and run.backend == "highs":
+        run.notes.append(f"sequential relaxation bound {bound.recompute_ms:.6g} ms used as a cut")
+        run.model.recompute_row("recompute_lower_bound", pulp.LpConstraintGE, _below(bound.recompute_ms))
+    # not for CBC 2.10.3: with that row (parallel to the objective) its restart after reduced-cost
+    # fixing "found" a 552.1 ms plan below the root bound and stopped at a wrong "optimal"
+    out = run.fitting(budget_bytes)
+    if out.state == "infeasible":
+        return run.infeasible()
+    if out.state == "none":
+        run.notes.append(f"time limit ({time_limit_s} s) reached before any plan was found")
+        return run.infeasible(search=False)
+    chosen = run.lower_peak(out.chosen) if prefer_low_peak else out.chosen
+    if out.state == "optimal":
+        return run.finish(chosen, "optimal")
+    return run.finish(chosen, "feasible", "time limit reached: best plan found, optimality not proven",
+                      gap=_gap(out.objective, out.bound))
+
+
+def _below(ms: float) -> float:
+    """A bound in ms made safe against the summation order of the same floats."""
+    return ms - 1e-12 * max(1.0, abs(ms))
+
+
+def _pick_backend(backend: Backend | None) -> tuple[Backend, list[str]]:
+    name = backend or DEFAULT_BACKEND
+    if name not in ("highs", "cbc"):
+        raise ValueError(f"unknown ILP backend {name!r}; choose 'highs' or 'cbc'")
+    if name == "highs" and not _highs_available():
+        return "cbc", ["highspy is not installed: using CBC (pip install highspy for HiGHS)"]
+    return name, []
+
+
+def _stats_line(model: IlpModel) -> str:
+    s = model.stats
+    return f"{s['binaries']} binaries, {s['variables'] - s['binaries']} continuous, {s['constraints']} rows"
+
+
+class _Run:
+    """One call of ``solve``: the model, the clock, the notes for ``detail``."""
+
+    def __init__(self, g: nx.DiGraph, budget_bytes: int, time_limit_s: float | None, backend: Backend,
+                 notes: list[str], mip_gap: float, threads: int | None) -> None:
+        self.g, self.budget, self.backend, self.mip_gap, self.threads = g, budget_bytes, backend, mip_gap, threads
+        self.t0 = time.perf_counter()
+        self.deadline = None if time_limit_s is None else self.t0 + time_limit_s
+        self.notes = [f"backend {backend}", *notes]
+        self.program: Program | None = None
+        self.model: IlpModel | None = None
+        self.bound: Bound | None = None
+        self.n_cuts = 0
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+
+    def objective(self, kind: Literal["recompute", "peak"]) -> None:
+        m = self.model
+        if kind == "recompute":
+            m.prob.setObjective(m.recompute)
+        else:  # every x listed (at 0): PuLP's MPS writer needs each known column somewhere
+            m.prob.setObjective(pulp.LpAffineExpression([(m.peak, 1), *((v, 0) for v in m.x.values())]))
+
+    def fitting(self, cap_bytes: int | None, limit: float | None = None, gap: float | None = None) -> _Outcome:
+        """Solve with P <= cap; a plan simulate puts over the cap is cut off and the solve repeated.
+
+        The solver accepts x within its integrality tolerance (1e-6 in HiGHS): x_c = 6e-7 times
+        a recompute of 2 MB "saves" a byte. Rounded, such a plan may be a byte or so over the
+        cap; it is truly infeasible, so excluding it (a no-good cut) loses nothing.
+        """
+        m = self.model
+        m.set_cap(cap_bytes)
+        for _ in range(_MAX_REPAIRS + 1):
+            out = _solve(m, self.backend, self.left() if limit is None else limit,
+                         self.mip_gap if gap is None else gap, self.threads)
+            if out.note:
+                self.notes.append(out.note)
+            if out.state in ("infeasible", "none") or cap_bytes is None:
+                return out
+            over = simulate(self.g, out.chosen).peak_bytes - cap_bytes
+            if over <= 0:
+                return out
+            self.n_cuts += 1
+            cut = pulp.lpSum(1 - x if v in out.chosen else x for v, x in m.x.items())
+            m.prob.addConstraint(cut >= 1, f"exclude_{self.n_cuts}")
+            self.notes.append(f"solver tolerance: excluded a plan {over} bytes over, re-solved")
+            if limit is not None:
+                limit = max(0.05, limit - out.seconds)
+        _loud(f"ILP: {_MAX_REPAIRS} plans in a row were over budget under simulate")
+        return out
+
+    def drop_cuts(self) -> None:
+        """Switch the no-good cuts off: a plan over one cap may fit under another."""
+        for k in range(1, self.n_cuts + 1):
+            # the row is (terms) + constant >= 0 and the terms are >= -len(x): never binding
+            _row(self.model.prob, f"exclude_{k}").constant = float(len(self.model.x) + 1)
+
+    def build(self) -> None:
+        if self.model is None:
+            self.model = build_model(self.g, self.budget, self.program)
+            self.notes.append(_stats_line(self.model))
+
+    def lower_peak(self, chosen: frozenset[str]) -> frozenset[str]:
+        """Tie-break: the lowest peak among plans no slower than ``chosen`` (kept only if so).
+
+        Gets a quarter of the time spent so far (at least 0.2 s): the recompute is already
+        optimal, this only picks among equals.
+        """
+        first = simulate(self.g, chosen)
+        spent = time.perf_counter() - self.t0
+        limit = max(0.2, 0.25 * spent)
+        spare = self.left()
+        if spare is not None:
+            limit = min(limit, spare)
+        if limit < 0.1 or first.recompute_ms == 0:
+            return chosen
+        self.build()
+        m = self.model
+        bound = first.recompute_ms
+        m.recompute_row("tie_break_recompute", pulp.LpConstraintLE, bound + 1e-12 * max(1.0, bound))
+        self.objective("peak")
+        try:
+            second = self.fitting(self.budget, limit=limit, gap=0.0)
+        finally:
+            m.recompute_row("tie_break_recompute", pulp.LpConstraintLE, None)
+            self.objective("recompute")
+        if second.state not in ("optimal", "feasible"):
+            return chosen
+        est = simulate(self.g, second.chosen)
+        if est.recompute_ms <= bound and est.peak_bytes < first.peak_bytes:
+            self.notes.append(f"peak tie-break: {first.peak_bytes} -> {est.peak_bytes} bytes at equal recompute")
+            return second.chosen
+        return chosen
+
+    def infeasible(self, *, search: bool = True) -> Solution:
+        """No plan fits: the lowest peak any plan reaches is ``min_feasible_bytes``."""
+        g = self.g
+        best, proven = frozenset(n for n, a in g.nodes(data=True) if a["parent"] is None), False
+        if search:
+            self.build()
+            self.drop_cuts()
+            self.model.recompute_row("recompute_lower_bound", pulp.LpConstraintGE, None)
+            self.objective("peak")
+            out = self.fitting(None)
+            if out.state in ("optimal", "feasible"):
+                best = out.chosen
+                proven = out.state == "optimal"
+            # the solver's optimum may sit a byte or so under the rounded plan's peak (see
+            # ``fitting``): unless its bound rules it out, ask for a plan one byte lower
+            peak = simulate(g, best).peak_bytes
+            unit = self.model.program.unit_bytes
+            while proven and not (out.bound is not None and out.bound * unit > peak - 1 + 1e-6 * unit):
+                out = self.fitting(peak - 1)
+                if out.state == "infeasible":
+                    break
+                if out.state != "optimal" and out.state != "feasible":
+                    proven = False
+                    break
+                best, peak = out.chosen, simulate(g, out.chosen).peak_bytes
+            self.objective("recompute")
+        est = simulate(g, best)
+        if not proven:
+            self.notes.append("min_feasible_bytes is the best peak found in time, not proven minimal")
+        self.notes.append(f"no plan fits; the minimum feasible budget is {est.peak_bytes} bytes")
+        sol = judged("ilp", g, best, self.budget, time.perf_counter() - self.t0)
+        if sol.status != "infeasible":
+            _loud(f"ILP found budget {self.budget} infeasible, but simulate fits {sorted(best)} "
+                  f"at {est.peak_bytes} bytes (the program and simulate disagree: a bug)")
+        return Solution(**{**sol.__dict__, "status": "infeasible", "min_feasible_bytes": est.peak_bytes,
+                           "detail": "; ".join(self.notes), "extra": self.extra()})
+
+    def extra(self) -> dict:
+        stats = dict(self.model.stats if self.model is not None else
+                     self.program.stats if self.program is not None else {})
+        if self.bound is not None:
+            b = self.bound
+            stats.update(bound_ms=b.recompute_ms, bound_seconds=b.seconds, bound_states=b.states,
+                         bound_relaxed_ors=b.relaxed_ors, bound_coarsened=b.coarsened)
+        return {**stats, "backend": self.backend, "repairs": self.n_cuts}
+
+    def finish(self, chosen, status: Status, note: str | None = None, *, gap: float | None = None) -> Solution:
+        if note:
+            self.notes.append(note)
+        sol = judged("ilp", self.g, chosen, self.budget, time.perf_counter() - self.t0, status_if_fits=status)
+        if sol.status == "infeasible":
+            _loud(f"ILP plan {sorted(chosen)} is over budget under simulate: {sol.peak_bytes} > {self.budget} "
+                  "bytes (the program and simulate disagree: a bug)")
+            self.notes.append("BUG: the program's plan is over budget under simulate")
+        return Solution(**{**sol.__dict__, "gap": gap, "detail": "; ".join(self.notes), "extra": self.extra()})
+
+
+def _loud(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
