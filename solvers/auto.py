@@ -8,7 +8,8 @@
   stops it before any plan, the DP's conservative plan on the graph's leaves (which fits under
   ``simulate`` whenever the DP finds one: its recurrence only over-counts).
 
-``Solution.detail`` starts with which solver ran and why.
+``Solution.solver`` is the solver that produced the plan ("dp" or "ilp": 'auto' resolves to
+one, as ``planner.schema.SolverInfo`` says); ``Solution.detail`` starts with why it was chosen.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def solve_auto(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None =
 
 
 def _labelled(sol: Solution, why: str) -> Solution:
-    return dataclasses.replace(sol, solver="auto", detail=f"{why}; {sol.detail}" if sol.detail else why)
+    return dataclasses.replace(sol, detail=f"auto chose {why}; {sol.detail}" if sol.detail else f"auto chose {why}")
 
 
 def _dp_fallback(g: nx.DiGraph, budget_bytes: int, ilp: Solution, why: str) -> Solution:
@@ -47,13 +48,13 @@ def _dp_fallback(g: nx.DiGraph, budget_bytes: int, ilp: Solution, why: str) -> S
     leaves = leaf_graph(g)
     dp = solve_dp(leaves, budget_bytes)
     seconds = ilp.seconds + time.perf_counter() - t0
-    head = f"ilp: {why}; it found no plan in time, so the DP's conservative plan on the leaves"
+    head = f"auto chose ilp: {why}; it found no plan in time, so the DP's conservative plan on the leaves"
     if dp.status == "infeasible":
         lowest = min((b for b in (ilp.min_feasible_bytes, dp.min_feasible_bytes) if b is not None), default=None)
-        return dataclasses.replace(ilp, solver="auto", seconds=seconds, min_feasible_bytes=lowest,
+        return dataclasses.replace(ilp, seconds=seconds, min_feasible_bytes=lowest,
                                    detail=f"{head}: none fits either (minimum feasible budget not proven); "
                                           f"{ilp.detail}")
-    return judged("auto", g, dp.checkpointed, budget_bytes, seconds, status_if_fits="feasible",
+    return judged("dp", g, dp.checkpointed, budget_bytes, seconds, status_if_fits="feasible",
                   detail=f"{head} (optimality not proven); {ilp.detail}")
 
 

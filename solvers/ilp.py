@@ -654,8 +654,7 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
     if out.state == "infeasible":
         return run.infeasible()
     if out.state == "none":
-        run.notes.append(f"time limit ({time_limit_s} s) reached before any plan was found")
-        return run.infeasible(search=False)
+        return run.no_plan_in_time(time_limit_s)
     chosen = run.lower_peak(out.chosen) if prefer_low_peak else out.chosen
     if out.state == "optimal":
         return run.finish(chosen, "optimal")
@@ -777,6 +776,19 @@ class _Run:
             return second.chosen
         return chosen
 
+    def no_plan_in_time(self, time_limit_s: float | None) -> Solution:
+        """The solver stopped before its first plan: checkpointing every top-level candidate, if
+        that fits ("feasible", gap against the relaxation's bound, or 100 % without one)."""
+        tops = [n for n, a in self.g.nodes(data=True) if a["parent"] is None]
+        est = simulate(self.g, tops)
+        if est.peak_bytes > self.budget:
+            self.notes.append(f"time limit ({time_limit_s} s) reached before any plan was found")
+            return self.infeasible(search=False)
+        lower = self.bound.recompute_ms if self.bound is not None else 0.0
+        return self.finish(tops, "feasible", f"time limit ({time_limit_s} s) reached before the solver found a "
+                           "plan: checkpointing every top-level candidate fits (optimality not proven)",
+                           gap=_gap(est.recompute_ms, lower))
+
     def infeasible(self, *, search: bool = True) -> Solution:
         """No plan fits: the lowest peak any plan reaches is ``min_feasible_bytes``."""
         g = self.g
@@ -808,7 +820,7 @@ class _Run:
             self.notes.append("min_feasible_bytes is the best peak found in time, not proven minimal")
         self.notes.append(f"no plan fits; the minimum feasible budget is {est.peak_bytes} bytes")
         sol = judged("ilp", g, best, self.budget, time.perf_counter() - self.t0)
-        if sol.status != "infeasible":
+        if search and sol.status != "infeasible":
             _loud(f"ILP found budget {self.budget} infeasible, but simulate fits {sorted(best)} "
                   f"at {est.peak_bytes} bytes (the program and simulate disagree: a bug)")
         return Solution(**{**sol.__dict__, "status": "infeasible", "min_feasible_bytes": est.peak_bytes,

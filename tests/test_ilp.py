@@ -190,7 +190,7 @@ def test_auto_uses_the_dp_on_chains():
     lo, hi = simulate(g, g.graph["leaves"]).peak_bytes, simulate(g, []).peak_bytes
     sol = SOLVERS["auto"](g, (lo + hi) // 2)
     check_solution(g, sol, (lo + hi) // 2)
-    assert sol.solver == "auto" and sol.detail.startswith("dp:") and sol.status == "optimal"
+    assert sol.solver == "dp" and sol.detail.startswith("auto chose dp:") and sol.status == "optimal"
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -201,7 +201,7 @@ def test_auto_uses_the_ilp_on_nested_graphs(seed):
     points = brute_force(g)
     for budget in budgets(points):
         sol = SOLVERS["auto"](g, budget)
-        assert sol.detail.startswith("ilp: nested candidates")
+        assert sol.solver == "ilp" and sol.detail.startswith("auto chose ilp: nested candidates")
         check_against_brute_force(g, sol, budget, points)
 
 
@@ -217,7 +217,7 @@ def test_auto_falls_back_to_the_dp_plan(monkeypatch):
     monkeypatch.setattr(auto_mod, "solve_ilp", nothing_in_time)
     sol = SOLVERS["auto"](g, budget, time_limit_s=1)
     check_solution(g, sol, budget)
-    assert sol.status == "feasible" and "conservative plan" in sol.detail
+    assert sol.solver == "dp" and sol.status == "feasible" and "conservative plan" in sol.detail
     assert all(g.nodes[n]["leaf"] for n in sol.checkpointed)
 
 
