@@ -37,7 +37,8 @@ the graph built by ``planner.graph.build_graph``; no torch import.
 #   optimizer step:        static + all grads + the optimizer's measured temporaries
 # where out_i are tensors created in window i that later code still uses (in flight, alive
 # whether held or not), R_i are the tensors a checkpointed unit c containing l_i re-creates
-# when its backward starts (everything c saves, except its inputs, which it kept) and that
+# when its backward starts (everything c saves that c itself created: not its inputs, which it
+# kept, nor tensors it reached otherwise, which recompute does not copy) and that
 # backward has not yet passed (saved at or before end(l_i)), and grads(i) are the gradients of
 # parameters last used in window i or later.
 #
@@ -138,9 +139,14 @@ def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
     return _Rank(params + buffers, opt, base, base, base + grads + opt_tr, (0, buckets), (0, buckets), 1)
 
 
+def _cache_key(g: nx.DiGraph) -> tuple[int, int, int]:
+    """Derived data is cached on the graph under this key: a copy, or a changed graph, misses."""
+    return (id(g), g.number_of_nodes(), g.number_of_edges())
+
+
 def _context(g: nx.DiGraph) -> _Ctx:
-    ctx = g.graph.get("_cost_ctx")
-    if ctx is not None:
+    key, ctx = g.graph.get("_cost_ctx", (None, None))
+    if key == _cache_key(g):
         return ctx
     leaves = tuple(g.graph["leaves"])
     leaf_end = tuple(g.nodes[n]["fwd_end_seq"] for n in leaves)
@@ -162,7 +168,7 @@ def _context(g: nx.DiGraph) -> _Ctx:
     static = rank_memory(g, per_rank=False).fwd_static_bytes
     ctx = _Ctx(leaves, leaf_end, g.graph["tensor_bytes"], saves, tuple(s[0] for s in saves), node_leaves, grad_seqs,
                tuple(suffix), static)
-    g.graph["_cost_ctx"] = ctx
+    g.graph["_cost_ctx"] = (_cache_key(g), ctx)
     return ctx
 
 
@@ -203,11 +209,14 @@ def _holdings(g: nx.DiGraph, ctx: _Ctx, chosen: frozenset[str]) -> dict[int, int
 
 
 def _recomputed(g: nx.DiGraph, ctx: _Ctx, c: str, upto_seq: int) -> int:
+    """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the
+    tensors ``c`` saves that it also created (not its inputs, nor tensors it reached otherwise)."""
     a = g.nodes[c]
-    inputs = a["input_ids"]
-    lo = bisect.bisect_left(ctx.save_seqs, a["fwd_start_seq"])
-    hi = bisect.bisect_right(ctx.save_seqs, min(a["fwd_end_seq"], upto_seq))
-    seen = {t for _, t, _ in ctx.saves[lo:hi] if t not in inputs}
+    lo_seq, hi_seq = a["fwd_start_seq"], a["fwd_end_seq"]
+    created = g.graph["tensor_created_seq"]
+    lo = bisect.bisect_left(ctx.save_seqs, lo_seq)
+    hi = bisect.bisect_right(ctx.save_seqs, min(hi_seq, upto_seq))
+    seen = {t for _, t, _ in ctx.saves[lo:hi] if lo_seq <= created.get(t, -1) <= hi_seq}
     return sum(ctx.tb[t] for t in seen)
 
 
@@ -242,7 +251,7 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
         yield (f"backward of {leaf}", bwd_static + grads + h + rec + tr(a, "bwd_transient_bytes"),
                grads + bwd_g, bwd_p)
         prev_end = end
-    for c in chosen:
+    for c in sorted(chosen, key=lambda n: g.nodes[n]["order"]):  # ties resolve the same way every run
         a = g.nodes[c]
         grads = -(-_grads_after(ctx, a["fwd_end_seq"]) // div)
         t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
@@ -332,9 +341,10 @@ def chain_terms(g: nx.DiGraph) -> ChainTerms:
 
     Computed once per graph and cached on it, so budget sweeps pay for it once.
     """
-    cached = g.graph.get("_chain_terms")
-    if cached is None:
-        cached = g.graph["_chain_terms"] = _chain_terms(g)
+    key, cached = g.graph.get("_chain_terms", (None, None))
+    if key != _cache_key(g):
+        cached = _chain_terms(g)
+        g.graph["_chain_terms"] = (_cache_key(g), cached)
     return cached
 
 

@@ -48,7 +48,8 @@ def register(name: str, fn: Callable[..., Solution]) -> None:
 
 
 def available() -> list[str]:
-    return ["auto", *SOLVERS]
+    """Solver names, 'auto' first, each once."""
+    return list(dict.fromkeys(["auto", *SOLVERS]))
 
 
 __all__ = ["SOLVERS", "Solution", "available", "register"]
