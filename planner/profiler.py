@@ -132,12 +132,11 @@ def profile(
     say = progress or (lambda _msg: None)
     clock = _CLOCKS[dev.type](dev)
 
-    check_materialized(model)
+    check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
     with _restoring(model, dev):
         model.to(dev)
         model.train()
         inputs = to_device(inputs, dev)
-        check_devices(model, inputs)
         opt = make_optimizer(optimizer, model)
         step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
         for i in range(warmup_steps):

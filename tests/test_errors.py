@@ -188,10 +188,6 @@ def test_non_scalar_loss(tmp_path: Path):
           "loss_fn must return a scalar tensor, got shape [4, 2]", ".mean()")
 
 
-@pytest.mark.xfail(strict=True, reason="planner/profiler.py moves inputs to the device before "
-                   "model_file.check_devices runs, and a meta tensor cannot be copied: NotImplementedError "
-                   "ends as an internal error. On CPU-only machines meta inputs are the only way to build "
-                   "inputs on another device than the model.")
 def test_inputs_on_another_device_than_the_model(tmp_path: Path):
     path = model_file(tmp_path, "def build_model():\n    return nn.Linear(4, 4)\n"
                                 "def example_inputs():\n    return torch.randn(3, 4, device='meta')\n")
