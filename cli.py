@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -567,22 +565,10 @@ def _check_output(path: Path | None) -> None:
 
     The write itself goes through ``atomic_write_text``; this only probes the folder.
     """
-    if path is None:
-        return
-    if path.is_dir():
-        raise BadInput(f"cannot write {path}: it is a directory; give a file name such as "
-                       f"{path / 'plan.json'}")
-    parent = path.parent
-    if not parent.exists():
-        raise BadInput(f"cannot write {path}: folder {parent} does not exist; create it or pick another path")
-    if not parent.is_dir():
-        raise BadInput(f"cannot write {path}: {parent} is a file, not a folder; pick another path")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    except OSError as e:
-        raise BadInput(f"cannot write {path}: {e.strerror}; pick a writable location") from None
-    os.close(fd)
-    os.unlink(probe)
+    if path is not None:
+        from planner.schema import check_writable
+
+        check_writable(path)
 
 
 def _file_kind(path: Path) -> str | None:

@@ -61,7 +61,7 @@ from planner import schema
 from planner.errors import BadInput
 from planner.fingerprint import fingerprint
 from planner.measure import AMP_DTYPES, OPTIMIZERS, Measured, make_optimizer, make_step, measure_step, to_device
-from planner.model_file import Inputs, check_devices, check_materialized
+from planner.model_file import Inputs, check_devices
 from planner.schema import LOSS_ID, ROOT_ID
 from planner.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 

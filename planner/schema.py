@@ -309,15 +309,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     An interrupted run leaves either the old file or the new one, never half of one.
     """
     path = Path(path)
-    if path.is_dir():
-        raise BadInput(f"cannot write {path}: it is a directory; give a file name such as {path / 'plan.json'}")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        raise BadInput(f"cannot write {path}: folder {parent} does not exist; create it or pick another path")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    except OSError as e:
-        raise BadInput(f"cannot write {path}: {e.strerror}; pick a writable location") from None
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -331,6 +323,28 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
             pass
         raise
     return path
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A temp file in ``path``'s folder (same filesystem, so the rename is atomic), or BadInput."""
+    if path.is_dir():
+        raise BadInput(f"cannot write {path}: it is a directory; give a file name such as {path / 'plan.json'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise BadInput(f"cannot write {path}: folder {parent} does not exist; create it or pick another path")
+    if not parent.is_dir():
+        raise BadInput(f"cannot write {path}: {parent} is a file, not a folder; pick another path")
+    try:
+        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise BadInput(f"cannot write {path}: {e.strerror}; pick a writable location") from None
+
+
+def check_writable(path: str | Path) -> None:
+    """Fail now, before minutes of profiling, when ``path`` could not be written later."""
+    fd, probe = _temp_beside(Path(path))
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str) -> Any:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import networkx as nx
 
 from solvers.auto import solve_auto
 from solvers.base import Solution

@@ -19,23 +19,10 @@ from planner.devices import get_device, load_devices
 from planner.errors import BadInput
 from planner.schema import Plan, Profile
 from planner.synthetic import random_chain, synthetic_profile
+from tests.fixtures import TINY_MODEL
 
 runner = CliRunner()
 
-TINY_MODEL = '''\
-import torch
-from torch import nn
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)], nn.Linear(32, 4))
-
-def example_inputs():
-    return torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
-
-def loss_fn(output):
-    return output.square().mean()
-'''
 
 
 def invoke(*args: str | Path):

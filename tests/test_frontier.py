@@ -21,23 +21,10 @@ from planner import render
 from planner.api import graph_for
 from planner.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers
 from planner.synthetic import random_chain, random_dag, synthetic_profile
+from tests.fixtures import TINY_MODEL
 
 runner = CliRunner()
 
-TINY_MODEL = '''\
-import torch
-from torch import nn
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)], nn.Linear(32, 4))
-
-def example_inputs():
-    return torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
-
-def loss_fn(output):
-    return output.square().mean()
-'''
 
 POINT_KEYS = {"solver", "budget_bytes", "peak_bytes", "recompute_ms", "status", "checkpointed"}
 
