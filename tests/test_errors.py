@@ -212,6 +212,19 @@ def test_ctrl_c_while_profiling(tmp_path: Path):
     assert not out.exists()
 
 
+def test_ctrl_c_while_solving(profile_path: Path, tmp_path: Path, monkeypatch):
+    """Interrupted inside the solver (e.g. a long ILP): exit 130, nothing written."""
+    import solvers
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(solvers.SOLVERS, "auto", interrupted)
+    out = tmp_path / "plan.json"
+    check(invoke("plan", "--budget", "1GB", "--profile", profile_path, "-o", out), 130, "interrupted")
+    assert not out.exists() and not list(tmp_path.glob("*.tmp"))
+
+
 def test_sigint_while_profiling_from_the_console(tmp_path: Path):
     """A real Ctrl-C (SIGINT) to `python cli.py plan` while the model's forward runs."""
     marker = tmp_path / "in-forward"
