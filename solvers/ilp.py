@@ -518,18 +518,34 @@ def _solve(model: IlpModel, backend: Backend, time_limit_s: float | None, mip_ga
     limit = None if time_limit_s is None else max(0.05, time_limit_s)
     if backend == "highs":
         state, objective, bound, note = _run_highs(model.prob, limit, mip_gap, threads)
-    else:
-        state, objective, bound, note = _run_cbc(model.prob, limit, mip_gap, threads, [])
-        if note:  # see _run_cbc: its "optimal" is not to be trusted; heuristics off avoid the restart
-            left = None if limit is None else limit - (time.perf_counter() - t0)
-            if left is None or left > 0.05:
-                state, objective, bound, _ = _run_cbc(model.prob, left, mip_gap, threads, ["heur off"])
-                note += "; re-solved with CBC's heuristics off"
-            else:
-                state, bound = "feasible", None
-    chosen = frozenset(v for v, var in model.x.items()
-                       if state in ("optimal", "feasible") and (var.varValue or 0) > 0.5)
+        return _Outcome(state, _chosen(model, state), objective, bound, time.perf_counter() - t0, note)
+    state, objective, bound, note = _run_cbc(model.prob, limit, mip_gap, threads, [])
+    chosen = _chosen(model, state)
+    if not note:
+        return _Outcome(state, chosen, objective, bound, time.perf_counter() - t0, note)
+    # See _cbc_distrust: the answer is a plan (when there is one) but no proof. Heuristics and cuts
+    # off avoided both bugs on every case seen; "heur off" alone once called a feasible model infeasible.
+    first = (state if state in ("optimal", "feasible") else "none", chosen, objective)
+    left = None if limit is None else limit - (time.perf_counter() - t0)
+    if left is not None and left <= 0.05:
+        state, bound = ("feasible", None) if first[0] != "none" else ("none", None)
+        return _Outcome(state, chosen, objective, bound, time.perf_counter() - t0, note)
+    state, objective, bound, again = _run_cbc(model.prob, left, mip_gap, threads, ["heur off", "cuts off"])
+    chosen = _chosen(model, state)
+    note += "; re-solved with CBC's heuristics and cuts off"
+    if again and state == "optimal":  # still untrusted: a plan, but no proof
+        state, bound = "feasible", None
+        note += f", which was untrusted too ({again})"
+    if first[0] != "none" and (state not in ("optimal", "feasible") or first[2] < objective):
+        note += f"; kept the first plan ({first[2]:.6g}), the re-solve said {state} ({objective})"
+        state, chosen, objective, bound = "feasible", first[1], first[2], None
     return _Outcome(state, chosen, objective, bound, time.perf_counter() - t0, note)
+
+
+def _chosen(model: IlpModel, state: str) -> frozenset[str]:
+    if state not in ("optimal", "feasible"):
+        return frozenset()
+    return frozenset(v for v, var in model.x.items() if (var.varValue or 0) > 0.5)
 
 
 def _run_highs(prob: pulp.LpProblem, limit: float | None, mip_gap: float, threads: int | None):
@@ -579,13 +595,28 @@ def _run_cbc(prob: pulp.LpProblem, limit: float | None, mip_gap: float, threads:
         state = "feasible" if has_sol else "none"
     objective = pulp.value(prob.objective) if state in ("optimal", "feasible") else None
     bound = _cbc_bound(text, objective) if state == "feasible" else objective
-    note = ""
-    if objective is not None:
-        reported = [float(v) for v in re.findall(r"Integer solution of\s*([-+0-9.eE]+)", text)]
-        if reported and min(reported) < objective - 1e-6 * max(1.0, abs(objective)):
-            note = (f"CBC reported a spurious solution ({min(reported):.6g} below its answer "
-                    f"{objective:.6g}) after a restart")
-    return state, objective, bound, note
+    return state, objective, bound, _cbc_distrust(text, objective)
+
+
+def _cbc_distrust(log: str, objective: float | None) -> str:
+    """Why CBC's answer is not to be trusted (empty when nothing in its log says so).
+
+    Two CBC 2.10.3 bugs end the search with a plan called optimal that is not proven so:
+    - a search restarted after reduced-cost fixing reports an "Integer solution" below the answer;
+    - after the feasibility pump, "The LP relaxation is infeasible or too expensive" stops the root
+      node although its cuts left the bound below the pump's answer (14.08 against 16.457, 0 nodes).
+    """
+    if objective is None:
+        return ""
+    tol = 1e-6 * max(1.0, abs(objective))
+    reported = [float(v) for v in re.findall(r"Integer solution of\s*([-+0-9.eE]+)", log)]
+    if reported and min(reported) < objective - tol:
+        return f"CBC reported a spurious solution ({min(reported):.6g} below its answer {objective:.6g}) after a restart"
+    root = re.findall(r"Cuts at root node changed objective from\s*[-+0-9.eE]+\s*to\s*([-+0-9.eE]+)", log)
+    if "LP relaxation is infeasible or too expensive" in log and root and float(root[-1]) < objective - tol:
+        return (f"CBC stopped its root node at bound {float(root[-1]):.6g} below its answer {objective:.6g} "
+                "(LP relaxation reported infeasible)")
+    return ""
 
 
 def _cbc_bound(log: str, objective: float | None) -> float | None:
