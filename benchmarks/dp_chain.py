@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.cost_model import simulate  # noqa: E402
-from planner.graph import build_graph  # noqa: E402
-from planner.synthetic import SynUnit, random_chain, synthetic_profile  # noqa: E402
+from solvers.cost_model import simulate  # noqa: E402
+from planner.model.graph import build_graph  # noqa: E402
+from planner.model.synthetic import SynUnit, random_chain, synthetic_profile  # noqa: E402
 from solvers import SOLVERS  # noqa: E402
 
 

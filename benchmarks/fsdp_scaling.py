@@ -6,7 +6,7 @@
     python benchmarks/fsdp_scaling.py --sharding ddp --world-sizes 1,2,4,8
 
 For each world size N: one rank's parameters, gradients and optimizer state as the cost model
-counts them (``planner.cost_model.rank_memory``, NOTE [ Peak-memory model ], "Per rank"), the
+counts them (``solvers.cost_model.rank_memory``, NOTE [ Peak-memory model ], "Per rank"), the
 predicted peak without checkpointing, and the plan ``remat plan --world-size N --sharding fsdp``
 makes at one per-rank budget: how many units it checkpoints and the recompute it costs. The
 profile is of one rank's batch, so activations are the same for every N; only the model state
@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.api import graph_for, plan_from_profile
-from planner.cost_model import rank_memory, simulate
+from planner.act.api import graph_for, plan_from_profile
+from solvers.cost_model import rank_memory, simulate
 from planner.errors import BudgetInfeasible
-from planner.schema import Profile
+from planner.model.schema import Profile
 from planner.units import format_bytes, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def default_budget(profile: Profile, world_sizes: list[int], sharding: str) -> i
 
 def synthetic_chain(blocks: int = 8) -> Profile:
     """Parameters outweigh activations (a wide model, a small per-rank batch): sharding them matters."""
-    from planner.synthetic import SynUnit, synthetic_profile
+    from planner.model.synthetic import SynUnit, synthetic_profile
 
     mib = 2**20
     units = [SynUnit(name="emb", module_type="Embedding", param_bytes=32 * mib, output_bytes=4 * mib)]
@@ -83,8 +83,8 @@ def synthetic_chain(blocks: int = 8) -> Profile:
 
 
 def gpt2_profile() -> Profile:
-    from planner.model_file import load_model_file
-    from planner.profiler import profile
+    from planner.profiling.model_file import load_model_file
+    from planner.profiling import profile
 
     mf = load_model_file(ROOT / "examples" / "gpt2.py")
     return profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu", steps=1)

@@ -7,8 +7,8 @@ For examples/gpt2.py and examples/llama.py, each in its own try/except (one fail
 reports the other):
 
 1. profile on CUDA (a warm-up and 3 timing steps), plan at the budget halfway between the
-   lowest feasible peak and the peak without checkpointing, then ``planner.verify.verify``:
-   it applies the plan (``planner.applier.apply_plan``), trains with and without it and reads
+   lowest feasible peak and the peak without checkpointing, then ``planner.act.verify.verify``:
+   it applies the plan (``planner.act.applier.apply_plan``), trains with and without it and reads
    the CUDA caching allocator's peak (``torch.cuda.max_memory_allocated`` after
    ``reset_peak_memory_stats``). Printed: predicted vs measured peak, step and recompute time.
 2. profile on fake tensors for this GPU's spec (``--device meta --target``, the spec matched
@@ -37,14 +37,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from planner.api import graph_for, min_feasible_bytes, plan_from_profile
-from planner.cost_model import simulate
-from planner.meta import build_on_meta
-from planner.model_file import load_model_file
-from planner.profiler import profile
-from planner.schema import Profile
+from planner.act.api import graph_for, min_feasible_bytes, plan_from_profile
+from solvers.cost_model import simulate
+from planner.profiling.meta import build_on_meta
+from planner.profiling.model_file import load_model_file
+from planner.profiling import profile
+from planner.model.schema import Profile
 from planner.units import format_bytes
-from planner.verify import verify
+from planner.act.verify import verify
 
 MODELS = ("gpt2", "llama")
 STEPS = 3
@@ -140,7 +140,7 @@ def check_model(name: str, *, device: str, target: str) -> dict[str, Any]:
 
 
 def profile_meta_for(mf: Any, target: str, fake_device: str) -> Profile:
-    from planner.meta import profile_meta
+    from planner.profiling.meta import profile_meta
 
     return profile_meta(build_on_meta(mf.build_model), mf.example_inputs(), loss_fn=mf.loss_fn, target=target,
                         fake_device=fake_device)

@@ -11,7 +11,7 @@ Two graph families, both built with ``nested=True``:
   (the residual) and every fourth block also reads the output of the block four back (a DAG
   skip connection). Saved sizes are identical across blocks and forward times jittered by
   +-3 %, as in measured profiles. Candidates = 5 x blocks.
-- ``random``: ``planner.synthetic.random_dag`` with half the blocks split into 2-3 parts and
+- ``random``: ``planner.model.synthetic.random_dag`` with half the blocks split into 2-3 parts and
   sparse skip connections (p_skip=0.05): heterogeneous sizes and tensors held by several
   units, so the program has OR variables and the sequential relaxation is often not exact.
 
@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.cost_model import simulate
-from planner.graph import build_graph
-from planner.synthetic import SynUnit, random_dag, synthetic_profile
+from solvers.cost_model import simulate
+from planner.model.graph import build_graph
+from planner.model.synthetic import SynUnit, random_dag, synthetic_profile
 from solvers.base import top_level
 from solvers.ilp import build_model, solve
 

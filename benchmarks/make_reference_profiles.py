@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.meta import build_on_meta
-from planner.model_file import load_model_file
-from planner.profiler import profile
+from planner.profiling.meta import build_on_meta
+from planner.profiling.model_file import load_model_file
+from planner.profiling import profile
 from profiles import MODELS_DIR
 
 

@@ -4,18 +4,18 @@
     python benchmarks/peers.py examples/llama.py --repeats 7
     python benchmarks/peers.py examples/gpt2.py --device cuda
 
-Variants, each a fresh ``build_model()`` trained with the step of ``planner.measure.make_step``:
+Variants, each a fresh ``build_model()`` trained with the step of ``planner.profiling.measure.make_step``:
 
 - no checkpointing;
 - every layer: Hugging Face's ``model.gradient_checkpointing_enable()`` (use_reentrant=False);
 - every second block: a plan checkpointing blocks 0, 2, 4, ... applied by ``apply_plan``;
-- remat: ``planner.api.plan_from_profile`` at the budget, applied by ``apply_plan``.
+- remat: ``planner.act.api.plan_from_profile`` at the budget, applied by ``apply_plan``.
 
 The budget is halfway between the predicted peaks of checkpointing every layer (baseline
 ``all``) and of checkpointing nothing: the range where a fixed rule wastes either memory or time.
 Step times: ``--repeats`` rounds of one step per variant in turn (round-robin, so drift on a
 shared machine hits every variant alike), median. Peaks: one step per variant, alone on the
-device, by ``planner.measure.measure_step`` (CUDA: the allocator's peak; CPU: the profiler's
+device, by ``planner.profiling.measure.measure_step`` (CUDA: the allocator's peak; CPU: the profiler's
 memory events). Prints a Markdown table: step time relative to every layer, peak relative to
 the budget, and the cost model's predicted peak next to the measured one.
 """
@@ -37,14 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from planner.api import graph_for, plan_from_profile
-from planner.applier import apply_plan
-from planner.frontier import run_solver
-from planner.measure import free, make_optimizer, make_step, measure_step, sync, to_device
-from planner.model_file import load_model_file
-from planner.profiler import profile, resolve_device
-from planner.schema import Plan
-from planner.tracker import iter_tensors, storage_bytes
+from planner.act.api import graph_for, plan_from_profile
+from planner.act.applier import apply_plan
+from planner.act.frontier import run_solver
+from planner.profiling.measure import free, make_optimizer, make_step, measure_step, sync, to_device
+from planner.profiling.model_file import load_model_file
+from planner.profiling import profile
+from planner.profiling.profiler import resolve_device
+from planner.model.schema import Plan
+from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.units import format_bytes
 
 MIB = 2**20

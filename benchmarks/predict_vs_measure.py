@@ -5,12 +5,12 @@
 For each example model: profile once, then for the plans "none" (no checkpointing), "all"
 (every top-level unit checkpointed) and the optimal plan at three budgets (1/4, 1/2 and 3/4 of
 the way from the minimum feasible peak to the no-checkpoint peak), apply the plan to a fresh
-copy of the model and measure a training step with ``planner.verify`` (CPU: the allocator's
+copy of the model and measure a training step with ``planner.act.verify`` (CPU: the allocator's
 own events from torch.profiler; CUDA: the caching allocator's peak). Prints, per row, the
 predicted and measured peak, their relative error, whether the measured peak is within the
 budget, and predicted vs measured recompute overhead (planned minus unplanned step time;
 noisy on a shared CPU). Each budget includes the planner's default headroom
-(``planner.api.DEFAULT_HEADROOM``): "none" and "all" get the budget whose usable part is
+(``planner.act.api.DEFAULT_HEADROOM``): "none" and "all" get the budget whose usable part is
 their predicted peak.
 """
 
@@ -25,12 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.api import budget_with_headroom, graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
-from planner.cost_model import simulate  # noqa: E402
-from planner.model_file import load_model_file  # noqa: E402
-from planner.profiler import profile  # noqa: E402
+from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
+from solvers.cost_model import simulate  # noqa: E402
+from planner.profiling.model_file import load_model_file  # noqa: E402
+from planner.profiling import profile  # noqa: E402
 from planner.units import format_bytes  # noqa: E402
-from planner.verify import verify  # noqa: E402
+from planner.act.verify import verify  # noqa: E402
 from solvers.base import top_level  # noqa: E402
 
 MODELS = ("transformer", "gpt2", "llama", "t5", "resnet", "unet")

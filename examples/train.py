@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
-from planner.applier import apply_plan
-from planner.model_file import call_model, default_loss, load_model_file
+from planner.act.applier import apply_plan
+from planner.profiling.model_file import call_model, default_loss, load_model_file
 
 
 def parse_args(argv=None):

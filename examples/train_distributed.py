@@ -23,9 +23,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
-from planner.applier import apply_plan
-from planner.model_file import call_model, default_loss, load_model_file
-from planner.schema import Plan
+from planner.act.applier import apply_plan
+from planner.profiling.model_file import call_model, default_loss, load_model_file
+from planner.model.schema import Plan
 
 
 def parse_args(argv=None):
@@ -92,7 +92,7 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def note_plan_mismatch(plan: Plan, batch, world_size: int, sharding: str) -> None:
-    from planner.fingerprint import fingerprint
+    from planner.model.fingerprint import fingerprint
 
     planned = {(i.name, tuple(i.shape)) for i in plan.fingerprint.inputs}
     local = {(i.name, tuple(i.shape)) for i in fingerprint(nn.Module(), batch).inputs}

@@ -1,6 +1,6 @@
 """remat: optimal activation-checkpoint planning for PyTorch training.
 
-Public API (imported lazily so that ``import planner.cost_model`` does not import torch)::
+Public API (imported lazily so that ``import solvers.cost_model`` does not import torch)::
 
     import planner
     prof = planner.profile(model, inputs)             # measure one training step
@@ -14,15 +14,15 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "profile": ("planner.profiler", "profile"),
-    "plan": ("planner.api", "plan"),
-    "build_graph": ("planner.graph", "build_graph"),
-    "simulate": ("planner.cost_model", "simulate"),
-    "apply_plan": ("planner.applier", "apply_plan"),
-    "verify": ("planner.verify", "verify"),
-    "Profile": ("planner.schema", "Profile"),
-    "Plan": ("planner.schema", "Plan"),
-    "Estimate": ("planner.schema", "Estimate"),
+    "profile": ("planner.profiling", "profile"),
+    "plan": ("planner.act.api", "plan"),
+    "build_graph": ("planner.model.graph", "build_graph"),
+    "simulate": ("solvers.cost_model", "simulate"),
+    "apply_plan": ("planner.act.applier", "apply_plan"),
+    "verify": ("planner.act.verify", "verify"),
+    "Profile": ("planner.model.schema", "Profile"),
+    "Plan": ("planner.model.schema", "Plan"),
+    "Estimate": ("solvers.cost_model", "Estimate"),
     "parse_bytes": ("planner.units", "parse_bytes"),
 }
 

@@ -3,11 +3,10 @@ into one line on stderr and an exit code (see ``exit_code``)."""
 
 from __future__ import annotations
 
+from solvers.errors import RematError, SolverError
 
-class RematError(Exception):
-    """Base class. ``exit_code`` is what the CLI exits with: 2 bad input, 1 plan/verify failed."""
-
-    exit_code = 2
+__all__ = ["BadInput", "BudgetInfeasible", "ModelLoadError", "PlanFileError", "PlanMismatch", "ProfileError",
+           "RematError", "SolverError", "VerificationFailed"]
 
 
 class BadInput(RematError):
@@ -32,10 +31,6 @@ class PlanMismatch(RematError):
     def __init__(self, message: str, differences: list[str] | None = None):
         super().__init__(message)
         self.differences = list(differences or [])
-
-
-class SolverError(RematError):
-    """An unknown solver, or a solver that cannot handle this graph."""
 
 
 class BudgetInfeasible(RematError):

@@ -9,7 +9,7 @@
   ``simulate`` whenever the DP finds one: its recurrence only over-counts).
 
 ``Solution.solver`` is the solver that produced the plan ("dp" or "ilp": 'auto' resolves to
-one, as ``planner.schema.SolverInfo`` says); ``Solution.detail`` starts with why it was chosen.
+one, as ``planner.model.schema.SolverInfo`` says); ``Solution.detail`` starts with why it was chosen.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import networkx as nx
 
-from planner.cost_model import chain_terms
+from solvers.cost_model import chain_terms
 from solvers.base import Solution, judged
 from solvers.dp import solve as solve_dp
 from solvers.ilp import solve as solve_ilp

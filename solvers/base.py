@@ -7,7 +7,7 @@ from typing import Iterable, Literal
 
 import networkx as nx
 
-from planner.cost_model import simulate
+from solvers.cost_model import simulate
 
 Status = Literal["optimal", "feasible", "infeasible"]
 

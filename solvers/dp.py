@@ -1,6 +1,6 @@
 """Optimal dynamic program for chains, under the cost model.
 
-Runs on ``planner.cost_model.chain_terms``: the NOTE [ Peak-memory model ] written as a
+Runs on ``solvers.cost_model.chain_terms``: the NOTE [ Peak-memory model ] written as a
 recurrence along the leaves, where leaf i's checkpoint bit c_i adds ``delta[i][c_{i-1}][c_i]``
 held bytes and must satisfy ``H_i + k[i][c_i] <= budget``. The DP keeps, for each value of the
 last bit, the Pareto front of (held bytes H, recompute ms R) over all prefixes that respect
@@ -28,7 +28,7 @@ import time
 import networkx as nx
 import numpy as np
 
-from planner.cost_model import ChainTerms, chain_terms
+from solvers.cost_model import ChainTerms, chain_terms
 from solvers.base import Solution, judged
 
 def solve(g: nx.DiGraph, budget_bytes: int, *, max_states: int = 1 << 16, **_: object) -> Solution:

@@ -1,6 +1,6 @@
 """Optimal checkpoint sets on any graph (DAGs, nested candidates): an exact integer program.
 
-The program is NOTE [ Peak-memory model ] (``planner/cost_model.py``) written linearly, with
+The program is NOTE [ Peak-memory model ] (``solvers/cost_model.py``) written linearly, with
 nothing approximated: a checkpoint set fits the budget in the program iff it fits under
 ``simulate`` (NOTE [ ILP formulation ] below; ``tests/test_ilp.py`` compares every probe).
 
@@ -98,7 +98,7 @@ from typing import Literal
 import networkx as nx
 import pulp
 
-from planner.cost_model import _context, _grads_after, _recomputed, rank_memory, simulate
+from solvers.cost_model import _context, _grads_after, _recomputed, rank_memory, simulate
 from solvers.base import Solution, Status, judged
 from solvers.ilp_bound import Bound, sequential_bound
 
@@ -646,7 +646,7 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
     """Least-recompute checkpoint set that fits ``budget_bytes``, on any candidate graph.
 
     Args:
-        g: a graph from ``planner.graph.build_graph`` (nested candidates allowed).
+        g: a graph from ``planner.model.graph.build_graph`` (nested candidates allowed).
         budget_bytes: peak memory allowed, per NOTE [ Peak-memory model ].
         time_limit_s: wall-clock limit for all solves together (None: none).
         backend: "highs" (default, needs highspy) or "cbc"; None means the default.

@@ -35,15 +35,34 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:  # solvers.ilp imports this module
-    from solvers.ilp import Program
+Lin = dict  # linear form, as in solvers.ilp: {node id (x) | int (y index) | None (constant): coefficient}
 
-Lin = dict  # as in solvers.ilp
+
+class _ProbeRow(Protocol):
+    """What this module reads of ``solvers.ilp.Probe``."""
+
+    bucket: int | None
+    extra: Lin
+    const_bytes: int
+
+
+class Program(Protocol):
+    """What this module reads of ``solvers.ilp.Program`` (NOTE [ ILP formulation ]); solvers.ilp
+    imports this module, so the type is described here rather than imported."""
+
+    nodes: list[str]
+    forward_ms: dict[str, float]
+    parent: dict[str, str | None]
+    ors: list[list[Lin]]
+    delta: dict[int, Lin]
+    probes: Sequence[_ProbeRow]
+    unit_bytes: int
 
 
 _MAX_PAIRS = 1 << 22

@@ -6,7 +6,7 @@ import itertools
 
 import networkx as nx
 
-from planner.cost_model import check_checkpoint_set, simulate
+from solvers.cost_model import check_checkpoint_set, simulate
 from solvers.base import Solution
 
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch import nn
 
-from planner.applier import AppliedPlan, PlanAlreadyApplied, apply_plan, planned_modules
+from planner.act.applier import AppliedPlan, PlanAlreadyApplied, apply_plan, planned_modules
 from planner.errors import BadInput, PlanMismatch, RematError
-from planner.fingerprint import fingerprint
-from planner.model_file import call_model, default_loss, load_model_file
-from planner.schema import Plan, Predicted, SolverInfo
+from planner.model.fingerprint import fingerprint
+from planner.profiling.model_file import call_model, default_loss, load_model_file
+from planner.model.schema import Plan, Predicted, SolverInfo
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -388,7 +388,7 @@ def test_torch_compile_after_apply(name: str):
 
 
 def test_verify_compares_gradients_and_checks_the_budget():
-    from planner.verify import verify
+    from planner.act.verify import verify
 
     torch.manual_seed(0)
     model, x = _Toy(), torch.randn(16, 8)
@@ -407,7 +407,7 @@ def test_verify_compares_gradients_and_checks_the_budget():
 
 
 def test_verify_model_file_and_train_script(tmp_path, capsys):
-    from planner.verify import verify
+    from planner.act.verify import verify
 
     model_file = tmp_path / "toy.py"
     model_file.write_text(
@@ -437,10 +437,10 @@ def test_verify_refuses_a_per_rank_plan(tmp_path):
     """verify runs one process: a plan for FSDP/DDP ranks would be measured against the wrong layout."""
     import random
 
-    from planner.api import plan_from_profile
+    from planner.act.api import plan_from_profile
     from planner.errors import BadInput
-    from planner.synthetic import random_chain, synthetic_profile
-    from planner.verify import verify
+    from planner.model.synthetic import random_chain, synthetic_profile
+    from planner.act.verify import verify
 
     prof = synthetic_profile(random_chain(random.Random(0), 4))
     plan = plan_from_profile(prof, "1GB", solver="none", world_size=2, sharding="fsdp")

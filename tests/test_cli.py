@@ -7,35 +7,16 @@ on the CPU with one step. Error cases live in tests/test_errors.py.
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from cli import app
-from planner.devices import get_device, load_devices
+from planner.profiling.devices import get_device, load_devices
 from planner.errors import BadInput
-from planner.schema import Plan, Profile
-from planner.synthetic import random_chain, synthetic_profile
+from planner.model.schema import Plan, Profile
+from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke
 from tests.fixtures import TINY_MODEL
-
-runner = CliRunner()
-
-
-
-def invoke(*args: str | Path):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture
-def profile_path(tmp_path: Path) -> Path:
-    """An 8-block synthetic chain: fits 10MB with one checkpoint, needs at least 6857133 bytes."""
-    path = tmp_path / "profile.json"
-    synthetic_profile(random_chain(random.Random(0), 8)).save(path)
-    return path
-
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -98,12 +79,12 @@ def test_plan_infeasible_states_minimum_and_writes_nothing(profile_path: Path, t
     out = tmp_path / "plan.json"
     r = invoke("plan", "--budget", "1MB", "--profile", profile_path, "-o", out)
     assert r.exit_code == 1
-    from planner.api import budget_with_headroom, graph_for, min_feasible_bytes
-    from planner.schema import Profile
+    from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes
+    from planner.model.schema import Profile
     from planner.units import format_bytes
 
     lowest = budget_with_headroom(min_feasible_bytes(graph_for(Profile.load(profile_path))))
-    assert lowest > 6857133  # the cost model's minimum peak, plus the default 0.5% headroom
+    assert lowest > CHAIN_MIN_FEASIBLE_BYTES  # the cost model's minimum peak, plus the default 0.5% headroom
     assert f"minimum feasible budget is {lowest} bytes ({format_bytes(lowest)})" in r.stderr
     assert "Traceback" not in r.output
     assert not out.exists()

@@ -4,7 +4,7 @@ The torchrun tests launch examples/train_distributed.py on 2 processes and compa
 the last step's full gradients with one process training on the whole global batch: each rank's
 loss is the mean over its half, DDP and FSDP2 average gradients over ranks, so the averaged
 gradient is the single process's gradient of the global mean. The single-rank tests (a gloo group
-of one, in this process) check what NOTE [ Plans under FSDP2 and DDP ] in planner/applier.py says:
+of one, in this process) check what NOTE [ Plans under FSDP2 and DDP ] in planner/act/applier.py says:
 the same FQNs before and after wrapping, the recompute inside the FSDP unit, no extra all-gather.
 Everything here runs in well under a minute on 2 CPU cores.
 """
@@ -25,10 +25,10 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 import planner
-from planner.api import check_ranks, plan_from_profile
-from planner.applier import apply_plan
+from planner.act.api import check_ranks, plan_from_profile
+from planner.act.applier import apply_plan
 from planner.errors import BadInput
-from planner.schema import Plan
+from planner.model.schema import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_distributed.py"

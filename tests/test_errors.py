@@ -1,6 +1,6 @@
 """Bad input and faults, through the real CLI: each case checks the exit code, that no
 traceback is shown, and that the message names the fix (see NOTE [ CLI errors and exit codes ]
-in cli.py and docs/cli.md). A few run as subprocesses (``python cli.py ...``) to cover the
+in planner/cli/app.py and docs/cli.md). A few run as subprocesses (``python cli.py ...``) to cover the
 console entry itself, the rest through typer's CliRunner.
 """
 
@@ -16,27 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from planner.api import budget_with_headroom
+from planner.act.api import budget_with_headroom
 from planner.units import format_bytes
 import torch
-from typer.testing import CliRunner
 
-from cli import app
 from planner.errors import PlanMismatch
-from planner.schema import Plan
-from planner.synthetic import random_chain, random_dag, synthetic_profile
+from planner.model.schema import Plan
+from planner.model.synthetic import random_dag, synthetic_profile
+from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
-runner = CliRunner()
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-MIN_FEASIBLE = 6857133
-MIN_FEASIBLE_BUDGET = budget_with_headroom(MIN_FEASIBLE)  # plus the planner's default headroom
+MIN_FEASIBLE_BUDGET = budget_with_headroom(CHAIN_MIN_FEASIBLE_BYTES)  # plus the planner's default headroom
 """Minimum feasible budget of the ``profile_path`` fixture's chain (bytes)."""
-
-
-def invoke(*args: str | Path):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def run_cli(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -80,13 +73,6 @@ def build_model():
 def example_inputs():
     return torch.randn(3, 4)
 """
-
-
-@pytest.fixture
-def profile_path(tmp_path: Path) -> Path:
-    path = tmp_path / "profile.json"
-    synthetic_profile(random_chain(random.Random(0), 8)).save(path)
-    return path
 
 
 @pytest.fixture
@@ -304,7 +290,7 @@ def test_profile_for_another_model(tmp_path: Path, profile_path: Path):
 
 def test_plan_for_another_model_or_renamed_modules(tmp_path: Path):
     """PlanMismatch from apply_plan, and from `remat verify` which applies the plan the same way."""
-    from planner.applier import apply_plan
+    from planner.act.applier import apply_plan
 
     path = model_file(tmp_path, GOOD_MODEL.replace("nn.Linear(8, 8), nn.ReLU()", "nn.Linear(8, 8)"))
     plan_file = tmp_path / "plan.json"
@@ -369,8 +355,8 @@ def test_ilp_time_limit_returns_the_best_plan_found(tmp_path: Path):
 
     if "ilp" not in SOLVERS:
         pytest.skip("solver 'ilp' is not registered in solvers.SOLVERS yet")
-    from planner.api import graph_for, min_feasible_bytes
-    from planner.cost_model import simulate
+    from planner.act.api import graph_for, min_feasible_bytes
+    from solvers.cost_model import simulate
 
     prof = synthetic_profile(random_dag(random.Random(1), 300, p_skip=0.05, p_nested=0.5))
     path = prof.save(tmp_path / "big.json")

@@ -14,34 +14,23 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from typer.testing import CliRunner
 
-from cli import app
-from planner import render
-from planner.api import graph_for
-from planner.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers
-from planner.synthetic import random_chain, random_dag, synthetic_profile
+from planner.cli import render
+from planner.act.api import graph_for
+from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers
+from planner.model.synthetic import random_chain, random_dag, synthetic_profile
+from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke
 from tests.fixtures import TINY_MODEL
 
-runner = CliRunner()
 
 
 POINT_KEYS = {"solver", "budget_bytes", "peak_bytes", "recompute_ms", "status", "checkpointed"}
-
-
-def invoke(*args: str | Path):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def _profile(tmp_path: Path, units, name: str = "profile.json") -> Path:
     path = tmp_path / name
     synthetic_profile(units).save(path)
     return path
-
-
-@pytest.fixture
-def chain_profile(tmp_path: Path) -> Path:
-    return _profile(tmp_path, random_chain(random.Random(0), 8))
 
 
 @pytest.fixture(params=[("chain", 1), ("chain", 2), ("dag", 3), ("dag", 4)], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -61,9 +50,9 @@ def _frontier_json(profile: Path, *extra: str) -> dict:
 # ----------------------------------------------------------------------------- frontier
 
 
-def test_frontier_json_schema(chain_profile: Path, tmp_path: Path):
+def test_frontier_json_schema(profile_path: Path, tmp_path: Path):
     out = tmp_path / "frontier.json"
-    r = invoke("frontier", "--profile", chain_profile, "--points", "6", "-o", out, "--quiet")
+    r = invoke("frontier", "--profile", profile_path, "--points", "6", "-o", out, "--quiet")
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert data["kind"] == "remat-frontier" and data["budget_bytes"] is None
@@ -106,22 +95,22 @@ def test_no_plan_that_claims_to_fit_is_over_its_budget(any_profile: Path):
             assert p["peak_bytes"] > p["budget_bytes"] or p["solver"] in OPTIMAL_SOLVERS, p
 
 
-def test_frontier_table_and_quiet(chain_profile: Path):
-    r = invoke("frontier", "--profile", chain_profile, "--points", "4")
+def test_frontier_table_and_quiet(profile_path: Path):
+    r = invoke("frontier", "--profile", profile_path, "--points", "4")
     assert r.exit_code == 0, r.output
     assert "frontier of" in r.stdout and "lowest feasible" in r.stdout
     assert "recompute ms per step / predicted peak" in r.stdout
     for name in ("none (no checkpointing)", "all (every layer)", "every-2", "% of step"):
         assert name in r.stdout, name
     assert "swept 4 budgets" in r.stderr
-    q = invoke("frontier", "--profile", chain_profile, "--points", "4", "--quiet")
+    q = invoke("frontier", "--profile", profile_path, "--points", "4", "--quiet")
     assert q.exit_code == 0 and q.stderr == ""
 
 
-def test_frontier_solvers_option(chain_profile: Path):
-    data = _frontier_json(chain_profile, "--points", "3", "--solvers", "sqrt,all")
+def test_frontier_solvers_option(profile_path: Path):
+    data = _frontier_json(profile_path, "--points", "3", "--solvers", "sqrt,all")
     assert {p["solver"] for p in data["points"]} == {"sqrt", *BASELINES}
-    r = invoke("frontier", "--profile", chain_profile, "--solvers", "dp,bogus")
+    r = invoke("frontier", "--profile", profile_path, "--solvers", "dp,bogus")
     assert r.exit_code == 2 and "unknown solver 'bogus'" in r.stderr
 
 
@@ -130,10 +119,10 @@ def test_frontier_needs_a_model_or_a_profile():
     assert r.exit_code == 2 and "give a model file" in r.stderr
 
 
-def test_sweep_grid_spans_min_feasible_to_no_checkpoint(chain_profile: Path):
-    from planner.schema import Profile
+def test_sweep_grid_spans_min_feasible_to_no_checkpoint(profile_path: Path):
+    from planner.model.schema import Profile
 
-    g = graph_for(Profile.load(chain_profile))
+    g = graph_for(Profile.load(profile_path))
     grid = budgets(g, 5)
     assert grid == sorted(grid) and len(grid) == 5
 
@@ -141,8 +130,8 @@ def test_sweep_grid_spans_min_feasible_to_no_checkpoint(chain_profile: Path):
 # ----------------------------------------------------------------------------- compare
 
 
-def test_compare_table(chain_profile: Path):
-    r = invoke("compare", "--profile", chain_profile, "--budget", "10MB")
+def test_compare_table(profile_path: Path):
+    r = invoke("compare", "--profile", profile_path, "--budget", "10MB")
     assert r.exit_code == 0, r.output
     assert "budget 10MB = 10485760 bytes (10.00 MiB)" in r.stdout
     optimal = default_solvers()[0]  # whatever is registered: auto once the ILP is, else dp
@@ -151,8 +140,8 @@ def test_compare_table(chain_profile: Path):
         assert word in r.stdout, word
 
 
-def test_compare_json(chain_profile: Path):
-    r = invoke("compare", "--profile", chain_profile, "--budget", "10MB", "--json")
+def test_compare_json(profile_path: Path):
+    r = invoke("compare", "--profile", profile_path, "--budget", "10MB", "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["kind"] == "remat-compare" and data["budget_bytes"] == 10485760
@@ -167,10 +156,10 @@ def test_compare_json(chain_profile: Path):
     assert "budget 10MB" in r.stderr  # the echo moves to stderr under --json
 
 
-def test_compare_says_when_nothing_fits(chain_profile: Path):
-    r = invoke("compare", "--profile", chain_profile, "--budget", "1MB")
+def test_compare_says_when_nothing_fits(profile_path: Path):
+    r = invoke("compare", "--profile", profile_path, "--budget", "1MB")
     assert r.exit_code == 0, r.output
-    assert "nothing fits; the lowest feasible budget is 6857133 bytes" in r.stdout
+    assert f"nothing fits; the lowest feasible budget is {CHAIN_MIN_FEASIBLE_BYTES} bytes" in r.stdout
 
 
 # ----------------------------------------------------------------------------- plot
@@ -187,18 +176,18 @@ def test_missing_matplotlib_is_one_line_before_profiling(tmp_path: Path, monkeyp
     assert not (tmp_path / "f.png").exists()
 
 
-def test_plot_is_a_png(chain_profile: Path, tmp_path: Path):
+def test_plot_is_a_png(profile_path: Path, tmp_path: Path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "frontier.png"
-    r = invoke("frontier", "--profile", chain_profile, "--points", "5", "--plot", png, "--quiet")
+    r = invoke("frontier", "--profile", profile_path, "--points", "5", "--plot", png, "--quiet")
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert f"wrote {png}" in r.stdout
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
-def test_plot_to_a_missing_folder_fails_before_work(chain_profile: Path, tmp_path: Path):
-    r = invoke("frontier", "--profile", chain_profile, "--plot", tmp_path / "nope" / "f.png")
+def test_plot_to_a_missing_folder_fails_before_work(profile_path: Path, tmp_path: Path):
+    r = invoke("frontier", "--profile", profile_path, "--plot", tmp_path / "nope" / "f.png")
     assert r.exit_code == 2 and "does not exist" in r.stderr
 
 

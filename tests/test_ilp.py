@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from planner.cost_model import _probes, simulate
-from planner.graph import build_graph
-from planner.synthetic import random_chain, random_dag, synthetic_profile
+from solvers.cost_model import _probes, simulate
+from planner.model.graph import build_graph
+from planner.model.synthetic import random_chain, random_dag, synthetic_profile
 from solvers import SOLVERS
 from solvers import auto as auto_mod
 from solvers import ilp as ilp_mod

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.api import graph_for, min_feasible_bytes
-from planner.cost_model import chain_terms, simulate
+from planner.act.api import graph_for, min_feasible_bytes
+from solvers.cost_model import chain_terms, simulate
 from solvers import SOLVERS
 from tests.solver_checks import check_solution
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def graphs():
     pytest.importorskip("transformers")
-    from planner.model_file import load_model_file
-    from planner.profiler import profile
+    from planner.profiling.model_file import load_model_file
+    from planner.profiling import profile
 
     out = {}
     for name, granularity in (("unet", 0), ("t5", 1)):

@@ -3,7 +3,7 @@
 The byte checks run the faked step with the CPU's rules (``device_type="cpu"``) next to a real
 CPU step of the same model: every unit's saved, input and output bytes, the static memory and
 the peak must agree (the fake tensors carry the real ``nbytes``). NOTE [ Meta profiling ] in
-planner/meta.py says what the target's rules change on top.
+planner/profiling/meta.py says what the target's rules change on top.
 """
 
 from __future__ import annotations
@@ -15,19 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from typer.testing import CliRunner
 
-from cli import app
-from planner.devices import get_device, usable_bytes
+from tests.conftest import invoke
+from planner.profiling.devices import get_device, usable_bytes
 from planner.errors import BadInput, ProfileError
-from planner.meta import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, build_on_meta, profile_meta
-from planner.model_file import load_model_file
-from planner.profiler import profile
-from planner.schema import Plan, Profile
+from planner.profiling.meta import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, build_on_meta, profile_meta
+from planner.profiling.model_file import load_model_file
+from planner.profiling import profile
+from planner.model.schema import Plan, Profile
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-runner = CliRunner()
 
 
 def _sum(out: torch.Tensor) -> torch.Tensor:
@@ -67,7 +65,7 @@ CASES = {
 }
 PEAK_TOLERANCE = {"unet": 0.06}
 """The CPU's convolution backward allocates scratch inside its kernels, which the device sees and
-no tracker does (4.7% on examples/unet.py; see planner/profiler.py): only the peak differs."""
+no tracker does (4.7% on examples/unet.py; see planner/profiling/profiler.py): only the peak differs."""
 
 
 def _saved_bytes(prof: Profile) -> dict[str, int]:
@@ -238,10 +236,6 @@ def tiny(tmp_path: Path) -> Path:
     path = tmp_path / "tiny.py"
     path.write_text(TINY_MODEL)
     return path
-
-
-def invoke(*args: str | Path):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def test_cli_plans_on_meta_with_the_targets_usable_memory(tiny: Path, tmp_path: Path):

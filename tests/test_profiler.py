@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from planner.errors import ModelLoadError, ProfileError
-from planner.fingerprint import fingerprint
-from planner.measure import make_optimizer, make_step, measure_step
-from planner.model_file import call_model, check_loss, default_loss, load_model_file
-from planner.profiler import profile
-from planner.tracker import LiveBytesTracker
+from planner.model.fingerprint import fingerprint
+from planner.profiling.measure import make_optimizer, make_step, measure_step
+from planner.profiling.model_file import call_model, check_loss, default_loss, load_model_file
+from planner.profiling import profile
+from planner.profiling.tracker import LiveBytesTracker
 
 ACT = 32 * 64 * 4  # one activation of the reference model, bytes
 
@@ -504,7 +504,7 @@ def test_out_of_memory_gives_advice():
 
 
 def test_device_checks():
-    from planner.model_file import check_devices
+    from planner.profiling.model_file import check_devices
 
     with torch.device("meta"):
         meta = nn.Linear(4, 4)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.api import graph_for, min_feasible_bytes, plan_from_profile, solve_graph
-from planner.cost_model import simulate
-from planner.schema import Profile
+from planner.act.api import graph_for, min_feasible_bytes, plan_from_profile, solve_graph
+from solvers.cost_model import simulate
+from planner.model.schema import Profile
 from profiles import MODELS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,9 +79,9 @@ _NO_TORCH = """
 import json, sys
 sys.path.insert(0, {root!r})
 from tests.test_reference_profiles import PROFILES, _mid_budget, _solvers
-from planner.api import graph_for, solve_graph
-from planner.cost_model import simulate
-from planner.schema import Profile
+from planner.act.api import graph_for, solve_graph
+from solvers.cost_model import simulate
+from planner.model.schema import Profile
 out = {{}}
 for path in PROFILES:
     prof = Profile.load(path)

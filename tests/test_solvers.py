@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.cost_model import chain_terms, simulate
-from planner.graph import build_graph
-from planner.synthetic import SynUnit, random_chain, random_dag, synthetic_profile
+from solvers.cost_model import chain_terms, simulate
+from planner.model.graph import build_graph
+from planner.model.synthetic import SynUnit, random_chain, random_dag, synthetic_profile
 from solvers import SOLVERS
 from solvers.dp import min_feasible
 from tests.solver_checks import best_recompute, brute_force, check_solution

@@ -3,7 +3,7 @@
 ``profile(..., device="meta", target="h100")`` (``remat plan --device meta --target h100``)
 lands here. The model is built on the meta device (``build_on_meta``: no memory, so a 7B
 model costs nothing to build), its parameters are swapped for fake tensors, and the same
-warm-up step and memory step as ``planner.profiler`` run under
+warm-up step and memory step as ``planner.profiling.profiler`` run under
 ``torch._subclasses.fake_tensor.FakeTensorMode``: every aten op computes output shapes,
 dtypes and strides, and nothing is allocated. See docs/meta.md for what comes out.
 
@@ -14,7 +14,7 @@ timeline, gradients and the optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` 
 the optimizer's own first ``step()`` in the warm-up, under the fake mode) are the bytes a
 real step would allocate, byte for byte, as far as the dispatcher sees them. Not seen: a
 kernel's internal workspace (cuBLAS, flash-attention backward scratch), allocator
-fragmentation and the CUDA context (see ``planner.devices.usable_bytes``).
+fragmentation and the CUDA context (see ``planner.profiling.devices.usable_bytes``).
 
 Whose rules. The step follows the *target's* rules: a GPU target gets 512-byte allocation
 blocks, the foreach optimizer (torch's default on CUDA) and CUDA's choice of
@@ -44,13 +44,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from planner import schema
-from planner.devices import DeviceSpec, get_device
+from planner.model import schema
+from planner.profiling.devices import DeviceSpec, get_device
 from planner.errors import BadInput, ProfileError
-from planner.measure import Measured, make_optimizer, make_step
-from planner.model_file import Inputs
-from planner.profiler import _assemble, _memory_step, _MemoryRecorder, _Times
-from planner.tracker import LiveBytesTracker, iter_tensors
+from planner.profiling.measure import Measured, make_optimizer, make_step
+from planner.profiling.model_file import Inputs
+from planner.profiling.recording import _assemble, _memory_step, _MemoryRecorder, _Times
+from planner.profiling.tracker import LiveBytesTracker, iter_tensors
 
 Progress = Callable[[str], None]
 
@@ -143,10 +143,10 @@ def profile_meta(
 
     Args:
         model: the model, ideally built with ``build_on_meta``.
-        inputs: as for ``planner.profiler.profile``; real tensors (turned into fake ones).
-        target: a device spec or its name/alias (``planner.devices``): peak FLOP/s and
+        inputs: as for ``planner.profiling.profile``; real tensors (turned into fake ones).
+        target: a device spec or its name/alias (``planner.profiling.devices``): peak FLOP/s and
             bandwidth for the roofline.
-        loss_fn, optimizer, amp: as for ``planner.profiler.profile``.
+        loss_fn, optimizer, amp: as for ``planner.profiling.profile``.
         device_type: whose rules the step follows (NOTE [ Meta profiling ]): 'cuda' for a
             GPU target; 'cpu' makes the faked step the same as a real CPU step (to compare).
         fake_device: the fake tensors' device type; default 'cuda' where this PyTorch has

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import BadInput
-from planner.frontier import BASELINES, OPTIMAL_SOLVERS, FrontierPoint, Tradeoff
+from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, FrontierPoint, Tradeoff
 
 GIB, MIB = 2**30, 2**20
 

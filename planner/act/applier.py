@@ -89,8 +89,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.errors import BadInput, PlanMismatch
-from planner.fingerprint import fingerprint
-from planner.schema import Fingerprint, Plan
+from planner.model.fingerprint import fingerprint
+from planner.model.schema import Fingerprint, Plan
 from planner.units import format_bytes
 
 logger = logging.getLogger("remat")

@@ -2,7 +2,7 @@
 
 Example::
 
-    from planner.verify import verify
+    from planner.act.verify import verify
     report = verify("examples/gpt2.py", "plan.json", steps=3, device="cpu")
     for label, predicted, measured, check in report.rows():
         print(f"{label:28} {predicted:>12} {measured:>12}  {check}")
@@ -10,18 +10,18 @@ Example::
 
 The model is trained twice from identical copies (built once, deep-copied per run, one run on
 the device at a time so neither sees the other's memory): without the plan, then with it. Each
-run does the step of ``planner.measure.make_step`` with the plan's optimizer at lr=0 (its state
+run does the step of ``planner.profiling.measure.make_step`` with the plan's optimizer at lr=0 (its state
 is allocated, the weights do not move) and amp setting:
 
 1. one step from the identical starting state with ``torch.manual_seed`` reset, so dropout
    draws the same masks: its loss, gradients and buffers (BatchNorm statistics) are compared,
    and it counts the recomputed forwards;
 2. ``steps`` timed steps (the median is the step time);
-3. one step measured by ``planner.measure.measure_step`` (the device's own peak).
+3. one step measured by ``planner.profiling.measure.measure_step`` (the device's own peak).
 
 The report is ``ok`` when the planned peak fits ``plan.budget_bytes`` and no gradient or
 buffer element differs by more than ``tolerance``. Predictions come from the plan (see
-NOTE [ Peak-memory model ] in ``planner/cost_model.py``); nothing is re-derived here.
+NOTE [ Peak-memory model ] in ``solvers/cost_model.py``); nothing is re-derived here.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from planner.applier import PlanAlreadyApplied, apply_plan, planned_modules
+from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.errors import BadInput
-from planner.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
-from planner.model_file import Inputs, load_model_file
-from planner.profiler import resolve_device
-from planner.schema import Plan
-from planner.tracker import iter_tensors, storage_bytes
+from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
+from planner.profiling.model_file import Inputs, load_model_file
+from planner.profiling.profiler import resolve_device
+from planner.model.schema import Plan
+from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.units import format_bytes
 
 SEED = 1234
@@ -57,7 +57,7 @@ class VerifyReport(BaseModel):
 
     model: str = Field(description="Model file path, or the model's class name.")
     device: str
-    peak_source: str = Field(description="'cuda-allocator' or 'cpu-profiler' (see planner.measure).")
+    peak_source: str = Field(description="'cuda-allocator' or 'cpu-profiler' (see planner.profiling.measure).")
     steps: int = Field(description="Timed steps per run.")
     budget_bytes: int
     tolerance: float = Field(description="Largest allowed |difference| of any gradient or buffer element.")

@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import networkx as nx
 
-from planner.cost_model import chain_terms, simulate
+from solvers.cost_model import chain_terms, simulate
 from planner.errors import BadInput, BudgetInfeasible, SolverError
-from planner.graph import build_graph, is_ancestor
-from planner.schema import Plan, Predicted, Profile, RunStamp, SolverInfo, now_iso
+from planner.model.graph import build_graph, is_ancestor
+from planner.model.schema import Plan, Predicted, Profile, RunStamp, SolverInfo, now_iso
 from planner.units import format_bytes, parse_bytes
 
 DEFAULT_HEADROOM = 0.005
@@ -165,9 +165,9 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
 
     Args:
         model_or_profile: an ``nn.Module`` (then ``inputs`` is required) or a ``Profile``. With
-            ``device="meta"``, build it with ``planner.meta.build_on_meta`` (no memory used).
+            ``device="meta"``, build it with ``planner.profiling.meta.build_on_meta`` (no memory used).
         budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
-            memory of ``target`` (``planner.devices.usable_bytes``).
+            memory of ``target`` (``planner.profiling.devices.usable_bytes``).
         amp: None, ``"bf16"`` or ``"fp16"``: forward and loss under ``torch.autocast``.
         target: a device spec name (``remat devices``): with ``device="meta"`` the times are
             modelled for it (see docs/meta.md); on any device it gives the default budget.
@@ -181,7 +181,7 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
     if budget is None:  # before minutes of profiling, not after
         if target is None:
             raise BadInput("plan() needs a budget, or target=<device name> to plan for its usable memory")
-        from planner.devices import get_device, usable_bytes
+        from planner.profiling.devices import get_device, usable_bytes
 
         budget = usable_bytes(get_device(target))
     if isinstance(model_or_profile, Profile):
@@ -189,7 +189,7 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
     else:
         if inputs is None:
             raise BadInput("plan(model, ...) needs inputs=<one training batch>; or pass a Profile")
-        from planner.profiler import profile as run_profile
+        from planner.profiling import profile as run_profile
 
         meta = str(device).strip().lower() == "meta"
         prof = run_profile(model_or_profile, inputs, loss_fn=loss_fn, device=device, optimizer=optimizer,

@@ -1,7 +1,7 @@
 """The cost model: for a graph and a checkpoint choice, predicted peak memory and recompute time.
 
 Every solver is judged by ``simulate``; every measurement is compared with it. Pure Python over
-the graph built by ``planner.graph.build_graph``; no torch import.
+the graph built by ``planner.model.graph.build_graph``; no torch import.
 
 # NOTE [ Peak-memory model ]
 #
@@ -53,7 +53,7 @@ the graph built by ``planner.graph.build_graph``; no torch import.
 # Not modelled: the CPU RNG state each checkpointed region keeps (preserve_rng_state=True,
 # 5056 bytes per region in host memory: device memory on a CPU run only, measured in
 # docs/benchmarks.md) and allocations too brief to leave a window; the planner's headroom
-# (planner.api.DEFAULT_HEADROOM) covers them.
+# (planner.act.api.DEFAULT_HEADROOM) covers them.
 #
 # Per rank, under torch.distributed (graph.graph "world_size" N and "sharding"):
 #   ddp:  static memory as above, plus DDP's gradient buckets: one flat copy of the gradients,
@@ -83,9 +83,26 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import networkx as nx
+from pydantic import BaseModel, ConfigDict, Field
 
-from planner.errors import SolverError
-from planner.schema import Estimate
+from solvers.errors import SolverError
+
+
+class Estimate(BaseModel):
+    """The cost model's prediction for one checkpoint set (see NOTE [ Peak-memory model ])."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+    checkpointed: list[str]
+    peak_bytes: int
+    params_bytes: int = Field(description="Parameters and buffers.")
+    grads_bytes: int = Field(description="Gradient buffers live at the peak.")
+    optimizer_bytes: int
+    activations_bytes: int = Field(description="Everything else at the peak: batch, saved and recomputed "
+                                               "tensors, gradients of activations, temporaries.")
+    peak_at: str = Field(description="Where the peak happens, e.g. 'backward of h.3' or 'optimizer step'.")
+    recompute_ms: float
+    step_ms: float = Field(description="Profiled step time plus recompute_ms.")
 
 
 @dataclass(frozen=True)

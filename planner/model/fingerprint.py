@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from planner.schema import Fingerprint, TensorSig
+from planner.model.schema import Fingerprint, TensorSig
 
 
 def fingerprint(model: torch.nn.Module, inputs: Any) -> Fingerprint:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from planner.errors import BadInput, ProfileError, RematError
-from planner.model_file import Inputs, call_model, check_loss, default_loss, user_frames
+from planner.profiling.model_file import Inputs, call_model, check_loss, default_loss, user_frames
 
 Mark = Callable[[str, Any], None]
 """``mark(name, value)``: called by a step at each of ``STEP_MARKS``."""

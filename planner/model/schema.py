@@ -1,4 +1,4 @@
-"""Data at the edges: the measured ``Profile``, the cost model's ``Estimate`` and the ``Plan`` file.
+"""Data at the edges: the measured ``Profile`` and the ``Plan`` file.
 
 All are pydantic models that serialise to JSON. Field names carry their units
 (``_bytes``, ``_ms``, ``_seq``). None of this imports torch.
@@ -7,7 +7,7 @@ Sequence numbers (``*_seq``): the profiler keeps one counter for the whole train
 bumps it at every event it records (module forward start/end, module backward start/end,
 every tensor saved for backward). They order everything that happened in the step; the cost
 model uses them to place tensors in time (see NOTE [ Peak-memory model ] in
-``planner/cost_model.py``).
+``solvers/cost_model.py``).
 """
 
 from __future__ import annotations
@@ -209,24 +209,6 @@ class Profile(_Model):
         return _load_versioned(cls, path, "remat-profile", PROFILE_SCHEMA_VERSION, "profile")
 
 
-# ----------------------------------------------------------------------------- estimate
-
-
-class Estimate(_Model):
-    """The cost model's prediction for one checkpoint set (see NOTE [ Peak-memory model ])."""
-
-    checkpointed: list[str]
-    peak_bytes: int
-    params_bytes: int = Field(description="Parameters and buffers.")
-    grads_bytes: int = Field(description="Gradient buffers live at the peak.")
-    optimizer_bytes: int
-    activations_bytes: int = Field(description="Everything else at the peak: batch, saved and recomputed "
-                                               "tensors, gradients of activations, temporaries.")
-    peak_at: str = Field(description="Where the peak happens, e.g. 'backward of h.3' or 'optimizer step'.")
-    recompute_ms: float
-    step_ms: float = Field(description="Profiled step time plus recompute_ms.")
-
-
 # ----------------------------------------------------------------------------- plan
 
 
@@ -264,7 +246,7 @@ class Plan(_Model):
     fingerprint_digest: str
     budget_bytes: int
     headroom_bytes: int = Field(0, description="Kept free below the budget: the solver planned for "
-                                               "budget_bytes - headroom_bytes (see planner.api.DEFAULT_HEADROOM).")
+                                               "budget_bytes - headroom_bytes (see planner.act.api.DEFAULT_HEADROOM).")
     checkpoints: list[str] = Field(description="Module FQNs, each checkpointed as one region (every call).")
     checkpoint_units: list[str] = Field(default_factory=list,
                                         description="Unit ids (FQN, '#k' for k-th call) the solver chose.")

@@ -1,23 +1,6 @@
-"""Measure one training step of a model: what each module call costs in time and memory.
-
-``profile(model, inputs)`` runs the step of ``planner.measure.make_step`` several times:
-
-1. ``warmup_steps`` plain steps: they create the optimizer state, so what follows is the
-   steady state of training;
-2. ``steps`` timing steps with module and gradient hooks only (no tracker, so nothing
-   slows them down): forward and backward milliseconds per unit, and per step phase;
-3. one memory step under the live-bytes tracker (see NOTE [ Live-bytes tracker ] in
-   ``planner/tracker.py``): sequence numbers, the tensors each unit saves for backward,
-   the units' inputs and outputs, when each parameter's gradient appears, and a timeline
-   of live memory;
-4. one step measured by the device itself (``planner.measure.measure_step``), to check the
-   tracker. On the CPU the two peaks agree to the byte, give or take a few scalar bytes,
-   for models of matmuls, attention, norms and elementwise ops; kernels that allocate
-   scratch memory inside one op (CPU convolution backward: im2col/oneDNN buffers) make
-   the device's peak higher than the tracker's, by 1.7% on examples/resnet.py and 4.7% on
-   examples/unet.py. The profile records both; a note is added past 2%.
-
-The result is a ``schema.Profile``; the solvers and the cost model read nothing else.
+"""Recording one training step, shared by real profiling (``profiler.py``) and fake-tensor
+profiling (``meta.py``): the module-call bookkeeping (NOTE [ Units ]), the memory step under
+the live-bytes tracker, and assembling the ``schema.Profile`` from what was recorded.
 
 NOTE [ Units ]
 A unit is one call of a module: the candidate for checkpointing. Its id is the module's
@@ -34,11 +17,6 @@ the first conv on images) ends its backward when the gradients of its parameters
 complete, if its call is their first use in the step; otherwise ``bwd_end`` stays None.
 An input also consumed by a later sibling (q/k/v projections of one tensor) completes its
 gradient only after that sibling's backward, so the earlier sibling's ``bwd_end`` is late.
-
-Profiling runs the optimizer with lr=0 (see ``make_optimizer``), restores buffers
-(BatchNorm statistics), the RNG state and every module's train/eval flag, clears the
-gradients and removes every hook, so the model comes back as it went in, moved to the
-profiling device and otherwise unchanged.
 """
 
 from __future__ import annotations
@@ -47,7 +25,6 @@ import contextlib
 import functools
 import gc
 import platform
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -57,177 +34,17 @@ import torch
 from torch.utils import _pytree as pytree
 from typing_extensions import Self
 
-from planner import schema
-from planner.errors import BadInput
-from planner.fingerprint import fingerprint
-from planner.measure import AMP_DTYPES, OPTIMIZERS, Measured, make_optimizer, make_step, measure_step, to_device
-from planner.model_file import Inputs, check_devices
-from planner.schema import LOSS_ID, ROOT_ID
-from planner.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
+from planner.model import schema
+from planner.model.fingerprint import fingerprint
+from planner.model.schema import LOSS_ID, ROOT_ID
+from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS, Measured
+from planner.profiling.model_file import Inputs
+from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 
 Progress = Callable[[str], None]
 
 _ROUND_TO = {"cuda": 512}
 """Allocation granularity per device type: the CUDA caching allocator rounds to 512 bytes."""
-
-
-def profile(
-    model: torch.nn.Module,
-    inputs: Inputs,
-    *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    device: str | torch.device = "auto",
-    optimizer: str = "adamw",
-    warmup_steps: int = 1,
-    steps: int = 3,
-    amp: str | None = None,
-    target: str | Any | None = None,
-    progress: Progress | None = None,
-) -> schema.Profile:
-    """Profile one training step of ``model`` on ``inputs``.
-
-    The step is ``zero_grad(set_to_none=True)`` -> forward -> ``loss_fn`` -> ``backward()``
-    -> ``optimizer.step()`` (``planner.measure.make_step``). See the module docstring for
-    what runs and NOTE [ Units ] for what a unit is.
-
-    Args:
-        model: the model; moved to ``device`` in place and left there. It is profiled in
-            train mode; its modules' train/eval flags are restored afterwards.
-        inputs: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
-            (``model(**kwargs)``); moved to ``device``.
-        loss_fn: ``loss_fn(output) -> scalar tensor``; default ``model_file.default_loss``.
-        device: 'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1', a
-            ``torch.device``, or 'meta': nothing runs, fake tensors give the bytes and a
-            roofline for ``target`` the times (``planner.meta.profile_meta``; build the model
-            with ``planner.meta.build_on_meta`` so that it takes no memory).
-        optimizer: 'adamw', 'adam', 'sgd' (momentum 0.9) or 'none'.
-        warmup_steps: plain steps before measuring (they create the optimizer state).
-        steps: timing steps; times are means over them.
-        amp: None, 'bf16' or 'fp16': forward and loss under ``torch.autocast``.
-        target: with device='meta' (required there), the device spec or its name
-            (``planner.devices``) the times are modelled for. Measured devices refuse it.
-        progress: called with a short message as each stage starts.
-
-    Returns:
-        The ``schema.Profile``, with the device's own peak in ``step.measured_peak_bytes``.
-
-    Raises:
-        BadInput: an unknown device, optimizer, amp or target, fewer than one timing step,
-            device='meta' without a target or a target with another device.
-        ModelLoadError: parameters on the meta device or on several devices.
-        ProfileError: the model, ``loss_fn`` or the optimizer raised (the message shows
-            the user's frames), the loss is not a scalar, or the device ran out of memory.
-    """
-    dev = resolve_device(device)
-    if optimizer.lower() not in OPTIMIZERS:
-        raise BadInput(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if amp is not None and amp.lower() not in AMP_DTYPES and amp.lower() not in ("", "none", "off"):
-        raise BadInput(f"unknown amp {amp!r}; use bf16, fp16 or none")
-    if steps < 1 or warmup_steps < 0:
-        raise BadInput(f"need steps >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup_steps}")
-    if dev.type == "meta":
-        return _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, amp=amp, progress=progress)
-    if target is not None:
-        raise BadInput(f"target={target!r} models times for device='meta'; on {dev} the times are measured")
-    say = progress or (lambda _msg: None)
-    clock = _CLOCKS[dev.type](dev)
-
-    check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
-    with _restoring(model, dev):
-        model.to(dev)
-        model.train()
-        inputs = to_device(inputs, dev)
-        opt = make_optimizer(optimizer, model)
-        step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
-        for i in range(warmup_steps):
-            say(f"warm-up step {i + 1}/{warmup_steps}")
-            step()
-        times = _timing_steps(model, step, clock, steps, say)
-        say("memory step")
-        mem = _memory_step(model, step, inputs, opt, dev)
-        say("measuring the step's peak")
-        _release(model, dev)
-        measured = measure_step(step, dev, static_bytes=mem.static_bytes)
-        result = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, warmup_steps, steps)
-    return result
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """'auto' -> cuda if available else cpu; checks that CUDA exists when asked for."""
-    if isinstance(device, str):
-        name = device.strip().lower()
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        if name == "meta":
-            return torch.device("meta")
-        if name != "cpu" and not name.startswith("cuda"):
-            raise BadInput(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N")
-        try:
-            dev = torch.device(name)
-        except RuntimeError:
-            raise BadInput(f"invalid device {device!r}; use auto, cpu, cuda or cuda:N") from None
-    else:
-        dev = torch.device(device)
-    if dev.type == "meta":
-        return dev
-    if dev.type not in _CLOCKS:
-        raise BadInput(f"cannot profile on device {dev}; use cpu or cuda")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise BadInput("device 'cuda' asked for, but CUDA is not available to this PyTorch; use --device cpu")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.index >= torch.cuda.device_count():
-            raise BadInput(f"device {dev} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
-    return dev
-
-
-def _profile_meta(model: torch.nn.Module, inputs: Inputs, target: Any, **kwargs: Any) -> schema.Profile:
-    from planner.devices import load_devices
-    from planner.meta import profile_meta
-
-    if target is None:
-        names = ", ".join(s.name for s in load_devices())
-        raise BadInput(f"device 'meta' models times for a target device: give --target NAME (one of: {names})")
-    return profile_meta(model, inputs, target=target, **kwargs)
-
-
-# ----------------------------------------------------------------------------- clocks
-# One small clock per device type; the meta device has none: planner/meta.py models its
-# times with a roofline (NOTE [ Roofline ]).
-
-
-class _WallClock:
-    def stamp(self) -> float:
-        return time.perf_counter()
-
-    def sync(self) -> None:
-        pass
-
-    def ms(self, start: float, end: float) -> float:
-        return (end - start) * 1e3
-
-
-class _CudaClock:
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def stamp(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def sync(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return start.elapsed_time(end)
-
-
-_CLOCKS: dict[str, Callable[[torch.device], Any]] = {
-    "cpu": lambda _dev: _WallClock(),
-    "cuda": _CudaClock,
-}
 
 
 # ----------------------------------------------------------------------------- units
@@ -329,7 +146,7 @@ class _Recorder:
     # ------------------------------------------------------------- step marks
 
     def mark(self, name: str, value: Any = None) -> None:
-        """The step's ``mark`` callback (``planner.measure.STEP_MARKS``)."""
+        """The step's ``mark`` callback (``planner.profiling.measure.STEP_MARKS``)."""
         if name == "step_start":
             self.in_forward = True
             self.marks[name] = self._note(name, None)
@@ -455,18 +272,6 @@ def _io_tensors(*trees: Any) -> Iterator[torch.Tensor]:
             yield from _io_tensors(*leaf.values())
 
 
-# ----------------------------------------------------------------------------- timing steps
-
-
-class _TimingRecorder(_Recorder):
-    def __init__(self, model: torch.nn.Module, clock: Any):
-        self.clock = clock
-        super().__init__(model)
-
-    def _note(self, kind: str, unit: _Unit | None) -> Any:
-        return self.clock.stamp()
-
-
 @dataclass
 class _Times:
     forward_ms: float = 0.0
@@ -477,30 +282,6 @@ class _Times:
     unit_ids: list[list[str]] = field(default_factory=list)
     """The unit ids of each timing step, to check the steps called the same modules."""
 
-
-def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int, say: Progress) -> _Times:
-    sums: dict[str, list[float]] = {}
-    times = _Times()
-    with _TimingRecorder(model, clock) as rec:
-        for i in range(steps):
-            say(f"timing step {i + 1}/{steps}")
-            rec.reset()
-            step(rec.mark)
-            clock.sync()
-            m = rec.marks
-            times.forward_ms += clock.ms(m["step_start"], m["forward_end"]) / steps
-            times.backward_ms += clock.ms(m["backward_start"], m["backward_end"]) / steps
-            times.optimizer_ms += clock.ms(m["backward_end"], m["optimizer_end"]) / steps
-            times.unit_ids.append([u.id for u in rec.units])
-            for u in rec.units:
-                fwd = clock.ms(u.fwd_start, u.fwd_end)
-                bwd = clock.ms(u.bwd_start, u.bwd_end) if u.bwd_start is not None and u.bwd_end is not None else 0.0
-                acc = sums.setdefault(u.id, [0.0, 0.0, 0])
-                acc[0] += fwd
-                acc[1] += max(bwd, 0.0)
-                acc[2] += 1
-    times.unit_ms = {uid: (f / n, b / n) for uid, (f, b, n) in sums.items()}
-    return times
 
 
 # ----------------------------------------------------------------------------- memory step
@@ -662,7 +443,7 @@ def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
                  opt: torch.optim.Optimizer | None, dev: torch.device, *, round_to: int | None = None,
                  recorder: Callable[[torch.nn.Module, LiveBytesTracker], _MemoryRecorder] | None = None) -> _Memory:
     """One step under the tracker. ``round_to`` (default: ``dev``'s) and ``recorder`` are
-    for planner/meta.py, whose fake CPU tensors follow CUDA's rules and whose recorder also
+    for planner/profiling/meta.py, whose fake CPU tensors follow CUDA's rules and whose recorder also
     notes the roofline's clock."""
     _release(model, dev)
     round_to = _ROUND_TO.get(dev.type, 1) if round_to is None else round_to
@@ -780,7 +561,7 @@ def _allocator_view(dev: torch.device) -> Iterator[_TrackerView]:
     """The device allocator's view of the memory step's timeline (see the view classes)."""
     from torch._guards import detect_fake_mode
 
-    if detect_fake_mode() is not None:  # planner/meta.py: fake tensors allocate nothing; the tracker is exact
+    if detect_fake_mode() is not None:  # planner/profiling/meta.py: fake tensors allocate nothing; the tracker is exact
         yield _TrackerView()
         return
     if dev.type == "cuda":
@@ -792,7 +573,7 @@ def _allocator_view(dev: torch.device) -> Iterator[_TrackerView]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from planner.measure import _quiet_stderr
+    from planner.profiling.measure import _quiet_stderr
 
     prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _quiet_stderr():
@@ -924,25 +705,3 @@ def _amp_name(amp: str | None) -> str | None:
     if amp is None or amp.lower() in ("", "none", "off"):
         return None
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP_DTYPES[amp.lower()]]
-
-
-
-
-@contextlib.contextmanager
-def _restoring(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
-    """Give the model back as it came: train/eval flags, buffers, RNG state; gradients cleared."""
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers()}
-    cuda = [dev.index] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        try:
-            yield
-        finally:
-            model.zero_grad(set_to_none=True)
-            for m, training in modes:
-                m.training = training
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    saved = buffers.get(name)
-                    if saved is not None and saved.shape == b.shape:
-                        b.copy_(saved)

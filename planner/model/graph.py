@@ -52,7 +52,8 @@ from typing import Iterable
 import networkx as nx
 
 from planner.errors import BadInput
-from planner.schema import LOSS_ID, ROOT_ID, Profile, UnitRecord
+from planner.model.schema import LOSS_ID, ROOT_ID, Profile, UnitRecord
+from solvers.cost_model import calibrate
 
 
 def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False, world_size: int = 1,
@@ -86,9 +87,6 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     leaves = [n for n in chosen if g.nodes[n]["leaf"]]
     g.graph["leaves"] = leaves
     _add_windows(g, profile, leaves, units)
-
-    from planner.cost_model import calibrate  # local import: cost_model imports nothing of ours but schema
-
     calibrate(g)
     return g
 

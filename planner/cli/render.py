@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from planner.schema import Plan, Predicted, Profile, SolverInfo
+from planner.model.schema import Plan, Predicted, Profile, SolverInfo
 from planner.units import format_bytes
 
 MIB = 2**20
@@ -277,8 +277,8 @@ def show_verify(out: Console, report: Any) -> None:
 
 def devices_table(specs: Sequence[Any]) -> Table:
     """Known devices: name, memory, reserve and usable memory (the default budget, see NOTE
-    [ Usable memory ] in planner/devices.py), bf16 TFLOP/s, bandwidth, full name (aliases: ``--json``)."""
-    from planner.devices import reserve_bytes, usable_bytes
+    [ Usable memory ] in planner/profiling/devices.py), bf16 TFLOP/s, bandwidth, full name (aliases: ``--json``)."""
+    from planner.profiling.devices import reserve_bytes, usable_bytes
 
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("name", no_wrap=True)
@@ -396,8 +396,8 @@ _BASELINE_NAMES = {"none": "none (no checkpointing)", "all": "all (every layer)"
 
 
 def _baseline(name: str) -> bool:
-    """A fixed rule (planner.frontier.BASELINES): its plan does not depend on the budget."""
-    from planner.frontier import BASELINES
+    """A fixed rule (planner.act.frontier.BASELINES): its plan does not depend on the budget."""
+    from planner.act.frontier import BASELINES
 
     return name in BASELINES
 

@@ -22,7 +22,7 @@ and cost nothing. So the tracker keys everything by untyped storage, as
 What it cannot see: temporaries an op allocates and frees inside its kernel, allocator
 rounding and fragmentation (``round_to`` mimics the CUDA caching allocator's 512-byte
 blocks), and ``UntypedStorage.resize_`` called outside the dispatcher (FSDP). On the CPU,
-``planner.measure.measure_step`` reads the allocator's own events to check the figures.
+``planner.profiling.measure.measure_step`` reads the allocator's own events to check the figures.
 
 The tracker also works under ``FakeTensorMode`` (``--device meta``): fake tensors have
 storages with the real ``nbytes``. Enter the tracker *inside* the fake mode, so it sees the

@@ -14,7 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import BadInput
 
-DEVICES_DIR = Path(__file__).resolve().parent.parent / "profiles" / "devices"
+_PLANNER_DIR = Path(__file__).resolve().parents[1]
+# The data in profiles/ sits next to planner/ in a checkout; an installed remat ships it inside
+# the package as planner/profiles (pyproject.toml maps it there).
+DEVICES_DIR = next(d / "profiles" / "devices" for d in (_PLANNER_DIR, _PLANNER_DIR.parent)
+                   if (d / "profiles" / "devices").is_dir())
 
 
 class PeakFlops(BaseModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from planner.schema import (
+from planner.model.schema import (
     ROOT_ID, Fingerprint, ParamRecord, Profile, SaveRecord, StepRecord, TensorRecord, UnitRecord,
 )
 

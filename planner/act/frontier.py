@@ -12,8 +12,8 @@ from typing import Callable, Iterable, Literal
 import networkx as nx
 from pydantic import BaseModel, Field
 
-from planner.api import min_feasible_bytes
-from planner.cost_model import simulate
+from planner.act.api import min_feasible_bytes
+from solvers.cost_model import simulate
 
 BASELINES = ("none", "all", "every-2", "every-3", "every-4")
 """Fixed rules: nothing, every layer (Hugging Face's gradient_checkpointing_enable), every k-th layer
@@ -74,7 +74,7 @@ def run_solver(g: nx.DiGraph, name: str, budget_bytes: int, *, time_limit_s: flo
     if name.startswith("every-") and name not in SOLVERS:
         sol = solve_every_k(g, budget_bytes, k=int(name.split("-", 1)[1]))
     else:
-        from planner.api import solve_graph
+        from planner.act.api import solve_graph
 
         sol = solve_graph(g, budget_bytes, solver=name, time_limit_s=time_limit_s)
     est = simulate(g, sol.checkpointed)

@@ -1,0 +1,1 @@
+"""The ``remat`` command line: its commands (``app``) and how results look (``render``, ``plot``)."""

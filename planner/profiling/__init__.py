@@ -1,0 +1,98 @@
+"""Profiling: run one training step and record what each module call costs (``schema.Profile``).
+
+``profile`` chooses how: on a real device (``profiler.py``, measured), or on fake tensors with
+times modelled for a target device (``meta.py``). Both record the step with ``recording.py``;
+``tracker.py`` counts live bytes, ``measure.py`` builds and measures the step, ``model_file.py``
+loads a user's model.py and ``devices.py`` holds the accelerator specs. Importing this package
+does not import torch (``devices`` is torch-free).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from planner.model import schema
+    from planner.profiling.model_file import Inputs
+
+Progress = Callable[[str], None]
+
+
+def profile(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str | torch.device = "auto",
+    optimizer: str = "adamw",
+    warmup_steps: int = 1,
+    steps: int = 3,
+    amp: str | None = None,
+    target: str | Any | None = None,
+    progress: Progress | None = None,
+) -> schema.Profile:
+    """Profile one training step of ``model`` on ``inputs``.
+
+    The step is ``zero_grad(set_to_none=True)`` -> forward -> ``loss_fn`` -> ``backward()``
+    -> ``optimizer.step()`` (``planner.profiling.measure.make_step``). See the module docstring for
+    what runs and NOTE [ Units ] for what a unit is.
+
+    Args:
+        model: the model; moved to ``device`` in place and left there. It is profiled in
+            train mode; its modules' train/eval flags are restored afterwards.
+        inputs: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
+            (``model(**kwargs)``); moved to ``device``.
+        loss_fn: ``loss_fn(output) -> scalar tensor``; default ``model_file.default_loss``.
+        device: 'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:1', a
+            ``torch.device``, or 'meta': nothing runs, fake tensors give the bytes and a
+            roofline for ``target`` the times (``planner.profiling.meta.profile_meta``; build the model
+            with ``planner.profiling.meta.build_on_meta`` so that it takes no memory).
+        optimizer: 'adamw', 'adam', 'sgd' (momentum 0.9) or 'none'.
+        warmup_steps: plain steps before measuring (they create the optimizer state).
+        steps: timing steps; times are means over them.
+        amp: None, 'bf16' or 'fp16': forward and loss under ``torch.autocast``.
+        target: with device='meta' (required there), the device spec or its name
+            (``planner.profiling.devices``) the times are modelled for. Measured devices refuse it.
+        progress: called with a short message as each stage starts.
+
+    Returns:
+        The ``schema.Profile``, with the device's own peak in ``step.measured_peak_bytes``.
+
+    Raises:
+        BadInput: an unknown device, optimizer, amp or target, fewer than one timing step,
+            device='meta' without a target or a target with another device.
+        ModelLoadError: parameters on the meta device or on several devices.
+        ProfileError: the model, ``loss_fn`` or the optimizer raised (the message shows
+            the user's frames), the loss is not a scalar, or the device ran out of memory.
+    """
+    from planner.errors import BadInput
+    from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS
+    from planner.profiling.profiler import profile_real, resolve_device
+
+    dev = resolve_device(device)
+    if optimizer.lower() not in OPTIMIZERS:
+        raise BadInput(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if amp is not None and amp.lower() not in AMP_DTYPES and amp.lower() not in ("", "none", "off"):
+        raise BadInput(f"unknown amp {amp!r}; use bf16, fp16 or none")
+    if steps < 1 or warmup_steps < 0:
+        raise BadInput(f"need steps >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup_steps}")
+    if dev.type == "meta":
+        return _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, amp=amp, progress=progress)
+    if target is not None:
+        raise BadInput(f"target={target!r} models times for device='meta'; on {dev} the times are measured")
+    return profile_real(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, warmup_steps=warmup_steps,
+                        steps=steps, amp=amp, progress=progress)
+
+
+def _profile_meta(model: torch.nn.Module, inputs: Inputs, target: Any, **kwargs: Any) -> schema.Profile:
+    from planner.errors import BadInput
+    from planner.profiling.devices import load_devices
+    from planner.profiling.meta import profile_meta
+
+    if target is None:
+        names = ", ".join(s.name for s in load_devices())
+        raise BadInput(f"device 'meta' models times for a target device: give --target NAME (one of: {names})")
+    return profile_meta(model, inputs, target=target, **kwargs)
