@@ -16,6 +16,10 @@ reports the other):
    gets) and on fake CPU tensors with CUDA's rules (what a CPU-only machine and the reference
    profiles get). Printed: modelled / measured time for the step and per candidate unit (the
    roofline's calibration), and the worst per-unit gap in saved bytes against the CUDA profile.
+3. fit the roofline's efficiencies to the measured unit times (``planner.profiling.meta.fit_calibration``,
+   on the uncalibrated meta profiles of step 2) and write them to
+   ``profiles/devices/calibration/<target>.json`` (and $OUT): from then on ``--device meta
+   --target <target>`` uses them and says "calibrated" (NOTE [ Roofline ]).
 
 Without CUDA it prints "no CUDA device: skipping" and exits 0. Exit 1 when a model failed.
 """
@@ -111,7 +115,7 @@ def calibration(measured: Profile, modelled: Profile) -> dict[str, Any]:
     }
 
 
-def check_model(name: str, *, device: str, target: str) -> dict[str, Any]:
+def check_model(name: str, *, device: str, target: str, pairs: list[tuple[Profile, Profile]]) -> dict[str, Any]:
     """Profile, plan, verify on ``device``; then the meta profiles for ``target`` and their calibration."""
     path = ROOT / "examples" / f"{name}.py"
     mf = load_model_file(path)
@@ -135,6 +139,7 @@ def check_model(name: str, *, device: str, target: str) -> dict[str, Any]:
     for fake in fakes:
         modelled = profile_meta_for(mf, target, fake)
         out["meta"][f"fake-{fake}"] = calibration(measured, modelled)
+        pairs.append((measured, modelled))
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -143,7 +148,7 @@ def profile_meta_for(mf: Any, target: str, fake_device: str) -> Profile:
     from planner.profiling.meta import profile_meta
 
     return profile_meta(build_on_meta(mf.build_model), mf.example_inputs(), loss_fn=mf.loss_fn, target=target,
-                        fake_device=fake_device)
+                        fake_device=fake_device, calibrated=False)
 
 
 def _pct(a: float | None, b: float | None) -> str:
@@ -177,6 +182,23 @@ def print_tables(results: dict[str, Any], target: str) -> None:
                   f"  {c['worst_unit_saved_bytes_gap']:.2%} ({c['worst_unit']})")
 
 
+def write_calibration(pairs: list[tuple[Profile, Profile]], gpu: str, models: list[str], out: str | None) -> None:
+    """Fit the roofline on this GPU's measured units and save it where --device meta finds it."""
+    from planner.profiling.devices import calibration_path, get_device
+    from planner.profiling.meta import fit_calibration
+    from planner.model.schema import atomic_write_text
+
+    cal = fit_calibration(pairs, measured_on=gpu, models=models)
+    text = cal.model_dump_json(indent=2) + "\n"
+    path = calibration_path(get_device(cal.device))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, text)
+    print(f"calibration: modelled / measured was {cal.modelled_over_measured_before:.3f}; efficiencies now "
+          f"{cal.matmul_efficiency:.3g} (FLOP/s) and {cal.bandwidth_efficiency:.3g} (bandwidth); wrote {path}")
+    if out:
+        atomic_write_text(Path(out) / path.name, text)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: skipping")
@@ -187,15 +209,18 @@ def main() -> int:
     print(f"{gpu}: target {target}{'' if matched else ' (no spec matched this name: assumed)'}, "
           f"torch {torch.__version__}")
     results: dict[str, Any] = {}
+    pairs: list[tuple[Profile, Profile]] = []
     for name in MODELS:
         try:
-            results[name] = check_model(name, device="cuda", target=target)
+            results[name] = check_model(name, device="cuda", target=target, pairs=pairs)
         except Exception as e:  # noqa: BLE001 -- report it and go on with the next model
             results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             print(results[name]["traceback"], file=sys.stderr)
         torch.cuda.empty_cache()
     print_tables(results, target)
     out = os.environ.get("OUT")
+    if pairs:
+        write_calibration(pairs, gpu, [n for n in MODELS if "error" not in results[n]], out)
     if out:
         doc = {"gpu": gpu, "target": target, "torch": torch.__version__, "host": platform.node(), "models": results}
         path = Path(out) / "gpu_check.json"

@@ -144,6 +144,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         target=profile.target, dtype=profile.dtype, amp=profile.amp, optimizer=profile.optimizer,
         world_size=g.graph["world_size"], sharding=g.graph["sharding"],
         torch_version=profile.torch_version, remat_version=_version(),
+        time_source=profile.time_source, threads=profile.threads, time_calibration=profile.time_calibration,
         created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
     )
 
@@ -160,7 +161,8 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
          loss_fn: Callable[[Any], Any] | None = None, solver: str = "auto", device: str = "auto",
          optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
          steps: int = 3, world_size: int = 1, sharding: str = "none",
-         headroom: float = DEFAULT_HEADROOM, amp: str | None = None, target: str | None = None) -> Plan:
+         headroom: float = DEFAULT_HEADROOM, amp: str | None = None, target: str | None = None,
+         threads: int | None = None) -> Plan:
     """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
 
     Args:
@@ -173,6 +175,8 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
             modelled for it (see docs/meta.md); on any device it gives the default budget.
         solver: ``auto`` (DP on chains, ILP otherwise), ``dp``, ``ilp``, ``sqrt``, ``all``, ``none``...
         granularity: extra depth below the default candidates (repeated blocks and their neighbours).
+        threads: torch intra-op threads while profiling (None: as set); on the CPU, 1 times units by
+            the thread's CPU time, which load from other processes does not change.
     Returns:
         The ``Plan``; ``plan.save(path)`` writes it atomically.
     Raises:
@@ -193,7 +197,7 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
 
         meta = str(device).strip().lower() == "meta"
         prof = run_profile(model_or_profile, inputs, loss_fn=loss_fn, device=device, optimizer=optimizer,
-                           steps=steps, amp=amp, target=target if meta else None)
+                           steps=steps, amp=amp, target=target if meta else None, threads=threads)
     return plan_from_profile(prof, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
                              world_size=world_size, sharding=sharding, headroom=headroom)
 

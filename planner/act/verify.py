@@ -16,7 +16,9 @@ is allocated, the weights do not move) and amp setting:
 1. one step from the identical starting state with ``torch.manual_seed`` reset, so dropout
    draws the same masks: its loss, gradients and buffers (BatchNorm statistics) are compared,
    and it counts the recomputed forwards;
-2. ``steps`` timed steps (the median is the step time);
+2. ``steps`` timed steps (the median is the step time), at the plan's thread count and on the
+   profile's clock (``planner.profiling.timing.pick_clock``: on the CPU at one thread the thread's CPU
+   time), so measured and predicted recompute are the same kind of milliseconds;
 3. one step measured by ``planner.profiling.measure.measure_step`` (the device's own peak).
 
 The report is ``ok`` when the planned peak fits ``plan.budget_bytes`` and no gradient or
@@ -46,6 +48,7 @@ from planner.profiling.model_file import Inputs, load_model_file
 from planner.profiling.profiler import resolve_device
 from planner.model.schema import Plan
 from planner.profiling.tracker import iter_tensors, storage_bytes
+from planner.profiling.timing import num_threads, pick_clock
 from planner.units import format_bytes
 
 SEED = 1234
@@ -72,7 +75,10 @@ class VerifyReport(BaseModel):
     measured_step_ms: float
     measured_no_plan_step_ms: float
     predicted_recompute_ms: float
-    measured_recompute_ms: float = Field(description="Planned minus unplanned step time (noisy on a busy CPU).")
+    measured_recompute_ms: float = Field(description="Planned minus unplanned median step time, on time_source.")
+    measured_recompute_wall_ms: float = Field(0.0, description="The same on the wall clock (load counts).")
+    time_source: str = Field("", description="Clock of the measured step times (planner.profiling.timing.TIME_SOURCES).")
+    threads: int | None = Field(None, description="torch intra-op threads of the measured CPU steps.")
     planned_recomputes: int = Field(description="Checkpointed module calls per step the plan names.")
     measured_recomputes: int = Field(description="Forwards recomputed during the compared step.")
     loss: float
@@ -93,9 +99,11 @@ class VerifyReport(BaseModel):
              f"fits {format_bytes(self.budget_bytes)}" if fits else f"OVER budget by {over}"),
             ("peak without the plan", format_bytes(no_plan) if no_plan is not None else "-",
              format_bytes(self.measured_no_plan_peak_bytes), ""),
-            ("step time", f"{self.predicted_step_ms:.1f} ms", f"{self.measured_step_ms:.1f} ms", ""),
+            ("step time", f"{self.predicted_step_ms:.1f} ms", f"{self.measured_step_ms:.1f} ms", self.time_source),
             ("recompute overhead", f"+{self.predicted_recompute_ms:.1f} ms",
-             f"{self.measured_recompute_ms:+.1f} ms", ""),
+             f"{self.measured_recompute_ms:+.1f} ms", _recompute_check(self)),
+            ("recompute (wall clock)", "", f"{self.measured_recompute_wall_ms:+.1f} ms",
+             f"{self.threads} thread(s)" if self.threads else ""),
             ("recomputed forwards/step", str(self.planned_recomputes), str(self.measured_recomputes),
              "" if self.measured_recomputes == self.planned_recomputes else "differs"),
             ("max |grad diff|", f"<= {self.tolerance:g}", f"{self.max_grad_diff:.3g}",
@@ -107,7 +115,7 @@ class VerifyReport(BaseModel):
 
 def verify(model_file_or_model: str | Path | torch.nn.Module, plan: Plan | str | Path, *, steps: int = 3,
            device: str | torch.device = "cpu", tolerance: float = 1e-5, inputs: Inputs | None = None,
-           loss_fn: Callable[[Any], torch.Tensor] | None = None,
+           loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
            progress: Callable[[str], None] | None = None) -> VerifyReport:
     """Train with and without ``plan`` and report predicted vs measured memory, time and gradients.
 
@@ -123,6 +131,7 @@ def verify(model_file_or_model: str | Path | torch.nn.Module, plan: Plan | str |
             CUDA nondeterministic kernels (atomic adds in embedding or scatter backward) differ
             slightly between any two runs.
         inputs, loss_fn: for an ``nn.Module``; a model file brings its own.
+        threads: torch intra-op threads for the timed steps; default the plan's (the profile's).
         progress: called with a short message as each run starts.
 
     Returns:
@@ -149,11 +158,16 @@ def verify(model_file_or_model: str | Path | torch.nn.Module, plan: Plan | str |
         raise BadInput("verify trains the model for real, which fake tensors cannot: use --device cpu or cuda "
                        "(a plan made with --device meta is verified on the device it was made for)")
     say = progress or (lambda _msg: None)
-    say(f"training {steps + 2} steps without the plan")
-    base = _run(master, inputs, loss_fn, plan, dev, steps, planned=False)
-    say(f"training {steps + 2} steps with the plan")
-    mine = _run(master, inputs, loss_fn, plan, dev, steps, planned=True)
-    return _report(plan, master, label, dev, steps, tolerance, base, mine)
+    threads = threads or (plan.threads if dev.type == "cpu" else None)
+    with num_threads(threads):
+        clock = pick_clock(dev, torch.get_num_threads())
+        say(f"training {steps + 2} steps without the plan")
+        base = _run(master, inputs, loss_fn, plan, dev, steps, clock, planned=False)
+        say(f"training {steps + 2} steps with the plan")
+        mine = _run(master, inputs, loss_fn, plan, dev, steps, clock, planned=True)
+        used = torch.get_num_threads() if dev.type == "cpu" else None
+    report = _report(plan, master, label, dev, steps, tolerance, base, mine)
+    return report.model_copy(update={"time_source": clock.source, "threads": used})
 
 
 # ----------------------------------------------------------------------------- one run
@@ -165,6 +179,7 @@ class _Run:
     grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
     step_ms: float
+    wall_ms: float
     peak: Measured
     checkpointed: list[str]
     skipped: dict[str, str]
@@ -184,7 +199,7 @@ def _load(source: Any, inputs: Inputs | None, loss_fn: Any) -> tuple[torch.nn.Mo
 
 
 def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev: torch.device,
-         steps: int, *, planned: bool) -> _Run:
+         steps: int, clock: Any, *, planned: bool) -> _Run:
     model = copy.deepcopy(master).to(dev).train()
     batch = to_device(inputs, dev)
     handle = apply_plan(model, plan, inputs=batch) if planned else None
@@ -203,14 +218,16 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}
     recomputes = handle.recompute_count if handle else 0
 
-    times = []
+    times, walls = [], []
     for i in range(steps):
         torch.manual_seed(SEED + 1 + i)
         sync(dev)
-        start = time.perf_counter()
+        wall, start = time.perf_counter(), clock.stamp()
         step()
+        end = clock.stamp()
         sync(dev)
-        times.append((time.perf_counter() - start) * 1e3)
+        walls.append((time.perf_counter() - wall) * 1e3)
+        times.append(clock.ms(start, end))
 
     model.zero_grad(set_to_none=True)  # see measure_step's warning
     gc.collect()
@@ -218,7 +235,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
                                            iter_tensors(*opt.state.values()) if opt else (), iter_tensors(batch)))
     torch.manual_seed(SEED)
     peak = measure_step(step, dev, static_bytes=static)
-    run = _Run(losses[0], grads, buffers, statistics.median(times), peak,
+    run = _Run(losses[0], grads, buffers, statistics.median(times), statistics.median(walls), peak,
                list(handle.checkpointed) if handle else [], dict(handle.skipped) if handle else {}, recomputes)
     if handle:
         handle.remove()
@@ -234,6 +251,19 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
 
 
 # ----------------------------------------------------------------------------- the report
+
+
+RECOMPUTE_TOLERANCE = 0.15
+"""The recompute check of ``rows``: within max(15% of the measured overhead, RECOMPUTE_FLOOR_MS)."""
+RECOMPUTE_FLOOR_MS = 3.0
+
+
+def _recompute_check(r: VerifyReport) -> str:
+    """Whether predicted recompute is near the measured one (a hint, not a failure: timing is noisy)."""
+    off = r.predicted_recompute_ms - r.measured_recompute_ms
+    if abs(off) <= max(RECOMPUTE_TOLERANCE * abs(r.measured_recompute_ms), RECOMPUTE_FLOOR_MS):
+        return "close"
+    return f"off by {off:+.1f} ms"
 
 
 def _max_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
@@ -292,6 +322,7 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
         predicted_no_plan_peak_bytes=p.no_checkpoint_peak_bytes, measured_no_plan_peak_bytes=base.peak.peak_bytes,
         predicted_step_ms=p.step_ms, measured_step_ms=mine.step_ms, measured_no_plan_step_ms=base.step_ms,
         predicted_recompute_ms=p.recompute_ms, measured_recompute_ms=mine.step_ms - base.step_ms,
+        measured_recompute_wall_ms=mine.wall_ms - base.wall_ms,
         planned_recomputes=planned, measured_recomputes=mine.recomputes,
         loss=mine.loss, loss_diff=abs(mine.loss - base.loss),
         max_grad_diff=grad_diff, max_buffer_diff=buffer_diff,

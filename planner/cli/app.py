@@ -52,6 +52,10 @@ Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback of
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Only the result: no logs or progress on stderr.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout, not tables.")]
 Steps = Annotated[int, typer.Option("--steps", min=1, help="Training steps measured (after a warm-up step).")]
+Threads = Annotated[int | None, typer.Option(
+    "--threads", min=1, show_default=False,
+    help="torch intra-op threads for the measured steps (default: torch's). On the CPU, 1 times each "
+         "unit by the thread's CPU time, which other processes on the machine do not change.")]
 
 
 def _device_option(value: str) -> str:
@@ -205,6 +209,7 @@ def plan_cmd(
     time_limit: Annotated[float, typer.Option(
         "--time-limit", min=0.001, help="Seconds the ILP may search; then its best plan is kept.")] = 60.0,
     steps: Steps = 3,
+    threads: Threads = None,
     headroom: Annotated[str, typer.Option(
         "--headroom", help="Part of the budget kept free, for what the cost model cannot see: "
                            "0.5%, 2% or a fraction such as 0.01.")] = "0.5%",
@@ -228,7 +233,7 @@ def plan_cmd(
     _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp)
+                           target=target, amp=amp, threads=threads)
     graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
     plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
@@ -257,6 +262,7 @@ def profile_cmd(
     amp: Amp = None,
     optimizer: Optimizer = "adamw",
     steps: Steps = 3,
+    threads: Threads = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -266,7 +272,8 @@ def profile_cmd(
 
     out, log = render.consoles(quiet=quiet)
     _check_output(output)
-    prof = _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target, amp=amp)
+    prof = _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target, amp=amp,
+                         threads=threads)
     if output is not None:
         prof.save(output)
     if as_json:
@@ -307,6 +314,7 @@ def frontier_cmd(
     device: Device = "auto",
     optimizer: Optimizer = "adamw",
     steps: Steps = 3,
+    threads: Threads = None,
     target: Target = None,
     amp: Amp = None,
     granularity: Granularity = 0,
@@ -335,7 +343,7 @@ def frontier_cmd(
 
         require_matplotlib()  # before minutes of profiling, not after
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp)
+                           target=target, amp=amp, threads=threads)
     graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
     with render.counter(log, f"sweeping {points} budgets") as tick:
@@ -373,6 +381,7 @@ def compare_cmd(
     device: Device = "auto",
     optimizer: Optimizer = "adamw",
     steps: Steps = 3,
+    threads: Threads = None,
     target: Target = None,
     amp: Amp = None,
     granularity: Granularity = 0,
@@ -398,7 +407,7 @@ def compare_cmd(
     _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp)
+                           target=target, amp=amp, threads=threads)
     graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
     pts = compare(graph, budget_bytes, solvers=names, time_limit_s=time_limit)
@@ -439,6 +448,7 @@ def verify_cmd(
     model: Annotated[Path, typer.Argument(help="model.py the plan was made for.", metavar="MODEL.py")],
     plan: Annotated[Path, typer.Argument(help="The plan file to check.", metavar="PLAN.json")],
     steps: Steps = 3,
+    threads: Threads = None,
     device: Device = "auto",
     as_json: AsJson = False,
     quiet: Quiet = False,
@@ -448,7 +458,7 @@ def verify_cmd(
     from planner.act.verify import verify
 
     out, log = render.consoles(quiet=quiet)
-    report = verify(model, plan, steps=steps, device=device, progress=_progress(log))
+    report = verify(model, plan, steps=steps, device=device, threads=threads, progress=_progress(log))
     if as_json:
         render.print_json(report)
     else:
@@ -578,13 +588,13 @@ def _file_kind(path: Path) -> str | None:
 
 
 def _profile_source(model: Path | None, profile: Path | None, *, device: str, optimizer: str, steps: int,
-                    log: Any, target: str | None = None, amp: str | None = None) -> Any:
+                    log: Any, target: str | None = None, amp: str | None = None, threads: int | None = None) -> Any:
     """The profile to plan on: loaded from --profile, else measured by running model.py."""
     from planner.model.schema import Profile
 
     if profile is None:
         return _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target,
-                             amp=amp)
+                             amp=amp, threads=threads)
     prof = Profile.load(profile)
     if model is not None:
         _check_profile_matches(prof, model)
@@ -608,7 +618,7 @@ def _check_profile_matches(prof: Any, model_path: Path) -> None:
 
 
 def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: Any, target: str | None = None,
-                  amp: str | None = None) -> Any:
+                  amp: str | None = None, threads: int | None = None) -> Any:
     from planner.profiling.meta import build_on_meta
     from planner.profiling.model_file import load_model_file
     from planner.profiling import profile
@@ -626,7 +636,7 @@ def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: 
         mf = load_model_file(model)
         net = build_on_meta(mf.build_model) if meta else mf.build_model()
         return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,
-                       steps=steps, amp=amp, target=target if meta else None, progress=say)
+                       steps=steps, amp=amp, target=target if meta else None, threads=threads, progress=say)
 
 
 def _budget_or_target(budget: str | None, target: str | None, parse: Callable[[str], int]) -> tuple[str, int]:

@@ -180,6 +180,18 @@ def recompute_line(p: Predicted) -> str:
     return f"recompute {p.recompute_ms:.3f} ms per step (+{share} of the {base:.3f} ms step)"
 
 
+def time_line(source: str, threads: int | None, calibration: str | None) -> str:
+    """What the milliseconds are: the clock (or roofline) and how sure (see NOTE [ Unit costs ])."""
+    if not source:
+        return "times: source not recorded (profile from an older remat)"
+    if source == "roofline":
+        how = f"calibrated by {calibration}" if calibration else \
+            "UNCALIBRATED (assumed efficiencies; run benchmarks/gpu_check.py on the GPU to calibrate)"
+        return f"times: modelled by the roofline, {how}"
+    on = f" at {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    return f"times: {source}{on}, medians over the timing steps, identical units priced as one"
+
+
 def solver_line(s: SolverInfo, seconds: float | None = None) -> str:
     """Which solver made the plan and what it proved."""
     gap = f", gap {100 * s.gap:.2f}%" if s.gap is not None and s.status == "feasible" else ""
@@ -214,6 +226,7 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
     for line in peak_lines(plan.predicted, plan.budget_bytes):
         plain(out, line)
     plain(out, recompute_line(plan.predicted))
+    plain(out, time_line(plan.time_source, plan.threads, plan.time_calibration))
     plain(out, solver_line(plan.solver, plan.created.solver_seconds if fresh else None))
     if fresh:
         plain(out, written_line(written))
@@ -230,6 +243,7 @@ def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bo
     out.print(units_table(graph))
     plain(out, f"step {s.step_ms:.3f} ms (forward {s.forward_ms:.3f}, backward {s.backward_ms:.3f}, "
                f"optimizer {s.optimizer_ms:.3f})")
+    plain(out, time_line(profile.time_source, profile.threads, profile.time_calibration))
     for name, value in (("params", s.params_bytes + s.buffers_bytes), ("grads", s.grads_bytes),
                         ("optimizer", s.optimizer_bytes), ("batch", s.batch_bytes)):
         plain(out, f"  {name:<12}{format_bytes(value):>12}")

@@ -108,8 +108,13 @@ class UnitRecord(_Model):
     fwd_end_seq: int
     bwd_start_seq: int | None = Field(None, description="Seq when gradients reached the unit's outputs.")
     bwd_end_seq: int | None = Field(None, description="Seq when gradients w.r.t. the unit's inputs were ready.")
-    forward_ms: float = Field(0.0, description="Forward time, inclusive of submodules (mean over measured steps).")
-    backward_ms: float = Field(0.0, description="Backward time, inclusive (mean over measured steps).")
+    forward_ms: float = Field(0.0, description="Forward time, inclusive of submodules: the median over the "
+                                               "measured steps, pooled over the unit's cost group.")
+    backward_ms: float = Field(0.0, description="Backward time, inclusive (median, pooled like forward_ms).")
+    cost_group: str = Field("", description="Signature shared by units with the same module type, parameter, "
+                                            "input and output shapes and op sequence; they get one price from "
+                                            "their pooled samples (NOTE [ Unit costs ] in planner/profiling/timing.py).")
+    timing_samples: int = Field(0, description="Samples behind forward_ms/backward_ms (steps x group members).")
     flops: float = Field(0.0, description="Forward FLOPs, inclusive (when counted).")
     input_ids: list[int] = Field(default_factory=list,
                                  description="Tensors (ids into Profile.tensors) passed in as inputs and created "
@@ -161,10 +166,10 @@ class StepRecord(_Model):
     grads_bytes: int
     optimizer_bytes: int = Field(description="Optimizer state (e.g. AdamW exp_avg + exp_avg_sq) in steady state.")
     optimizer_step_transient_bytes: int = Field(0, description="Temporaries of optimizer.step(), measured.")
-    forward_ms: float
-    backward_ms: float
-    optimizer_ms: float = 0.0
-    step_ms: float = Field(description="forward + backward + optimizer step, mean over measured steps.")
+    forward_ms: float = Field(description="Forward and loss, median over the measured steps.")
+    backward_ms: float = Field(description="Backward, median over the measured steps.")
+    optimizer_ms: float = Field(0.0, description="optimizer.step(), median over the measured steps.")
+    step_ms: float = Field(description="forward_ms + backward_ms + optimizer_ms.")
     forward_end_seq: int
     backward_start_seq: int
     measured_peak_bytes: int | None = Field(None, description="Peak of the step as the device reports it.")
@@ -187,6 +192,11 @@ class Profile(_Model):
     optimizer: str = "adamw"
     torch_version: str = ""
     created_at: str = ""
+    time_source: str = Field("", description="What the _ms figures are: 'cpu-thread-time', 'wall-clock', "
+                                             "'cuda-events' or 'roofline' (planner.profiling.timing.TIME_SOURCES).")
+    threads: int | None = Field(None, description="torch intra-op threads the CPU step ran with.")
+    time_calibration: str | None = Field(None, description="Roofline only: the calibration file its efficiency "
+                                                           "constants came from; None: uncalibrated assumptions.")
     units: list[UnitRecord]
     tensors: list[TensorRecord]
     saves: list[SaveRecord]
@@ -263,6 +273,10 @@ class Plan(_Model):
     sharding: Literal["none", "ddp", "fsdp"] = "none"
     torch_version: str = ""
     remat_version: str = ""
+    time_source: str = Field("", description="What recompute_ms is measured or modelled with (Profile.time_source).")
+    threads: int | None = Field(None, description="torch intra-op threads of the profiled CPU step.")
+    time_calibration: str | None = Field(None, description="Roofline only: its calibration file; None: "
+                                                           "uncalibrated (Profile.time_calibration).")
     created: RunStamp = Field(default_factory=lambda: RunStamp(),
                               description="The one field that differs between identical runs: when the plan "
                                           "was made and how long the solver took.")

@@ -32,6 +32,7 @@ def profile(
     steps: int = 3,
     amp: str | None = None,
     target: str | Any | None = None,
+    threads: int | None = None,
     progress: Progress | None = None,
 ) -> schema.Profile:
     """Profile one training step of ``model`` on ``inputs``.
@@ -52,10 +53,14 @@ def profile(
             with ``planner.profiling.meta.build_on_meta`` so that it takes no memory).
         optimizer: 'adamw', 'adam', 'sgd' (momentum 0.9) or 'none'.
         warmup_steps: plain steps before measuring (they create the optimizer state).
-        steps: timing steps; times are means over them.
+        steps: timing steps; times are medians over them (NOTE [ Unit costs ]).
         amp: None, 'bf16' or 'fp16': forward and loss under ``torch.autocast``.
         target: with device='meta' (required there), the device spec or its name
             (``planner.profiling.devices``) the times are modelled for. Measured devices refuse it.
+        threads: torch's intra-op threads while profiling (restored afterwards); None: as
+            set now (``torch.get_num_threads()``). On the CPU, 1 times with the thread's CPU
+            time, which load from other processes does not change (NOTE [ Unit costs ] in
+            ``planner/profiling/timing.py``).
         progress: called with a short message as each stage starts.
 
     Returns:
@@ -79,12 +84,14 @@ def profile(
         raise BadInput(f"unknown amp {amp!r}; use bf16, fp16 or none")
     if steps < 1 or warmup_steps < 0:
         raise BadInput(f"need steps >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup_steps}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise BadInput(f"threads must be an integer >= 1, got {threads!r}")
     if dev.type == "meta":
         return _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, amp=amp, progress=progress)
     if target is not None:
         raise BadInput(f"target={target!r} models times for device='meta'; on {dev} the times are measured")
     return profile_real(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, warmup_steps=warmup_steps,
-                        steps=steps, amp=amp, progress=progress)
+                        steps=steps, amp=amp, threads=threads, progress=progress)
 
 
 def _profile_meta(model: torch.nn.Module, inputs: Inputs, target: Any, **kwargs: Any) -> schema.Profile:

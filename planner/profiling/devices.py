@@ -19,6 +19,8 @@ _PLANNER_DIR = Path(__file__).resolve().parents[1]
 # the package as planner/profiles (pyproject.toml maps it there).
 DEVICES_DIR = next(d / "profiles" / "devices" for d in (_PLANNER_DIR, _PLANNER_DIR.parent)
                    if (d / "profiles" / "devices").is_dir())
+CALIBRATION_DIR = DEVICES_DIR / "calibration"
+"""One ``<device name>.json`` per calibrated device (``Calibration``), written by benchmarks/gpu_check.py."""
 
 
 class PeakFlops(BaseModel):
@@ -45,6 +47,41 @@ class DeviceSpec(BaseModel):
     peak_flops: PeakFlops
     source: str = Field(description="Where the figures come from.")
     notes: str = ""
+
+
+class Calibration(BaseModel):
+    """The roofline's efficiency constants for one device, fitted on a real step (NOTE [ Roofline ])."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = Field(description="The device spec's name.")
+    matmul_efficiency: float = Field(gt=0, le=1, description="Share of peak FLOP/s ops with FLOPs reach.")
+    bandwidth_efficiency: float = Field(gt=0, le=1, description="Share of memory bandwidth the other ops reach.")
+    measured_on: str = Field(description="torch.cuda.get_device_name() of the GPU that measured it.")
+    torch_version: str
+    created_at: str = Field(description="ISO 8601 UTC.")
+    method: str = Field(description="How the constants were fitted, and on which models.")
+    modelled_over_measured_before: float = Field(description="Modelled / measured time of the fitted units "
+                                                             "with the constants used before this fit.")
+
+
+def calibration_path(spec: DeviceSpec, directory: str | Path | None = None) -> Path:
+    return (Path(directory) if directory is not None else CALIBRATION_DIR) / f"{spec.name}.json"
+
+
+def load_calibration(spec: DeviceSpec, directory: str | Path | None = None) -> Calibration | None:
+    """The calibration of ``spec`` (``CALIBRATION_DIR/<name>.json``), or None when it has none."""
+    path = calibration_path(spec, directory)
+    if not path.exists():
+        return None
+    try:
+        cal = Calibration.model_validate(json.loads(path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, ValidationError) as e:
+        raise BadInput(f"calibration file {path} is not a valid calibration ({type(e).__name__}); "
+                       f"re-create it with benchmarks/gpu_check.py on the GPU, or remove it") from None
+    if cal.device != spec.name:
+        raise BadInput(f"calibration file {path} is for device {cal.device!r}, not {spec.name!r}; rename or remove it")
+    return cal
 
 
 # NOTE [ Usable memory ]

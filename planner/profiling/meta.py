@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from planner.model import schema
-from planner.profiling.devices import DeviceSpec, get_device
+from planner.profiling.devices import Calibration, DeviceSpec, get_device, load_calibration
 from planner.errors import BadInput, ProfileError
 from planner.profiling.measure import Measured, make_optimizer, make_step
 from planner.profiling.model_file import Inputs
@@ -66,6 +66,11 @@ Progress = Callable[[str], None]
 # fp32 uses tf32 when torch.backends.cuda.matmul.allow_tf32 is set, as in PyTorch); a column
 # the device lacks (bf16 on a T4) falls back to fp32. Kernel launch overhead (a few us per
 # op) is not modelled: small models come out faster than they run.
+# How sure: the two efficiencies come from the device's calibration file
+# (``planner.profiling.devices.load_calibration``: profiles/devices/calibration/<name>.json, fitted on a
+# real step of that GPU by benchmarks/gpu_check.py). Without one they are the assumptions
+# below, and the profile, the plan and the CLI say "uncalibrated" (``Profile.time_calibration``
+# is None).
 
 MATMUL_EFFICIENCY = 0.6
 """Assumption: share of the datasheet's dense peak FLOP/s that large bf16 matmuls reach in
@@ -133,6 +138,7 @@ def profile_meta(
     amp: str | None = None,
     device_type: str = "cuda",
     fake_device: str | None = None,
+    calibrated: bool = True,
     progress: Progress | None = None,
 ) -> schema.Profile:
     """Profile one training step of ``model`` on fake tensors, with times modelled for ``target``.
@@ -152,6 +158,8 @@ def profile_meta(
         fake_device: the fake tensors' device type; default 'cuda' where this PyTorch has
             CUDA, else 'cpu' (with ``device_type``'s rules applied by hand). 'cpu' on a CUDA
             machine measures what CPU-only machines get (benchmarks/gpu_check.py).
+        calibrated: use the target's calibration file when it has one (NOTE [ Roofline ]);
+            False: the assumed efficiencies (what benchmarks/gpu_check.py fits against).
         progress: called with a short message as each stage starts.
 
     Returns:
@@ -169,7 +177,8 @@ def profile_meta(
     rules = rules_for(device_type, fake_device)
     say = progress or (lambda _msg: None)
     dev = torch.device(rules.fake_device)
-    roofline = Roofline(spec)
+    calibration = load_calibration(spec) if calibrated else None
+    roofline = Roofline(spec, calibration)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, _RealKernelOutputs(rules), _fake_state(model, dev), \
             _sdpa(rules), _hf_unpacked(inputs), _explaining_fake_errors():
         fake_inputs = _fake_inputs(fake, inputs, dev)
@@ -192,20 +201,62 @@ def profile_meta(
                             source="tracker")
         prof = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, 1, 1)
     units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
+    source = f"profiles/devices/calibration/{spec.name}.json" if calibration else None
     return prof.model_copy(update={
         "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units,
-        "notes": [*prof.notes, *_notes(spec, rules)],
+        "notes": [*prof.notes, *_notes(spec, rules, roofline, source)], "time_source": "roofline",
+        "time_calibration": source,
     })
 
 
-def _notes(spec: DeviceSpec, rules: Rules) -> list[str]:
+def _notes(spec: DeviceSpec, rules: Rules, roofline: "Roofline", calibration: str | None) -> list[str]:
+    how = f"calibrated by {calibration}" if calibration else \
+        "UNCALIBRATED: assumed; benchmarks/gpu_check.py on this GPU calibrates them"
     notes = [(f"no step was run: bytes from fake tensors, times from a roofline for {spec.display_name} "
-              f"(efficiency {MATMUL_EFFICIENCY} of peak FLOP/s, {BANDWIDTH_EFFICIENCY} of bandwidth; "
-              f"see docs/meta.md)")]
+              f"(efficiency {roofline.matmul_efficiency:.3g} of peak FLOP/s, {roofline.bandwidth_efficiency:.3g} "
+              f"of bandwidth, {how}; see docs/meta.md)")]
     if rules.emulate_cuda:
         notes.append("fake tensors on the CPU with CUDA's rules (512-byte blocks, foreach optimizer, "
                      "CUDA's attention kernels); autocast followed the CPU's op lists")
     return notes
+
+
+def fit_calibration(pairs: list[tuple[schema.Profile, schema.Profile]], *, measured_on: str,
+                    models: list[str]) -> Calibration:
+    """Efficiencies that make the roofline's time of the candidate units equal the measured one.
+
+    ``pairs``: (profile measured on the GPU, ``profile_meta(..., calibrated=False)`` of the same
+    model for its spec: the assumed efficiencies are what the factor multiplies).
+    One factor is fitted: every op's modelled time scales as 1 / efficiency (the roofline is
+    homogeneous in both), so both efficiencies are multiplied by modelled / measured, summed
+    over the forward and backward ms of every candidate unit of every model; their ratio stays
+    as assumed (a single ratio cannot tell compute-bound from memory-bound error apart).
+    """
+    from planner.model.graph import build_graph
+
+    modelled = measured = 0.0
+    target = None
+    for real, fake in pairs:
+        if fake.time_calibration is not None:
+            raise BadInput("fit the calibration on uncalibrated meta profiles: profile_meta(..., calibrated=False)")
+        target = fake.target
+        for node in build_graph(real).nodes:
+            try:
+                u, v = real.unit(node), fake.unit(node)
+            except KeyError:
+                continue
+            measured += u.forward_ms + u.backward_ms
+            modelled += v.forward_ms + v.backward_ms
+    if target is None or measured <= 0 or modelled <= 0:
+        raise BadInput("calibration needs at least one measured and modelled profile with timed candidate units")
+    ratio = modelled / measured
+    return Calibration(
+        device=get_device(target).name, measured_on=measured_on, torch_version=torch.__version__,
+        created_at=schema.now_iso(), matmul_efficiency=min(1.0, MATMUL_EFFICIENCY * ratio),
+        bandwidth_efficiency=min(1.0, BANDWIDTH_EFFICIENCY * ratio),
+        method=(f"one factor: modelled / measured forward+backward ms over the candidate units of "
+                f"{', '.join(models)} ({len(pairs)} profile pairs); efficiencies capped at 1"),
+        modelled_over_measured_before=ratio)
 
 
 # ----------------------------------------------------------------------------- fake state
@@ -417,12 +468,14 @@ class Roofline(TorchDispatchMode):
     ``ms`` and ``flops`` only grow; differences between two readings are what ran in between.
     """
 
-    def __init__(self, spec: DeviceSpec):
+    def __init__(self, spec: DeviceSpec, calibration: Calibration | None = None):
         super().__init__()
         self.spec = spec
         self.ms = 0.0
         self.flops = 0.0
-        self._bytes_per_ms = spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY / 1e3
+        self.matmul_efficiency = calibration.matmul_efficiency if calibration else MATMUL_EFFICIENCY
+        self.bandwidth_efficiency = calibration.bandwidth_efficiency if calibration else BANDWIDTH_EFFICIENCY
+        self._bytes_per_ms = spec.memory_bandwidth_bytes_per_s * self.bandwidth_efficiency / 1e3
         self._tf32 = _tf32_enabled()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -439,7 +492,7 @@ class Roofline(TorchDispatchMode):
         moved = sum(_moved_bytes(t) for t in iter_tensors(args, kwargs, out))
         ms = moved / self._bytes_per_ms
         if flops:
-            rate = self._flops_per_s(_op_dtype(args)) * MATMUL_EFFICIENCY
+            rate = self._flops_per_s(_op_dtype(args)) * self.matmul_efficiency
             ms = max(ms, flops / rate * 1e3)
             self.flops += flops
         self.ms += ms

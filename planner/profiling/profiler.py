@@ -5,7 +5,8 @@
 1. ``warmup_steps`` plain steps: they create the optimizer state, so what follows is the
    steady state of training;
 2. ``steps`` timing steps with module and gradient hooks only (no tracker, so nothing
-   slows them down): forward and backward milliseconds per unit, and per step phase;
+   slows them down): forward and backward milliseconds per unit, and per step phase, as
+   medians, identical units pooled (see NOTE [ Unit costs ] in ``planner/profiling/timing.py``);
 3. one memory step under the live-bytes tracker (see NOTE [ Live-bytes tracker ] in
    ``planner/profiling/tracker.py``): sequence numbers, the tensors each unit saves for backward,
    the units' inputs and outputs, when each parameter's gradient appears, and a timeline
@@ -27,7 +28,6 @@ profiling device and otherwise unchanged.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +40,7 @@ from planner.profiling.model_file import Inputs, check_devices
 from planner.profiling.recording import (
     Progress, _assemble, _memory_step, _Recorder, _release, _Times, _Unit,
 )
+from planner.profiling.timing import num_threads, pick_clock, robust_ms, unit_costs
 
 
 def profile_real(
@@ -52,15 +53,16 @@ def profile_real(
     warmup_steps: int = 1,
     steps: int = 3,
     amp: str | None = None,
+    threads: int | None = None,
     progress: Progress | None = None,
 ) -> schema.Profile:
     """Profile one training step on ``dev`` (resolved by ``resolve_device``, not meta); the
     arguments are checked by ``planner.profiling.profile``, which documents them."""
     say = progress or (lambda _msg: None)
-    clock = _CLOCKS[dev.type](dev)
 
     check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
-    with _restoring(model, dev):
+    with _restoring(model, dev), num_threads(threads):
+        clock = pick_clock(dev, torch.get_num_threads())
         model.to(dev)
         model.train()
         inputs = to_device(inputs, dev)
@@ -76,7 +78,8 @@ def profile_real(
         _release(model, dev)
         measured = measure_step(step, dev, static_bytes=mem.static_bytes)
         result = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, warmup_steps, steps)
-    return result
+        return result.model_copy(update={"time_source": clock.source,
+                                         "threads": torch.get_num_threads() if dev.type == "cpu" else None})
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -97,7 +100,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     if dev.type == "meta":
         return dev
-    if dev.type not in _CLOCKS:
+    if dev.type not in ("cpu", "cuda"):
         raise BadInput(f"cannot profile on device {dev}; use cpu or cuda")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -107,45 +110,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if dev.index >= torch.cuda.device_count():
             raise BadInput(f"device {dev} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
     return dev
-
-
-# ----------------------------------------------------------------------------- clocks
-# One small clock per device type; the meta device has none: planner/profiling/meta.py models its
-# times with a roofline (NOTE [ Roofline ]).
-
-
-class _WallClock:
-    def stamp(self) -> float:
-        return time.perf_counter()
-
-    def sync(self) -> None:
-        pass
-
-    def ms(self, start: float, end: float) -> float:
-        return (end - start) * 1e3
-
-
-class _CudaClock:
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def stamp(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def sync(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return start.elapsed_time(end)
-
-
-_CLOCKS: dict[str, Callable[[torch.device], Any]] = {
-    "cpu": lambda _dev: _WallClock(),
-    "cuda": _CudaClock,
-}
-
 
 
 # ----------------------------------------------------------------------------- timing steps
@@ -163,7 +127,8 @@ class _TimingRecorder(_Recorder):
 
 
 def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int, say: Progress) -> _Times:
-    sums: dict[str, list[float]] = {}
+    """``steps`` steps under the timing recorder; medians per phase and per unit (NOTE [ Unit costs ])."""
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     times = _Times()
     with _TimingRecorder(model, clock) as rec:
         for i in range(steps):
@@ -172,20 +137,17 @@ def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int
             step(rec.mark)
             clock.sync()
             m = rec.marks
-            times.forward_ms += clock.ms(m["step_start"], m["forward_end"]) / steps
-            times.backward_ms += clock.ms(m["backward_start"], m["backward_end"]) / steps
-            times.optimizer_ms += clock.ms(m["backward_end"], m["optimizer_end"]) / steps
+            phases["forward"].append(clock.ms(m["step_start"], m["forward_end"]))
+            phases["backward"].append(clock.ms(m["backward_start"], m["backward_end"]))
+            phases["optimizer"].append(clock.ms(m["backward_end"], m["optimizer_end"]))
             times.unit_ids.append([u.id for u in rec.units])
             for u in rec.units:
                 fwd = clock.ms(u.fwd_start, u.fwd_end)
                 bwd = clock.ms(u.bwd_start, u.bwd_end) if u.bwd_start is not None and u.bwd_end is not None else 0.0
-                acc = sums.setdefault(u.id, [0.0, 0.0, 0])
-                acc[0] += fwd
-                acc[1] += max(bwd, 0.0)
-                acc[2] += 1
-    times.unit_ms = {uid: (f / n, b / n) for uid, (f, b, n) in sums.items()}
+                times.unit_samples.setdefault(u.id, []).append((fwd, max(bwd, 0.0)))
+    times.forward_ms, times.backward_ms, times.optimizer_ms = (robust_ms(phases[k]) for k in phases)
+    times.unit_ms = {uid: (f, b) for uid, (f, b, _) in unit_costs(times.unit_samples, {}).items()}
     return times
-
 
 
 @contextlib.contextmanager

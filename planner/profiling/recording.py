@@ -40,6 +40,7 @@ from planner.model.schema import LOSS_ID, ROOT_ID
 from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS, Measured
 from planner.profiling.model_file import Inputs
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
+from planner.profiling.timing import describe, signature, unit_costs
 
 Progress = Callable[[str], None]
 
@@ -278,9 +279,11 @@ class _Times:
     backward_ms: float = 0.0
     optimizer_ms: float = 0.0
     unit_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Unit id -> (forward ms, backward ms), means over the steps it appeared in."""
+    """Unit id -> (forward ms, backward ms), medians over the steps it appeared in."""
     unit_ids: list[list[str]] = field(default_factory=list)
     """The unit ids of each timing step, to check the steps called the same modules."""
+    unit_samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    """Unit id -> its (forward ms, backward ms) in each step, for pooling (NOTE [ Unit costs ])."""
 
 
 
@@ -324,6 +327,12 @@ class _MemoryRecorder(_Recorder):
         self.param_bytes_cache: dict[int, int] = {}
         self.on_event: Callable[[int], None] | None = None
         """Called with each event's seq, so the device's allocator view can mark the moment."""
+        self.ops: list[Any] = []
+        """The aten ops of the forward, in order (for the units' signatures)."""
+        self.op_start: dict[str, tuple[int, str]] = {}
+        """Unit id -> (index into ``ops`` when it started, ``describe`` of its inputs)."""
+        self.signatures: dict[str, str] = {}
+        """Unit id -> ``planner.profiling.timing.signature`` (NOTE [ Unit costs ], Rule 3)."""
         super().__init__(model)
         tracker.observer = self._on_op
 
@@ -347,6 +356,7 @@ class _MemoryRecorder(_Recorder):
     def _on_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry]) -> None:
         if not self.in_forward:
             return
+        self.ops.append(func)
         producer = self.stack[-1].id if self.stack else None
         for e in new:
             self.created[e.serial] = (self._next(), producer)
@@ -399,6 +409,7 @@ class _MemoryRecorder(_Recorder):
         return ids, total
 
     def _on_inputs(self, unit: _Unit, args: tuple, kwargs: dict) -> None:
+        self.op_start[unit.id] = (len(self.ops), describe(_io_tensors(args, kwargs)))
         unit.input_ids, unit.input_bytes = self._io(args, kwargs)
         if unit.key is not None:
             if unit.key not in self.param_bytes_cache:
@@ -408,6 +419,10 @@ class _MemoryRecorder(_Recorder):
 
     def _on_outputs(self, unit: _Unit, output: Any) -> None:
         unit.output_ids, unit.output_bytes = self._io(output)
+        start, inputs = self.op_start.pop(unit.id)
+        params = describe(self.modules[unit.key].parameters()) if unit.key is not None else ""
+        self.signatures[unit.id] = signature(unit.module_type, params, inputs, describe(_io_tensors(output)),
+                                             self.ops[start:])
 
     def timeline(self) -> list[schema.MemoryEvent]:
         """The events, a superseded ``bwd_end`` folded into the next kept event's peak."""
@@ -618,7 +633,8 @@ def _assemble(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimiz
     remap = {t.id: i for i, t in enumerate(order)}
     tensors = [schema.TensorRecord(id=remap[t.id], nbytes=t.nbytes, created_seq=t.created_seq, producer=t.producer)
                for t in order]
-    units = [_unit_record(u, times.unit_ms.get(u.id, (0.0, 0.0)), remap) for u in rec.units]
+    costs = _pooled_costs(times, rec.signatures)
+    units = [_unit_record(u, costs.get(u.id, (0.0, 0.0, 0)), rec.signatures.get(u.id, ""), remap) for u in rec.units]
     saves = [schema.SaveRecord(tensor_id=remap[tid], seq=seq, unit=unit) for tid, seq, unit in rec.saves]
     memory_ids = [u.id for u in rec.units]
     if any(ids != memory_ids for ids in times.unit_ids):
@@ -678,11 +694,19 @@ _OPTIMIZER_NOTE = {
 }
 
 
-def _unit_record(u: _Unit, ms: tuple[float, float], remap: dict[int, int]) -> schema.UnitRecord:
+def _pooled_costs(times: _Times, signatures: dict[str, str]) -> dict[str, tuple[float, float, int]]:
+    """Unit id -> (forward ms, backward ms, samples): pooled over cost groups when the steps were
+    timed (NOTE [ Unit costs ], Rule 3); as given otherwise (the roofline's one modelled step)."""
+    if times.unit_samples:
+        return unit_costs(times.unit_samples, signatures)
+    return {uid: (f, b, 1) for uid, (f, b) in times.unit_ms.items()}
+
+
+def _unit_record(u: _Unit, cost: tuple[float, float, int], group: str, remap: dict[int, int]) -> schema.UnitRecord:
     return schema.UnitRecord(
         id=u.id, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, parent=u.parent, depth=u.depth,
         fwd_start_seq=u.fwd_start, fwd_end_seq=u.fwd_end, bwd_start_seq=u.bwd_start, bwd_end_seq=u.bwd_end,
-        forward_ms=ms[0], backward_ms=ms[1],
+        forward_ms=cost[0], backward_ms=cost[1], cost_group=group, timing_samples=cost[2],
         input_ids=[remap[i] for i in u.input_ids], output_ids=[remap[i] for i in u.output_ids],
         input_bytes=u.input_bytes, output_bytes=u.output_bytes, param_bytes=u.param_bytes,
     )

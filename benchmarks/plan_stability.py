@@ -1,0 +1,80 @@
+"""Does `remat plan` give the same checkpoint set every time, with another CPU-heavy process running?
+
+    python benchmarks/plan_stability.py                       # gpt2 and llama, 5 runs each, mid budget
+    python benchmarks/plan_stability.py --runs 5 --threads 1 --no-burner
+
+Per model: the budget halfway between the lowest feasible peak and the peak without checkpointing
+(from one profile made first), then ``--runs`` fresh ``python cli.py plan`` processes at that budget,
+while a CPU burner (``python -c 'while True: pass'``, started here and ended by its pid) runs
+unless ``--no-burner``. Prints each run's checkpoint set and predicted recompute;
+exit 1 when a model's runs disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.act.api import graph_for, min_feasible_bytes  # noqa: E402
+from solvers.cost_model import simulate  # noqa: E402
+from planner.profiling.model_file import load_model_file  # noqa: E402
+from planner.profiling import profile  # noqa: E402
+
+MODELS = ("gpt2", "llama")
+
+
+def mid_budget(name: str, threads: int | None) -> int:
+    mf = load_model_file(ROOT / "examples" / f"{name}.py")
+    g = graph_for(profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu", steps=1,
+                          threads=threads))
+    return (min_feasible_bytes(g) + simulate(g, []).peak_bytes) // 2
+
+
+def plan_once(name: str, budget: int, threads: int | None, steps: int) -> dict:
+    cmd = [sys.executable, str(ROOT / "cli.py"), "plan", "--budget", str(budget), str(ROOT / "examples" / f"{name}.py"),
+           "--device", "cpu", "--steps", str(steps), "--json", "-q"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="profiler timing steps (the CLI's default)")
+    ap.add_argument("--threads", type=int, default=None, help="--threads for remat plan (default: torch's)")
+    ap.add_argument("--no-burner", action="store_true")
+    args = ap.parse_args()
+    burner = None if args.no_burner else subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    stable = True
+    try:
+        for name in args.models.split(","):
+            budget = mid_budget(name, args.threads)
+            sets = []
+            for i in range(args.runs):
+                plan = plan_once(name, budget, args.threads, args.steps)
+                sets.append(tuple(plan["checkpoints"]))
+                print(f"{name} run {i + 1}: budget {budget}, recompute {plan['predicted']['recompute_ms']:.1f} ms "
+                      f"({plan['time_source']}, {plan['threads']} thread(s)): {', '.join(sets[-1]) or '-'}",
+                      flush=True)
+            same = len(set(sets)) == 1
+            stable &= same
+            print(f"{name}: {sum(s == sets[0] for s in sets)} of {len(sets)} runs give the first run's set"
+                  f"{'' if same else ' (DIFFER)'}", flush=True)
+    finally:
+        if burner is not None:
+            burner.kill()
+            burner.wait()
+    return 0 if stable else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

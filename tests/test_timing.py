@@ -1,0 +1,81 @@
+"""Unit costs (NOTE [ Unit costs ] in planner/profiling/timing.py) and the roofline's calibration.
+
+No timing thresholds: the checks are on what the costs are made of (pooling, medians, the
+clock and thread count recorded), not on how fast anything ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import planner.profiling.devices
+from planner.act.api import graph_for, plan_from_profile
+from planner.profiling.devices import get_device, load_calibration
+from planner.profiling.meta import fit_calibration, profile_meta
+from planner.profiling import profile
+from planner.cli.render import time_line
+from planner.profiling.timing import unit_costs
+
+
+def _sum(out: torch.Tensor) -> torch.Tensor:
+    return out.sum()
+
+
+def _stack() -> nn.Module:
+    """An input projection, then three identical blocks: one cost group."""
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.LayerNorm(64))  # noqa: E731
+    return nn.Sequential(nn.Linear(64, 64), block(), block(), block())
+
+
+def test_costs_are_medians_pooled_over_the_group():
+    samples = {"a": [(1.0, 10.0), (100.0, 10.0)], "b": [(2.0, 20.0), (3.0, 20.0)], "c": [(5.0, 1.0), (7.0, 3.0)]}
+    costs = unit_costs(samples, {"a": "g", "b": "g"})
+    assert costs["a"] == costs["b"] == (2.5, 15.0, 4)  # one outlier (100) does not move the median
+    assert costs["c"] == (6.0, 2.0, 2)  # its own group
+
+
+def test_identical_blocks_get_one_price_on_the_thread_clock():
+    before = torch.get_num_threads()
+    prof = profile(_stack(), torch.randn(16, 64), loss_fn=_sum, device="cpu", steps=2, threads=1)
+    assert torch.get_num_threads() == before  # restored
+    assert (prof.time_source, prof.threads) == ("cpu-thread-time", 1)
+    blocks = [prof.unit(u) for u in ("1", "2", "3")]
+    assert len({b.cost_group for b in blocks}) == 1 and blocks[0].cost_group
+    assert len({(b.forward_ms, b.backward_ms) for b in blocks}) == 1
+    assert all(b.timing_samples == 3 * 2 for b in blocks)
+    assert prof.unit("0").cost_group != blocks[0].cost_group  # its input is the batch: no input gradient
+    plan = plan_from_profile(prof, prof.step.measured_peak_bytes * 10)
+    assert (plan.time_source, plan.threads) == ("cpu-thread-time", 1)
+    assert "cpu-thread-time at 1 thread" in time_line(plan.time_source, plan.threads, plan.time_calibration)
+
+
+def test_calibration_refits_the_roofline_to_the_measured_units(tmp_path, monkeypatch):
+    """With CPU rules the faked step is the real one, so a CPU-measured profile can stand in for
+    a GPU's: after the fit, the roofline's candidate-unit total equals the measured total."""
+    monkeypatch.setattr(planner.profiling.devices, "CALIBRATION_DIR", tmp_path)
+    spec = get_device("h100")
+    x = torch.randn(16, 64)
+    real = profile(_stack(), x, loss_fn=_sum, device="cpu", steps=1)
+    fake = profile_meta(_stack(), x, loss_fn=_sum, target=spec, device_type="cpu")
+    assert fake.time_source == "roofline" and fake.time_calibration is None
+    assert any("UNCALIBRATED" in n for n in fake.notes)
+    assert "UNCALIBRATED" in time_line(fake.time_source, fake.threads, fake.time_calibration)
+
+    cal = fit_calibration([(real, fake)], measured_on="cpu stand-in", models=["stack"])
+    (tmp_path / f"{spec.name}.json").write_text(cal.model_dump_json())
+    assert load_calibration(spec) == cal
+    refit = profile_meta(_stack(), x, loss_fn=_sum, target=spec, device_type="cpu")
+    assert refit.time_calibration == f"profiles/devices/calibration/{spec.name}.json"
+    assert any("calibrated by" in n for n in refit.notes)
+
+    def total(p, nodes):
+        return sum(p.unit(n).forward_ms + p.unit(n).backward_ms for n in nodes)
+
+    nodes = list(graph_for(real).nodes)
+    assert cal.matmul_efficiency < 1 and cal.bandwidth_efficiency < 1  # a CPU is far below an H100's roofline
+    assert total(refit, nodes) == pytest.approx(total(real, nodes), rel=1e-6)
+    with pytest.raises(Exception, match="uncalibrated"):
+        fit_calibration([(real, refit)], measured_on="x", models=["stack"])
