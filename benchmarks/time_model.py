@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
 from planner.act.applier import apply_plan  # noqa: E402
+from planner.act.verify import RECOMPUTE_FLOOR_MS, RECOMPUTE_TOLERANCE  # noqa: E402
 from solvers.cost_model import simulate  # noqa: E402
 from planner.profiling.measure import make_optimizer, make_step  # noqa: E402
 from planner.profiling.model_file import load_model_file  # noqa: E402
@@ -43,9 +44,6 @@ from planner.profiling.timing import pick_clock, time_interleaved  # noqa: E402
 
 MODELS = ("transformer", "gpt2", "llama", "t5", "resnet", "unet")
 QUARTERS = (1, 2, 3)
-TOLERANCE = 0.15
-"""Relative part of the target: |predicted - measured| <= max(15% of measured, FLOOR_MS)."""
-FLOOR_MS = 3.0
 
 
 def rows_for(name: str, *, threads: int, steps: int, rounds: int) -> list[dict[str, Any]]:
@@ -76,7 +74,7 @@ def rows_for(name: str, *, threads: int, steps: int, rounds: int) -> list[dict[s
     for label, plan in plans.items():
         measured, wall_ms = (_paired_median(samples[label][i], samples["plain"][i]) for i in (0, 1))
         predicted = plan.predicted.recompute_ms
-        allowed = max(TOLERANCE * abs(measured), FLOOR_MS)
+        allowed = max(RECOMPUTE_TOLERANCE * abs(measured), RECOMPUTE_FLOOR_MS)
         rows.append(dict(model=name, budget=label, budget_bytes=plan.budget_bytes, checkpoints=plan.checkpoints,
                          predicted_ms=predicted, measured_ms=measured, measured_wall_ms=wall_ms,
                          plain_ms=base_clock, plain_wall_ms=base_wall, error_ms=predicted - measured,
