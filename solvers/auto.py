@@ -1,6 +1,7 @@
 """``auto``: the chain DP where its recurrence is exact, the ILP everywhere else.
 
-- No nested candidates and ``chain_terms(g).exact``: the DP (``solvers/dp.py``), optimal and
+- No nested candidates, ``chain_terms(g).exact`` and at most ``dp.MAX_TIED_GROUPS`` modules
+  called more than once (NOTE [ Tied calls ]): the DP (``solvers/dp.py``), optimal and
   fast (a 200-unit chain in ~0.05 s).
 - Otherwise (nested candidates, or tensors held across non-adjacent units, where the DP's
   recurrence over-counts): the ILP (``solvers/ilp.py``), optimal when it proves it in time.
@@ -19,8 +20,9 @@ import time
 
 import networkx as nx
 
-from solvers.cost_model import chain_terms
+from solvers.cost_model import chain_terms, tie_groups
 from solvers.base import Solution, judged
+from solvers.dp import MAX_TIED_GROUPS
 from solvers.dp import solve as solve_dp
 from solvers.ilp import solve as solve_ilp
 
@@ -28,10 +30,13 @@ from solvers.ilp import solve as solve_ilp
 def solve_auto(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None, **kw: object) -> Solution:
     """Least-recompute plan within ``budget_bytes``, by the DP or the ILP (see module docstring)."""
     nested = any(not a["leaf"] for _, a in g.nodes(data=True))
-    if not nested and chain_terms(g).exact:
+    many_tied = len(tie_groups(g)) > MAX_TIED_GROUPS
+    if not nested and not many_tied and chain_terms(g).exact:
         sol = solve_dp(g, budget_bytes, **kw)
         return _labelled(sol, "dp: a chain without nested candidates, where the DP's recurrence is exact")
-    why = "nested candidates" if nested else "tensors held across non-adjacent units (the DP would over-count)"
+    why = ("nested candidates" if nested else
+           f"more than {MAX_TIED_GROUPS} modules called more than once (the DP runs 2^k times)" if many_tied else
+           "tensors held across non-adjacent units (the DP would over-count)")
     sol = solve_ilp(g, budget_bytes, time_limit_s=time_limit_s, **kw)
     if sol.status != "infeasible" or "before any plan was found" not in sol.detail:
         return _labelled(sol, f"ilp: {why}")
@@ -46,7 +51,10 @@ def _dp_fallback(g: nx.DiGraph, budget_bytes: int, ilp: Solution, why: str) -> S
     """The ILP found nothing in time: the DP on the leaves, whose plans fit whenever it finds one."""
     t0 = time.perf_counter()
     leaves = leaf_graph(g)
-    dp = solve_dp(leaves, budget_bytes)
+    try:
+        dp = solve_dp(leaves, budget_bytes)
+    except ValueError:  # too many modules called more than once for the DP: the ILP's answer stands
+        return _labelled(ilp, f"ilp: {why}")
     seconds = ilp.seconds + time.perf_counter() - t0
     head = f"auto chose ilp: {why}; it found no plan in time, so the DP's conservative plan on the leaves"
     if dp.status == "infeasible":

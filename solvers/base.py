@@ -7,7 +7,7 @@ from typing import Iterable, Literal
 
 import networkx as nx
 
-from solvers.cost_model import simulate
+from solvers.cost_model import close_ties, simulate
 
 Status = Literal["optimal", "feasible", "infeasible"]
 
@@ -35,8 +35,13 @@ def top_level(g: nx.DiGraph) -> list[str]:
 
 def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, seconds: float,
            *, status_if_fits: Status = "feasible", detail: str = "") -> Solution:
-    """A ``Solution`` for ``chosen`` as ``simulate`` sees it: infeasible when over budget."""
-    est = simulate(g, chosen)
+    """A ``Solution`` for ``chosen`` as ``simulate`` sees it: infeasible when over budget.
+
+    ``chosen`` is first extended to every call of the modules it names (``close_ties``): what
+    the applier would run. The exact solvers choose tied sets themselves; for the heuristics,
+    which pick calls by position, this is their plan as it would train.
+    """
+    est = simulate(g, close_ties(g, chosen))
     fits = est.peak_bytes <= budget_bytes
     return Solution(
         solver=name, checkpointed=tuple(est.checkpointed), status=status_if_fits if fits else "infeasible",

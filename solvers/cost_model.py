@@ -8,7 +8,8 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 # What is modelled: one steady-state training step, ``zero_grad(set_to_none=True)``, forward,
 # loss, backward, ``optimizer.step()``, with the candidates in the checkpoint set C wrapped in
 # non-reentrant ``torch.utils.checkpoint`` (C is an antichain of the module tree: a unit and
-# one of its descendants are never both checkpointed).
+# one of its descendants are never both checkpointed; and it holds every call of a module or
+# none, NOTE [ Tied calls ]).
 #
 # Static memory, alive all step: parameters + buffers + optimizer state + the input batch.
 # Gradient buffers: none during forward; during backward a parameter's gradient appears once
@@ -195,18 +196,74 @@ def _grads_after(ctx: _Ctx, seq: int) -> int:
 
 
 def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str]) -> frozenset[str]:
-    """Validate a checkpoint choice: known node ids, and no node together with an ancestor."""
+    """Validate a checkpoint choice: known node ids, no node together with an ancestor, and
+    every call of a module or none of them (see NOTE [ Tied calls ])."""
     chosen = frozenset(checkpointed)
     unknown = sorted(chosen - set(g.nodes))
     if unknown:
         raise SolverError(f"unknown candidate(s) {unknown[:5]}; candidates are graph node ids")
     for n in chosen:
-        p = g.nodes[n]["parent"]
-        while p is not None:
-            if p in chosen:
-                raise SolverError(f"cannot checkpoint both {p!r} and its descendant {n!r}")
-            p = g.nodes[p]["parent"]
+        p = _enclosing(g, n, chosen)
+        if p is not None:
+            raise SolverError(f"cannot checkpoint both {p!r} and its descendant {n!r}")
+    for group in tie_groups(g):
+        split = [n for n in group if n not in chosen]
+        if len(split) < len(group) and split:
+            inside = next(n for n in group if n in chosen)
+            raise SolverError(f"cannot checkpoint {inside!r} without {split[0]!r}: both are calls of module "
+                              f"{g.nodes[inside]['fqn']!r}, and checkpointing a module covers all its calls")
     return chosen
+
+
+# NOTE [ Tied calls ]
+#
+# A module called more than once in a step (weights shared across depth as in ALBERT, a block
+# reused around a stack) is one graph node per call, but the applier wraps the module's
+# forward, so every call is checkpointed or none is. Its calls are one decision: a valid
+# checkpoint set holds all of a tie group (graph nodes with one FQN) or none of it, and
+# solvers search only such sets (the ILP with x equal across a group, the DP by fixing each
+# group's bit). Why not extend a plan to every call after solving: the extension costs the
+# recompute of the added calls, which the solver never weighed, and may break the budget.
+
+
+def tie_groups(g: nx.DiGraph) -> tuple[tuple[str, ...], ...]:
+    """Graph nodes that are calls of one module (the same FQN), two or more, in forward order."""
+    key, groups = g.graph.get("_tie_groups", (None, None))
+    if key != _cache_key(g):
+        by_fqn: dict[str, list[str]] = {}
+        for n in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
+            by_fqn.setdefault(g.nodes[n]["fqn"], []).append(n)
+        groups = tuple(tuple(ns) for ns in by_fqn.values() if len(ns) > 1)
+        g.graph["_tie_groups"] = (_cache_key(g), groups)
+    return groups
+
+
+def is_tied(g: nx.DiGraph, chosen: Iterable[str]) -> bool:
+    """True when ``chosen`` holds every call of each module it names, or none (NOTE [ Tied calls ])."""
+    s = set(chosen)
+    return all(s.isdisjoint(group) or s.issuperset(group) for group in tie_groups(g))
+
+
+def close_ties(g: nx.DiGraph, chosen: Iterable[str]) -> list[str]:
+    """``chosen`` with every call of each module it names, as the applier would checkpoint it
+    (see NOTE [ Tied calls ]). A module with a call inside another chosen node is dropped."""
+    out = set(chosen)
+    for group in tie_groups(g):
+        if out.isdisjoint(group):
+            continue
+        rest = out - set(group)
+        fits = all(_enclosing(g, n, rest) is None and not any(_enclosing(g, m, {n}) for m in rest)
+                   for n in group)
+        out = rest | set(group) if fits else rest
+    return sorted(out, key=lambda n: g.nodes[n]["order"])
+
+
+def _enclosing(g: nx.DiGraph, n: str, among) -> str | None:
+    """The nearest ancestor of graph node ``n`` that is in ``among``, or None."""
+    p = g.nodes[n]["parent"]
+    while p is not None and p not in among:
+        p = g.nodes[p]["parent"]
+    return p
 
 
 def _holdings(g: nx.DiGraph, ctx: _Ctx, chosen: frozenset[str]) -> dict[int, int]:

@@ -16,40 +16,76 @@ grid of budget/max_states, so a returned plan is never over budget; the status i
 ``feasible``. Complexity O(n * F) for fronts of F points (F <= max_states); a 200-unit
 transformer chain has fronts of O(n) points.
 
+Modules called more than once (NOTE [ Tied calls ] in ``solvers/cost_model.py``): all their
+calls share one bit, which a chain recurrence cannot say. The DP runs once per assignment of
+the tied bits (2^k runs for k such modules, at most ``MAX_TIED_GROUPS``), each run with those
+leaves pinned, and keeps the best: still exact.
+
 ``min_feasible_bytes``: the same recurrence with the front over (H, worst probe so far) gives
 the lowest peak any plan reaches; it is reported with every solution.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
 import networkx as nx
 import numpy as np
 
-from solvers.cost_model import ChainTerms, chain_terms
+from solvers.cost_model import ChainTerms, chain_terms, tie_groups
 from solvers.base import Solution, judged
+
+MAX_TIED_GROUPS = 8
+"""Modules called more than once (see NOTE [ Tied calls ]) the DP takes: it runs once per
+assignment of their bits, 2^k runs. Beyond this ``auto`` uses the ILP and ``dp`` refuses."""
+
 
 def solve(g: nx.DiGraph, budget_bytes: int, *, max_states: int = 1 << 16, **_: object) -> Solution:
     """Least-recompute checkpoint set of a chain graph that fits ``budget_bytes``."""
     t0 = time.perf_counter()
     terms = chain_terms(g)
-    min_peak, _ = min_feasible(terms, max_states=max_states)
-    bits, approx = _min_recompute(terms, budget_bytes, max_states)
+    runs = tied_assignments(g, terms)
+    min_peak = lowest_peak(terms, runs, max_states)
+    best, approx = None, False
+    for fixed in runs:
+        bits, coarse, value = _min_recompute(terms, budget_bytes, max_states, fixed)
+        approx |= coarse
+        if bits is not None and (best is None or value < best[0]):
+            best = (value, bits)
     seconds = time.perf_counter() - t0
-    if bits is None:
+    if best is None:
         sol = judged("dp", g, [], budget_bytes, seconds)
         return Solution(**{**sol.__dict__, "status": "infeasible", "min_feasible_bytes": min_peak,
                            "detail": f"no plan fits; the minimum feasible budget is {min_peak} bytes"})
-    chosen = [leaf for leaf, b in zip(terms.leaves, bits) if b]
+    chosen = [leaf for leaf, b in zip(terms.leaves, best[1]) if b]
     proven = terms.exact and not approx
     detail = "exact chain recurrence" if proven else (
         "graph is not a chain: recurrence over-counts shared tensors" if not terms.exact
         else f"fronts discretised to {max_states} states")
+    if len(runs) > 1:
+        detail += f"; {len(runs)} runs, one per choice for the modules called more than once"
     sol = judged("dp", g, chosen, budget_bytes, seconds, status_if_fits="optimal" if proven else "feasible",
                  detail=detail)
     return Solution(**{**sol.__dict__, "min_feasible_bytes": min_peak})
+
+
+def tied_assignments(g: nx.DiGraph, terms: ChainTerms) -> list[dict[int, int]]:
+    """One ``{leaf index: bit}`` per way of checkpointing the tied groups (NOTE [ Tied calls ]):
+    all calls of a module share one bit. ``[{}]`` when no module is called twice."""
+    pos = {leaf: i for i, leaf in enumerate(terms.leaves)}
+    groups = [[pos[n] for n in group] for group in tie_groups(g)]
+    if len(groups) > MAX_TIED_GROUPS:
+        raise ValueError(f"{len(groups)} modules are called more than once; the DP takes at most "
+                         f"{MAX_TIED_GROUPS} (2^k runs): use the ILP")
+    return [{i: bit for group, bit in zip(groups, bits) for i in group}
+            for bits in itertools.product((0, 1), repeat=len(groups))]
+
+
+def lowest_peak(terms: ChainTerms, runs: list[dict[int, int]], max_states: int = 1 << 16) -> int:
+    """The lowest peak of any plan that respects ``runs``' tied bits (``min_feasible`` per run)."""
+    return min(min_feasible(terms, max_states=max_states, fixed=fixed)[0] for fixed in runs)
 
 
 class _Front:
@@ -109,14 +145,18 @@ def _backtrack(history: list[dict[int, _Front]], bit: int, idx: int) -> list[int
     return bits[::-1]
 
 
-def _run(t: ChainTerms, value_fn, keep_fn, start_value: float, max_states: int, grid_scale: int):
+def _run(t: ChainTerms, value_fn, keep_fn, start_value: float, max_states: int, grid_scale: int,
+         fixed: dict[int, int]):
+    """The fronts after every leaf; a leaf in ``fixed`` takes only its fixed bit."""
     fronts = {0: _Front.start(start_value), 1: _Front.start(start_value)}
     fronts[1] = _Front(fronts[1].h[:0], fronts[1].v[:0], fronts[1].prev_bit[:0], fronts[1].prev_idx[:0])
     history, approx = [], False
     for i in range(len(t.leaves)):
         new = {}
         for c in (0, 1):
-            f = _step(fronts, t, i, c, lambda v, h, c=c, i=i: value_fn(v, h, i, c), keep_fn(i, c))
+            allowed = fixed.get(i, c) == c
+            f = _step(fronts, t, i, c, lambda v, h, c=c, i=i: value_fn(v, h, i, c),
+                      keep_fn(i, c) if allowed else (lambda h2, v2: np.zeros(len(h2), dtype=bool)))
             if len(f) > max_states:
                 approx = True
                 f = _coarsen(f, max(2, math.ceil(grid_scale(f) / max_states)))
@@ -126,12 +166,14 @@ def _run(t: ChainTerms, value_fn, keep_fn, start_value: float, max_states: int, 
     return fronts, history, approx
 
 
-def _min_recompute(t: ChainTerms, budget: int, max_states: int) -> tuple[list[int] | None, bool]:
+def _min_recompute(t: ChainTerms, budget: int, max_states: int,
+                   fixed: dict[int, int]) -> tuple[list[int] | None, bool, float]:
+    """(bits of the least-recompute plan within ``budget`` or None, discretised?, its recompute)."""
     if t.const_bytes > budget:
-        return None, False
+        return None, False, math.inf
     fronts, history, approx = _run(
         t, lambda v, h, i, c: v + c * t.forward_ms[i],
-        lambda i, c: (lambda h2, v2: h2 + t.k[i][c] <= budget), 0.0, max_states, lambda f: budget)
+        lambda i, c: (lambda h2, v2: h2 + t.k[i][c] <= budget), 0.0, max_states, lambda f: budget, fixed)
     best = None
     for a, f in fronts.items():
         if not len(f):
@@ -143,19 +185,21 @@ def _min_recompute(t: ChainTerms, budget: int, max_states: int) -> tuple[list[in
             if best is None or key[:2] < best[:2]:
                 best = key
     if best is None:
-        return None, approx
-    return _backtrack(history, best[2], best[3]), approx
+        return None, approx, math.inf
+    return _backtrack(history, best[2], best[3]), approx, best[0]
 
 
-def min_feasible(t: ChainTerms, *, max_states: int = 1 << 16) -> tuple[int, list[int]]:
+def min_feasible(t: ChainTerms, *, max_states: int = 1 << 16,
+                 fixed: dict[int, int] | None = None) -> tuple[int, list[int]]:
     """Lowest peak any checkpoint set reaches under the recurrence, and one set that reaches it.
 
     Fronts over (H, worst probe so far). With discretisation the value is an upper bound.
+    ``fixed`` pins leaves to a bit (see ``tied_assignments``).
     """
     fronts, history, _ = _run(
         t, lambda v, h, i, c: np.maximum(v, h + t.k[i][c]),
         lambda i, c: (lambda h2, v2: np.ones(len(h2), dtype=bool)), float(t.const_bytes), max_states,
-        lambda f: int(f.h.max()) if len(f) else 1)
+        lambda f: int(f.h.max()) if len(f) else 1, fixed or {})
     best = None
     for a, f in fronts.items():
         if not len(f):

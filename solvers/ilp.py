@@ -72,6 +72,7 @@ save events, n candidates and b leaves; solving is exponential in the worst case
 #                         NOTE's constants M_c = 0 (that leaf's gradients include c's), so the
 #                         row is big-M free in practice.
 #   end of forward, start of backward: H(all) + const;  optimizer step: P >= const.
+# Tied calls (NOTE [ Tied calls ]): x_v = x_w for the calls v, w of one module ("tied ...").
 # Recompute model: min sum_v forward_ms(v) x_v with P <= budget + 1/2 (probes are whole bytes,
 # so "<= budget + 1/2" is "<= budget" with half a byte of slack against solver tolerances).
 # Minimum peak model (status infeasible): min P, no budget. Tie-break (``prefer_low_peak``):
@@ -98,7 +99,9 @@ from typing import Literal
 import networkx as nx
 import pulp
 
-from solvers.cost_model import _context, _grads_after, _recomputed, rank_memory, simulate
+from solvers.cost_model import (
+    _context, _grads_after, _recomputed, close_ties, is_tied, rank_memory, simulate, tie_groups,
+)
 from solvers.base import Solution, Status, judged
 from solvers.ilp_bound import Bound, sequential_bound
 
@@ -143,6 +146,7 @@ class Program:
     probes: list[Probe]
     unit_bytes: int  # a power of two
     stats: dict = field(default_factory=dict)
+    ties: tuple[tuple[str, ...], ...] = ()  # calls of one module: x equal (NOTE [ Tied calls ])
 
 
 def _lin_add(acc: Lin, form: Lin, scale: float = 1.0) -> None:
@@ -393,8 +397,10 @@ def build_program(g: nx.DiGraph) -> Program:
              "tensor_groups": len(groups), "or_variables": len(ors), "or_rows": sum(map(len, ors)),
              "buckets": last_bucket + 1, "probe_rows": len(probes), "antichain_rows": len(paths),
              "big_m_rows": big_m}
+    ties = tie_groups(g)
+    stats["tie_rows"] = sum(len(group) - 1 for group in ties)
     return Program(nodes, {v: g.nodes[v]["forward_ms"] for v in nodes},
-                   {v: g.nodes[v]["parent"] for v in nodes}, paths, ors, delta, probes, unit, stats)
+                   {v: g.nodes[v]["parent"] for v in nodes}, paths, ors, delta, probes, unit, stats, ties)
 
 
 @dataclass
@@ -441,6 +447,9 @@ def build_model(g: nx.DiGraph, budget_bytes: int | None = None, program: Program
 
     for path in pg.paths:
         prob.addConstraint(pulp.lpSum(x[v] for v in path) <= 1, f"antichain_{_sanitize(path[0])}")
+    for group in pg.ties:  # every call of a module, or none (NOTE [ Tied calls ])
+        for v in group[1:]:
+            prob.addConstraint(x[v] - x[group[0]] == 0, f"tied_{_sanitize(v)}")
     for k, lows in enumerate(pg.ors):
         y.append(_variable(prob, f"y{k}", 0, 1))
         for j, lo in enumerate(lows):
@@ -670,7 +679,8 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
     if bound is not None and bound.recompute_ms == math.inf:
         run.notes.append("the sequential relaxation admits no plan (NOTE [ Sequential relaxation ])")
         return run.infeasible()
-    if bound is not None and simulate(g, bound.plan).peak_bytes <= budget_bytes:
+    # the relaxation ignores ties (a relaxation still): its plan proves optimality only if tied
+    if bound is not None and is_tied(g, bound.plan) and simulate(g, bound.plan).peak_bytes <= budget_bytes:
         run.notes.append("proven by the sequential relaxation: its plan fits, and no plan has less recompute "
                          "(NOTE [ Sequential relaxation ])")
         chosen = run.lower_peak(frozenset(bound.plan)) if prefer_low_peak else bound.plan
@@ -810,7 +820,7 @@ class _Run:
     def no_plan_in_time(self, time_limit_s: float | None) -> Solution:
         """The solver stopped before its first plan: checkpointing every top-level candidate, if
         that fits ("feasible", gap against the relaxation's bound, or 100 % without one)."""
-        tops = [n for n, a in self.g.nodes(data=True) if a["parent"] is None]
+        tops = close_ties(self.g, [n for n, a in self.g.nodes(data=True) if a["parent"] is None])
         est = simulate(self.g, tops)
         if est.peak_bytes > self.budget:
             self.notes.append(f"time limit ({time_limit_s} s) reached before any plan was found")
@@ -823,7 +833,7 @@ class _Run:
     def infeasible(self, *, search: bool = True) -> Solution:
         """No plan fits: the lowest peak any plan reaches is ``min_feasible_bytes``."""
         g = self.g
-        best, proven = frozenset(n for n, a in g.nodes(data=True) if a["parent"] is None), False
+        best, proven = frozenset(close_ties(g, (n for n, a in g.nodes(data=True) if a["parent"] is None))), False
         if search:
             self.build()
             self.drop_cuts()

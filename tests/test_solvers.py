@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solvers.cost_model import chain_terms, simulate
+from solvers.cost_model import chain_terms, close_ties, simulate, tie_groups
+from solvers.errors import SolverError
 from planner.model.graph import build_graph
-from planner.model.synthetic import SynUnit, random_chain, random_dag, synthetic_profile
+from planner.model.synthetic import SynUnit, random_chain, random_dag, random_tied, synthetic_profile
 from solvers import SOLVERS
 from solvers.dp import min_feasible
 from tests.solver_checks import best_recompute, brute_force, check_solution
@@ -137,3 +138,72 @@ def _recurrence_peak(t, bits):
         peak = max(peak, h + t.k[i][c])
         prev = c
     return max(peak, h + t.tail_delta[prev] + t.tail_k)
+
+
+# ----------------------------------------------------------------------------- tied calls
+
+EXACT = ("dp", "ilp", "auto")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_modules_called_twice_are_one_decision_for_every_solver(seed):
+    """NOTE [ Tied calls ]: every solver returns all calls of a module or none (check_solution
+    refuses the rest), and the exact ones reach brute force's optimum over such sets."""
+    rng = random.Random(seed)
+    g = build_graph(synthetic_profile(random_tied(rng, 4, shared=2)))
+    assert tie_groups(g)
+    points = brute_force(g)  # tied sets only: check_checkpoint_set refuses the others
+    for budget in _budgets(points):
+        best = best_recompute(points, budget)
+        for name, solve in SOLVERS.items():
+            sol = solve(g, budget)
+            check_solution(g, sol, budget)
+            if name not in EXACT or (name == "dp" and not chain_terms(g).exact):
+                continue
+            if best is None:
+                assert sol.status == "infeasible", name
+            else:
+                assert sol.status == "optimal", name
+                assert sol.recompute_ms == pytest.approx(best, rel=1e-9, abs=1e-12), name
+
+
+def test_shared_module_around_blocks_is_planned_as_one_unit():
+    """Issue #11: ``s`` called before and after 4 blocks. Its first call is cheap to recompute
+    (1 ms), its second is not (50 ms). Planning calls separately picked ``s`` and extended the
+    plan to ``s#1`` afterwards (51 ms, labelled optimal) while one block alone fits at 5 ms."""
+    from planner.act.api import budget_with_headroom, plan_from_profile
+
+    shared = dict(module_type="Shared", saves=[6000], saves_inputs=True, param_bytes=64)
+    units = [SynUnit(name="s", forward_ms=1.0, **shared),
+             *(SynUnit(name=f"h.{i}", forward_ms=5.0, saves=[5000], saves_inputs=True) for i in range(4)),
+             SynUnit(name="s#1", forward_ms=50.0, **shared)]
+    prof = synthetic_profile(units)
+    g = build_graph(prof)
+    assert tie_groups(g) == (("s", "s#1"),)
+    budget = simulate(g, ["h.0"]).peak_bytes
+    assert simulate(g, ["s", "s#1"]).peak_bytes <= budget  # the tied pair fits too, at 51 ms
+    for name in EXACT:
+        sol = SOLVERS[name](g, budget)
+        check_solution(g, sol, budget)
+        assert (sol.status, sol.recompute_ms) == ("optimal", 5.0), name
+    plan = plan_from_profile(prof, budget_with_headroom(budget))
+    assert plan.solver.status == "optimal" and plan.predicted.recompute_ms == 5.0
+    assert "s" not in plan.checkpoints
+
+
+def test_heuristics_checkpoint_every_call_of_what_they_pick():
+    rng = random.Random(3)
+    g = build_graph(synthetic_profile(random_tied(rng, 6, shared=1)))
+    calls = tie_groups(g)[0]
+    for name in HEURISTICS:
+        sol = SOLVERS[name](g, simulate(g, []).peak_bytes)
+        assert set(calls) <= set(sol.checkpointed) or not set(calls) & set(sol.checkpointed), name
+
+
+def test_a_split_tie_is_refused_by_the_cost_model():
+    units = [SynUnit(name="s", module_type="S"), SynUnit(name="h.0"), SynUnit(name="h.1"),
+             SynUnit(name="s#1", module_type="S")]
+    g = build_graph(synthetic_profile(units))
+    with pytest.raises(SolverError, match="calls of module 's'"):
+        simulate(g, ["s"])
+    assert close_ties(g, ["s", "h.0"]) == ["s", "h.0", "s#1"]

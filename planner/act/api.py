@@ -19,7 +19,7 @@ import networkx as nx
 
 from solvers.cost_model import chain_terms, simulate
 from planner.errors import BadInput, BudgetInfeasible, SolverError
-from planner.model.graph import build_graph, is_ancestor
+from planner.model.graph import build_graph
 from planner.model.schema import Plan, Predicted, Profile, RunStamp, SolverInfo, now_iso
 from planner.units import format_bytes, parse_bytes
 
@@ -82,11 +82,15 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
 def min_feasible_bytes(g: nx.DiGraph) -> int:
     """Lowest predicted peak of any checkpoint set (exact on chains; an upper bound otherwise)."""
     from solvers.base import top_level
-    from solvers.dp import min_feasible
+    from solvers.dp import lowest_peak, tied_assignments
 
     candidates = [simulate(g, top_level(g)).peak_bytes]
     if all(a["leaf"] for _, a in g.nodes(data=True)):
-        candidates.append(min_feasible(chain_terms(g))[0])
+        terms = chain_terms(g)
+        try:
+            candidates.append(lowest_peak(terms, tied_assignments(g, terms)))
+        except ValueError:  # too many modules called more than once for the DP: the bound above
+            pass
     return min(candidates)
 
 
@@ -121,10 +125,8 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
             f"use a finer --granularity, or reduce the batch",
             budget_bytes=budget_bytes, min_feasible_bytes=lowest,
         )
-    chosen = _every_call(g, sol.checkpointed)
-    est = simulate(g, chosen)
+    est = simulate(g, sol.checkpointed)  # every call of a module, or none (NOTE [ Tied calls ])
     if est.peak_bytes > usable:
-        # checkpointing every call of a module (as the applier does) must not break the budget
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
             f"{budget_bytes}; please report this with the profile (--debug)")
@@ -200,19 +202,6 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
                            steps=steps, amp=amp, target=target if meta else None, threads=threads)
     return plan_from_profile(prof, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
                              world_size=world_size, sharding=sharding, headroom=headroom)
-
-
-def _every_call(g: nx.DiGraph, chosen) -> list[str]:
-    """The applier checkpoints every call of a module: extend the set to all calls of chosen FQNs."""
-    fqns = {g.nodes[n]["fqn"] for n in chosen}
-    out = set(chosen)
-    for n, a in g.nodes(data=True):
-        if a["fqn"] in fqns and n not in out:
-            if not any(is_ancestor(g, m, n) or is_ancestor(g, n, m) for m in out):
-                out.add(n)
-    return sorted(out, key=lambda n: g.nodes[n]["order"])
-
-
 
 
 def _fqns(g: nx.DiGraph, chosen) -> list[str]:

@@ -19,7 +19,8 @@ from planner.model.schema import (
 class SynUnit:
     """One module call of a synthetic model."""
 
-    name: str  # FQN; repeated blocks are found by names ending in an index, e.g. "h.3"
+    name: str  # FQN; repeated blocks are found by names ending in an index, e.g. "h.3"; "s#1" is the
+    # second call of module "s" (its own saves and output, the parameters of "s")
     forward_ms: float = 1.0
     backward_ms: float = 2.0
     param_bytes: int = 0
@@ -51,12 +52,22 @@ class _Builder:
         self.tensors.append(TensorRecord(id=tid, nbytes=nbytes, created_seq=self.seq, producer=producer))
         return tid
 
+    def param(self, name: str, nbytes: int) -> None:
+        """A parameter used now; a module called again uses its parameters again (later grad)."""
+        seq = self.tick()
+        for i, p in enumerate(self.params):
+            if p.name == name:
+                self.params[i] = ParamRecord(name=name, nbytes=p.nbytes, grad_seq=seq)
+                return
+        self.params.append(ParamRecord(name=name, nbytes=nbytes, grad_seq=seq))
+
     def save(self, tid: int, unit: str) -> None:
         self.saves.append(SaveRecord(tensor_id=tid, seq=self.tick(), unit=unit))
 
     def run(self, u: SynUnit, parent: str, depth: int, inputs: list[int]) -> int:
-        rec = UnitRecord(id=u.name, fqn=u.name, module_type=u.module_type, parent=parent, depth=depth,
-                         fwd_start_seq=self.tick(), fwd_end_seq=0, forward_ms=u.forward_ms,
+        fqn, _, call = u.name.partition("#")
+        rec = UnitRecord(id=u.name, fqn=fqn, call_index=int(call or 0), module_type=u.module_type, parent=parent,
+                         depth=depth, fwd_start_seq=self.tick(), fwd_end_seq=0, forward_ms=u.forward_ms,
                          backward_ms=u.backward_ms, input_ids=list(inputs),
                          input_bytes=sum(self.tensors[t].nbytes for t in inputs))
         self.units.append(rec)
@@ -76,7 +87,7 @@ class _Builder:
             self.tick()
             self.save(self.tensor(b, u.name), u.name)
         if own_params:
-            self.params.append(ParamRecord(name=f"{u.name}.weight", nbytes=own_params, grad_seq=self.tick()))
+            self.param(f"{fqn}.weight", own_params)
         self.tick()
         out = self.tensor(u.output_bytes, u.name)
         if u.output_saved:
@@ -84,7 +95,7 @@ class _Builder:
         rec.output_ids = [out]
         rec.output_bytes = u.output_bytes
         rec.param_bytes = own_params + sum(
-            p.nbytes for p in self.params if p.name.startswith(u.name + ".") and p.name != f"{u.name}.weight")
+            p.nbytes for p in self.params if p.name.startswith(fqn + ".") and p.name != f"{fqn}.weight")
         rec.fwd_end_seq = self.tick()
         self.out[u.name] = out
         return out
@@ -155,4 +166,24 @@ def random_dag(rng: random.Random, n: int, *, max_bytes: int = 1 << 20, p_skip: 
                 for k in range(rng.randrange(2, 4))
             ]
             u.forward_ms = round(sum(c.forward_ms for c in u.children) + rng.uniform(0, 1), 3)
+    return units
+
+
+def random_tied(rng: random.Random, n: int, *, shared: int = 1, max_bytes: int = 1 << 20) -> list[SynUnit]:
+    """A chain of ``n`` blocks with ``shared`` modules ``s0, s1..`` each called 2-3 times at random
+    places in it (weights shared across depth): their calls are one decision for the solvers."""
+    units = random_chain(rng, n, max_bytes=max_bytes)
+    for k in range(shared):
+        params = rng.randrange(0, max_bytes // 4)
+        for _ in range(rng.randrange(2, 4)):
+            units.insert(rng.randrange(0, len(units) + 1), SynUnit(
+                name=f"s{k}", module_type=f"Shared{k}", param_bytes=params,
+                forward_ms=round(rng.uniform(0.1, 10.0), 3), backward_ms=round(rng.uniform(0.2, 20.0), 3),
+                saves=[rng.randrange(1, max_bytes) for _ in range(rng.randrange(1, 3))],
+                saves_inputs=rng.random() < 0.7, output_bytes=rng.randrange(1, max_bytes // 2)))
+    calls: dict[str, int] = {}
+    for u in units:  # the k-th call in forward order is "s#k", as the profiler names it
+        if u.name.startswith("s"):
+            k = calls[u.name] = calls.get(u.name, -1) + 1
+            u.name += f"#{k}" if k else ""
     return units
