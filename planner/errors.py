@@ -21,6 +21,11 @@ class ProfileError(RematError):
     """Running the training step to profile it failed (user code raised, OOM, bad loss)."""
 
 
+OOM_HINT = ("the step does not fit on this device as it is. Use --device meta to plan without running, "
+            "or a smaller batch")
+"""What every out-of-memory message ends with, whichever device ran out (the CLI's too)."""
+
+
 class PlanFileError(RematError):
     """A plan or profile file is empty, truncated, not JSON, or not of the expected schema."""
 

@@ -120,6 +120,8 @@ class _CheckpointedForward:
     """The instance-level ``forward`` of a planned module; see NOTE [ Checkpointing by instance forward ]."""
 
     _remat_forward = True  # marks a module that already carries a plan
+    options: dict[str, Any] = {}
+    """Extra keyword arguments for ``checkpoint`` (the memory-safe profile's hooks, planner/profiling/memsafe.py)."""
 
     def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts,
                  norms: list[nn.Module] | None = None):
@@ -144,7 +146,7 @@ class _CheckpointedForward:
             return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         self.counts.calls += 1
         return checkpoint(self._replayable(len(args), tuple(kwargs)), *args, *kwargs.values(),
-                          use_reentrant=False, preserve_rng_state=True)
+                          use_reentrant=False, preserve_rng_state=True, **self.options)
 
     def _replayable(self, n_args: int, keys: tuple[str, ...]):
         first_run = True

@@ -31,7 +31,7 @@ from typing import Annotated, Any
 import typer
 
 from planner.cli import render
-from planner.errors import BadInput, PlanMismatch, ProfileError, RematError, VerificationFailed
+from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, VerificationFailed
 
 app = typer.Typer(
     name="remat",
@@ -108,6 +108,11 @@ def _sharding_option(value: str) -> str:
     raise typer.BadParameter(f"unknown sharding {value!r}; choose one of {', '.join(SHARDINGS)}")
 
 
+DeviceMemory = Annotated[str | None, typer.Option(
+    "--device-memory", envvar="REMAT_DEVICE_MEMORY", show_default=False,
+    help="Memory the device may use (12GB, 150MiB; env REMAT_DEVICE_MEMORY): a step that does not fit is "
+         "profiled with its candidates checkpointed (a memory-safe profile). CUDA: a per-process cap; "
+         "CPU: profiled in a child process whose address space is capped.")]
 Sharding = Annotated[str, typer.Option(
     "--sharding", callback=_sharding_option,
     help="How the ranks hold the model: none (one process), ddp (a full replica plus gradient buckets), "
@@ -152,8 +157,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:  # noqa: BLE001 -- a bug in remat: one line unless --debug
             _traceback(debug)
             if _is_oom(e):
-                render.error_line(f"out of memory ({type(e).__name__}); use --device meta to plan without "
-                                  f"running, or a smaller batch in example_inputs()")
+                render.error_line(f"out of memory ({type(e).__name__}): {OOM_HINT}")
                 raise typer.Exit(ProfileError.exit_code) from None
             hint = "" if debug else "; rerun with --debug for the traceback"
             render.error_line(f"{type(e).__name__}: {e}{hint}", prefix="internal error")
@@ -168,8 +172,10 @@ def _traceback(debug: bool) -> None:
 
 
 def _is_oom(e: BaseException) -> bool:
-    # without importing torch: torch.OutOfMemoryError and torch.cuda.OutOfMemoryError share the name
-    return type(e).__name__ == "OutOfMemoryError"
+    """planner.profiling.measure.is_oom without importing torch: CUDA's OutOfMemoryError (torch's and
+    torch.cuda's share the name), the CPU allocator's RuntimeError, Python's MemoryError."""
+    return (type(e).__name__ == "OutOfMemoryError" or isinstance(e, MemoryError)
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
 
 
 def command(name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -199,6 +205,7 @@ def plan_cmd(
     solver: Annotated[str, typer.Option(
         "--solver", help="auto, dp, ilp, sqrt, sqrt-greedy, all, every-2 or none.")] = "auto",
     device: Device = "auto",
+    device_memory: DeviceMemory = None,
     target: Target = None,
     amp: Amp = None,
     optimizer: Optimizer = "adamw",
@@ -233,7 +240,7 @@ def plan_cmd(
     _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp, threads=threads)
+                           target=target, amp=amp, threads=threads, device_memory=device_memory)
     graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
     plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
@@ -258,6 +265,7 @@ def profile_cmd(
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Write the profile here (atomic). Without it nothing is written.")] = None,
     device: Device = "auto",
+    device_memory: DeviceMemory = None,
     target: Target = None,
     amp: Amp = None,
     optimizer: Optimizer = "adamw",
@@ -273,7 +281,7 @@ def profile_cmd(
     out, log = render.consoles(quiet=quiet)
     _check_output(output)
     prof = _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target, amp=amp,
-                         threads=threads)
+                         threads=threads, device_memory=device_memory)
     if output is not None:
         prof.save(output)
     if as_json:
@@ -312,6 +320,7 @@ def frontier_cmd(
         "--output", "-o", help="Write the points as JSON here (atomic).")] = None,
     profile: ProfileFile = None,
     device: Device = "auto",
+    device_memory: DeviceMemory = None,
     optimizer: Optimizer = "adamw",
     steps: Steps = 3,
     threads: Threads = None,
@@ -343,7 +352,7 @@ def frontier_cmd(
 
         require_matplotlib()  # before minutes of profiling, not after
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp, threads=threads)
+                           target=target, amp=amp, threads=threads, device_memory=device_memory)
     graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
     with render.counter(log, f"sweeping {points} budgets") as tick:
@@ -379,6 +388,7 @@ def compare_cmd(
                                "--target: the target's usable memory.", show_default=False)] = None,
     profile: ProfileFile = None,
     device: Device = "auto",
+    device_memory: DeviceMemory = None,
     optimizer: Optimizer = "adamw",
     steps: Steps = 3,
     threads: Threads = None,
@@ -407,7 +417,7 @@ def compare_cmd(
     _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
     prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp, threads=threads)
+                           target=target, amp=amp, threads=threads, device_memory=device_memory)
     graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
     pts = compare(graph, budget_bytes, solvers=names, time_limit_s=time_limit)
@@ -588,13 +598,14 @@ def _file_kind(path: Path) -> str | None:
 
 
 def _profile_source(model: Path | None, profile: Path | None, *, device: str, optimizer: str, steps: int,
-                    log: Any, target: str | None = None, amp: str | None = None, threads: int | None = None) -> Any:
+                    log: Any, target: str | None = None, amp: str | None = None, threads: int | None = None,
+                    device_memory: str | None = None) -> Any:
     """The profile to plan on: loaded from --profile, else measured by running model.py."""
     from planner.model.schema import Profile
 
     if profile is None:
         return _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target,
-                             amp=amp, threads=threads)
+                             amp=amp, threads=threads, device_memory=device_memory)
     prof = Profile.load(profile)
     if model is not None:
         _check_profile_matches(prof, model)
@@ -618,10 +629,12 @@ def _check_profile_matches(prof: Any, model_path: Path) -> None:
 
 
 def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: Any, target: str | None = None,
-                  amp: str | None = None, threads: int | None = None) -> Any:
+                  amp: str | None = None, threads: int | None = None, device_memory: str | None = None) -> Any:
+    from planner.profiling import profile
+    from planner.profiling.memsafe import profile_within
     from planner.profiling.meta import build_on_meta
     from planner.profiling.model_file import load_model_file
-    from planner.profiling import profile
+    from planner.profiling.profiler import resolve_device
 
     meta = device == "meta"
     if meta and target is None:
@@ -629,14 +642,43 @@ def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: 
 
         raise BadInput(f"--device meta models times for a target device: add --target NAME, one of: "
                        f"{', '.join(s.name for s in load_devices())}")
+    cap = _device_memory(device_memory, meta)
+    if cap is not None and resolve_device(device).type == "cpu":
+        from planner.profiling.capped import profile_capped
+
+        render.plain(log, f"profiling {model} on cpu within {cap} bytes (a capped child process) ...")
+        return profile_capped(model, device_memory_bytes=cap, optimizer=optimizer, steps=steps, amp=amp,
+                              threads=threads, quiet=log.quiet)
     # stages the profiler announces: a warm-up step, the timing steps, the memory step, the peak
     # (meta: a warm-up step and one memory-and-roofline step on fake tensors)
     title = f"profiling {model} on fake tensors for {target}" if meta else f"profiling {model} on {device} ({steps} steps)"
     with render.stages(log, f"{title} ...", total=2 if meta else steps + 3) as say:
         mf = load_model_file(model)
         net = build_on_meta(mf.build_model) if meta else mf.build_model()
-        return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,
-                       steps=steps, amp=amp, target=target if meta else None, threads=threads, progress=say)
+        if meta:
+            return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,
+                           steps=steps, amp=amp, target=target, threads=threads, progress=say)
+        # a step that does not fit (cap, or out of memory) is measured under checkpointing (planner/profiling/memsafe.py)
+        return profile_within(net, mf.example_inputs(), device_memory_bytes=cap, loss_fn=mf.loss_fn,
+                              device=device, optimizer=optimizer, steps=steps, amp=amp, threads=threads,
+                              progress=say)
+
+
+def _device_memory(text: str | None, meta: bool) -> int | None:
+    """--device-memory (or REMAT_DEVICE_MEMORY) in bytes; None when not given."""
+    from planner.units import parse_bytes
+
+    if text is None or not text.strip():
+        return None
+    if meta:
+        raise BadInput("--device-memory caps a device that runs the step; --device meta runs nothing (drop one)")
+    try:
+        value = parse_bytes(text)
+    except BadInput as e:
+        raise BadInput(f"--device-memory: {e}") from None
+    if value <= 0:
+        raise BadInput(f"--device-memory must be positive, got {text!r}")
+    return value
 
 
 def _budget_or_target(budget: str | None, target: str | None, parse: Callable[[str], int]) -> tuple[str, int]:

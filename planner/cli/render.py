@@ -239,6 +239,10 @@ def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bo
     where = profile.device_name or profile.device
     plain(out, f"profile of {profile.fingerprint.model_class} on {where} ({profile.dtype}, "
                f"optimizer {profile.optimizer}), {len(profile.units)} module calls")
+    if profile.measured_with_checkpoints:
+        plain(out, f"memory-safe profile: measured with {len(profile.measured_with_checkpoints)} modules "
+                   f"checkpointed, as the step did not fit the device; the unplanned step's timeline and peak "
+                   f"are reconstructed from that run")
     plain(out, f"{graph.number_of_nodes()} candidate units:")
     out.print(units_table(graph))
     plain(out, f"step {s.step_ms:.3f} ms (forward {s.forward_ms:.3f}, backward {s.backward_ms:.3f}, "

@@ -203,6 +203,12 @@ class Profile(_Model):
     params: list[ParamRecord]
     timeline: list[MemoryEvent] = Field(default_factory=list)
     step: StepRecord
+    measured_with_checkpoints: list[str] = Field(
+        default_factory=list,
+        description="Module FQNs checkpointed while the step was measured, because it did not fit the device "
+                    "as it is (a memory-safe profile: the timeline and peak of the unplanned step are "
+                    "reconstructed, see NOTE [ Memory-safe profile ] in planner/profiling/memsafe.py); empty when the "
+                    "step was measured as it is.")
     notes: list[str] = Field(default_factory=list)
 
     def unit(self, unit_id: str) -> UnitRecord:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from planner.errors import BadInput, ProfileError, RematError
+from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
 from planner.profiling.model_file import Inputs, call_model, check_loss, default_loss, user_frames
 
 Mark = Callable[[str, Any], None]
@@ -164,11 +164,8 @@ def user_code(what: str) -> Iterator[None]:
     except (KeyboardInterrupt, SystemExit, RematError):
         raise
     except BaseException as e:
-        if _is_oom(e):
-            raise ProfileError(
-                f"out of memory in {what}: the step does not fit on this device as it is. "
-                f"Use --device meta to plan without running, or a smaller batch"
-            ) from e
+        if is_oom(e):
+            raise ProfileError(f"out of memory in {what}: {OOM_HINT}") from e
         lines = str(e).strip().splitlines()
         text = "\n".join(lines[:3]) + (" ..." if len(lines) > 3 else "")
         frames = user_frames(e, limit=5)
@@ -176,9 +173,13 @@ def user_code(what: str) -> Iterator[None]:
         raise ProfileError(f"{what} raised {type(e).__name__}: {text}{where}") from e
 
 
-def _is_oom(e: BaseException) -> bool:
+def is_oom(e: BaseException) -> bool:
+    """The device ran out of memory: CUDA's ``OutOfMemoryError``, the CPU allocator's
+    ``RuntimeError: DefaultCPUAllocator: can't allocate memory``, or Python's ``MemoryError``
+    (an address-space cap, ``planner.profiling.capped``, also fails Python's own allocations)."""
     oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
-    return isinstance(e, oom) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+    return (isinstance(e, (oom, MemoryError))
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -58,28 +58,37 @@ def profile_real(
 ) -> schema.Profile:
     """Profile one training step on ``dev`` (resolved by ``resolve_device``, not meta); the
     arguments are checked by ``planner.profiling.profile``, which documents them."""
-    say = progress or (lambda _msg: None)
-
     check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
     with _restoring(model, dev), num_threads(threads):
         clock = pick_clock(dev, torch.get_num_threads())
-        model.to(dev)
-        model.train()
-        inputs = to_device(inputs, dev)
-        opt = make_optimizer(optimizer, model)
-        step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
-        for i in range(warmup_steps):
-            say(f"warm-up step {i + 1}/{warmup_steps}")
-            step()
-        times = _timing_steps(model, step, clock, steps, say)
-        say("memory step")
-        mem = _memory_step(model, step, inputs, opt, dev)
-        say("measuring the step's peak")
-        _release(model, dev)
-        measured = measure_step(step, dev, static_bytes=mem.static_bytes)
-        result = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, warmup_steps, steps)
-        return result.model_copy(update={"time_source": clock.source,
-                                         "threads": torch.get_num_threads() if dev.type == "cpu" else None})
+        return _measure(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp, clock=clock,
+                        warmup_steps=warmup_steps, steps=steps, say=progress or (lambda _msg: None))
+
+
+def _measure(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, loss_fn: Callable | None,
+             optimizer: str, amp: str | None, warmup_steps: int, steps: int, say: Progress, clock: Any,
+             timing_recorder: Callable[..., _TimingRecorder] | None = None,
+             memory_recorder: Callable[..., _MemoryRecorder] | None = None) -> schema.Profile:
+    """The stages of ``profile_real`` (inside ``_restoring`` and ``num_threads``).
+    planner/profiling/memsafe.py runs them with the candidates checkpointed, its own recorders and
+    a clock that leaves out recomputes."""
+    model.to(dev)
+    model.train()
+    inputs = to_device(inputs, dev)
+    opt = make_optimizer(optimizer, model)
+    step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
+    for i in range(warmup_steps):
+        say(f"warm-up step {i + 1}/{warmup_steps}")
+        step()
+    times = _timing_steps(model, step, clock, steps, say, recorder=timing_recorder)
+    say("memory step")
+    mem = _memory_step(model, step, inputs, opt, dev, recorder=memory_recorder)
+    say("measuring the step's peak")
+    _release(model, dev)
+    measured = measure_step(step, dev, static_bytes=mem.static_bytes)
+    result = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, warmup_steps, steps)
+    return result.model_copy(update={"time_source": clock.source,
+                                     "threads": torch.get_num_threads() if dev.type == "cpu" else None})
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -126,11 +135,12 @@ class _TimingRecorder(_Recorder):
 
 
 
-def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int, say: Progress) -> _Times:
+def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int, say: Progress, *,
+                  recorder: Callable[..., _TimingRecorder] | None = None) -> _Times:
     """``steps`` steps under the timing recorder; medians per phase and per unit (NOTE [ Unit costs ])."""
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     times = _Times()
-    with _TimingRecorder(model, clock) as rec:
+    with (recorder or _TimingRecorder)(model, clock) as rec:
         for i in range(steps):
             say(f"timing step {i + 1}/{steps}")
             rec.reset()

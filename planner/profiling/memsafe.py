@@ -1,0 +1,640 @@
+"""Profile a training step that does not fit the device: measure it with the candidates checkpointed.
+
+``profile_within(model, inputs, device_memory_bytes=M)`` (``remat plan --device-memory M``) profiles
+as ``planner.profiling.profiler.profile`` does when the step fits. When it does not (a fake-tensor pass
+predicts a peak above M, or the step runs out of memory), it measures the step with every
+default candidate checkpointed, then with their children, and returns a profile of the
+*unplanned* step, as a full profile would have measured it (NOTE [ Memory-safe profile ]).
+Only when neither fits does it fall back to fake tensors (``--device meta``), with a note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from planner.model import schema
+from planner.errors import BadInput, ProfileError
+from planner.profiling.measure import is_oom
+from planner.profiling.model_file import Inputs, check_devices
+from planner.profiling import profile
+from planner.profiling.profiler import _measure, _restoring, _TimingRecorder, resolve_device
+from planner.profiling.timing import num_threads, pick_clock
+from planner.profiling.recording import _io_tensors, _MemoryRecorder, _Unit
+from planner.profiling.tracker import LiveBytesTracker, StorageEntry
+
+Progress = Callable[[str], None]
+
+# NOTE [ Memory-safe profile ]
+#
+# Why: the profile of NOTE [ Units ] runs the step as it is, and a step that does not fit the
+# device cannot run. Checkpointing every candidate makes it fit; the profile must still
+# describe the unplanned step, so that the graph, the cost model (and its calibration of the
+# temporaries T, NOTE [ Peak-memory model ]) and the solvers work on it unchanged.
+#
+# Rule 1. What stays exact. Under non-reentrant checkpoint the forward runs the same ops, so
+# module calls, tensors, their sizes and creation order, unit inputs and outputs and parameter
+# uses are recorded as in a full profile. Saves inside a checkpointed call go to checkpoint's
+# own pack hook, which hides them from ours; checkpoint hands each of them, while it exists,
+# to its determinism check (``metadata_fn``), and ours records the save there, with the same
+# sequence number and unit as a full profile would. Checkpoint's own save of the region's
+# inputs (before the region starts) is not a save of the step and is skipped.
+#
+# Rule 2. Live bytes. At any point of the checkpointed step, the unplanned step holds in
+# addition exactly the tensors saved inside checkpointed calls that the checkpointed step has
+# already freed ("dropped"): in the forward, those dropped so far; in the backward, those of
+# the calls whose recompute has not started yet (from the recompute on, the recomputed copies
+# are alive as the originals would be, and backward frees them as it would). The tracker's
+# weakrefs say when each storage died, so live(unplanned) = live(checkpointed) + dropped, at
+# every event.
+#
+# Rule 3. Peaks. Between two events, dropped bytes only grow in the forward and stay constant
+# in the backward, so peak + dropped bounds the unplanned peak, exactly in the backward. In the
+# forward of a checkpointed call it is loose (a temporary freed before the saves pile up would
+# be counted with all of them), so there the peak comes from the call's recompute instead: with
+# early stop off, the recompute replays the call's forward with its saves kept, as the
+# unplanned forward keeps them, and its module hooks mark the same events. The rise from one
+# event to the next peak is taken from the replay and added to the unplanned live bytes of the
+# previous event. The recompute itself is not part of the unplanned step: it is cut out of the
+# backward window it falls in, which keeps the peak before it (with the call's dropped bytes)
+# and the level after it (the recomputed saves, as the unplanned step held them then).
+#
+# Rule 4. Times. Forward times are measured in the forward; a checkpointed call's forward time
+# is the mean of its forward and its recompute. The clock of the timing steps pauses during
+# recomputes, so backward times (per unit and of the step) are those of the unplanned step.
+#
+# Not reconstructed: the RNG state (5056 bytes on the CPU) that each checkpointed call keeps
+# while the step runs: it is in the checkpointed live bytes, a few KB per call.
+
+CHECK_KEY = "remat-memory-safe-profile"
+"""Prefix of the determinism-check name registered with ``torch.utils.checkpoint`` (Rule 1).
+Private to torch: ``torch.utils.checkpoint._allowed_determinism_checks_to_fns``, checked
+against torch 2.13."""
+
+
+def profile_within(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    *,
+    device_memory_bytes: int | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str | torch.device = "auto",
+    optimizer: str = "adamw",
+    warmup_steps: int = 1,
+    steps: int = 3,
+    amp: str | None = None,
+    threads: int | None = None,
+    progress: Progress | None = None,
+) -> schema.Profile:
+    """Profile one training step of ``model``; under checkpointing when it does not fit the device.
+
+    Without ``device_memory_bytes`` the step is run as ``planner.profiling.profiler.profile`` runs it, and
+    only running out of memory leads to the memory-safe profile. With it, a fake-tensor pass
+    (``planner.profiling.meta``, following this device's rules) predicts the unplanned peak first; on
+    CUDA the cap is also enforced (``torch.cuda.set_per_process_memory_fraction``); on the CPU
+    run this in a process whose address space is capped (``planner.profiling.capped``) to enforce it.
+
+    Returns a profile of the unplanned step; ``measured_with_checkpoints`` lists what was
+    checkpointed while measuring (empty for a full profile). See NOTE [ Memory-safe profile ].
+
+    Raises:
+        ProfileError: user code failed, or nothing fits and no fake-tensor fallback exists.
+    """
+    dev = resolve_device(device)
+    kw = dict(loss_fn=loss_fn, optimizer=optimizer, warmup_steps=warmup_steps, steps=steps, amp=amp,
+              threads=threads, progress=progress)
+    if dev.type == "meta":
+        raise BadInput("device 'meta' runs nothing, so there is nothing to keep within a device's memory; "
+                       "use planner.profile(..., device='meta', target=...)")
+    say = progress or (lambda _msg: None)
+    check_devices(model, inputs)
+    with _cuda_cap(dev, device_memory_bytes):
+        estimate = None
+        why = ""
+        if device_memory_bytes is not None:
+            estimate = _fake_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp)
+            predicted = estimate.step.measured_peak_bytes or 0
+            if predicted > device_memory_bytes:
+                why = (f"the unplanned step needs {predicted} bytes (fake-tensor pass), more than the "
+                       f"device's {device_memory_bytes}")
+        if not why:
+            try:
+                return profile(model, inputs, device=dev, **kw)
+            except (ProfileError, RuntimeError, MemoryError) as e:
+                if not _out_of_memory(e):
+                    raise
+                why = f"the unplanned step ran out of memory ({_first_line(e)})"
+            _free(model, dev)
+        say(f"memory-safe profile: {why}")
+        if estimate is None:
+            estimate = _fake_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp)
+        tried = []
+        for level in (0, 1):
+            fqns = candidate_modules(estimate, level)
+            if not fqns or fqns in tried:
+                continue
+            tried.append(fqns)
+            say(f"profiling with {len(fqns)} modules checkpointed")
+            try:
+                prof = profile_checkpointed(model, inputs, checkpointed=fqns, device=dev, **kw)
+            except (ProfileError, RuntimeError, MemoryError) as e:
+                if not _out_of_memory(e):
+                    raise
+                why += f"; with {len(fqns)} modules checkpointed it ran out of memory too"
+                prof = None
+            if prof is None:
+                _free(model, dev)  # outside the except block: the failed step's frames are gone
+                continue
+            return prof.model_copy(update={"notes": [*prof.notes, f"memory-safe profile: {why}"]})
+    return _meta_fallback(model, inputs, dev, why, loss_fn=loss_fn, optimizer=optimizer, amp=amp)
+
+
+def profile_checkpointed(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    *,
+    checkpointed: Sequence[str],
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str | torch.device = "auto",
+    optimizer: str = "adamw",
+    warmup_steps: int = 1,
+    steps: int = 3,
+    amp: str | None = None,
+    threads: int | None = None,
+    progress: Progress | None = None,
+) -> schema.Profile:
+    """Measure the step with the modules ``checkpointed`` (FQNs) checkpointed; return the
+    profile of the unplanned step (NOTE [ Memory-safe profile ]).
+
+    The modules must not nest (one inside another). Every call of each is checkpointed.
+    """
+    dev = resolve_device(device)
+    if dev.type == "meta":
+        raise BadInput("a checkpointed profile runs the step; use cpu or cuda")
+    fqns = list(dict.fromkeys(checkpointed))
+    modules = dict(model.named_modules())
+    unknown = [f for f in fqns if f not in modules]
+    if unknown:
+        raise BadInput(f"cannot checkpoint {unknown[:3]}: not modules of the model")
+    for a in fqns:
+        for b in fqns:
+            if a != b and (a == "" or b.startswith(a + ".")):
+                raise BadInput(f"checkpointed modules must not nest: {a or '<root>'!r} contains {b!r}")
+    check_devices(model, inputs)
+    say = progress or (lambda _msg: None)
+    ckpt = _Checkpointing([modules[f] for f in fqns])
+    timing: list[_CheckpointedTiming] = []
+
+    def timing_recorder(m: torch.nn.Module, clock: Any) -> _CheckpointedTiming:
+        timing.append(_CheckpointedTiming(m, clock, ckpt))
+        return timing[-1]
+
+    with _restoring(model, dev), num_threads(threads), ckpt:
+        prof = _measure(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp,
+                        warmup_steps=warmup_steps, steps=steps, say=say,
+                        clock=_PausingClock(pick_clock(dev, torch.get_num_threads())),
+                        timing_recorder=timing_recorder,
+                        memory_recorder=lambda m, tracker: _CheckpointedMemory(m, tracker, ckpt))
+    return _as_unplanned(prof, fqns, timing[-1].recompute_ms if timing else {})
+
+
+def candidate_modules(prof: schema.Profile, granularity: int = 0) -> list[str]:
+    """FQNs of the graph's candidates at ``granularity`` (0: the repeated blocks and the modules
+    around them; 1: their children), the modules a memory-safe profile checkpoints."""
+    from planner.model.graph import _candidate_levels, _children
+
+    units = {u.id: u for u in prof.units}
+    level = _candidate_levels(units, _children(prof.units), granularity)[-1]
+    return list(dict.fromkeys(units[uid].fqn for uid in level if uid not in (schema.ROOT_ID, schema.LOSS_ID)))
+
+
+# ----------------------------------------------------------------------------- checkpointing
+
+
+class _Checkpointing:
+    """Checkpoint ``modules`` (every call) for the duration, with the hooks of NOTE [ Memory-safe profile ].
+
+    ``recorder`` is the recorder of the step now running (timing or memory), or None.
+    """
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+        self.keys = {id(m) for m in modules}
+        self.recorder: Any = None
+        self.key = f"{CHECK_KEY}-{id(self)}"
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _Checkpointing:
+        from planner.act.applier import RegionCounts, _CheckpointedForward
+
+        checks = torch_checkpoint._allowed_determinism_checks_to_fns
+        default_check = checks["default"]
+
+        def on_save(x: torch.Tensor) -> Any:
+            if self.recorder is not None:
+                self.recorder.on_checkpointed_save(x)
+            return default_check(x)  # torch's own determinism check still runs
+
+        checks[self.key] = on_save
+        self._stack.callback(checks.pop, self.key, None)
+        # the replay must run the whole forward (Rule 3): no early stop
+        self._stack.enter_context(torch_checkpoint.set_checkpoint_early_stop(False))
+        for m in self.modules:
+            previous = m.__dict__.get("forward")
+            fwd = _CheckpointedForward(m, previous, RegionCounts())
+            fwd.options = {"determinism_check": self.key, "context_fn": self._contexts}
+            m.forward = fwd
+            self._stack.callback(_restore_forward, m, previous)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _contexts(self) -> tuple[Any, Any]:
+        """checkpoint's ``context_fn``: called as a checkpointed call starts, in the forward."""
+        rec = self.recorder
+        if rec is None or not rec.in_forward or not rec.stack:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        unit = rec.stack[-1]
+        rec.skip_saves = True  # checkpoint saves the region's inputs next (Rule 1)
+        return _Forwarding(rec), _Replaying(rec, unit)
+
+
+def _restore_forward(module: torch.nn.Module, previous: Any) -> None:
+    if previous is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = previous
+
+
+class _Forwarding:
+    """checkpoint's forward context: from here on, saves are the region's own."""
+
+    def __init__(self, rec: Any):
+        self.rec = rec
+
+    def __enter__(self) -> None:
+        self.rec.skip_saves = False
+        if hasattr(self.rec, "region_started"):
+            self.rec.region_started()
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _Replaying:
+    """checkpoint's recompute context: tells the recorder a recompute of ``unit`` runs."""
+
+    def __init__(self, rec: Any, unit: _Unit):
+        self.rec, self.unit = rec, unit
+
+    def __enter__(self) -> None:
+        self.rec.recompute_begin(self.unit)
+
+    def __exit__(self, *exc: object) -> None:
+        self.rec.recompute_end(self.unit)
+
+
+class _PausingClock:
+    """A clock whose intervals leave out the time spent recomputing (Rule 4)."""
+
+    def __init__(self, clock: Any):
+        self.clock = clock
+        self.source = clock.source
+        self.paused_ms = 0.0
+        self._start: Any = None
+
+    def stamp(self) -> tuple[Any, float]:
+        return self.clock.stamp(), self.paused_ms
+
+    def sync(self) -> None:
+        self.clock.sync()
+
+    def ms(self, start: tuple[Any, float], end: tuple[Any, float]) -> float:
+        return self.clock.ms(start[0], end[0]) - (end[1] - start[1])
+
+    def pause(self) -> None:
+        self._start = self.clock.stamp()
+
+    def resume(self) -> float:
+        end = self.clock.stamp()
+        self.clock.sync()
+        ms = self.clock.ms(self._start, end)
+        self.paused_ms += ms
+        return ms
+
+
+# ----------------------------------------------------------------------------- recorders
+
+
+class _CheckpointedTiming(_TimingRecorder):
+    """Timing steps under checkpointing: recomputes are timed apart (Rule 4)."""
+
+    def __init__(self, model: torch.nn.Module, clock: _PausingClock, ckpt: _Checkpointing):
+        self.recompute_ms: dict[str, list[float]] = defaultdict(list)
+        self.skip_saves = False
+        super().__init__(model, clock)
+        ckpt.recorder = self
+
+    def on_checkpointed_save(self, x: torch.Tensor) -> None:
+        pass
+
+    def recompute_begin(self, unit: _Unit) -> None:
+        self.clock.pause()
+
+    def recompute_end(self, unit: _Unit) -> None:
+        self.recompute_ms[unit.id].append(self.clock.resume())
+
+
+class _Replay:
+    """The recompute of one checkpointed call: its inner calls, matched to the forward's units."""
+
+    def __init__(self, unit: _Unit, units: list[_Unit]):
+        self.unit = unit
+        self.inner: dict[int, deque[_Unit]] = defaultdict(deque)
+        for u in units[unit.index + 1:]:
+            if u.fwd_start > unit.fwd_end:
+                break
+            if u.key is not None:
+                self.inner[u.key].append(u)
+        self.stack: list[tuple[int, _Unit]] = []
+
+
+_REPLAY_KINDS = ("rc_start", "rfwd_start", "rfwd_end", "rc_end")
+"""Events of a recompute: they place the replay in the timeline and are not part of the profile."""
+
+
+class _CheckpointedMemory(_MemoryRecorder):
+    """The memory step under checkpointing, and the unplanned timeline rebuilt from it (Rules 1-3)."""
+
+    def __init__(self, model: torch.nn.Module, tracker: LiveBytesTracker, ckpt: _Checkpointing):
+        self.ckpt_keys = ckpt.keys
+        self.skip_saves = False
+        self.dropped: list[tuple[StorageEntry, str]] = []
+        """Saved inside a checkpointed call and alive: (entry, the checkpointed call's unit id)."""
+        self.dropped_serials: set[int] = set()
+        self.dead_bytes: dict[str, int] = defaultdict(int)
+        """Checkpointed call -> bytes of its saves that the checkpointed step has freed."""
+        self.replayed: set[str] = set()
+        self.extra: list[int] = []
+        """Per event: bytes the unplanned step holds and the checkpointed one does not (Rule 2)."""
+        self.replay: _Replay | None = None
+        self.rng_state_bytes = torch.get_rng_state().nbytes if tracker.device_type == "cpu" else 0
+        self.kept_inputs: dict[int, StorageEntry] = {}
+        """Inputs of checkpointed calls, which checkpoint keeps until the call's backward."""
+        self.input_bytes: dict[int, int] = {}
+        self.kept_at: list[tuple[int, ...]] = []
+        """Per event: the kept inputs alive then (which of them the unplanned step had freed is
+        known once the forward is over: their last use)."""
+        self.last_use: dict[int, int] = {}
+        """Serial of a kept input -> seq of its last use in the forward."""
+        self.saved_serials: set[int] = set()
+        self.rng_holders: set[str] = set()
+        """Checkpointed calls holding a copy of the CPU RNG state (Rule 2)."""
+        super().__init__(model, tracker)
+        ckpt.recorder = self
+
+    # ------------------------------------------------------------- Rule 1: saves
+
+    def region_started(self) -> None:
+        """checkpoint has taken its RNG state copy for the call on top of the stack."""
+        if self.stack:
+            self.rng_holders.add(self.stack[-1].id)
+
+    def _exit(self, unit: _Unit, args: tuple, kwargs: dict, output: Any,
+              module: torch.nn.Module | None = None) -> None:
+        super()._exit(unit, args, kwargs, output, module)
+        if unit.id in self.rng_holders and not any(t.requires_grad for t in _io_tensors(output)):
+            self.rng_holders.discard(unit.id)  # no graph to backward through: checkpoint let go already
+
+    def on_checkpointed_save(self, x: torch.Tensor) -> None:
+        if not self.in_forward or self.skip_saves or not self.stack:
+            return
+        self.pack(x)
+        e = self.tracker.entry(x)
+        if e is None or e.static or e.serial in self.dropped_serials:
+            return
+        owner = next((u.id for u in self.stack if u.key in self.ckpt_keys), None)
+        if owner is not None:
+            self.dropped_serials.add(e.serial)
+            self.dropped.append((e, owner))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.skip_saves:  # checkpoint keeping the region's inputs: not a save of the step (Rule 2)
+            e = self.tracker.entry(t)
+            if e is not None and not e.static and e.serial not in self.kept_inputs:
+                self.kept_inputs[e.serial] = e
+                self.input_bytes[e.serial] = e.nbytes
+                self.last_use[e.serial] = self.seq
+            return t
+        e = self.tracker.entry(t) if self.in_forward else None
+        if e is not None:
+            self.saved_serials.add(e.serial)
+        return super().pack(t)
+
+    def _on_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry]) -> None:
+        super()._on_op(func, inputs, new)
+        if self.in_forward:
+            for e in inputs:
+                if e.serial in self.kept_inputs:
+                    self.last_use[e.serial] = self.seq
+
+    def _kept_alive(self) -> tuple[int, ...]:
+        """Serials of the checkpointed calls' inputs alive now (checkpoint keeps them)."""
+        for serial, e in list(self.kept_inputs.items()):
+            if e.ref() is None:
+                del self.kept_inputs[serial]
+        return tuple(self.kept_inputs)
+
+    def _kept_only_by_checkpoint(self, serials: tuple[int, ...], seq: int) -> int:
+        """Bytes of ``serials`` that nothing saves and that the forward used for the last time
+        before ``seq``: the unplanned step has freed them by then, checkpoint keeps them (Rule 2)."""
+        return sum(self.input_bytes[s] for s in serials if s not in self.saved_serials and self.last_use[s] < seq)
+
+    # ------------------------------------------------------------- Rule 2: events
+
+    def _note(self, kind: str, unit: _Unit | None) -> int:
+        if kind == "bwd_end" and unit is not None:
+            self.rng_holders.discard(unit.id)  # the call's backward is done: checkpoint let go of it
+        self.kept_at.append(self._kept_alive())
+        seq = super()._note(kind, unit)
+        self.extra.append(self._dropped_bytes() - self.rng_state_bytes * len(self.rng_holders))
+        return seq
+
+    def _dropped_bytes(self) -> int:
+        """Bytes of saves the checkpointed step has freed, of the calls whose recompute has not
+        started (from then on the recomputed copies stand for them)."""
+        alive = []
+        for e, owner in self.dropped:
+            if e.ref() is None:
+                self.dead_bytes[owner] += e.nbytes
+            else:
+                alive.append((e, owner))
+        self.dropped = alive
+        return sum(b for c, b in self.dead_bytes.items() if c not in self.replayed)
+
+    def recompute_begin(self, unit: _Unit) -> None:
+        self._note("rc_start", unit)
+        self.replayed.add(unit.id)
+        self.replay = _Replay(unit, self.units)
+
+    def recompute_end(self, unit: _Unit) -> None:
+        self.replay = None
+        self._note("rc_end", unit)
+
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        r = self.replay
+        if r is None or self.in_forward:
+            return super()._pre(module, args, kwargs)
+        queue = r.inner.get(id(module))
+        if queue:
+            u = queue.popleft()
+            r.stack.append((id(module), u))
+            self._note("rfwd_start", u)
+
+    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        r = self.replay
+        if r is None or self.in_forward:
+            return super()._post(module, args, kwargs, output)
+        if r.stack and r.stack[-1][0] == id(module):
+            self._note("rfwd_end", r.stack.pop()[1])
+
+    # ------------------------------------------------------------- Rule 3: the unplanned timeline
+
+    def timeline(self) -> list[schema.MemoryEvent]:
+        rises = self._replay_rises()
+        out: list[schema.MemoryEvent] = []
+        carried = 0  # highest unplanned bytes since the last kept event
+        prev_live: int | None = None
+        prev_extra = 0
+        for ev, extra, kept in zip(self.events, self.extra, self.kept_at):
+            extra -= self._kept_only_by_checkpoint(kept, ev.seq)
+            # the extra bytes change somewhere between two events: the larger bounds the peak
+            bound, prev_extra = max(extra, prev_extra), extra
+            if ev.kind == "rc_start" or ev.superseded:
+                carried = max(carried, ev.peak_bytes + bound)
+                continue
+            if ev.kind == "rc_end":  # the recompute is cut out; the level after it stays
+                carried = max(carried, ev.live_bytes + extra)
+                continue
+            if ev.kind in _REPLAY_KINDS:
+                continue
+            live = ev.live_bytes + extra
+            rise = rises.get((ev.kind, ev.unit))
+            if rise is not None and prev_live is not None:
+                peak = prev_live + rise
+            else:
+                peak = max(carried, ev.peak_bytes + bound)
+            out.append(schema.MemoryEvent(seq=ev.seq, kind=ev.kind, unit=ev.unit, live_bytes=live,
+                                          peak_bytes=max(peak, live)))
+            carried, prev_live = 0, live
+        return out
+
+    def _replay_rises(self) -> dict[tuple[str, str | None], int]:
+        """(kind, unit) of a forward event inside a checkpointed call -> the rise of memory from
+        the previous event to this one's peak, as the call's recompute replayed it."""
+        rises: dict[tuple[str, str | None], int] = {}
+        prev = None
+        for ev in self.events:
+            if ev.kind == "rc_start":
+                prev = ev
+            elif prev is not None and ev.kind in ("rfwd_start", "rfwd_end", "rc_end"):
+                kind = "fwd_end" if ev.kind == "rc_end" else ev.kind[1:]
+                rises[(kind, ev.unit)] = ev.peak_bytes - prev.live_bytes
+                prev = None if ev.kind == "rc_end" else ev
+        return rises
+
+
+# ----------------------------------------------------------------------------- assembling
+
+
+def _as_unplanned(prof: schema.Profile, fqns: list[str], recompute_ms: dict[str, list[float]]) -> schema.Profile:
+    """The checkpointed run's profile as the unplanned step's (Rule 4 times, reconstructed peak)."""
+    steps = max(prof.step.measured_steps, 1)
+    units = []
+    for u in prof.units:
+        extra = recompute_ms.get(u.id, [])
+        if extra:
+            u = u.model_copy(update={"forward_ms": (u.forward_ms * steps + sum(extra)) / (steps + len(extra))})
+        units.append(u)
+    checkpointed_run_peak = prof.step.measured_peak_bytes
+    peak = max((e.peak_bytes for e in prof.timeline), default=0)
+    step = prof.step.model_copy(update={"measured_peak_bytes": peak, "peak_source": "reconstructed"})
+    note = (f"measured with {len(fqns)} modules checkpointed (memory-safe profile): that step peaked at "
+            f"{checkpointed_run_peak} bytes [{prof.step.peak_source}]; the unplanned step's timeline and "
+            f"its peak of {peak} bytes are reconstructed from it (NOTE [ Memory-safe profile ])")
+    return prof.model_copy(update={"units": units, "step": step, "measured_with_checkpoints": fqns,
+                                   "notes": [*prof.notes, note]})
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _fake_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, **kw: Any) -> schema.Profile:
+    """The unplanned step on fake tensors with ``dev``'s rules: its bytes and its module calls.
+
+    The roofline's times (for whichever spec) are not used."""
+    from planner.profiling.devices import load_devices
+    from planner.profiling.meta import profile_meta
+
+    spec = load_devices()[0]
+    return profile_meta(model, inputs, target=spec, device_type=dev.type,
+                        fake_device="cpu" if dev.type == "cpu" else None, **kw)
+
+
+def _meta_fallback(model: torch.nn.Module, inputs: Inputs, dev: torch.device, why: str, **kw: Any) -> schema.Profile:
+    """Neither the step nor its checkpointed versions fit: fake tensors, with this GPU's spec."""
+    from planner.profiling.devices import get_device
+    from planner.profiling.meta import profile_meta
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    try:
+        spec = get_device(name) if name else None
+    except BadInput:
+        spec = None
+    if spec is None:
+        raise ProfileError(f"the step does not fit this device even with its candidates checkpointed ({why}); "
+                           f"plan without running it: --device meta --target NAME (remat devices lists them)")
+    prof = profile_meta(model, inputs, target=spec, device_type=dev.type, **kw)
+    return prof.model_copy(update={"notes": [*prof.notes, f"memory-safe profile fell back to fake tensors: {why}"]})
+
+
+@contextlib.contextmanager
+def _cuda_cap(dev: torch.device, device_memory_bytes: int | None) -> Iterator[None]:
+    """On CUDA, let this process allocate at most ``device_memory_bytes`` for the duration."""
+    if dev.type != "cuda" or device_memory_bytes is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(dev).total_memory
+    if device_memory_bytes > total:
+        raise BadInput(f"device memory {device_memory_bytes} bytes is more than {dev} has ({total} bytes)")
+    before = torch.cuda.get_per_process_memory_fraction(dev)
+    torch.cuda.set_per_process_memory_fraction(device_memory_bytes / total, dev)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, dev)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return is_oom(e) or (e.__cause__ is not None and is_oom(e.__cause__))
+
+
+def _first_line(e: BaseException) -> str:
+    cause = e.__cause__ if e.__cause__ is not None and is_oom(e.__cause__) else e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _free(model: torch.nn.Module, dev: torch.device) -> None:
+    """Release what the failed attempt held (its frames are gone once its exception is)."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
