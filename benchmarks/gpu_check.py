@@ -21,6 +21,14 @@ reports the other):
    ``profiles/devices/calibration/<target>.json`` (and $OUT): from then on ``--device meta
    --target <target>`` uses them and says "calibrated" (NOTE [ Roofline ]).
 
+3. the memory-safe profile (``planner.profiling.memsafe``) under a cap of 70% of the measured
+   peak, reached both ways: ``device_memory_bytes`` (a fake-tensor pass predicts the overflow,
+   ``set_per_process_memory_fraction`` enforces the cap), and a bare per-process fraction (the
+   unplanned step runs out of memory, CUDA's ``OutOfMemoryError``, and is retried under
+   checkpointing). Printed: units whose saved bytes differ from the full profile, the predicted
+   unplanned peak against the measured one, whether the plan at the budget of step 1 is the same,
+   and that plan verified (predicted vs measured peak).
+
 Without CUDA it prints "no CUDA device: skipping" and exits 0. Exit 1 when a model failed.
 """
 
@@ -135,12 +143,56 @@ def check_model(name: str, *, device: str, target: str, pairs: list[tuple[Profil
         "max_grad_diff": report.max_grad_diff, "profile_peak_bytes": measured.step.measured_peak_bytes,
         "meta": {},
     }
+    out["memory_safe"] = memory_safe_check(path, mf, measured, plan, device=device)
     fakes = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
     for fake in fakes:
         modelled = profile_meta_for(mf, target, fake)
         out["meta"][f"fake-{fake}"] = calibration(measured, modelled)
         pairs.append((measured, modelled))
     out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def memory_safe_check(path: Path, mf: Any, measured: Profile, plan: Any, *, device: str) -> dict[str, Any]:
+    """Step 3 of the module docstring: the memory-safe profile on CUDA, by prediction and by OOM."""
+    from planner.profiling.memsafe import profile_within
+
+    cap = int(0.7 * measured.step.measured_peak_bytes)
+    dev = torch.device(device)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    out: dict[str, Any] = {"cap_bytes": cap}
+    for how in ("predicted", "out-of-memory"):
+        torch.cuda.empty_cache()
+        if how == "predicted":
+            safe = profile_within(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=device,
+                                  steps=STEPS, device_memory_bytes=cap)
+        else:
+            torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+            try:
+                safe = profile_within(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=device,
+                                      steps=STEPS)
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        full_saved, safe_saved = saved_bytes(measured), saved_bytes(safe)
+        none = simulate(graph_for(safe), []).peak_bytes
+        safe_plan = plan_from_profile(safe, plan.budget_bytes)
+        torch.cuda.empty_cache()
+        report = verify(path, safe_plan, steps=STEPS, device=device)
+        out[how] = {
+            "checkpointed_while_measuring": len(safe.measured_with_checkpoints),
+            "units_with_other_saved_bytes": sum(full_saved.get(u) != b for u, b in safe_saved.items()),
+            "predicted_no_plan_peak_bytes": none, "measured_no_plan_peak_bytes": measured.step.measured_peak_bytes,
+            "same_plan": safe_plan.checkpoint_units == plan.checkpoint_units,
+            "predicted_peak_bytes": report.predicted_peak_bytes, "measured_peak_bytes": report.measured_peak_bytes,
+            "ok": report.ok, "notes": safe.notes,
+        }
+        r = out[how]
+        print(f"memory-safe ({how}, cap {format_bytes(cap)}): {r['checkpointed_while_measuring']} checkpointed, "
+              f"{r['units_with_other_saved_bytes']} units with other saved bytes, unplanned peak predicted "
+              f"{format_bytes(none)} vs measured {format_bytes(measured.step.measured_peak_bytes)} "
+              f"({_pct(none, measured.step.measured_peak_bytes)}); same plan {r['same_plan']}; plan peak "
+              f"{format_bytes(report.predicted_peak_bytes)} predicted, {format_bytes(report.measured_peak_bytes)} "
+              f"measured ({_pct(report.predicted_peak_bytes, report.measured_peak_bytes)})", flush=True)
     return out
 
 
