@@ -46,31 +46,47 @@ Progress = Callable[[str], None]
 # sequence number and unit as a full profile would. Checkpoint's own save of the region's
 # inputs (before the region starts) is not a save of the step and is skipped.
 #
-# Rule 2. Live bytes. At any point of the checkpointed step, the unplanned step holds in
-# addition exactly the tensors saved inside checkpointed calls that the checkpointed step has
-# already freed ("dropped"): in the forward, those dropped so far; in the backward, those of
-# the calls whose recompute has not started yet (from the recompute on, the recomputed copies
-# are alive as the originals would be, and backward frees them as it would). The tracker's
-# weakrefs say when each storage died, so live(unplanned) = live(checkpointed) + dropped, at
-# every event.
+# Rule 2. Live bytes. live(unplanned) = live(checkpointed) + dropped - kept - duplicated - rng,
+# at every event, where
+#   dropped: tensors saved inside a checkpointed call that the checkpointed step has already
+#     freed (the tracker's weakrefs say when each storage died), of the calls whose recompute
+#     has not started: from the recompute on, the recomputed copies are alive as the originals
+#     would be, and backward frees them as it would;
+#   kept: inputs of checkpointed calls that checkpoint keeps for the recompute but nothing in
+#     the step saves, from the event after the one that follows their last use in the forward
+#     (known when the forward is over): the unplanned step has freed them by then (GPT-2's
+#     dropout input, freed when ``h = self.drop(h)`` rebinds h, after the dropout's post-hook);
+#   duplicated: tensors a recompute made again while their original is still alive (kept by a
+#     later call's checkpoint as its input: a ResNet block's output); the unplanned step has one;
+#   rng: the copy of the CPU RNG state (5056 bytes) each checkpointed call keeps until its
+#     backward ends (CPU only: on CUDA it is host memory).
 #
-# Rule 3. Peaks. Between two events, dropped bytes only grow in the forward and stay constant
-# in the backward, so peak + dropped bounds the unplanned peak, exactly in the backward. In the
-# forward of a checkpointed call it is loose (a temporary freed before the saves pile up would
-# be counted with all of them), so there the peak comes from the call's recompute instead: with
-# early stop off, the recompute replays the call's forward with its saves kept, as the
-# unplanned forward keeps them, and its module hooks mark the same events. The rise from one
-# event to the next peak is taken from the replay and added to the unplanned live bytes of the
-# previous event. The recompute itself is not part of the unplanned step: it is cut out of the
-# backward window it falls in, which keeps the peak before it (with the call's dropped bytes)
-# and the level after it (the recomputed saves, as the unplanned step held them then).
+# Rule 3. Peaks. Between two events the correction above changes at moments no event marks;
+# the peak between them takes its value at the previous event (exact when it does not change,
+# as in most of the backward; see timeline()). In the forward of a checkpointed call that
+# is loose (a temporary freed before the saves pile up would be counted with all of
+# them), so there the peak comes from the call's recompute instead: with early stop off, the
+# recompute replays the call's forward with its saves kept, as the unplanned forward keeps
+# them, and its module hooks mark the same events. The rise from one event to the next peak is
+# taken from the replay and added to the unplanned live bytes of the previous event. The
+# recompute itself is not part of the unplanned step: it is cut out of the backward window it
+# falls in, which keeps the peak before it (with the call's dropped bytes) and the level after
+# it (the recomputed saves, as the unplanned step held them then).
+#
+# Why the calibration comes out right: the cost model calibrates the temporaries T of each
+# window as the measured window peak less its model of the unplanned step in that window
+# (NOTE [ Peak-memory model ]). The timeline above is the unplanned step's, event by event, so
+# the windows' peaks and hence T are those a full profile would measure; the checkpointed run's
+# own peaks (which would give T of the checkpointed step, a different quantity) are never used.
+# Measured against full profiles in docs/benchmarks.md (benchmarks/memory_safe.py).
 #
 # Rule 4. Times. Forward times are measured in the forward; a checkpointed call's forward time
 # is the mean of its forward and its recompute. The clock of the timing steps pauses during
 # recomputes, so backward times (per unit and of the step) are those of the unplanned step.
 #
-# Not reconstructed: the RNG state (5056 bytes on the CPU) that each checkpointed call keeps
-# while the step runs: it is in the checkpointed live bytes, a few KB per call.
+# Not reconstructed exactly: a few KB per checkpointed call where the RNG copy's release is
+# placed at the call's backward end; what a model keeps in its own state across the recompute
+# (a KV cache passed to every layer stays alive through the checkpoint frames).
 
 CHECK_KEY = "remat-memory-safe-profile"
 """Prefix of the determinism-check name registered with ``torch.utils.checkpoint`` (Rule 1).
@@ -364,6 +380,8 @@ class _Replay:
             if u.key is not None:
                 self.inner[u.key].append(u)
         self.stack: list[tuple[int, _Unit]] = []
+        self.made: list[StorageEntry] = []
+        """Storages the recompute allocated, in order."""
 
 
 _REPLAY_KINDS = ("rc_start", "rfwd_start", "rfwd_end", "rc_end")
@@ -395,6 +413,10 @@ class _CheckpointedMemory(_MemoryRecorder):
         self.last_use: dict[int, int] = {}
         """Serial of a kept input -> seq of its last use in the forward."""
         self.saved_serials: set[int] = set()
+        self.made: list[tuple[int, StorageEntry]] = []
+        """(seq, entry) of every storage the forward allocated, in order."""
+        self.duplicates: list[tuple[StorageEntry, StorageEntry]] = []
+        """(original, recomputed copy): the copy of a tensor whose original is still alive."""
         self.rng_holders: set[str] = set()
         """Checkpointed calls holding a copy of the CPU RNG state (Rule 2)."""
         super().__init__(model, tracker)
@@ -444,6 +466,14 @@ class _CheckpointedMemory(_MemoryRecorder):
             for e in inputs:
                 if e.serial in self.kept_inputs:
                     self.last_use[e.serial] = self.seq
+            self.made.extend((self.created[e.serial][0], e) for e in new if e.nbytes)
+        elif self.replay is not None:
+            self.replay.made.extend(e for e in new if e.nbytes)
+
+    def _duplicated_bytes(self) -> int:
+        """Bytes of recomputed tensors whose original is alive too (Rule 2)."""
+        self.duplicates = [(o, c) for o, c in self.duplicates if o.ref() is not None and c.ref() is not None]
+        return sum(c.nbytes for _, c in self.duplicates)
 
     def _kept_alive(self) -> tuple[int, ...]:
         """Serials of the checkpointed calls' inputs alive now (checkpoint keeps them)."""
@@ -464,7 +494,8 @@ class _CheckpointedMemory(_MemoryRecorder):
             self.rng_holders.discard(unit.id)  # the call's backward is done: checkpoint let go of it
         self.kept_at.append(self._kept_alive())
         seq = super()._note(kind, unit)
-        self.extra.append(self._dropped_bytes() - self.rng_state_bytes * len(self.rng_holders))
+        self.extra.append(self._dropped_bytes() - self._duplicated_bytes()
+                          - self.rng_state_bytes * len(self.rng_holders))
         return seq
 
     def _dropped_bytes(self) -> int:
@@ -485,6 +516,13 @@ class _CheckpointedMemory(_MemoryRecorder):
         self.replay = _Replay(unit, self.units)
 
     def recompute_end(self, unit: _Unit) -> None:
+        # the recompute made the call's storages again, in the same order: pair them up
+        originals = [e for seq, e in self.made if unit.fwd_start < seq < unit.fwd_end]
+        for original, copy in zip(originals, self.replay.made):
+            if original.nbytes != copy.nbytes:
+                break
+            if original.ref() is not None and copy.ref() is not None:
+                self.duplicates.append((original, copy))
         self.replay = None
         self._note("rc_end", unit)
 
@@ -513,10 +551,18 @@ class _CheckpointedMemory(_MemoryRecorder):
         carried = 0  # highest unplanned bytes since the last kept event
         prev_live: int | None = None
         prev_extra = 0
+        prev_seq = -1
         for ev, extra, kept in zip(self.events, self.extra, self.kept_at):
-            extra -= self._kept_only_by_checkpoint(kept, ev.seq)
-            # the extra bytes change somewhere between two events: the larger bounds the peak
-            bound, prev_extra = max(extra, prev_extra), extra
+            # freed after the next event following its last use: the caller holds it through the
+            # post-hook of the module that used it last (GPT-2: ``h = self.drop(h)``)
+            extra -= self._kept_only_by_checkpoint(kept, prev_seq)
+            prev_seq = ev.seq
+            # between two events the correction changes when the checkpointed step frees a tensor
+            # the unplanned one holds (up: the peak came before, more likely in the backward, where
+            # a region's last gradient is computed before checkpoint lets go of it), or when the
+            # unplanned step frees a tensor checkpoint keeps (down: the peak came before): the
+            # value at the previous event is the one (Rule 3)
+            bound, prev_extra = prev_extra, extra
             if ev.kind == "rc_start" or ev.superseded:
                 carried = max(carried, ev.peak_bytes + bound)
                 continue
