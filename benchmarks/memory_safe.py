@@ -56,12 +56,20 @@ def compare(name: str, steps: int) -> list[dict]:
     dt = max(abs(gf.nodes[n][k] - gs.nodes[n][k]) for n in gf.graph["leaves"]
              for k in ("fwd_transient_bytes", "bwd_transient_bytes"))
     none_f, none_s = simulate(gf, []).peak_bytes, simulate(gs, []).peak_bytes
+    events = lambda p: [(e.kind, e.unit) for e in p.timeline]  # noqa: E731
+    if events(full) == events(safe):
+        pairs = list(zip(full.timeline, safe.timeline))
+        timeline = (f"timeline: {len(pairs)} events, live bytes within "
+                    f"{max(abs(a.live_bytes - b.live_bytes) for a, b in pairs)}, peaks within "
+                    f"{max(abs(a.peak_bytes - b.peak_bytes) for a, b in pairs)} bytes")
+    else:
+        timeline = "timeline: the events differ"
     every = simulate(gf, gf.graph["leaves"]).peak_bytes
     print(f"{name}: {len(gf)} units, {len(fqns)} modules checkpointed; profiles {t1 - t0:.0f} s / {t2 - t1:.0f} s; "
           f"units with other saved bytes: {saved_diff}; largest temporaries difference {dt} bytes; "
           f"unplanned peak: measured {full.step.measured_peak_bytes}, predicted full {none_f}, "
           f"memory-safe {none_s} ({(none_s - none_f) / none_f:+.3%}); "
-          f"the checkpointed run peaked at {_checkpointed_peak(safe)}", flush=True)
+          f"the checkpointed run peaked at {_checkpointed_peak(safe)}; {timeline}", flush=True)
     rows = []
     for q in (1, 2, 3):
         budget = budget_with_headroom(every + (none_f - every) * q // 4)

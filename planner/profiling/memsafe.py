@@ -636,14 +636,14 @@ def _fake_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, **k
 
 def _meta_fallback(model: torch.nn.Module, inputs: Inputs, dev: torch.device, why: str, **kw: Any) -> schema.Profile:
     """Neither the step nor its checkpointed versions fit: fake tensors, with this GPU's spec."""
-    from planner.profiling.devices import get_device
+    from planner.profiling.devices import load_devices
     from planner.profiling.meta import profile_meta
 
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
-    try:
-        spec = get_device(name) if name else None
-    except BadInput:
-        spec = None
+    name = torch.cuda.get_device_name(dev).lower() if dev.type == "cuda" else ""
+    # "NVIDIA H100 80GB HBM3" -> the spec whose name or an alias, as a word, is in it (longest first)
+    words = set(name.replace("-", " ").split())
+    specs = sorted(load_devices(), key=lambda sp: -len(sp.name))
+    spec = next((sp for sp in specs if name and ({sp.name, *sp.aliases} & words or sp.name in name)), None)
     if spec is None:
         raise ProfileError(f"the step does not fit this device even with its candidates checkpointed ({why}); "
                            f"plan without running it: --device meta --target NAME (remat devices lists them)")
