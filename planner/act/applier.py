@@ -73,6 +73,22 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 # all-gathered twice, whichever of ``apply_plan`` and ``fully_shard`` runs first. Regions must
 # not contain an FSDP unit (its hooks would run inside the recompute); the default candidates,
 # the repeated blocks and the modules around them, never do when each block is a unit.
+#
+# NOTE [ Runtime shape guard ]
+#
+# A plan's prediction holds for the input shapes it was profiled with. Training jobs pad
+# dynamically, so a batch can be longer or wider than the planned one, and activations grow
+# with it: the planned peak no longer holds and the step may run out of memory.
+# ``apply_plan(..., guard=...)`` puts a forward pre-hook on the planned model that compares
+# each training forward's tensor inputs (named as the fingerprint names them: positional
+# arguments '0', '1', ..., keyword arguments by key) with ``plan.fingerprint.inputs``:
+#   - an input larger than planned in any dimension (more tokens, a bigger batch) is reported
+#     once per handle, with the planned and the actual shapes: a warning under "warn" (the
+#     default), ``PlanMismatch`` under "error";
+#   - equal or smaller inputs pass silently: activations shrink with them;
+#   - inputs the plan does not name (an attention mask it was made without) are not checked.
+# Forwards without grad (evaluation) and forwards traced by ``torch.compile`` are not checked.
+# To plan for variable-length data, plan at the largest shape the job will see.
 """
 
 from __future__ import annotations
@@ -89,11 +105,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.errors import BadInput, PlanMismatch
-from planner.model.fingerprint import fingerprint
-from planner.model.schema import Fingerprint, Plan
+from planner.model.fingerprint import fingerprint, input_tensors
+from planner.model.schema import Fingerprint, Plan, TensorSig
 from planner.units import format_bytes
 
 logger = logging.getLogger("remat")
+
+GUARDS = ("warn", "error", "off")
+"""``apply_plan(guard=...)`` values; see NOTE [ Runtime shape guard ]."""
 
 _WRAPPED = "_checkpoint_wrapped_module"
 """Attribute under which torch's ``CheckpointWrapper`` keeps the module it checkpoints."""
@@ -180,6 +199,61 @@ class _running_stats_kept:
                 buf.copy_(value)
 
 
+# ----------------------------------------------------------------------------- the shape guard
+
+
+class _ShapeGuard:
+    """A forward pre-hook comparing input shapes with the plan's; see NOTE [ Runtime shape guard ]."""
+
+    def __init__(self, planned: list[TensorSig], mode: str, peak_bytes: int):
+        self.planned = {sig.name: sig.shape for sig in planned}
+        self.mode = mode
+        self.peak_bytes = peak_bytes
+        self.reported = False
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        larger = self.larger_inputs(args, kwargs)
+        if not larger:
+            return
+        self.reported = True
+        listing = "; ".join(f"input {name}: planned {planned}, got {actual}" for name, planned, actual in larger)
+        message = (f"remat: a batch is larger than the plan was made for ({listing}); the predicted peak "
+                   f"({format_bytes(self.peak_bytes)}) no longer holds. Plan at the largest shape the job will "
+                   f"see (e.g. pad or cap to it)")
+        if self.mode == "error":
+            self.reported = False  # raise on every such batch
+            raise PlanMismatch(message + ", or pass guard='warn'", [f"input {n}: planned {p}, got {a}"
+                                                                     for n, p, a in larger])
+        warnings.warn(message + "; reported once", stacklevel=3)
+
+    def larger_inputs(self, args: tuple, kwargs: dict) -> list[tuple[str, list[int], list[int]]]:
+        """``(name, planned shape, actual shape)`` of every input larger than planned."""
+        given = {str(i): a for i, a in enumerate(args)}
+        given.update(kwargs)
+        out = []
+        for name, t in input_tensors(given):
+            planned = self.planned.get(name)
+            if planned is not None and _exceeds(list(t.shape), planned):
+                out.append((name, planned, list(t.shape)))
+        return out
+
+
+def _exceeds(actual: list[int], planned: list[int]) -> bool:
+    """More elements along any dimension (or in all, when the ranks differ) than planned."""
+    if len(actual) != len(planned):
+        return _numel(actual) > _numel(planned)
+    return any(a > p for a, p in zip(actual, planned))
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 # ----------------------------------------------------------------------------- the handle
 
 
@@ -196,6 +270,7 @@ class AppliedPlan:
     """Plan FQNs left alone, with the reason (already checkpointed by the user, not in the model)."""
     _forwards: dict[str, _CheckpointedForward] = field(default_factory=dict, repr=False)
     _active: bool = field(default=True, repr=False)
+    _guard_hook: Any = field(default=None, repr=False)
 
     @property
     def recompute_count(self) -> int:
@@ -223,6 +298,8 @@ class AppliedPlan:
         if not self._active:
             return
         self._active = False
+        if self._guard_hook is not None:
+            self._guard_hook.remove()
         for name, fwd in self._forwards.items():
             module = fwd.module
             if module.__dict__.get("forward") is not fwd:
@@ -244,7 +321,7 @@ class AppliedPlan:
 
 
 def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: bool = True,
-               inputs: Any = None) -> AppliedPlan:
+               inputs: Any = None, guard: str = "warn") -> AppliedPlan:
     """Checkpoint the modules a plan names, in place on ``model``.
 
     Every call of each module in ``plan.checkpoints`` runs inside non-reentrant
@@ -270,6 +347,9 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
             modules present in the model are checkpointed.
         inputs: the inputs the model will be trained on (as ``example_inputs()`` returns them);
             when given, their shapes are checked against the plan's too.
+        guard: what happens when a training forward gets inputs larger than the plan's
+            ("warn": one warning, "error": ``PlanMismatch``, "off": nothing); smaller ones pass.
+            See NOTE [ Runtime shape guard ].
 
     Returns:
         An ``AppliedPlan``: ``.checkpointed``, ``.skipped``, ``.recompute_count``, ``.remove()``.
@@ -284,6 +364,8 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         handle = apply_plan(model, "plan.json", inputs=batch)
         model = torch.compile(model)  # optional, after the plan
     """
+    if guard not in GUARDS:
+        raise BadInput(f"guard={guard!r} is unknown; choose one of {', '.join(map(repr, GUARDS))}")
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
     model = _unwrap_ddp(model)
     _check_model(model)
@@ -313,6 +395,9 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         handle._forwards[name] = fwd
         handle.checkpointed.append(name)
 
+    if guard != "off" and plan.fingerprint.inputs:
+        shape_guard = _ShapeGuard(plan.fingerprint.inputs, guard, plan.predicted.peak_bytes)
+        handle._guard_hook = model.register_forward_pre_hook(shape_guard, with_kwargs=True)
     _report(plan, handle, already)
     return handle
 

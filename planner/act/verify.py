@@ -44,7 +44,7 @@ from pydantic import BaseModel, Field
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.errors import BadInput
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
-from planner.profiling.model_file import Inputs, load_model_file
+from planner.profiling.model_file import Inputs, ModelFile, load_model_file
 from planner.profiling.profiler import resolve_device
 from planner.model.schema import Plan
 from planner.profiling.tracker import iter_tensors, storage_bytes
@@ -113,7 +113,7 @@ class VerifyReport(BaseModel):
         ]
 
 
-def verify(model_file_or_model: str | Path | torch.nn.Module, plan: Plan | str | Path, *, steps: int = 3,
+def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: Plan | str | Path, *, steps: int = 3,
            device: str | torch.device = "cpu", tolerance: float = 1e-5, inputs: Inputs | None = None,
            loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
            progress: Callable[[str], None] | None = None) -> VerifyReport:
@@ -121,7 +121,7 @@ def verify(model_file_or_model: str | Path | torch.nn.Module, plan: Plan | str |
 
     Args:
         model_file_or_model: a model file (``build_model()``, ``example_inputs()``, optional
-            ``loss_fn``), or an ``nn.Module`` without a plan (it is deep-copied, never changed;
+            ``loss_fn``), a loaded ``ModelFile`` (``load_model_file``, ``load_hf_config``), or an ``nn.Module`` without a plan (it is deep-copied, never changed;
             then ``inputs`` is required).
         plan: a ``Plan`` or the path of a plan file.
         steps: timed steps per run (>= 1).
@@ -194,8 +194,8 @@ def _load(source: Any, inputs: Inputs | None, loss_fn: Any) -> tuple[torch.nn.Mo
             raise PlanAlreadyApplied("verify needs the model without a plan (it trains a copy with and one "
                                      "without); call .remove() on the handle apply_plan returned")
         return source, inputs, loss_fn, type(source).__name__
-    mf = load_model_file(source)
-    return mf.build_model(), mf.example_inputs(), mf.loss_fn, str(source)
+    mf = source if isinstance(source, ModelFile) else load_model_file(source)
+    return mf.build_model(), mf.example_inputs(), mf.loss_fn, str(mf.path if isinstance(source, ModelFile) else source)
 
 
 def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev: torch.device,

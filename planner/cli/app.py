@@ -119,6 +119,19 @@ Sharding = Annotated[str, typer.Option(
          "fsdp (FSDP2 on every block and the root: sharded, all-gathered per block).")]
 
 
+HfConfig = Annotated[Path | None, typer.Option(
+    "--hf", help="A Hugging Face config.json (or its folder) instead of MODEL.py: the model of its "
+                 "architectures (or --task) with the library's defaults, on a random batch of --batch rows "
+                 "of --seq-len tokens (or images of the config's size).", show_default=False)]
+Batch = Annotated[int | None, typer.Option("--batch", min=1, help="With --hf: rows per batch.",
+                                           show_default=False)]
+SeqLen = Annotated[int | None, typer.Option("--seq-len", min=1, help="With --hf: tokens per row (text models).",
+                                            show_default=False)]
+Task = Annotated[str | None, typer.Option(
+    "--task", help="With --hf: causal-lm, seq2seq, masked-lm or classification; default: the config's "
+                   "architectures.", show_default=False)]
+
+
 # ----------------------------------------------------------------------------- errors
 
 # NOTE [ CLI errors and exit codes ]
@@ -222,6 +235,10 @@ def plan_cmd(
                            "0.5%, 2% or a fraction such as 0.01.")] = "0.5%",
     world_size: WorldSize = 1,
     sharding: Sharding = "none",
+    hf: HfConfig = None,
+    batch: Batch = None,
+    seq_len: SeqLen = None,
+    task: Task = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -232,14 +249,13 @@ def plan_cmd(
 
     out, log = render.consoles(quiet=quiet)
     budget, budget_bytes = _budget_or_target(budget, target, parse_bytes)
-    if profile is None and model is None:
-        raise BadInput("give a model file (remat plan --budget 12GB model.py) or a saved profile "
-                       "(remat plan --budget 12GB --profile profile.json)")
+    _need_source(model, profile, hf, "remat plan --budget 12GB model.py", "remat plan --budget 12GB --profile profile.json")
     _check_solver(solver)
     _check_output(output)
     _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
-    prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
+    source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
+    prof = _profile_source(source, profile, device=device, optimizer=optimizer, steps=steps, log=log,
                            target=target, amp=amp, threads=threads, device_memory=device_memory)
     graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
@@ -260,8 +276,9 @@ def plan_cmd(
 
 @command("profile")
 def profile_cmd(
-    model: Annotated[Path, typer.Argument(help="model.py defining build_model() and example_inputs().",
-                                          metavar="MODEL.py")],
+    model: Annotated[Path | None, typer.Argument(
+        help="model.py defining build_model() and example_inputs(); or use --hf.", metavar="MODEL.py",
+        show_default=False)] = None,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Write the profile here (atomic). Without it nothing is written.")] = None,
     device: Device = "auto",
@@ -271,6 +288,10 @@ def profile_cmd(
     optimizer: Optimizer = "adamw",
     steps: Steps = 3,
     threads: Threads = None,
+    hf: HfConfig = None,
+    batch: Batch = None,
+    seq_len: SeqLen = None,
+    task: Task = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -280,7 +301,11 @@ def profile_cmd(
 
     out, log = render.consoles(quiet=quiet)
     _check_output(output)
-    prof = _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target, amp=amp,
+    source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
+    if source is None:
+        raise BadInput("give a model file (remat profile model.py) or a Hugging Face config "
+                       "(remat profile --hf config.json --batch 8 --seq-len 2048)")
+    prof = _run_profiler(source, device=device, optimizer=optimizer, steps=steps, log=log, target=target, amp=amp,
                          threads=threads, device_memory=device_memory)
     if output is not None:
         prof.save(output)
@@ -331,6 +356,10 @@ def frontier_cmd(
     time_limit: TimeLimit = 30.0,
     world_size: WorldSize = 1,
     sharding: Sharding = "none",
+    hf: HfConfig = None,
+    batch: Batch = None,
+    seq_len: SeqLen = None,
+    task: Task = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -343,7 +372,7 @@ def frontier_cmd(
 
     out, log = render.consoles(quiet=quiet)
     names = _solver_list(solvers)
-    _need_source(model, profile, "remat frontier model.py", "remat frontier --profile profile.json")
+    _need_source(model, profile, hf, "remat frontier model.py", "remat frontier --profile profile.json")
     _check_ranks(world_size, sharding)
     _check_output(output)
     _check_output(plot)
@@ -351,7 +380,8 @@ def frontier_cmd(
         from planner.cli.plot import require_matplotlib
 
         require_matplotlib()  # before minutes of profiling, not after
-    prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
+    source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
+    prof = _profile_source(source, profile, device=device, optimizer=optimizer, steps=steps, log=log,
                            target=target, amp=amp, threads=threads, device_memory=device_memory)
     graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
@@ -399,6 +429,10 @@ def compare_cmd(
     time_limit: TimeLimit = 60.0,
     world_size: WorldSize = 1,
     sharding: Sharding = "none",
+    hf: HfConfig = None,
+    batch: Batch = None,
+    seq_len: SeqLen = None,
+    task: Task = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -412,11 +446,12 @@ def compare_cmd(
     out, log = render.consoles(quiet=quiet)
     budget, budget_bytes = _budget_or_target(budget, target, parse_bytes)
     names = _solver_list(solvers)
-    _need_source(model, profile, "remat compare --budget 2GB model.py",
+    _need_source(model, profile, hf, "remat compare --budget 2GB model.py",
                  "remat compare --budget 2GB --profile profile.json")
     _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
-    prof = _profile_source(model, profile, device=device, optimizer=optimizer, steps=steps, log=log,
+    source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
+    prof = _profile_source(source, profile, device=device, optimizer=optimizer, steps=steps, log=log,
                            target=target, amp=amp, threads=threads, device_memory=device_memory)
     graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
@@ -455,11 +490,18 @@ def show_cmd(
 
 @command("verify")
 def verify_cmd(
-    model: Annotated[Path, typer.Argument(help="model.py the plan was made for.", metavar="MODEL.py")],
-    plan: Annotated[Path, typer.Argument(help="The plan file to check.", metavar="PLAN.json")],
+    model: Annotated[Path | None, typer.Argument(
+        help="model.py the plan was made for (with --hf: the plan).", metavar="MODEL.py",
+        show_default=False)] = None,
+    plan: Annotated[Path | None, typer.Argument(help="The plan file to check.", metavar="PLAN.json",
+                                                show_default=False)] = None,
     steps: Steps = 3,
     threads: Threads = None,
     device: Device = "auto",
+    hf: HfConfig = None,
+    batch: Batch = None,
+    seq_len: SeqLen = None,
+    task: Task = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -468,7 +510,15 @@ def verify_cmd(
     from planner.act.verify import verify
 
     out, log = render.consoles(quiet=quiet)
-    report = verify(model, plan, steps=steps, device=device, threads=threads, progress=_progress(log))
+    if hf is not None and plan is None:  # remat verify --hf config.json plan.json
+        model, plan = None, model
+    if plan is None:
+        raise BadInput("give the model and the plan: remat verify model.py plan.json "
+                       "(or remat verify --hf config.json --batch 8 --seq-len 2048 plan.json)")
+    source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
+    if source is None:
+        raise BadInput("give the model file the plan was made for: remat verify model.py plan.json")
+    report = verify(source, plan, steps=steps, device=device, threads=threads, progress=_progress(log))
     if as_json:
         render.print_json(report)
     else:
@@ -547,9 +597,32 @@ def _device_text(prof: Any) -> str:
     return f"{prof.device} ({name})" if name and name != prof.device else prof.device
 
 
-def _need_source(model: Path | None, profile: Path | None, with_model: str, with_profile: str) -> None:
-    if profile is None and model is None:
-        raise BadInput(f"give a model file ({with_model}) or a saved profile ({with_profile})")
+def _need_source(model: Path | None, profile: Path | None, hf: Path | None, with_model: str,
+                 with_profile: str) -> None:
+    if profile is None and model is None and hf is None:
+        raise BadInput(f"give a model file ({with_model}), a Hugging Face config (--hf config.json --batch 8 "
+                       f"--seq-len 2048) or a saved profile ({with_profile})")
+
+
+def _model_source(model: Path | None, *, hf: Path | None, batch: int | None, seq_len: int | None,
+                  task: str | None) -> Any:
+    """The ``ModelFile`` of MODEL.py or of ``--hf config.json``; None when neither is given."""
+    from planner.profiling.model_file import load_model_file
+
+    if hf is None:
+        given = [name for name, value in (("--batch", batch), ("--seq-len", seq_len), ("--task", task)) if value]
+        if given:
+            raise BadInput(f"{', '.join(given)} only apply with --hf config.json (a model file makes its own "
+                           f"inputs in example_inputs())")
+        return None if model is None else load_model_file(model)
+    if model is not None:
+        raise BadInput(f"give either a model file ({model}) or --hf {hf}, not both")
+    if batch is None:
+        raise BadInput("--hf needs --batch N: the rows of the batch to plan for (plan at the largest "
+                       "batch the job will see)")
+    from planner.integrations.hf_config import load_hf_config
+
+    return load_hf_config(hf, batch_size=batch, seq_len=seq_len, task=task.strip().lower() if task else None)
 
 
 def _graph(prof: Any, names: list[str] | None, granularity: int, *, world_size: int = 1,
@@ -597,10 +670,11 @@ def _file_kind(path: Path) -> str | None:
     return data.get("kind") if isinstance(data, dict) else None
 
 
-def _profile_source(model: Path | None, profile: Path | None, *, device: str, optimizer: str, steps: int,
-                    log: Any, target: str | None = None, amp: str | None = None, threads: int | None = None,
+def _profile_source(model: Any, profile: Path | None, *, device: str, optimizer: str, steps: int,
+                    log: Any, target: str | None = None, amp: str | None = None,
+                    threads: int | None = None,
                     device_memory: str | None = None) -> Any:
-    """The profile to plan on: loaded from --profile, else measured by running model.py."""
+    """The profile to plan on: loaded from --profile, else measured by running ``model`` (a ModelFile)."""
     from planner.model.schema import Profile
 
     if profile is None:
@@ -612,28 +686,30 @@ def _profile_source(model: Path | None, profile: Path | None, *, device: str, op
     return prof
 
 
-def _check_profile_matches(prof: Any, model_path: Path) -> None:
-    """With both --profile and model.py: build the model (no step is run) and compare fingerprints."""
+def _check_profile_matches(prof: Any, mf: Any) -> None:
+    """With both --profile and a model: build the model (no step is run) and compare fingerprints."""
     from planner.model.fingerprint import fingerprint
-    from planner.profiling.model_file import load_model_file
-
     from planner.profiling.meta import build_on_meta
 
-    mf = load_model_file(model_path)
+    model_path = mf.path
     # shapes and names are all a fingerprint needs: build on the meta device (a 7B model costs nothing)
     diffs = prof.fingerprint.differences(fingerprint(build_on_meta(mf.build_model), mf.example_inputs()))
     if diffs:
         listing = "\n  ".join(diffs)
         raise PlanMismatch(f"the profile was made for another model or input shapes:\n  {listing}\n"
-                           f"re-profile: remat profile {model_path} -o profile.json", diffs)
+                           f"re-profile: remat profile {_profile_args(model_path)} -o profile.json", diffs)
 
 
-def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: Any, target: str | None = None,
+def _profile_args(path: Path) -> str:
+    """How ``remat profile`` names this model: the model file, or --hf with its config."""
+    return str(path) if path.suffix == ".py" else f"--hf {path} --batch N --seq-len N"
+
+
+def _run_profiler(mf: Any, *, device: str, optimizer: str, steps: int, log: Any, target: str | None = None,
                   amp: str | None = None, threads: int | None = None, device_memory: str | None = None) -> Any:
     from planner.profiling import profile
     from planner.profiling.memsafe import profile_within
     from planner.profiling.meta import build_on_meta
-    from planner.profiling.model_file import load_model_file
     from planner.profiling.profiler import resolve_device
 
     meta = device == "meta"
@@ -646,14 +722,16 @@ def _run_profiler(model: Path, *, device: str, optimizer: str, steps: int, log: 
     if cap is not None and resolve_device(device).type == "cpu":
         from planner.profiling.capped import profile_capped
 
-        render.plain(log, f"profiling {model} on cpu within {cap} bytes (a capped child process) ...")
-        return profile_capped(model, device_memory_bytes=cap, optimizer=optimizer, steps=steps, amp=amp,
+        if mf.path.suffix != ".py":  # the child process imports a model file
+            raise BadInput("--device-memory on the CPU profiles a model file in a child process; with --hf, "
+                           "write a model.py that builds the model (or drop --device-memory)")
+        render.plain(log, f"profiling {mf.path} on cpu within {cap} bytes (a capped child process) ...")
+        return profile_capped(mf.path, device_memory_bytes=cap, optimizer=optimizer, steps=steps, amp=amp,
                               threads=threads, quiet=log.quiet)
     # stages the profiler announces: a warm-up step, the timing steps, the memory step, the peak
     # (meta: a warm-up step and one memory-and-roofline step on fake tensors)
-    title = f"profiling {model} on fake tensors for {target}" if meta else f"profiling {model} on {device} ({steps} steps)"
+    title = f"profiling {mf.path} on fake tensors for {target}" if meta else f"profiling {mf.path} on {device} ({steps} steps)"
     with render.stages(log, f"{title} ...", total=2 if meta else steps + 3) as say:
-        mf = load_model_file(model)
         net = build_on_meta(mf.build_model) if meta else mf.build_model()
         if meta:
             return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,

@@ -1,0 +1,75 @@
+"""Train a model file with PyTorch Lightning and a remat plan: the plan is one callback.
+
+    remat plan examples/gpt2.py --budget 160MB -o plan.json
+    python examples/lightning_train.py examples/gpt2.py --plan plan.json --steps 3
+    python examples/lightning_train.py examples/gpt2.py --steps 3        # no plan: the baseline
+
+Needs ``pip install 'remat[lightning]'``. The ``LightningModule`` holds the model file's model as
+``self.model``; ``RematCallback`` finds it by the plan's model class and checkpoints the planned
+modules before the strategy wraps the model. Every step trains on the model file's
+``example_inputs()`` (a demo, not a data loader). Losses and weights equal the plain run's (bit
+for bit on the CPU).
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
+
+from planner.integrations.lightning import RematCallback
+from planner.profiling.model_file import call_model, default_loss, load_model_file
+
+
+class ModelFileModule(pl.LightningModule):
+    """The model of a model file, trained with AdamW on its loss."""
+
+    def __init__(self, model_file: str, lr: float = 1e-3):
+        super().__init__()
+        mf = load_model_file(model_file)
+        self.model = mf.build_model()
+        self.loss_fn = mf.loss_fn or default_loss
+        self.lr = lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss_fn(call_model(self.model, batch))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def train(model_file: str, plan=None, *, steps: int = 3, **trainer_options):
+    """Fit ``steps`` steps; returns the ``LightningModule`` (``.losses``, ``.model``)."""
+    pl.seed_everything(0, verbose=False)
+    module = ModelFileModule(model_file)
+    batches = [load_model_file(model_file).example_inputs() for _ in range(steps)]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)  # each item is one whole batch
+    trainer = pl.Trainer(max_steps=steps, accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[RematCallback(plan)] if plan is not None else [], **trainer_options)
+    trainer.fit(module, loader)
+    return module
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", help="model file: build_model(), example_inputs(), optional loss_fn(output)")
+    p.add_argument("--plan", help="plan.json from `remat plan` (omit to train without checkpointing)")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the plan's summary line
+    module = train(args.model, args.plan, steps=args.steps)
+    for step, loss in enumerate(module.losses):
+        print(f"step {step}: loss {loss:.6f}")
+    return module.losses
+
+
+if __name__ == "__main__":
+    main()

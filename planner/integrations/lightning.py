@@ -1,0 +1,89 @@
+"""A PyTorch Lightning callback that applies a remat plan to the model a ``Trainer`` fits.
+
+    from planner.integrations.lightning import RematCallback
+    trainer = lightning.Trainer(..., callbacks=[RematCallback("plan.json")])
+    trainer.fit(module)
+
+The plan is applied where Lightning expects model changes, before the strategy wraps the model
+(DDP, FSDP, ``ModelParallelStrategy``), so the strategy wraps the planned model: in the
+callback's ``setup`` hook, or, when the ``LightningModule`` builds its layers in
+``configure_model``, right after that hook returns. The plan is applied to the submodule it
+was made for: by default the outermost module of the plan's model class (the
+``LightningModule`` itself, or e.g. its ``self.model``); ``module="model"`` names it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+from planner.act.applier import AppliedPlan, apply_plan
+from planner.errors import BadInput
+from planner.model.schema import Plan
+
+logger = logging.getLogger("remat")
+
+
+class RematCallback(pl.Callback):
+    """Apply a remat plan to the model a Lightning ``Trainer`` fits, before the strategy wraps it.
+
+    Args:
+        plan: a ``Plan`` or the path of a plan file (read now: a bad file fails before fitting).
+        module: dotted attribute path, from the ``LightningModule``, of the module the plan was
+            made for (``"model"`` for ``self.model``); default: the outermost module of the
+            plan's model class.
+        guard: the runtime shape guard of ``apply_plan`` ("warn", "error" or "off"); see
+            NOTE [ Runtime shape guard ].
+        strict: as for ``apply_plan``: refuse a plan whose fingerprint differs from the module.
+    """
+
+    def __init__(self, plan: Plan | str | Path, *, module: str | None = None, guard: str = "warn",
+                 strict: bool = True):
+        self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+        self.module = module
+        self.guard = guard
+        self.strict = strict
+        self.handle: AppliedPlan | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.handle is not None:
+            return
+        if not is_overridden("configure_model", pl_module):
+            self._apply(pl_module)
+            return
+        # The layers may only exist once configure_model has run (Lightning calls it right after
+        # setup, before the strategy wraps the model): apply the plan when it returns.
+        configure_model = pl_module.configure_model
+
+        def configure_then_plan() -> None:
+            del pl_module.configure_model  # back to the class's hook
+            configure_model()
+            self._apply(pl_module)
+
+        pl_module.configure_model = configure_then_plan
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pl_module.__dict__.pop("configure_model", None)  # fit failed before configure_model ran
+
+    def _apply(self, pl_module: pl.LightningModule) -> None:
+        target = self._target(pl_module)
+        self.handle = apply_plan(target, self.plan, strict=self.strict, guard=self.guard)
+
+    def _target(self, pl_module: pl.LightningModule) -> nn.Module:
+        if self.module is not None:
+            try:
+                return pl_module.get_submodule(self.module)
+            except AttributeError:
+                raise BadInput(f"RematCallback(module={self.module!r}): the LightningModule has no such "
+                               f"submodule; name the attribute holding the planned model, e.g. 'model'") from None
+        wanted = self.plan.fingerprint.model_class
+        for _, m in pl_module.named_modules():  # pre-order: the outermost match first
+            if type(m).__name__ == wanted:
+                return m
+        raise BadInput(f"the plan was made for a {wanted}, and the LightningModule ({type(pl_module).__name__}) "
+                       f"holds none; pass RematCallback(plan, module='<attribute>') or re-plan for this model")
