@@ -9,8 +9,8 @@ accelerate wraps the model for DDP or FSDP; see NOTE [ Plans under FSDP2 and DDP
 the start of training for a model the Trainer makes later (``model_init``). The callback
 refuses, with a ``RematError`` naming the fix, when:
 
-- ``TrainingArguments(gradient_checkpointing=True)``: Hugging Face would checkpoint every
-  layer and the plan would checkpoint on top of that (double checkpointing, and the plan's
+- ``TrainingArguments(gradient_checkpointing=True)`` (``activation_checkpointing`` in
+  transformers 5, or FSDP's own in ``fsdp_config``): Hugging Face would checkpoint every layer and the plan would checkpoint on top of that (double checkpointing, and the plan's
   prediction would not hold);
 - the plan was made for another model (``PlanMismatch``, listing what differs);
 - the plan was made for another training recipe than the ``TrainingArguments`` (mixed
@@ -73,17 +73,30 @@ class RematCallback(TrainerCallback):
 
 def check_training_arguments(plan: Plan, args: Any) -> None:
     """Raise if ``args`` (``TrainingArguments``) contradict ``plan``; see the module docstring."""
-    if getattr(args, "gradient_checkpointing", False):
+    which = _trainer_checkpointing(args)
+    if which:
         raise DoubleCheckpointing(
-            "TrainingArguments(gradient_checkpointing=True) checkpoints every layer, and the remat plan would "
-            "checkpoint on top of it (double checkpointing; the plan's prediction would not hold): set "
-            "gradient_checkpointing=False and let the plan choose, or drop RematCallback")
+            f"{which} checkpoints every layer, and the remat plan would checkpoint on top of it (double "
+            f"checkpointing; the plan's prediction would not hold): turn it off and let the plan choose, or drop "
+            f"RematCallback")
     diffs = recipe_differences(plan, args)
     if diffs:
         listing = "\n  ".join(diffs)
         raise PlanMismatch(f"the plan was made for another training recipe than these TrainingArguments:\n"
                            f"  {listing}\nre-plan with the job's recipe (remat plan --amp/--optimizer/"
                            f"--world-size ...) or change the TrainingArguments", diffs)
+
+
+def _trainer_checkpointing(args: Any) -> str | None:
+    """How the Trainer itself would checkpoint layers, or None."""
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name mirrors it)
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, name, None):
+            return f"TrainingArguments({name}=True)"
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    if isinstance(fsdp_config, dict) and fsdp_config.get("activation_checkpointing"):
+        return "TrainingArguments(fsdp_config={'activation_checkpointing': True})"
+    return None
 
 
 def recipe_differences(plan: Plan, args: Any) -> list[str]:

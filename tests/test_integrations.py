@@ -1,0 +1,139 @@
+"""Plans in training frameworks: Hugging Face Trainer, PyTorch Lightning and accelerate.
+
+Each trains a tiny model 3 steps with and without a plan; on the CPU the losses and the trained
+weights are the same bit for bit. Each framework's tests skip when it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.errors import PlanMismatch
+from tests.fixtures import TINY_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+# ----------------------------------------------------------------------------- Hugging Face Trainer
+
+needs_trainer = pytest.mark.skipif(not (has("transformers") and has("accelerate")),
+                                   reason="transformers and accelerate not installed")
+
+
+@pytest.fixture(scope="module")
+def hf_example():
+    import hf_trainer
+
+    plan = hf_trainer.make_plan("1GB", solver="all")  # every GPT-2 block and the modules around them
+    plain_losses, plain_model = hf_trainer.train(steps=3)
+    return hf_trainer, plan, plain_losses, plain_model
+
+
+@needs_trainer
+def test_trainer_with_callback_matches_the_plain_run_and_logs_once(hf_example, caplog):
+    from planner.act.applier import planned_modules
+
+    example, plan, plain_losses, plain_model = hf_example
+    with caplog.at_level(logging.INFO, logger="remat"):
+        losses, model = example.train(plan, steps=3)
+    assert len(losses) == 3 and losses == plain_losses
+    assert same_weights(model, plain_model)
+    assert sorted(planned_modules(model)) == sorted(plan.checkpoints)
+    assert len([r for r in caplog.records if "predicted peak" in r.getMessage()]) == 1
+
+
+@needs_trainer
+def test_trainer_refuses_double_checkpointing_another_model_and_another_recipe(hf_example, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from planner.integrations.hf import DoubleCheckpointing, RematCallback
+
+    example, plan, _, _ = hf_example
+    args = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(DoubleCheckpointing, match="checkpointing=True.*double checkpointing"):
+        Trainer(model=example.build_model(), args=TrainingArguments(gradient_checkpointing=True, **args),
+                callbacks=[RematCallback(plan)])
+    other = GPT2LMHeadModel(GPT2Config(**{**example.CONFIG, "n_layer": 2}))
+    with pytest.raises(PlanMismatch, match="transformer.h.3"):
+        Trainer(model=other, args=TrainingArguments(**args), callbacks=[RematCallback(plan)])
+    with pytest.raises(PlanMismatch, match="mixed precision: plan has none, TrainingArguments have bf16"):
+        Trainer(model=example.build_model(), args=TrainingArguments(bf16=True, **args),
+                callbacks=[RematCallback(plan)])
+
+
+# ----------------------------------------------------------------------------- Lightning
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lightning") / "tiny.py"
+    path.write_text(TINY_MODEL)
+    return path
+
+
+@pytest.mark.skipif(not has("lightning"), reason="lightning not installed (pip install 'remat[lightning]')")
+def test_lightning_callback_matches_the_plain_run(tiny_file):
+    import lightning_train
+
+    import planner
+    from planner.profiling.model_file import load_model_file
+
+    mf = load_model_file(tiny_file)
+    plan = planner.plan(mf.build_model(), "1GB", inputs=mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu",
+                        solver="all", steps=1)
+    plain = lightning_train.train(str(tiny_file), steps=3)
+    planned = lightning_train.train(str(tiny_file), plan, steps=3)
+    assert len(planned.losses) == 3 and planned.losses == plain.losses
+    assert same_weights(planned.model, plain.model)
+    assert planned.trainer.callbacks[0].handle.recompute_count == 3 * len(plan.checkpoints)
+
+
+# ----------------------------------------------------------------------------- accelerate
+
+
+@pytest.mark.skipif(not has("accelerate"), reason="accelerate not installed")
+def test_accelerate_apply_plan_before_prepare(tiny_file):
+    """docs/integrations.md: apply_plan on the model, then accelerator.prepare; same step as plain."""
+    from accelerate import Accelerator
+
+    from planner import apply_plan, plan as make_plan
+    from planner.profiling.model_file import load_model_file
+
+    mf = load_model_file(tiny_file)
+    plan = make_plan(mf.build_model(), "1GB", inputs=mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu",
+                     solver="all", steps=1)
+
+    def run(planned: bool):
+        model = mf.build_model()
+        handle = apply_plan(model, plan) if planned else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        accelerator = Accelerator(cpu=True)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        losses = []
+        for _ in range(3):
+            loss = mf.loss_fn(model(mf.example_inputs()))
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, accelerator.unwrap_model(model), handle
+
+    plain_losses, plain_model, _ = run(False)
+    losses, model, handle = run(True)
+    assert losses == plain_losses and same_weights(model, plain_model)
+    assert handle.recompute_count == 3 * len(plan.checkpoints)
