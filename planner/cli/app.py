@@ -11,6 +11,7 @@ Commands to paste (from a checkout, ``python cli.py`` works wherever ``remat`` d
     remat frontier examples/gpt2.py --plot frontier.png           # recompute vs peak over all budgets
     remat compare --budget 150MB --profile profile.json           # all solvers and baselines at one budget
     remat plan --device meta --target h100 examples/llama7b.py    # a 7B model planned without a GPU (seconds)
+    remat plan --budget 40GB --hf config.json --batch 8 --seq-len 2048   # a Hugging Face config, no model.py
     remat devices                                                 # known accelerators
 
 Results go to stdout, logs and progress to stderr; ``--quiet`` silences the latter and
