@@ -5,8 +5,8 @@
     python examples/lightning_train.py examples/gpt2.py --steps 3        # no plan: the baseline
 
 Needs ``pip install 'remat[lightning]'``. The ``LightningModule`` holds the model file's model as
-``self.model``; ``RematCallback`` finds it by the plan's model class and checkpoints the planned
-modules before the strategy wraps the model. Every step trains on the model file's
+``self.model`` (built in ``configure_model``); ``RematCallback`` finds it by the plan's model
+class and checkpoints the planned modules before the strategy wraps the model. Every step trains on the model file's
 ``example_inputs()`` (a demo, not a data loader). Losses and weights equal the plain run's (bit
 for bit on the CPU).
 """
@@ -26,15 +26,22 @@ from planner.profiling.model_file import call_model, default_loss, load_model_fi
 
 
 class ModelFileModule(pl.LightningModule):
-    """The model of a model file, trained with AdamW on its loss."""
+    """The model of a model file, trained with AdamW on its loss.
+
+    The model is built in ``configure_model``, as Lightning recommends for models that a
+    sharding strategy wraps; ``RematCallback`` applies the plan right after that hook.
+    """
 
     def __init__(self, model_file: str, lr: float = 1e-3):
         super().__init__()
-        mf = load_model_file(model_file)
-        self.model = mf.build_model()
-        self.loss_fn = mf.loss_fn or default_loss
+        self.model_file = load_model_file(model_file)
+        self.loss_fn = self.model_file.loss_fn or default_loss
         self.lr = lr
         self.losses: list[float] = []
+
+    def configure_model(self):
+        if getattr(self, "model", None) is None:  # Lightning may call it again (fit, then test)
+            self.model = self.model_file.build_model()
 
     def training_step(self, batch, batch_idx):
         loss = self.loss_fn(call_model(self.model, batch))
@@ -45,10 +52,10 @@ class ModelFileModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def train(model_file: str, plan=None, *, steps: int = 3, **trainer_options):
-    """Fit ``steps`` steps; returns the ``LightningModule`` (``.losses``, ``.model``)."""
+def train(model_file: str, plan=None, *, steps: int = 3, module_class=ModelFileModule, **trainer_options):
+    """Fit ``steps`` steps; returns the ``LightningModule`` (``.losses``, ``.model``, ``.trainer``)."""
     pl.seed_everything(0, verbose=False)
-    module = ModelFileModule(model_file)
+    module = module_class(model_file)
     batches = [load_model_file(model_file).example_inputs() for _ in range(steps)]
     loader = torch.utils.data.DataLoader(batches, batch_size=None)  # each item is one whole batch
     trainer = pl.Trainer(max_steps=steps, accelerator="auto", devices=1, logger=False, enable_checkpointing=False,

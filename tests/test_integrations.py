@@ -86,8 +86,11 @@ def tiny_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.skipif(not has("lightning"), reason="lightning not installed (pip install 'remat[lightning]')")
-def test_lightning_callback_matches_the_plain_run(tiny_file):
+needs_lightning = pytest.mark.skipif(not has("lightning"), reason="lightning not installed (pip install 'remat[lightning]')")
+
+
+@pytest.fixture(scope="module")
+def lightning_plain(tiny_file):
     import lightning_train
 
     import planner
@@ -96,11 +99,33 @@ def test_lightning_callback_matches_the_plain_run(tiny_file):
     mf = load_model_file(tiny_file)
     plan = planner.plan(mf.build_model(), "1GB", inputs=mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu",
                         solver="all", steps=1)
-    plain = lightning_train.train(str(tiny_file), steps=3)
-    planned = lightning_train.train(str(tiny_file), plan, steps=3)
+    return lightning_train, plan, lightning_train.train(str(tiny_file), steps=3)
+
+
+@needs_lightning
+@pytest.mark.parametrize("built_in", ["configure_model", "__init__"])
+def test_lightning_callback_matches_the_plain_run(lightning_plain, tiny_file, built_in):
+    """The plan is applied after configure_model when the module builds its layers there, else in setup."""
+    import lightning.pytorch as pl
+
+    from planner.integrations.lightning import RematCallback
+
+    example, plan, plain = lightning_plain
+
+    class BuiltInInit(example.ModelFileModule):
+        configure_model = pl.LightningModule.configure_model  # not overridden: Lightning skips the hook
+
+        def __init__(self, model_file):
+            super().__init__(model_file)
+            self.model = self.model_file.build_model()
+
+    module_class = example.ModelFileModule if built_in == "configure_model" else BuiltInInit
+    planned = example.train(str(tiny_file), plan, steps=3, module_class=module_class)
     assert len(planned.losses) == 3 and planned.losses == plain.losses
     assert same_weights(planned.model, plain.model)
-    assert planned.trainer.callbacks[0].handle.recompute_count == 3 * len(plan.checkpoints)
+    (callback,) = [c for c in planned.trainer.callbacks if isinstance(c, RematCallback)]
+    assert callback.handle.recompute_count == 3 * len(plan.checkpoints)
+    assert "configure_model" not in vars(planned)  # the hook is the class's again
 
 
 # ----------------------------------------------------------------------------- accelerate
