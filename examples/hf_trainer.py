@@ -1,9 +1,10 @@
 """Train a tiny Hugging Face GPT-2 with ``Trainer`` and a remat plan: the plan is one callback.
 
     python examples/hf_trainer.py --budget 10MB --steps 3           # plan here, then train with it
-    python examples/hf_trainer.py --write-config cfg               # or: the model's config.json ...
-    remat plan --hf cfg --batch 4 --seq-len 64 --budget 10MB -o plan.json   # ... planned by the CLI
-    python examples/hf_trainer.py --plan plan.json --steps 3       # ... and trained with the plan file
+    remat plan examples/hf_trainer.py --budget 10MB -o plan.json   # or: this file is a model file ...
+    python examples/hf_trainer.py --write-config cfg               # ... or plan its config.json:
+    remat plan --hf cfg --batch 4 --seq-len 64 --budget 10MB -o plan.json
+    python examples/hf_trainer.py --plan plan.json --steps 3       # train with the plan file
     python examples/hf_trainer.py --steps 3                        # no plan: the baseline
 
 The model is ``GPT2LMHeadModel`` from a small ``GPT2Config`` with the library's defaults
@@ -42,10 +43,15 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
+def example_inputs() -> dict[str, torch.Tensor]:
+    """The first batch the Trainer trains on; with build_model() this file is a model file too."""
+    rows = dataset()[:BATCH_SIZE]
+    return {k: torch.stack([row[k] for row in rows]) for k in ("input_ids", "labels")}
+
+
 def make_plan(budget: str, *, solver: str = "auto") -> planner.Plan:
     """Profile a copy of the model on one batch (here, on the CPU) and plan it for ``budget``."""
-    batch = {k: torch.stack([row[k] for row in dataset()[:BATCH_SIZE]]) for k in ("input_ids", "labels")}
-    return planner.plan(build_model(), budget, inputs=batch, device="cpu", solver=solver, steps=1)
+    return planner.plan(build_model(), budget, inputs=example_inputs(), device="cpu", solver=solver, steps=1)
 
 
 class LossRecorder(TrainerCallback):
