@@ -10,7 +10,8 @@ the start of training for a model the Trainer makes later (``model_init``). The 
 refuses, with a ``RematError`` naming the fix, when:
 
 - ``TrainingArguments(gradient_checkpointing=True)`` (``activation_checkpointing`` in
-  transformers 5, or FSDP's own in ``fsdp_config``): Hugging Face would checkpoint every layer and the plan would checkpoint on top of that (double checkpointing, and the plan's
+  transformers 5, or FSDP's own in ``fsdp_config``): Hugging Face would checkpoint every
+  layer and the plan would checkpoint on top of that (double checkpointing, and the plan's
   prediction would not hold);
 - the plan was made for another model (``PlanMismatch``, listing what differs);
 - the plan was made for another training recipe than the ``TrainingArguments`` (mixed
