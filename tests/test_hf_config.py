@@ -11,14 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from cli import app
 from planner.model.schema import Plan, Profile
+from tests.conftest import invoke
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers not installed")
-runner = CliRunner()
 
 _TEXT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
          "vocab_size": 256, "max_position_embeddings": 64}
@@ -35,10 +33,6 @@ CONFIGS = {
 }
 INPUTS = {"t5": ["decoder_input_ids", "input_ids", "labels"], "vit": ["labels", "pixel_values"]}
 SHAPE = ("--batch", "2", "--seq-len", "16")
-
-
-def invoke(*args: str | Path):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def write_config(folder: Path, data: dict) -> Path:
