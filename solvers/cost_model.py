@@ -119,6 +119,7 @@ class _Ctx:
     grad_seqs: tuple[int, ...]  # sorted
     grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
     static_bytes: int  # one process: params + buffers + optimizer state + batch
+    casts: tuple[tuple[int, int], ...]  # (created seq, tensor) of autocast's cached casts, sorted
 
 
 @dataclass(frozen=True)
@@ -142,11 +143,12 @@ def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
     sharding = gg.get("sharding", "none") if per_rank else "none"
     params, buffers, opt = gg["params_bytes"], gg["buffers_bytes"], gg["optimizer_bytes"]
     grads, batch, opt_tr = gg["grads_bytes"], gg["batch_bytes"], gg["optimizer_step_transient_bytes"]
+    alive = gg.get("grads_alive", False)  # NOTE [ Peak-memory model ], "Recipe": in forward too
     if sharding == "fsdp":
         shard = lambda b: -(-b // n)  # noqa: E731
         root, block = gg.get("fsdp_root_param_bytes", 0), gg.get("fsdp_max_block_param_bytes", 0)
         pending = block if n > 1 else 0  # an all-gather output kept, or a prefetched block
-        fwd = (root + block + pending, 0)
+        fwd = (root + block + pending, shard(grads) if alive else 0)
         bwd = (root + block + pending, block + block + root)
         p_rank, o_rank = shard(params) + buffers, shard(opt)
         base = p_rank + o_rank + batch
@@ -154,7 +156,8 @@ def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
                      fwd, bwd, n)
     buckets = grads if sharding == "ddp" else 0
     base = params + buffers + opt + batch + buckets
-    return _Rank(params + buffers, opt, base, base, base + grads + opt_tr, (0, buckets), (0, buckets), 1)
+    fwd = (0, buckets + (grads if alive else 0))
+    return _Rank(params + buffers, opt, base + fwd[1] - buckets, base, base + grads + opt_tr, fwd, (0, buckets), 1)
 
 
 def _cache_key(g: nx.DiGraph) -> tuple[int, int, int]:
@@ -179,15 +182,28 @@ def _context(g: nx.DiGraph) -> _Ctx:
         for n, a in g.nodes(data=True)
     }
     pg = g.graph["param_grads"]
-    grad_seqs = tuple(s for s, _ in pg)
+    # NOTE [ Peak-memory model ], "Recipe": gradients kept alive appear before anything else.
+    grad_seqs = tuple(_ALIVE if g.graph.get("grads_alive", False) else s for s, _ in pg)
     suffix = [0] * (len(pg) + 1)
     for k in range(len(pg) - 1, -1, -1):
         suffix[k] = suffix[k + 1] + pg[k][1]
     static = rank_memory(g, per_rank=False).fwd_static_bytes
+    created = g.graph["tensor_created_seq"]
+    casts = tuple(sorted((created[t], t) for t in g.graph.get("autocast_cached", ())))
     ctx = _Ctx(leaves, leaf_end, g.graph["tensor_bytes"], saves, tuple(s[0] for s in saves), node_leaves, grad_seqs,
-               tuple(suffix), static)
+               tuple(suffix), static, casts)
     g.graph["_cost_ctx"] = (_cache_key(g), ctx)
     return ctx
+
+
+_ALIVE = 1 << 62
+"""A gradient kept alive by the recipe counts as last used after every position."""
+
+
+def _cached_casts(ctx: _Ctx, pos: dict[int, int], seq: int) -> int:
+    """Bytes of autocast's cached casts made by ``seq`` and not held by then: the cache keeps them
+    alive until the forward ends (NOTE [ Peak-memory model ], "Recipe")."""
+    return sum(ctx.tb[t] for c, t in ctx.casts if c <= seq and pos.get(t, _ALIVE + 1) > seq)
 
 
 def _grads_after(ctx: _Ctx, seq: int) -> int:
@@ -319,6 +335,7 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
         a = g.nodes[leaf]
         h = held_upto(end)
         out_extra = sum(ctx.tb[t] for t in a["out_ids"] if pos.get(t, 1 << 62) > end)
+        out_extra += _cached_casts(ctx, pos, end)
         yield f"forward of {leaf}", fwd_static + h + out_extra + tr(a, "fwd_transient_bytes"), fwd_g, fwd_p
         grads = -(-_grads_after(ctx, prev_end) // div)
         rec = _recomputed(g, ctx, owner[i], end) if i in owner else 0
@@ -334,7 +351,7 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
                  + t_fwd)
         yield f"recompute of {c}", total, grads + bwd_g, bwd_p
     h_all = prefix[-1]
-    yield ("end of forward", fwd_static + h_all
+    yield ("end of forward", fwd_static + h_all + _cached_casts(ctx, pos, _ALIVE)
            + (g.graph.get("tail_fwd_transient_bytes", 0) if calibrated else 0), fwd_g, fwd_p)
     grads = -(-_grads_after(ctx, prev_end) // div)
     yield ("start of backward", bwd_static + grads + h_all
@@ -355,7 +372,7 @@ def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
     rk = rank_memory(g)
     params = rk.params_bytes + extra  # extra: FSDP's unsharded parameters at that point
     opt = rk.optimizer_bytes
-    recompute_ms = sum(g.nodes[c]["forward_ms"] for c in chosen)
+    recompute_ms = g.graph.get("micro_batches", 1) * sum(g.nodes[c]["forward_ms"] for c in chosen)
     return Estimate(
         checkpointed=sorted(chosen, key=lambda n: g.nodes[n]["order"]),
         peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
@@ -431,8 +448,12 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
     leaf_pos = {x: i for i, x in enumerate(ctx.leaves)}
     # holdings per tensor: (window, leaf or None, kind)  kind: 0 = save (dropped if leaf ckpt), 1 = ckpt input
     hold: dict[int, list[tuple[int, int | None, int]]] = {}
+    casts = {t for _, t in ctx.casts}
+    exact = True
     for seq, t, containers in ctx.saves:
         leaf = leaf_pos[containers[0]] if containers else None
+        if t in casts and leaf is not None:
+            leaf, exact = None, False  # kept as if held: the recurrence over-counts autocast's casts
         hold.setdefault(t, []).append((window(seq), leaf, 0))
     for i, x in enumerate(ctx.leaves):
         for t in g.nodes[x]["input_ids"]:
@@ -444,7 +465,6 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
 
     delta = [[[0, 0], [0, 0]] for _ in range(n)]
     tail_delta = [0, 0]
-    exact = True
     for t, hs in hold.items():
         b = ctx.tb[t]
         for w in sorted({h[0] for h in hs}):
@@ -469,6 +489,7 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
                         delta[w][a_prev][cur] += b
     rk = rank_memory(g)
     fwd_static, bwd_static, div = rk.fwd_static_bytes, rk.bwd_static_bytes, rk.grad_divisor
+    unsaved_casts = [(c, ctx.tb[t]) for c, t in ctx.casts if t not in hold]  # alive to the forward's end
     k = []
     prev_end = -1
     for i, (x, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
@@ -479,14 +500,15 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
         for cur in (0, 1):
             out_extra = sum(ctx.tb[t] for t in a["out_ids"]
                             if not any(h[0] <= i and active(h, cur) for h in hold.get(t, ())))
-            fwd = fwd_static + out_extra + a.get("fwd_transient_bytes", 0)
+            fwd = (fwd_static + out_extra + a.get("fwd_transient_bytes", 0)
+                   + sum(b for c, b in unsaved_casts if c <= end))
             bwd = bwd_static + grads + (rec if cur else 0) + a.get("bwd_transient_bytes", 0)
             rcp = (bwd_static + -(-_grads_after(ctx, end) // div) + rec + a.get("fwd_transient_bytes", 0)
                    if cur else 0)
             terms.append(max(fwd, bwd, rcp))
         k.append((terms[0], terms[1]))
         prev_end = end
-    tail_k = max(fwd_static + g.graph.get("tail_fwd_transient_bytes", 0),
+    tail_k = max(fwd_static + g.graph.get("tail_fwd_transient_bytes", 0) + sum(b for _, b in unsaved_casts),
                  bwd_static + -(-_grads_after(ctx, prev_end) // div) + g.graph.get("tail_bwd_transient_bytes", 0))
     const = rk.opt_static_bytes
     return ChainTerms(

@@ -94,7 +94,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import networkx as nx
 import pulp
@@ -361,14 +361,18 @@ def build_program(g: nx.DiGraph) -> Program:
     # --- probes of NOTE [ Peak-memory model ], named as simulate names them
     probes: list[Probe] = []
     div = rk.grad_divisor
+    casts = _cast_terms(g, ctx, nodes, unit)
     contains = {i: [c for c in nodes if i in ctx.node_leaves[c]] for i in range(len(ctx.leaves))}
     bwd_const: list[int] = []
     prev_end = -1
     for i, (leaf, e) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
         a = g.nodes[leaf]
-        probes.append(Probe(f"forward of {leaf}", leaf_bucket[i], in_flight.get(i, {}),
+        cast_form, cast_bytes = casts(e)
+        fwd_extra = dict(in_flight.get(i, {}))
+        _lin_add(fwd_extra, cast_form)
+        probes.append(Probe(f"forward of {leaf}", leaf_bucket[i], fwd_extra,
                             rk.fwd_static_bytes + sum(ctx.tb[t] for t in a["out_ids"])
-                            + a.get("fwd_transient_bytes", 0)))
+                            + a.get("fwd_transient_bytes", 0) + cast_bytes))
         bc = rk.bwd_static_bytes + -(-_grads_after(ctx, prev_end) // div) + a.get("bwd_transient_bytes", 0)
         bwd_const.append(bc)
         rec = {c: _recomputed(g, ctx, c, e) / unit for c in contains[i]}
@@ -387,8 +391,9 @@ def build_program(g: nx.DiGraph) -> Program:
         coef = (_recomputed(g, ctx, c, end[c]) + t_fwd + m) / unit
         extra = {**({c: coef} if coef else {}), **({None: -m / unit} if m else {})}
         probes.append(Probe(f"recompute of {c}", bucket(end[c]), extra, const))
-    probes.append(Probe("end of forward", last_bucket, {},
-                        rk.fwd_static_bytes + g.graph.get("tail_fwd_transient_bytes", 0)))
+    cast_form, cast_bytes = casts(1 << 62)
+    probes.append(Probe("end of forward", last_bucket, cast_form,
+                        rk.fwd_static_bytes + g.graph.get("tail_fwd_transient_bytes", 0) + cast_bytes))
     probes.append(Probe("start of backward", last_bucket, {}, tail_bwd))
     probes.append(Probe("optimizer step", None, {}, rk.opt_static_bytes))
 
@@ -401,6 +406,35 @@ def build_program(g: nx.DiGraph) -> Program:
     stats["tie_rows"] = sum(len(group) - 1 for group in ties)
     return Program(nodes, {v: g.nodes[v]["forward_ms"] for v in nodes},
                    {v: g.nodes[v]["parent"] for v in nodes}, paths, ors, delta, probes, unit, stats, ties)
+
+
+def _cast_terms(g: nx.DiGraph, ctx: Any, nodes: list[str], unit: int) -> Callable[[int], tuple[Lin, int]]:
+    """seq -> (form in units, constant bytes) of autocast's cached casts made by ``seq`` and not held
+    then (NOTE [ Peak-memory model ], "Recipe"). A cast saved before ``seq`` is unheld when a candidate
+    containing all its saves is checkpointed: x_c for each such c (an antichain picks at most one);
+    a cast saved only later, or never, is alive through the cache whatever is checkpointed."""
+    saves: dict[int, list[int]] = {}
+    for seq, t, _ in ctx.saves:
+        saves.setdefault(t, []).append(seq)
+    span = {v: (g.nodes[v]["fwd_start_seq"], g.nodes[v]["fwd_end_seq"]) for v in nodes}
+    inputs = {t for v in nodes for t in g.nodes[v]["input_ids"]}
+
+    def at(seq: int) -> tuple[Lin, int]:
+        form: Lin = {}
+        const = 0
+        for created, t in ctx.casts:
+            seqs = saves.get(t, [])
+            if created > seq or t in inputs:
+                continue
+            if not seqs or min(seqs) > seq:
+                const += ctx.tb[t]
+                continue
+            for v, (lo, hi) in span.items():
+                if lo <= min(seqs) and max(seqs) <= hi:
+                    form[v] = form.get(v, 0.0) + ctx.tb[t] / unit
+        return form, const
+
+    return at
 
 
 @dataclass

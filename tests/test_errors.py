@@ -7,6 +7,7 @@ console entry itself, the rest through typer's CliRunner.
 from __future__ import annotations
 
 import os
+import re
 import random
 import signal
 import subprocess
@@ -252,8 +253,8 @@ def _bad_files(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
         "truncated": (text[: len(text) // 2], "it may be truncated"),
         "not JSON": ("hello\n", "is not valid JSON"),
         "JSON, not remat": ('{"a": 1}\n', "is JSON but not a remat"),
-        "newer schema": (text.replace('"schema_version": 1', '"schema_version": 99', 1),
-                         "schema_version 99, this remat reads version 1; upgrade remat"),
+        "newer schema": (re.sub(r'"schema_version": \d+', '"schema_version": 99', text, count=1),
+                         "schema_version 99, this remat reads version"),
     }
     out = {}
     for i, (name, (content, needle)) in enumerate(files.items()):

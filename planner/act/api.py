@@ -143,7 +143,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
             min_feasible_bytes=sol.min_feasible_bytes,
         ),
         granularity=g.graph["granularity"], device=profile.device, device_name=profile.device_name,
-        target=profile.target, dtype=profile.dtype, amp=profile.amp, optimizer=profile.optimizer,
+        target=profile.target, dtype=profile.dtype, recipe=profile.recipe, optimizer=profile.optimizer,
         world_size=g.graph["world_size"], sharding=g.graph["sharding"],
         torch_version=profile.torch_version, remat_version=_version(),
         time_source=profile.time_source, threads=profile.threads, time_calibration=profile.time_calibration,

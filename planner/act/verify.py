@@ -203,8 +203,8 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     model = copy.deepcopy(master).to(dev).train()
     batch = to_device(inputs, dev)
     handle = apply_plan(model, plan, inputs=batch) if planned else None
-    opt = make_optimizer(plan.optimizer or "adamw", model)
-    step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, amp=plan.amp)
+    opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
+    step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
     losses: list[float] = []
 
     def mark(name: str, value: Any) -> None:
@@ -229,9 +229,11 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
         walls.append((time.perf_counter() - wall) * 1e3)
         times.append(clock.ms(start, end))
 
-    model.zero_grad(set_to_none=True)  # see measure_step's warning
-    gc.collect()
-    static = storage_bytes(itertools.chain(model.parameters(), model.buffers(),
+    if plan.recipe.zero_grad_set_to_none:
+        model.zero_grad(set_to_none=True)  # see measure_step's warning
+    gc.collect()  # a recipe with zero_grad(set_to_none=False) starts its steps with the gradients alive
+    kept = (p.grad for p in model.parameters() if p.grad is not None)
+    static = storage_bytes(itertools.chain(model.parameters(), model.buffers(), kept,
                                            iter_tensors(*opt.state.values()) if opt else (), iter_tensors(batch)))
     torch.manual_seed(SEED)
     peak = measure_step(step, dev, static_bytes=static)

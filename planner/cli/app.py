@@ -99,6 +99,18 @@ Target = Annotated[str | None, typer.Option(
     "--target", show_default=False,
     help="Device spec (remat devices; aliases, any case): --device meta models times for it; without "
          "--budget, the budget is its usable memory.")]
+GradAccum = Annotated[int, typer.Option(
+    "--grad-accum", min=1, help="Micro-batches per optimizer step (gradient accumulation); the plan is for "
+                                "the worst one, with the earlier ones' gradients alive.")]
+SetToNone = Annotated[bool, typer.Option(
+    "--zero-grad-set-to-none/--no-zero-grad-set-to-none",
+    help="optimizer.zero_grad(set_to_none=...): PyTorch's default frees the gradients; --no-... keeps them "
+         "(zeroed) alive all step.")]
+ClipGradNorm = Annotated[float | None, typer.Option(
+    "--clip-grad-norm", show_default=False,
+    help="clip_grad_norm_(max_norm) before the optimizer step; its temporaries count at the step.")]
+Fused = Annotated[bool, typer.Option("--fused", help="The optimizer with fused=True.")]
+Foreach = Annotated[bool, typer.Option("--foreach", help="The optimizer with foreach=True.")]
 WorldSize = Annotated[int, typer.Option(
     "--world-size", min=1, help="Data-parallel ranks; the budget and the peak are per rank (> 1 needs "
                                 "--sharding ddp or fsdp). See docs/distributed.md.")]
@@ -240,6 +252,11 @@ def plan_cmd(
     batch: Batch = None,
     seq_len: SeqLen = None,
     task: Task = None,
+    grad_accum: GradAccum = 1,
+    zero_grad_set_to_none: SetToNone = True,
+    clip_grad_norm: ClipGradNorm = None,
+    fused: Fused = False,
+    foreach: Foreach = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -254,10 +271,11 @@ def plan_cmd(
     _check_solver(solver)
     _check_output(output)
     _check_ranks(world_size, sharding)
+    recipe = _recipe(amp, grad_accum, zero_grad_set_to_none, clip_grad_norm, fused, foreach, optimizer)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
     source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
     prof = _profile_source(source, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp, threads=threads, device_memory=device_memory)
+                           target=target, recipe=recipe, threads=threads, device_memory=device_memory)
     graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
     plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
@@ -293,6 +311,11 @@ def profile_cmd(
     batch: Batch = None,
     seq_len: SeqLen = None,
     task: Task = None,
+    grad_accum: GradAccum = 1,
+    zero_grad_set_to_none: SetToNone = True,
+    clip_grad_norm: ClipGradNorm = None,
+    fused: Fused = False,
+    foreach: Foreach = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -306,8 +329,9 @@ def profile_cmd(
     if source is None:
         raise BadInput("give a model file (remat profile model.py) or a Hugging Face config "
                        "(remat profile --hf config.json --batch 8 --seq-len 2048)")
-    prof = _run_profiler(source, device=device, optimizer=optimizer, steps=steps, log=log, target=target, amp=amp,
-                         threads=threads, device_memory=device_memory)
+    recipe = _recipe(amp, grad_accum, zero_grad_set_to_none, clip_grad_norm, fused, foreach, optimizer)
+    prof = _run_profiler(source, device=device, optimizer=optimizer, steps=steps, log=log, target=target,
+                         recipe=recipe, threads=threads, device_memory=device_memory)
     if output is not None:
         prof.save(output)
     if as_json:
@@ -361,6 +385,11 @@ def frontier_cmd(
     batch: Batch = None,
     seq_len: SeqLen = None,
     task: Task = None,
+    grad_accum: GradAccum = 1,
+    zero_grad_set_to_none: SetToNone = True,
+    clip_grad_norm: ClipGradNorm = None,
+    fused: Fused = False,
+    foreach: Foreach = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -381,9 +410,10 @@ def frontier_cmd(
         from planner.cli.plot import require_matplotlib
 
         require_matplotlib()  # before minutes of profiling, not after
+    recipe = _recipe(amp, grad_accum, zero_grad_set_to_none, clip_grad_norm, fused, foreach, optimizer)
     source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
     prof = _profile_source(source, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp, threads=threads, device_memory=device_memory)
+                           target=target, recipe=recipe, threads=threads, device_memory=device_memory)
     graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
     with render.counter(log, f"sweeping {points} budgets") as tick:
@@ -434,6 +464,11 @@ def compare_cmd(
     batch: Batch = None,
     seq_len: SeqLen = None,
     task: Task = None,
+    grad_accum: GradAccum = 1,
+    zero_grad_set_to_none: SetToNone = True,
+    clip_grad_norm: ClipGradNorm = None,
+    fused: Fused = False,
+    foreach: Foreach = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -451,9 +486,10 @@ def compare_cmd(
                  "remat compare --budget 2GB --profile profile.json")
     _check_ranks(world_size, sharding)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
+    recipe = _recipe(amp, grad_accum, zero_grad_set_to_none, clip_grad_norm, fused, foreach, optimizer)
     source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
     prof = _profile_source(source, profile, device=device, optimizer=optimizer, steps=steps, log=log,
-                           target=target, amp=amp, threads=threads, device_memory=device_memory)
+                           target=target, recipe=recipe, threads=threads, device_memory=device_memory)
     graph = _graph(prof, names, granularity, world_size=world_size, sharding=sharding)
     t0 = time.perf_counter()
     pts = compare(graph, budget_bytes, solvers=names, time_limit_s=time_limit)
@@ -672,16 +708,22 @@ def _file_kind(path: Path) -> str | None:
 
 
 def _profile_source(model: Any, profile: Path | None, *, device: str, optimizer: str, steps: int,
-                    log: Any, target: str | None = None, amp: str | None = None,
-                    threads: int | None = None,
+                    log: Any, target: str | None = None, recipe: Any = None, threads: int | None = None,
                     device_memory: str | None = None) -> Any:
-    """The profile to plan on: loaded from --profile, else measured by running ``model`` (a ModelFile)."""
-    from planner.model.schema import Profile
+    """The profile to plan on: loaded from --profile, else measured by running ``model`` (a ModelFile).
+
+    A saved profile measured one recipe: recipe options other than the defaults must match it.
+    """
+    from planner.model.schema import Profile, Recipe
 
     if profile is None:
         return _run_profiler(model, device=device, optimizer=optimizer, steps=steps, log=log, target=target,
-                             amp=amp, threads=threads, device_memory=device_memory)
+                             recipe=recipe, threads=threads, device_memory=device_memory)
     prof = Profile.load(profile)
+    if recipe is not None and recipe != Recipe() and recipe != prof.recipe:
+        raise BadInput(f"{profile} was measured for another training step ("
+                       + "; ".join(prof.recipe.differences(recipe)).replace("training uses", "options give")
+                       + f"): re-profile with these options, or drop them to plan its recipe")
     if model is not None:
         _check_profile_matches(prof, model)
     return prof
@@ -707,7 +749,8 @@ def _profile_args(path: Path) -> str:
 
 
 def _run_profiler(mf: Any, *, device: str, optimizer: str, steps: int, log: Any, target: str | None = None,
-                  amp: str | None = None, threads: int | None = None, device_memory: str | None = None) -> Any:
+                  recipe: Any = None, threads: int | None = None, device_memory: str | None = None) -> Any:
+    from planner.model.schema import Recipe
     from planner.profiling import profile
     from planner.profiling.memsafe import profile_within
     from planner.profiling.meta import build_on_meta
@@ -720,6 +763,11 @@ def _run_profiler(mf: Any, *, device: str, optimizer: str, steps: int, log: Any,
         raise BadInput(f"--device meta models times for a target device: add --target NAME, one of: "
                        f"{', '.join(s.name for s in load_devices())}")
     cap = _device_memory(device_memory, meta)
+    amp = recipe.amp if recipe is not None else None
+    plain = recipe is None or recipe == Recipe(amp=amp)
+    if cap is not None and not plain:
+        raise BadInput("--device-memory measures the plain training step (with --amp) for now; drop it, or drop "
+                       "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach")
     if cap is not None and resolve_device(device).type == "cpu":
         from planner.profiling.capped import profile_capped
 
@@ -734,9 +782,10 @@ def _run_profiler(mf: Any, *, device: str, optimizer: str, steps: int, log: Any,
     title = f"profiling {mf.path} on fake tensors for {target}" if meta else f"profiling {mf.path} on {device} ({steps} steps)"
     with render.stages(log, f"{title} ...", total=2 if meta else steps + 3) as say:
         net = build_on_meta(mf.build_model) if meta else mf.build_model()
-        if meta:
+        if meta or not plain:  # the memory-safe profile measures the plain step (with amp) only
             return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,
-                           steps=steps, amp=amp, target=target, threads=threads, progress=say)
+                           steps=steps, recipe=recipe, target=target if meta else None, threads=threads,
+                           progress=say)
         # a step that does not fit (cap, or out of memory) is measured under checkpointing (planner/profiling/memsafe.py)
         return profile_within(net, mf.example_inputs(), device_memory_bytes=cap, loss_fn=mf.loss_fn,
                               device=device, optimizer=optimizer, steps=steps, amp=amp, threads=threads,
@@ -758,6 +807,23 @@ def _device_memory(text: str | None, meta: bool) -> int | None:
     if value <= 0:
         raise BadInput(f"--device-memory must be positive, got {text!r}")
     return value
+
+
+def _recipe(amp: str | None, grad_accum: int, set_to_none: bool, clip_grad_norm: float | None, fused: bool,
+            foreach: bool, optimizer: str) -> Any:
+    """The training step the options describe (``schema.Recipe``), checked before any profiling."""
+    from planner.model.schema import Recipe
+
+    if fused and foreach:
+        raise BadInput("--fused and --foreach are two implementations of one optimizer: give one of them")
+    if (fused or foreach) and optimizer == "none":
+        raise BadInput(f"--{'fused' if fused else 'foreach'} chooses the optimizer's implementation, but "
+                       f"--optimizer is none: drop it or pick an optimizer")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise BadInput(f"--clip-grad-norm must be a positive max norm, got {clip_grad_norm:g}")
+    impl = "fused" if fused else "foreach" if foreach else "default"
+    return Recipe(grad_accum=grad_accum, zero_grad_set_to_none=set_to_none, amp=amp,
+                  clip_grad_norm=clip_grad_norm, optimizer_impl=impl)
 
 
 def _budget_or_target(budget: str | None, target: str | None, parse: Callable[[str], int]) -> tuple[str, int]:

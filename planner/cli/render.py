@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from planner.model.schema import Plan, Predicted, Profile, SolverInfo
+from planner.model.schema import Plan, Predicted, Profile, Recipe, SolverInfo
 from planner.units import format_bytes
 
 MIB = 2**20
@@ -207,6 +207,11 @@ def written_line(path: Path | str | None, what: str = "plan") -> str:
     return f"wrote {path}"
 
 
+def recipe_line(recipe: Recipe, optimizer: str) -> str:
+    """The training step a plan or profile is for, e.g. 'step: adamw, grad_accum 4, ...'."""
+    return f"step: {optimizer or 'adamw'}, {recipe.describe()}"
+
+
 # ----------------------------------------------------------------------------- per command
 
 
@@ -222,6 +227,7 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
                    f"budget {plan.budget_bytes} bytes ({format_bytes(plan.budget_bytes)})")
     if plan.world_size > 1 or plan.sharding != "none":
         plain(out, f"per rank: {plan.world_size} rank(s) with {plan.sharding} (budget and peak are one rank's)")
+    plain(out, recipe_line(plan.recipe, plan.optimizer))
     out.print(units_table(graph, plan.checkpoint_units) if graph is not None else checkpoints_table(plan))
     for line in peak_lines(plan.predicted, plan.budget_bytes):
         plain(out, line)
@@ -243,6 +249,7 @@ def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bo
         plain(out, f"memory-safe profile: measured with {len(profile.measured_with_checkpoints)} modules "
                    f"checkpointed, as the step did not fit the device; the unplanned step's timeline and peak "
                    f"are reconstructed from that run")
+    plain(out, recipe_line(profile.recipe, profile.optimizer))
     plain(out, f"{graph.number_of_nodes()} candidate units:")
     out.print(units_table(graph))
     plain(out, f"step {s.step_ms:.3f} ms (forward {s.forward_ms:.3f}, backward {s.backward_ms:.3f}, "

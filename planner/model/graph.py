@@ -178,6 +178,8 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         forward_ms=s.forward_ms, backward_ms=s.backward_ms, optimizer_ms=s.optimizer_ms, step_ms=s.step_ms,
         forward_end_seq=s.forward_end_seq, backward_start_seq=s.backward_start_seq,
         measured_peak_bytes=s.measured_peak_bytes, peak_source=s.peak_source,
+        recipe=p.recipe.model_dump(), grads_alive=p.recipe.grads_alive, micro_batches=p.recipe.grad_accum,
+        autocast_cached=frozenset(t.id for t in p.tensors if t.autocast_cached),
     )
 
 

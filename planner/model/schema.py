@@ -20,12 +20,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import BadInput, PlanFileError
 
-PROFILE_SCHEMA_VERSION = 1
-PLAN_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
+PLAN_SCHEMA_VERSION = 2
+"""Version 2 added ``recipe`` (``Recipe``); version-1 files load as the default recipe (their ``amp`` kept)."""
 
 ROOT_ID = "<root>"
 """Unit id of the model's root module call."""
@@ -91,6 +92,69 @@ class Fingerprint(_Model):
         return out
 
 
+
+# ----------------------------------------------------------------------------- recipe
+
+
+class Recipe(_Model):
+    """The training step around forward and backward: what the loop does that moves the peak.
+
+    The defaults are a plain PyTorch loop: ``optimizer.zero_grad()`` (which sets gradients to
+    None), one forward and backward per optimizer step, no autocast, no clipping, torch's default
+    optimizer implementation. remat profiles, predicts and verifies the step this describes (see
+    ``planner.measure.make_step`` and NOTE [ Peak-memory model ]); a plan is valid for its recipe only.
+    """
+
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (gradient accumulation): "
+                                                 "the gradients of micro-batch 1 stay alive through 2..N.")
+    zero_grad_set_to_none: bool = Field(True, description="optimizer.zero_grad(set_to_none=...): True (PyTorch's "
+                                                          "default) frees the gradients before the step; False "
+                                                          "keeps them, zeroed, alive all step.")
+    amp: Literal["bf16", "fp16"] | None = Field(None, description="Forward and loss under torch.autocast at this "
+                                                                  "dtype; fp16 also scales the loss with a "
+                                                                  "GradScaler. None: the model's own dtype.")
+    clip_grad_norm: float | None = Field(None, gt=0, description="torch.nn.utils.clip_grad_norm_(params, max_norm) "
+                                                                 "before the optimizer step (after unscaling).")
+    optimizer_impl: Literal["default", "foreach", "fused"] = Field(
+        "default", description="The optimizer's implementation: torch's default for the device, or "
+                               "foreach=True, or fused=True.")
+
+    @property
+    def grads_alive(self) -> bool:
+        """Every parameter's gradient is alive throughout the worst micro-batch (see NOTE [ Peak-memory model ])."""
+        return self.grad_accum > 1 or not self.zero_grad_set_to_none
+
+    def describe(self) -> str:
+        """One line, e.g. 'grad_accum 4, zero_grad(set_to_none=True), amp bf16, no clipping, default optimizer'."""
+        amp = {None: "no amp", "bf16": "amp bf16", "fp16": "amp fp16 + GradScaler"}[self.amp]
+        clip = "no clipping" if self.clip_grad_norm is None else f"clip_grad_norm {self.clip_grad_norm:g}"
+        return (f"grad_accum {self.grad_accum}, zero_grad(set_to_none={self.zero_grad_set_to_none}), {amp}, "
+                f"{clip}, {self.optimizer_impl} optimizer")
+
+    def differences(self, other: "Recipe") -> list[str]:
+        """What differs between ``self`` (a plan's recipe) and ``other`` (the job's), one phrase each."""
+        out = []
+        for name, field in type(self).model_fields.items():
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                out.append(f"{name}: plan has {mine!r}, training uses {theirs!r}")
+        return out
+
+
+def _recipe_with_amp(data: Any) -> Any:
+    """Files written before ``recipe`` existed mean the default recipe with their ``amp``; ``amp`` mirrors
+    ``recipe.amp`` so readers of either see one value."""
+    if not isinstance(data, dict):
+        return data
+    recipe = data.get("recipe")
+    if recipe is None:
+        return {**data, "recipe": {"amp": data.get("amp")}}
+    amp = recipe.amp if isinstance(recipe, Recipe) else (recipe.get("amp") if isinstance(recipe, dict) else None)
+    if data.get("amp") not in (None, amp):
+        raise ValueError(f"amp {data.get('amp')!r} differs from recipe.amp {amp!r}")
+    return {**data, "amp": amp}
+
+
 # ----------------------------------------------------------------------------- profile
 
 
@@ -132,6 +196,8 @@ class TensorRecord(_Model):
     nbytes: int
     created_seq: int
     producer: str | None = Field(None, description="Unit id innermost when it was created.")
+    autocast_cached: bool = Field(False, description="A parameter's cast made by autocast in the forward: the "
+                                                     "autocast cache keeps it alive until the forward ends.")
 
 
 class SaveRecord(_Model):
@@ -188,7 +254,8 @@ class Profile(_Model):
     device_name: str = ""
     target: str | None = Field(None, description="Device spec name the times were modelled for (meta).")
     dtype: str = "float32"
-    amp: str | None = None
+    amp: str | None = Field(None, description="Mirrors recipe.amp (files of schema version 1 had only this).")
+    recipe: Recipe = Field(default_factory=Recipe, description="The training step that was profiled.")
     optimizer: str = "adamw"
     torch_version: str = ""
     created_at: str = ""
@@ -210,6 +277,11 @@ class Profile(_Model):
                     "reconstructed, see NOTE [ Memory-safe profile ] in planner/profiling/memsafe.py); empty when the "
                     "step was measured as it is.")
     notes: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_recipe(cls, data: Any) -> Any:
+        return _recipe_with_amp(data)
 
     def unit(self, unit_id: str) -> UnitRecord:
         for u in self.units:
@@ -273,7 +345,9 @@ class Plan(_Model):
     device_name: str = ""
     target: str | None = None
     dtype: str = ""
-    amp: str | None = None
+    amp: str | None = Field(None, description="Mirrors recipe.amp (files of schema version 1 had only this).")
+    recipe: Recipe = Field(default_factory=Recipe, description="The training step the plan was made for; "
+                                                               "apply it to that step only.")
     optimizer: str = ""
     world_size: int = 1
     sharding: Literal["none", "ddp", "fsdp"] = "none"
@@ -286,6 +360,11 @@ class Plan(_Model):
     created: RunStamp = Field(default_factory=lambda: RunStamp(),
                               description="The one field that differs between identical runs: when the plan "
                                           "was made and how long the solver took.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_recipe(cls, data: Any) -> Any:
+        return _recipe_with_amp(data)
 
     def save(self, path: str | Path) -> Path:
         return atomic_write_text(path, self.to_json())

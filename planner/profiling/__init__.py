@@ -31,15 +31,18 @@ def profile(
     warmup_steps: int = 1,
     steps: int = 3,
     amp: str | None = None,
+    recipe: schema.Recipe | None = None,
     target: str | Any | None = None,
     threads: int | None = None,
     progress: Progress | None = None,
 ) -> schema.Profile:
     """Profile one training step of ``model`` on ``inputs``.
 
-    The step is ``zero_grad(set_to_none=True)`` -> forward -> ``loss_fn`` -> ``backward()``
-    -> ``optimizer.step()`` (``planner.profiling.measure.make_step``). See the module docstring for
-    what runs and NOTE [ Units ] for what a unit is.
+    The step is ``recipe``'s (``planner.profiling.measure.make_step``): by default
+    ``zero_grad(set_to_none=True)`` -> forward -> ``loss_fn`` -> ``backward()`` ->
+    ``optimizer.step()``; with gradient accumulation the units and the memory timeline are
+    those of the last micro-batch, the one with the others' gradients alive. See
+    ``planner.profiling.profiler`` for what runs and NOTE [ Units ] for what a unit is.
 
     Args:
         model: the model; moved to ``device`` in place and left there. It is profiled in
@@ -54,7 +57,10 @@ def profile(
         optimizer: 'adamw', 'adam', 'sgd' (momentum 0.9) or 'none'.
         warmup_steps: plain steps before measuring (they create the optimizer state).
         steps: timing steps; times are medians over them (NOTE [ Unit costs ]).
-        amp: None, 'bf16' or 'fp16': forward and loss under ``torch.autocast``.
+        amp: None, 'bf16' or 'fp16': forward and loss under ``torch.autocast`` (short for
+            ``recipe=Recipe(amp=...)``).
+        recipe: the training step (``schema.Recipe``): gradient accumulation, zero_grad,
+            amp with a GradScaler for fp16, clipping, the optimizer's implementation.
         target: with device='meta' (required there), the device spec or its name
             (``planner.profiling.devices``) the times are modelled for. Measured devices refuse it.
         threads: torch's intra-op threads while profiling (restored afterwards); None: as
@@ -74,7 +80,7 @@ def profile(
             the user's frames), the loss is not a scalar, or the device ran out of memory.
     """
     from planner.errors import BadInput
-    from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS
+    from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS, resolve_recipe
     from planner.profiling.profiler import profile_real, resolve_device
 
     dev = resolve_device(device)
@@ -86,12 +92,14 @@ def profile(
         raise BadInput(f"need steps >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup_steps}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise BadInput(f"threads must be an integer >= 1, got {threads!r}")
+    recipe = resolve_recipe(recipe, amp)
     if dev.type == "meta":
-        return _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, amp=amp, progress=progress)
+        return _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe,
+                             progress=progress)
     if target is not None:
         raise BadInput(f"target={target!r} models times for device='meta'; on {dev} the times are measured")
     return profile_real(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, warmup_steps=warmup_steps,
-                        steps=steps, amp=amp, threads=threads, progress=progress)
+                        steps=steps, recipe=recipe, threads=threads, progress=progress)
 
 
 def _profile_meta(model: torch.nn.Module, inputs: Inputs, target: Any, **kwargs: Any) -> schema.Profile:

@@ -20,6 +20,7 @@ import torch
 
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
 from planner.profiling.model_file import Inputs, call_model, check_loss, default_loss, user_frames
+from planner.model.schema import Recipe
 
 Mark = Callable[[str, Any], None]
 """``mark(name, value)``: called by a step at each of ``STEP_MARKS``."""
@@ -44,19 +45,44 @@ OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], float], torch.optim.Op
 AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def make_optimizer(name: str, model: torch.nn.Module, *, lr: float = 0.0) -> torch.optim.Optimizer | None:
+def make_optimizer(name: str, model: torch.nn.Module, *, lr: float = 0.0,
+                   impl: str = "default") -> torch.optim.Optimizer | None:
     """The optimizer ``name`` ('adamw', 'adam', 'sgd' with momentum 0.9, 'none') over the trainable parameters.
 
     ``lr`` defaults to 0: every kernel of ``step()`` runs, allocating the same state and
     temporaries, but the weights do not change, so profiling leaves the user's model as it was.
+    ``impl`` is ``Recipe.optimizer_impl``: 'default' (torch's choice for the device), 'foreach'
+    or 'fused'.
     """
     key = name.lower()
     if key not in OPTIMIZERS:
         raise BadInput(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if impl not in _IMPL_KWARGS:
+        raise BadInput(f"unknown optimizer implementation {impl!r}; choose one of {', '.join(_IMPL_KWARGS)}")
     factory = OPTIMIZERS[key]
     if factory is None:
+        if impl != "default":
+            raise BadInput(f"--{impl} chooses the optimizer's implementation, but the optimizer is 'none'; "
+                           f"drop --{impl} or pick an optimizer")
         return None
-    return factory([p for p in model.parameters() if p.requires_grad], lr)
+    opt = factory([p for p in model.parameters() if p.requires_grad], lr)
+    for group in opt.param_groups:
+        group.update(_IMPL_KWARGS[impl])
+    return opt
+
+
+_IMPL_KWARGS: dict[str, dict[str, bool | None]] = {
+    "default": {},
+    "foreach": {"foreach": True, "fused": None},
+    "fused": {"foreach": None, "fused": True},
+}
+"""``Recipe.optimizer_impl`` -> the param-group flags torch.optim reads at each ``step()``."""
+
+
+SCALER_INIT_SCALE = 1.0
+"""The fp16 step's GradScaler starts at scale 1 (torch's default is 2**16). Memory is the same at any
+scale; from 2**16 the first steps overflow and are skipped while the scale settles, so the warm-up
+step would not create the optimizer's state and the compared gradients would be inf."""
 
 
 def make_step(
@@ -66,32 +92,38 @@ def make_step(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     amp: str | None = None,
+    recipe: Recipe | None = None,
 ) -> Step:
-    """One training step: zero_grad(set_to_none) -> forward -> loss -> backward -> optimizer.step().
+    """One training step of ``recipe`` (default: ``Recipe(amp=amp)``, a plain loop).
+
+    ``zero_grad(set_to_none=recipe.zero_grad_set_to_none)``, then ``recipe.grad_accum``
+    micro-batches on ``inputs`` (forward and loss under autocast when ``recipe.amp``; backward
+    of ``loss / grad_accum``, scaled by a GradScaler under fp16), then, once, unscaling,
+    ``clip_grad_norm_`` when ``recipe.clip_grad_norm`` and ``optimizer.step()``.
 
     The model output is dropped once the loss is computed, before backward, as torchtitan's
     train loop does (``del pred``): autograd keeps what it needs, and holding e.g. the logits
     through backward would add their size to the peak of every step.
 
-    The returned ``step(mark=None)`` calls ``mark(name, value)`` at each point of ``STEP_MARKS``.
-    Exceptions from user code become ``ProfileError`` showing the user's frames; running out
-    of memory becomes ``ProfileError`` with advice.
+    The returned ``step(mark=None)`` calls ``mark(name, value)`` at each point of ``STEP_MARKS``,
+    in the *last* micro-batch: the worst one, with the other micro-batches' gradients alive (see
+    NOTE [ Peak-memory model ]). Exceptions from user code become ``ProfileError`` showing the
+    user's frames; running out of memory becomes ``ProfileError`` with advice.
     """
     loss_fn = loss_fn or default_loss
+    recipe = resolve_recipe(recipe, amp)
     device_type = _device_type(model)
-    amp_dtype = _amp_dtype(amp)
+    amp_dtype = _amp_dtype(recipe.amp)
+    scaler = torch.amp.GradScaler(device_type, init_scale=SCALER_INIT_SCALE) if recipe.amp == "fp16" else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = recipe.grad_accum
 
     def autocast() -> contextlib.AbstractContextManager:
         if amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device_type, dtype=amp_dtype)
 
-    def step(mark: Mark | None = None) -> None:
-        mark = mark or _no_mark
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
+    def micro_batch(mark: Mark) -> None:
         mark("step_start", None)
         with user_code("the model's forward"), autocast():
             output = call_model(model, inputs)
@@ -102,15 +134,44 @@ def make_step(
         del output
         mark("backward_start", None)
         with user_code("backward"):
-            loss.backward()
-        del loss
+            scaled = loss / n if n > 1 else loss
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        del loss, scaled
         mark("backward_end", None)
+
+    def step(mark: Mark | None = None) -> None:
         if optimizer is not None:
-            with user_code("optimizer.step()"):
+            optimizer.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
+        else:
+            model.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
+        for k in range(n):
+            micro_batch((mark or _no_mark) if k == n - 1 else _no_mark)
+        with user_code("optimizer.step()"):
+            if scaler is not None and optimizer is not None:
+                scaler.unscale_(optimizer)
+            if recipe.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
+            if scaler is not None and optimizer is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            elif optimizer is not None:
                 optimizer.step()
-        mark("optimizer_end", None)
+        (mark or _no_mark)("optimizer_end", None)
 
     return step
+
+
+def resolve_recipe(recipe: Recipe | None, amp: str | None) -> Recipe:
+    """``recipe``, or the plain loop with ``amp``; both given must agree."""
+    name = None if amp is None or amp.lower() in ("", "none", "off") else amp.lower()
+    if name is not None:
+        _amp_dtype(name)
+        name = {"bfloat16": "bf16", "float16": "fp16"}.get(name, name)
+    if recipe is None:
+        return Recipe(amp=name)
+    if name is not None and name != recipe.amp:
+        raise BadInput(f"amp {amp!r} differs from the recipe's amp {recipe.amp!r}; give one of them")
+    return recipe
 
 
 def to_device(obj: Any, dev: torch.device) -> Any:

@@ -47,7 +47,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from planner.model import schema
 from planner.profiling.devices import Calibration, DeviceSpec, get_device, load_calibration
 from planner.errors import BadInput, ProfileError
-from planner.profiling.measure import Measured, make_optimizer, make_step
+from planner.profiling.measure import Measured, make_optimizer, make_step, resolve_recipe
 from planner.profiling.model_file import Inputs
 from planner.profiling.recording import _assemble, _memory_step, _MemoryRecorder, _Times
 from planner.profiling.tracker import LiveBytesTracker, iter_tensors
@@ -136,6 +136,7 @@ def profile_meta(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: str = "adamw",
     amp: str | None = None,
+    recipe: schema.Recipe | None = None,
     device_type: str = "cuda",
     fake_device: str | None = None,
     calibrated: bool = True,
@@ -152,7 +153,7 @@ def profile_meta(
         inputs: as for ``planner.profiling.profile``; real tensors (turned into fake ones).
         target: a device spec or its name/alias (``planner.profiling.devices``): peak FLOP/s and
             bandwidth for the roofline.
-        loss_fn, optimizer, amp: as for ``planner.profiling.profile``.
+        loss_fn, optimizer, amp, recipe: as for ``planner.profiling.profile``.
         device_type: whose rules the step follows (NOTE [ Meta profiling ]): 'cuda' for a
             GPU target; 'cpu' makes the faked step the same as a real CPU step (to compare).
         fake_device: the fake tensors' device type; default 'cuda' where this PyTorch has
@@ -175,6 +176,7 @@ def profile_meta(
 
     spec = target if isinstance(target, DeviceSpec) else get_device(target)
     rules = rules_for(device_type, fake_device)
+    recipe = resolve_recipe(recipe, amp)
     say = progress or (lambda _msg: None)
     dev = torch.device(rules.fake_device)
     calibration = load_calibration(spec) if calibrated else None
@@ -182,24 +184,24 @@ def profile_meta(
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, _RealKernelOutputs(rules), _fake_state(model, dev), \
             _sdpa(rules), _hf_unpacked(inputs), _explaining_fake_errors():
         fake_inputs = _fake_inputs(fake, inputs, dev)
-        opt = make_optimizer(optimizer, model)
-        if rules.device_type == "cuda" and opt is not None:
+        opt = make_optimizer(optimizer, model, impl=recipe.optimizer_impl)
+        if rules.device_type == "cuda" and opt is not None and recipe.optimizer_impl == "default":
             for group in opt.param_groups:  # torch picks foreach for CUDA tensors, but not for FakeTensors
                 group["foreach"] = True
-        step = make_step(model, fake_inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
+        step = make_step(model, fake_inputs, loss_fn=loss_fn, optimizer=opt, recipe=recipe)
         say("warm-up step (fake tensors)")
         step()
         say("memory and roofline step (fake tensors)")
         stamps: dict[int, tuple[float, float]] = {}
         with roofline:
             mem = _memory_step(
-                model, step, fake_inputs, opt, dev, round_to=rules.round_to,
+                model, step, fake_inputs, opt, dev, recipe=recipe, round_to=rules.round_to,
                 recorder=lambda m, tracker: _RooflineRecorder(m, tracker, roofline, stamps))
         times, flops = _times(mem.recorder, stamps)
         peak = max((e.peak_bytes for e in mem.recorder.events), default=0)
         measured = Measured(peak_bytes=peak, step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
                             source="tracker")
-        prof = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, 1, 1)
+        prof = _assemble(model, inputs, dev, optimizer, recipe, times, mem, measured, 1, 1)
     units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
     source = f"profiles/devices/calibration/{spec.name}.json" if calibration else None
     return prof.model_copy(update={

@@ -35,7 +35,7 @@ import torch
 
 from planner.errors import BadInput
 from planner.model import schema
-from planner.profiling.measure import make_optimizer, make_step, measure_step, to_device
+from planner.profiling.measure import make_optimizer, make_step, measure_step, resolve_recipe, to_device
 from planner.profiling.model_file import Inputs, check_devices
 from planner.profiling.recording import (
     Progress, _assemble, _memory_step, _Recorder, _release, _Times, _Unit,
@@ -52,41 +52,43 @@ def profile_real(
     optimizer: str = "adamw",
     warmup_steps: int = 1,
     steps: int = 3,
-    amp: str | None = None,
+    recipe: schema.Recipe,
     threads: int | None = None,
     progress: Progress | None = None,
 ) -> schema.Profile:
-    """Profile one training step on ``dev`` (resolved by ``resolve_device``, not meta); the
+    """Profile one training step of ``recipe`` on ``dev`` (resolved by ``resolve_device``, not meta); the
     arguments are checked by ``planner.profiling.profile``, which documents them."""
     check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
     with _restoring(model, dev), num_threads(threads):
         clock = pick_clock(dev, torch.get_num_threads())
-        return _measure(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp, clock=clock,
+        return _measure(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe, clock=clock,
                         warmup_steps=warmup_steps, steps=steps, say=progress or (lambda _msg: None))
 
 
 def _measure(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, loss_fn: Callable | None,
-             optimizer: str, amp: str | None, warmup_steps: int, steps: int, say: Progress, clock: Any,
+             optimizer: str, warmup_steps: int, steps: int, say: Progress, clock: Any,
+             amp: str | None = None, recipe: schema.Recipe | None = None,
              timing_recorder: Callable[..., _TimingRecorder] | None = None,
              memory_recorder: Callable[..., _MemoryRecorder] | None = None) -> schema.Profile:
     """The stages of ``profile_real`` (inside ``_restoring`` and ``num_threads``).
     planner/profiling/memsafe.py runs them with the candidates checkpointed, its own recorders and
-    a clock that leaves out recomputes."""
+    a clock that leaves out recomputes. ``amp`` is short for ``recipe=Recipe(amp=...)``."""
+    recipe = resolve_recipe(recipe, amp)
     model.to(dev)
     model.train()
     inputs = to_device(inputs, dev)
-    opt = make_optimizer(optimizer, model)
-    step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, amp=amp)
+    opt = make_optimizer(optimizer, model, impl=recipe.optimizer_impl)
+    step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, recipe=recipe)
     for i in range(warmup_steps):
         say(f"warm-up step {i + 1}/{warmup_steps}")
         step()
     times = _timing_steps(model, step, clock, steps, say, recorder=timing_recorder)
     say("memory step")
-    mem = _memory_step(model, step, inputs, opt, dev, recorder=memory_recorder)
+    mem = _memory_step(model, step, inputs, opt, dev, recipe=recipe, recorder=memory_recorder)
     say("measuring the step's peak")
-    _release(model, dev)
+    _release(model, dev, recipe)
     measured = measure_step(step, dev, static_bytes=mem.static_bytes)
-    result = _assemble(model, inputs, dev, optimizer, amp, times, mem, measured, warmup_steps, steps)
+    result = _assemble(model, inputs, dev, optimizer, recipe, times, mem, measured, warmup_steps, steps)
     return result.model_copy(update={"time_source": clock.source,
                                      "threads": torch.get_num_threads() if dev.type == "cpu" else None})
 

@@ -37,12 +37,15 @@ from typing_extensions import Self
 from planner.model import schema
 from planner.model.fingerprint import fingerprint
 from planner.model.schema import LOSS_ID, ROOT_ID
-from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS, Measured
+from planner.profiling.measure import OPTIMIZERS, Measured
 from planner.profiling.model_file import Inputs
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 from planner.profiling.timing import describe, signature, unit_costs
 
 Progress = Callable[[str], None]
+
+_TO_COPY = torch.ops.aten._to_copy.default
+"""What autocast's ``cached_cast`` runs to cast a parameter (below autocast, so the tracker sees it)."""
 
 _ROUND_TO = {"cuda": 512}
 """Allocation granularity per device type: the CUDA caching allocator rounds to 512 bytes."""
@@ -325,6 +328,10 @@ class _MemoryRecorder(_Recorder):
         self.param_last_use: dict[int, int] = {}
         """Storage serial of a parameter -> seq of the last forward op that read it."""
         self.param_bytes_cache: dict[int, int] = {}
+        self.autocast = False
+        """The step runs its forward under autocast (``torch.is_autocast_enabled`` reads False down here)."""
+        self.autocast_cached: set[int] = set()
+        """Tensor ids of the casts of parameters autocast made (and cached) in the forward."""
         self.on_event: Callable[[int], None] | None = None
         """Called with each event's seq, so the device's allocator view can mark the moment."""
         self.ops: list[Any] = []
@@ -360,6 +367,10 @@ class _MemoryRecorder(_Recorder):
         producer = self.stack[-1].id if self.stack else None
         for e in new:
             self.created[e.serial] = (self._next(), producer)
+        if self.autocast and func is _TO_COPY and len(new) == 1 and inputs and inputs[0].serial in self.param_last_use:
+            # NOTE [ Peak-memory model ], autocast: the cast is cached until the forward's autocast
+            # region exits, whether or not anything saves it.
+            self.autocast_cached.add(self._tensor_id(new[0]))
         for e in inputs:
             if e.serial in self.param_last_use:
                 self.param_last_use[e.serial] = self.seq
@@ -455,12 +466,14 @@ class _Memory:
 
 
 def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
-                 opt: torch.optim.Optimizer | None, dev: torch.device, *, round_to: int | None = None,
+                 opt: torch.optim.Optimizer | None, dev: torch.device, *, recipe: schema.Recipe,
+                 round_to: int | None = None,
                  recorder: Callable[[torch.nn.Module, LiveBytesTracker], _MemoryRecorder] | None = None) -> _Memory:
     """One step under the tracker. ``round_to`` (default: ``dev``'s) and ``recorder`` are
     for planner/profiling/meta.py, whose fake CPU tensors follow CUDA's rules and whose recorder also
-    notes the roofline's clock."""
-    _release(model, dev)
+    notes the roofline's clock. Gradients a ``zero_grad(set_to_none=False)`` recipe keeps
+    from the last step are static here (alive before the step, as in training)."""
+    _release(model, dev, recipe)
     round_to = _ROUND_TO.get(dev.type, 1) if round_to is None else round_to
     tracker = LiveBytesTracker(device_type=dev.type, round_to=round_to)
     params = [p for p in model.parameters()]
@@ -468,7 +481,9 @@ def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
     buffers_bytes = tracker.register_static(model.buffers())
     optimizer_bytes = tracker.register_static(_optimizer_tensors(opt))
     batch_bytes = tracker.register_static(iter_tensors(inputs))
+    kept_grads_bytes = tracker.register_static(p.grad for p in params if p.grad is not None)
     rec = (recorder or _MemoryRecorder)(model, tracker)
+    rec.autocast = recipe.amp is not None
     serials: dict[str, int] = {}
     for name, p in model.named_parameters():
         e = tracker.entry(p)
@@ -479,7 +494,8 @@ def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
             tracker:
         rec.on_event = view.note
         step(rec.mark)
-    view.apply(rec.events, params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + tracker.found_bytes)
+    view.apply(rec.events, params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + kept_grads_bytes
+               + tracker.found_bytes)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grads_bytes = storage_bytes(grads, round_to=tracker.round_to)
     records: list[schema.ParamRecord] = []
@@ -496,7 +512,7 @@ def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
                                           grad_seq=last if last >= 0 else forward_end))
     events = {e.kind: e for e in rec.events if e.unit is None}
     transient = events["optimizer_end"].peak_bytes - events["backward_end"].live_bytes
-    static = params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + tracker.found_bytes
+    static = params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + kept_grads_bytes + tracker.found_bytes
     return _Memory(rec, params_bytes, buffers_bytes, batch_bytes, optimizer_bytes, grads_bytes, tracker.found_bytes,
                    max(transient, 0), static, records, unused)
 
@@ -607,14 +623,16 @@ def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> Iterator[torch.Tens
         yield from iter_tensors(state)
 
 
-def _release(model: torch.nn.Module, dev: torch.device) -> None:
+def _release(model: torch.nn.Module, dev: torch.device, recipe: schema.Recipe | None = None) -> None:
     """Free the last step's gradients (and, on CUDA, its cyclic garbage) before a measured step.
 
     ``max_memory_allocated`` is absolute, so garbage still holding device memory would count
     in the CUDA peak. The tracker and the CPU profiler see only what the step allocates, so
-    on the CPU a full ``gc.collect()`` (0.1 s and more) would buy nothing.
+    on the CPU a full ``gc.collect()`` (0.1 s and more) would buy nothing. A recipe with
+    ``zero_grad(set_to_none=False)`` keeps its gradients: they are alive when its steps start.
     """
-    model.zero_grad(set_to_none=True)
+    if recipe is None or recipe.zero_grad_set_to_none:
+        model.zero_grad(set_to_none=True)
     if dev.type != "cpu":
         gc.collect()
 
@@ -622,7 +640,7 @@ def _release(model: torch.nn.Module, dev: torch.device) -> None:
 # ----------------------------------------------------------------------------- assembling
 
 
-def _assemble(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimizer: str, amp: str | None,
+def _assemble(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimizer: str, recipe: schema.Recipe,
               times: _Times, mem: _Memory, measured: Measured, warmup_steps: int, steps: int) -> schema.Profile:
     rec = mem.recorder
     notes: list[str] = []
@@ -631,7 +649,8 @@ def _assemble(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimiz
     # Ids in creation order, so reading the list follows the step.
     order = sorted(rec.tensors.values(), key=lambda t: (t.created_seq, t.id))
     remap = {t.id: i for i, t in enumerate(order)}
-    tensors = [schema.TensorRecord(id=remap[t.id], nbytes=t.nbytes, created_seq=t.created_seq, producer=t.producer)
+    tensors = [schema.TensorRecord(id=remap[t.id], nbytes=t.nbytes, created_seq=t.created_seq, producer=t.producer,
+                                   autocast_cached=t.id in rec.autocast_cached)
                for t in order]
     costs = _pooled_costs(times, rec.signatures)
     units = [_unit_record(u, costs.get(u.id, (0.0, 0.0, 0)), rec.signatures.get(u.id, ""), remap) for u in rec.units]
@@ -661,7 +680,7 @@ def _assemble(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimiz
         forward_ms=times.forward_ms,
         backward_ms=times.backward_ms,
         optimizer_ms=times.optimizer_ms,
-        step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
+        step_ms=recipe.grad_accum * (times.forward_ms + times.backward_ms) + times.optimizer_ms,
         forward_end_seq=rec.marks["forward_end"],
         backward_start_seq=rec.marks["backward_start"],
         measured_peak_bytes=measured.peak_bytes,
@@ -674,7 +693,7 @@ def _assemble(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimiz
         device=dev.type,
         device_name=_device_name(dev),
         dtype=_dtype(model),
-        amp=_amp_name(amp),
+        recipe=recipe,
         optimizer=optimizer.lower(),
         torch_version=torch.__version__,
         created_at=schema.now_iso(),
@@ -725,7 +744,3 @@ def _dtype(model: torch.nn.Module) -> str:
     return str(max(sizes, key=sizes.__getitem__)).removeprefix("torch.") if sizes else "float32"
 
 
-def _amp_name(amp: str | None) -> str | None:
-    if amp is None or amp.lower() in ("", "none", "off"):
-        return None
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP_DTYPES[amp.lower()]]
