@@ -5,11 +5,12 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 
 # NOTE [ Peak-memory model ]
 #
-# What is modelled: one steady-state training step, ``zero_grad(set_to_none=True)``, forward,
-# loss, backward, ``optimizer.step()``, with the candidates in the checkpoint set C wrapped in
-# non-reentrant ``torch.utils.checkpoint`` (C is an antichain of the module tree: a unit and
-# one of its descendants are never both checkpointed; and it holds every call of a module or
-# none, NOTE [ Tied calls ]).
+# What is modelled: one steady-state training step of the recipe (default:
+# ``zero_grad(set_to_none=True)``, forward, loss, backward, ``optimizer.step()``; see "Recipe"
+# below), with the candidates in the checkpoint set C wrapped in non-reentrant
+# ``torch.utils.checkpoint`` (C is an antichain of the module tree: a unit and one of its
+# descendants are never both checkpointed; and it holds every call of a module or none,
+# NOTE [ Tied calls ]).
 #
 # Static memory, alive all step: parameters + buffers + optimizer state + the input batch.
 # Gradient buffers: none during forward; during backward a parameter's gradient appears once
@@ -55,6 +56,25 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 # 5056 bytes per region in host memory: device memory on a CPU run only, measured in
 # docs/benchmarks.md) and allocations too brief to leave a window; the planner's headroom
 # (planner.act.api.DEFAULT_HEADROOM) covers them.
+#
+# Recipe (graph.graph "recipe", from ``schema.Recipe``; the profiler ran the same step):
+#   grad_accum N > 1:  the step runs N micro-batches and the optimizer step after the last. From
+#         micro-batch 2 on, every gradient is alive from the start (accumulated in place; the new
+#         gradient is a temporary of its backward window, in T). The worst micro-batch is the last:
+#         the profiler measures it, and the model counts all gradients in every window ("grads_alive":
+#         forward windows and tail included). Micro-batch 1, whose gradients appear during its
+#         backward, is never higher. Recompute time is N times the checkpointed units' forward time.
+#   zero_grad(set_to_none=False): the gradients stay allocated (zeroed) between steps: the same term.
+#   amp (bf16/fp16): autocast caches the cast of each parameter it casts (leaf, requires grad)
+#         until the forward's autocast region exits. A checkpointed unit drops what it saves, but
+#         not its casts: they stay alive to the forward's end ("autocast_cached" tensors not held are
+#         added to every forward window after their creation and to the end of forward). In
+#         backward they are freed; the recompute re-creates them (in R). fp16's GradScaler adds a
+#         few scalars; its unscale, like clipping, runs at the optimizer step.
+#   clip_grad_norm / GradScaler unscale / fused or foreach optimizers: their temporaries are part
+#         of the measured optimizer-step temporaries (between the last backward and the step's end).
+# The DP's recurrence (``chain_terms``) keeps autocast's casts as if held (an over-count, so its
+# plans fit and ``auto`` sends amp graphs to the ILP, which has the exact term).
 #
 # Per rank, under torch.distributed (graph.graph "world_size" N and "sharding"):
 #   ddp:  static memory as above, plus DDP's gradient buckets: one flat copy of the gradients,
