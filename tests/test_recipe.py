@@ -97,9 +97,9 @@ def test_zero_grad_set_to_none_false_keeps_gradients():
     opt = make_optimizer("sgd", model)
     step = make_step(model, _inputs(), loss_fn=_loss, optimizer=opt, recipe=Recipe(zero_grad_set_to_none=False))
     step()
-    first = model[0].weight.grad
+    first = model[0][0].weight.grad
     step()
-    assert model[0].weight.grad is first  # zeroed in place, never freed
+    assert model[0][0].weight.grad is first  # zeroed in place, never freed
 
 
 def test_optimizer_implementation_flags():

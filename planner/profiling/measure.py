@@ -151,11 +151,12 @@ def make_step(
                 scaler.unscale_(optimizer)
             if recipe.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
-            if scaler is not None and optimizer is not None:
+            if scaler is not None and optimizer is not None and not _fake():
                 scaler.step(optimizer)
-                scaler.update()
-            elif optimizer is not None:
+            elif optimizer is not None:  # fake tensors: GradScaler.step reads found_inf's value; same kernels
                 optimizer.step()
+            if scaler is not None and optimizer is not None:
+                scaler.update()
         (mark or _no_mark)("optimizer_end", None)
 
     return step
@@ -172,6 +173,13 @@ def resolve_recipe(recipe: Recipe | None, amp: str | None) -> Recipe:
     if name is not None and name != recipe.amp:
         raise BadInput(f"amp {amp!r} differs from the recipe's amp {recipe.amp!r}; give one of them")
     return recipe
+
+
+def _fake() -> bool:
+    """Running on fake tensors (``--device meta``, planner/meta.py)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
 
 
 def to_device(obj: Any, dev: torch.device) -> Any:
