@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from planner.api import budget_with_headroom, graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
-from planner.cost_model import simulate  # noqa: E402
-from planner.profiler import profile  # noqa: E402
-from planner.schema import Recipe  # noqa: E402
-from planner.verify import verify  # noqa: E402
+from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
+from planner.act.verify import verify  # noqa: E402
+from planner.model.schema import Recipe  # noqa: E402
+from planner.profiling import profile  # noqa: E402
+from solvers.cost_model import simulate  # noqa: E402
 
 DEFAULT_RECIPES = ("", "grad_accum=2", "amp=bf16")
 

@@ -102,7 +102,7 @@ class Recipe(_Model):
     The defaults are a plain PyTorch loop: ``optimizer.zero_grad()`` (which sets gradients to
     None), one forward and backward per optimizer step, no autocast, no clipping, torch's default
     optimizer implementation. remat profiles, predicts and verifies the step this describes (see
-    ``planner.measure.make_step`` and NOTE [ Peak-memory model ]); a plan is valid for its recipe only.
+    ``planner.profiling.measure.make_step`` and NOTE [ Peak-memory model ]); a plan is valid for its recipe only.
     """
 
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (gradient accumulation): "

@@ -176,7 +176,7 @@ def resolve_recipe(recipe: Recipe | None, amp: str | None) -> Recipe:
 
 
 def _fake() -> bool:
-    """Running on fake tensors (``--device meta``, planner/meta.py)."""
+    """Running on fake tensors (``--device meta``, planner/profiling/meta.py)."""
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode() is not None
