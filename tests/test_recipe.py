@@ -65,6 +65,7 @@ def test_recipe_is_predicted_and_fits(name: str):
     error = abs(report.predicted_peak_bytes - report.measured_peak_bytes) / report.measured_peak_bytes
     assert error <= PREDICTION_TOLERANCE, (name, report.predicted_peak_bytes, report.measured_peak_bytes)
     assert report.max_grad_diff == 0.0 and report.ok, report.problems
+    assert report.recipe == recipe and report.measured_recomputes == report.planned_recomputes
 
 
 def test_accumulated_gradients_alive_in_every_window_of_the_model():
@@ -156,6 +157,7 @@ def test_cli_records_prints_and_verifies_the_recipe(tiny_model: Path, tmp_path: 
     assert "grad_accum 2" in r.output
     r = runner.invoke(app, ["verify", str(tiny_model), str(plan_file), "--device", "cpu", "--steps", "1"])
     assert r.exit_code == 0, r.output
+    assert "step: grad_accum 2, zero_grad(set_to_none=False)" in r.output
     r = runner.invoke(app, ["plan", "--budget", "1GB", "--profile", str(prof_file), "--grad-accum", "4"])
     assert r.exit_code == 2 and "measured for another training step (grad_accum: plan has 2" in r.output
 

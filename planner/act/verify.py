@@ -46,7 +46,7 @@ from planner.errors import BadInput
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
 from planner.profiling.profiler import resolve_device
-from planner.model.schema import Plan
+from planner.model.schema import Plan, Recipe
 from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.profiling.timing import num_threads, pick_clock
 from planner.units import format_bytes
@@ -64,6 +64,8 @@ class VerifyReport(BaseModel):
     steps: int = Field(description="Timed steps per run.")
     budget_bytes: int
     tolerance: float = Field(description="Largest allowed |difference| of any gradient or buffer element.")
+    recipe: Recipe = Field(default_factory=Recipe, description="The training step both runs trained with: "
+                                                               "the plan's recipe.")
     checkpointed: list[str]
     skipped: dict[str, str] = Field(default_factory=dict, description="Plan modules not applied, and why.")
 
@@ -79,7 +81,8 @@ class VerifyReport(BaseModel):
     measured_recompute_wall_ms: float = Field(0.0, description="The same on the wall clock (load counts).")
     time_source: str = Field("", description="Clock of the measured step times (planner.profiling.timing.TIME_SOURCES).")
     threads: int | None = Field(None, description="torch intra-op threads of the measured CPU steps.")
-    planned_recomputes: int = Field(description="Checkpointed module calls per step the plan names.")
+    planned_recomputes: int = Field(description="Checkpointed module calls per step the plan names (every "
+                                                "micro-batch of its recipe).")
     measured_recomputes: int = Field(description="Forwards recomputed during the compared step.")
     loss: float
     loss_diff: float
@@ -287,8 +290,9 @@ def _max_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | Non
 def _planned_recomputes(plan: Plan, applied: list[str]) -> int:
     """Checkpointed calls per step: the plan's unit ids (one per call) of the applied FQNs."""
     if not plan.checkpoint_units:
-        return len(applied)
-    return sum(1 for u in plan.checkpoint_units if u.split("#", 1)[0] in applied)
+        return len(applied) * plan.recipe.grad_accum
+    calls = sum(1 for u in plan.checkpoint_units if u.split("#", 1)[0] in applied)
+    return calls * plan.recipe.grad_accum
 
 
 def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, steps: int, tolerance: float,
@@ -318,7 +322,7 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
         notes.append(f"the plan was made on {plan.device}, verified on {dev.type}")
     return VerifyReport(
         model=label, device=str(dev), peak_source=mine.peak.source, steps=steps,
-        budget_bytes=plan.budget_bytes, tolerance=tolerance,
+        budget_bytes=plan.budget_bytes, tolerance=tolerance, recipe=plan.recipe,
         checkpointed=mine.checkpointed, skipped=mine.skipped,
         predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=mine.peak.peak_bytes,
         predicted_no_plan_peak_bytes=p.no_checkpoint_peak_bytes, measured_no_plan_peak_bytes=base.peak.peak_bytes,

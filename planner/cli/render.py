@@ -290,6 +290,7 @@ def show_verify(out: Console, report: Any) -> None:
     """The verification report: what ran, its rows, notes, problems and the verdict."""
     plain(out, f"verify {report.model} on {report.device} ({report.steps} steps per run, "
                f"peak from {report.peak_source}): {len(report.checkpointed)} modules checkpointed")
+    plain(out, f"step: {report.recipe.describe()}")
     for name, why in report.skipped.items():
         plain(out, f"skipped {name}: {why}")
     out.print(verify_table(report.rows()))
