@@ -20,7 +20,7 @@ import networkx as nx
 from solvers.cost_model import chain_terms, simulate
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
-from planner.model.schema import Plan, Predicted, Profile, RunStamp, SolverInfo, now_iso
+from planner.model.schema import Plan, Predicted, Profile, Recipe, RunStamp, SolverInfo, now_iso
 from planner.units import format_bytes, parse_bytes
 
 DEFAULT_HEADROOM = 0.005
@@ -164,7 +164,7 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
          optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
          steps: int = 3, world_size: int = 1, sharding: str = "none",
          headroom: float = DEFAULT_HEADROOM, amp: str | None = None, target: str | None = None,
-         threads: int | None = None) -> Plan:
+         threads: int | None = None, recipe: Recipe | None = None) -> Plan:
     """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
 
     Args:
@@ -173,6 +173,8 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
         budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
             memory of ``target`` (``planner.profiling.devices.usable_bytes``).
         amp: None, ``"bf16"`` or ``"fp16"``: forward and loss under ``torch.autocast``.
+        recipe: the training step to plan for (``schema.Recipe``: gradient accumulation, zero_grad,
+            amp, clipping, optimizer implementation); default the plain loop (with ``amp``).
         target: a device spec name (``remat devices``): with ``device="meta"`` the times are
             modelled for it (see docs/meta.md); on any device it gives the default budget.
         solver: ``auto`` (DP on chains, ILP otherwise), ``dp``, ``ilp``, ``sqrt``, ``all``, ``none``...
@@ -199,7 +201,7 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
 
         meta = str(device).strip().lower() == "meta"
         prof = run_profile(model_or_profile, inputs, loss_fn=loss_fn, device=device, optimizer=optimizer,
-                           steps=steps, amp=amp, target=target if meta else None, threads=threads)
+                           steps=steps, amp=amp, recipe=recipe, target=target if meta else None, threads=threads)
     return plan_from_profile(prof, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
                              world_size=world_size, sharding=sharding, headroom=headroom)
 
