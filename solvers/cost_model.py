@@ -220,10 +220,11 @@ _ALIVE = 1 << 62
 """A gradient kept alive by the recipe counts as last used after every position."""
 
 
-def _cached_casts(ctx: _Ctx, pos: dict[int, int], seq: int) -> int:
+def _cached_casts(ctx: _Ctx, pos: dict[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:
     """Bytes of autocast's cached casts made by ``seq`` and not held by then: the cache keeps them
-    alive until the forward ends (NOTE [ Peak-memory model ], "Recipe")."""
-    return sum(ctx.tb[t] for c, t in ctx.casts if c <= seq and pos.get(t, _ALIVE + 1) > seq)
+    alive until the forward ends (NOTE [ Peak-memory model ], "Recipe"). ``counted``: in flight
+    already."""
+    return sum(ctx.tb[t] for c, t in ctx.casts if c <= seq and pos.get(t, _ALIVE + 1) > seq and t not in counted)
 
 
 def _grads_after(ctx: _Ctx, seq: int) -> int:
@@ -355,7 +356,7 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
         a = g.nodes[leaf]
         h = held_upto(end)
         out_extra = sum(ctx.tb[t] for t in a["out_ids"] if pos.get(t, 1 << 62) > end)
-        out_extra += _cached_casts(ctx, pos, end)
+        out_extra += _cached_casts(ctx, pos, end, a["out_ids"])
         yield f"forward of {leaf}", fwd_static + h + out_extra + tr(a, "fwd_transient_bytes"), fwd_g, fwd_p
         grads = -(-_grads_after(ctx, prev_end) // div)
         rec = _recomputed(g, ctx, owner[i], end) if i in owner else 0

@@ -367,7 +367,7 @@ def build_program(g: nx.DiGraph) -> Program:
     prev_end = -1
     for i, (leaf, e) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
         a = g.nodes[leaf]
-        cast_form, cast_bytes = casts(e)
+        cast_form, cast_bytes = casts(e, a["out_ids"])
         fwd_extra = dict(in_flight.get(i, {}))
         _lin_add(fwd_extra, cast_form)
         probes.append(Probe(f"forward of {leaf}", leaf_bucket[i], fwd_extra,
@@ -409,24 +409,24 @@ def build_program(g: nx.DiGraph) -> Program:
 
 
 def _cast_terms(g: nx.DiGraph, ctx: Any, nodes: list[str], unit: int) -> Callable[[int], tuple[Lin, int]]:
-    """seq -> (form in units, constant bytes) of autocast's cached casts made by ``seq`` and not held
-    then (NOTE [ Peak-memory model ], "Recipe"). A cast saved before ``seq`` is unheld when a candidate
+    """seq -> (form in units, constant bytes) of autocast's cached casts made by ``seq``, not held then
+    and not in ``in_flight`` (counted as such) (NOTE [ Peak-memory model ], "Recipe"). A cast saved before ``seq`` is unheld when a candidate
     containing all its saves is checkpointed: x_c for each such c (an antichain picks at most one);
     a cast saved only later, or never, is alive through the cache whatever is checkpointed."""
     saves: dict[int, list[int]] = {}
     for seq, t, _ in ctx.saves:
         saves.setdefault(t, []).append(seq)
     span = {v: (g.nodes[v]["fwd_start_seq"], g.nodes[v]["fwd_end_seq"]) for v in nodes}
-    inputs = {t for v in nodes for t in g.nodes[v]["input_ids"]}
+    inputs = {t for v in nodes for t in g.nodes[v]["input_ids"]}  # casts are not, in models we know
 
-    def at(seq: int) -> tuple[Lin, int]:
+    def at(seq: int, in_flight: frozenset[int] = frozenset()) -> tuple[Lin, int]:
         form: Lin = {}
         const = 0
         for created, t in ctx.casts:
             seqs = saves.get(t, [])
-            if created > seq or t in inputs:
+            if created > seq or t in in_flight:
                 continue
-            if not seqs or min(seqs) > seq:
+            if not seqs or min(seqs) > seq or t in inputs:  # a unit's input: as if never held (over-counts)
                 const += ctx.tb[t]
                 continue
             for v, (lo, hi) in span.items():

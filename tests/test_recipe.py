@@ -171,3 +171,38 @@ def test_cli_records_prints_and_verifies_the_recipe(tiny_model: Path, tmp_path: 
 def test_cli_refuses_bad_recipes(tiny_model: Path, flags: list[str], needle: str):
     r = runner.invoke(app, ["plan", "--budget", "1GB", str(tiny_model), *flags])
     assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_program_is_the_cost_model_with_the_recipe_terms(seed: int):
+    """Gradients alive and autocast's casts: the ILP's probes equal simulate's on every antichain,
+    and the DP's recurrence never under-counts (NOTE [ Peak-memory model ], "Recipe")."""
+    import random
+
+    from planner.model.graph import build_graph
+    from planner.model.synthetic import random_dag, synthetic_profile
+    from solvers.cost_model import _probes, chain_terms
+    from solvers.dp import solve as dp_solve
+    from solvers.ilp import build_program, probe_values
+    from tests.solver_checks import antichains
+
+    rng = random.Random(seed)
+    prof = synthetic_profile(random_dag(rng, rng.randint(2, 6), p_nested=0.4))
+    io = {t for u in prof.units for t in (*u.input_ids, *u.output_ids)}
+    saved = sorted({s.tensor_id for s in prof.saves} - io)  # a parameter's cast lives inside a module
+    casts = set(rng.sample(saved, k=len(saved) // 2))
+    prof = prof.model_copy(update={
+        "tensors": [t.model_copy(update={"autocast_cached": t.id in casts}) for t in prof.tensors],
+        "recipe": Recipe(grad_accum=rng.choice([1, 4]), amp="bf16"), "amp": "bf16"})
+    g = build_graph(prof, granularity=1, nested=True)
+    program = build_program(g)
+    for chosen in map(frozenset, antichains(g)):
+        mine = probe_values(program, chosen)
+        for name, total, *_ in _probes(g, chosen):
+            assert mine[name] == pytest.approx(total, abs=1e-6), (name, sorted(chosen))
+    flat = build_graph(prof)
+    assert not chain_terms(flat).exact or not casts
+    for budget in (simulate(flat, []).peak_bytes, (simulate(flat, []).peak_bytes + min_feasible_bytes(flat)) // 2):
+        sol = dp_solve(flat, budget)
+        if sol.status != "infeasible":
+            assert simulate(flat, sol.checkpointed).peak_bytes <= budget
