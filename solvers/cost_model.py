@@ -140,6 +140,7 @@ class _Ctx:
     grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
     static_bytes: int  # one process: params + buffers + optimizer state + batch
     casts: tuple[tuple[int, int], ...]  # (created seq, tensor) of autocast's cached casts, sorted
+    cast_ids: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ def _context(g: nx.DiGraph) -> _Ctx:
     created = g.graph["tensor_created_seq"]
     casts = tuple(sorted((created[t], t) for t in g.graph.get("autocast_cached", ())))
     ctx = _Ctx(leaves, leaf_end, g.graph["tensor_bytes"], saves, tuple(s[0] for s in saves), node_leaves, grad_seqs,
-               tuple(suffix), static, casts)
+               tuple(suffix), static, casts, frozenset(t for _, t in casts))
     g.graph["_cost_ctx"] = (_cache_key(g), ctx)
     return ctx
 
@@ -321,13 +322,16 @@ def _holdings(g: nx.DiGraph, ctx: _Ctx, chosen: frozenset[str]) -> dict[int, int
 
 def _recomputed(g: nx.DiGraph, ctx: _Ctx, c: str, upto_seq: int) -> int:
     """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the
-    tensors ``c`` saves that it also created (not its inputs, nor tensors it reached otherwise)."""
+    tensors ``c`` saves that it also created (not its inputs, nor tensors it reached otherwise),
+    and autocast's casts it saves wherever they were made: backward runs outside autocast, so
+    each recompute casts afresh (a shared module's later calls reused the forward's cached cast)."""
     a = g.nodes[c]
     lo_seq, hi_seq = a["fwd_start_seq"], a["fwd_end_seq"]
     created = g.graph["tensor_created_seq"]
+    casts = ctx.cast_ids
     lo = bisect.bisect_left(ctx.save_seqs, lo_seq)
     hi = bisect.bisect_right(ctx.save_seqs, min(hi_seq, upto_seq))
-    seen = {t for _, t, _ in ctx.saves[lo:hi] if lo_seq <= created.get(t, -1) <= hi_seq}
+    seen = {t for _, t, _ in ctx.saves[lo:hi] if lo_seq <= created.get(t, -1) <= hi_seq or t in casts}
     return sum(ctx.tb[t] for t in seen)
 
 
