@@ -3,6 +3,7 @@
     python benchmarks/zoo.py                       # every model, 3 budgets each; prints the table
     python benchmarks/zoo.py --models llama,t5     # some of them
     python benchmarks/zoo.py --markdown docs/zoo.md  # also write the table as docs/zoo.md
+    python benchmarks/zoo.py --recipes all --tiny  # RECIPE_MODELS under every step recipe
 
 For each model: profile one training step on the CPU (AdamW at lr=0, as ``remat plan``
 does), plan at budgets 1/4, 1/2 and 3/4 of the way from the minimum feasible peak to the
@@ -12,9 +13,9 @@ sees them). A row passes when nothing crashes, the measured peak is within the b
 |predicted - measured| <= 2% of measured, and every gradient and buffer equals the unplanned
 model's bit for bit (verify replays the RNG, so dropout draws the same masks).
 
-``run_case(spec, budget_fraction, recipe=...)`` is one row; ``recipe`` is handed to the
-profiler unchanged (a training-step recipe: gradient accumulation, amp, clipping), so a
-recipe column adds rows without changing this file's logic.
+``run_case(spec, budget_fraction, recipe=...)`` is one row; ``recipe`` (a name of ``RECIPES``
+or a ``schema.Recipe``: gradient accumulation, amp, clipping) is the training step profiled,
+planned and verified, and the row's ``recipe`` column.
 """
 
 from __future__ import annotations
@@ -38,6 +39,33 @@ FRACTIONS = (0.25, 0.5, 0.75)
 MAX_ERROR = 0.02
 """Largest |predicted - measured| / measured peak a row may show (issue #11)."""
 
+RECIPES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "accum4": {"grad_accum": 4},
+    "bf16": {"amp": "bf16"},
+    "fp16": {"amp": "fp16"},  # with a GradScaler
+    "clip": {"clip_grad_norm": 1.0},
+    "accum4+fp16+clip": {"grad_accum": 4, "amp": "fp16", "clip_grad_norm": 1.0},
+}
+"""Training-step recipes (``schema.Recipe`` fields) the zoo runs, by name (issue #17); 'plain' is the
+plain PyTorch loop."""
+
+RECIPE_MODELS = ("bert", "vit", "bart", "albert", "transformer-encoder")
+"""Models the non-plain recipes run on (``--recipes`` without ``--models``): an encoder, a vision
+transformer, an encoder-decoder, weights shared across depth, plain PyTorch."""
+
+
+def recipe_named(recipe: Any) -> tuple[str, Any]:
+    """(name, ``schema.Recipe`` or None) for a ``RECIPES`` name, a Recipe or None."""
+    from planner.model.schema import Recipe
+
+    if recipe is None or isinstance(recipe, Recipe):
+        name = next((n for n, f in RECIPES.items() if Recipe(**f) == recipe), None) if recipe else "plain"
+        return name or recipe.describe(), recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    return recipe, Recipe(**RECIPES[recipe]) if RECIPES[recipe] else None
+
 
 @dataclass
 class Case:
@@ -46,6 +74,7 @@ class Case:
     model: str
     family: str
     fraction: float
+    recipe: str = "plain"  # a name of RECIPES
     params: int = 0
     candidates: int = 0
     budget_bytes: int = 0
@@ -92,8 +121,8 @@ def profile_spec(spec: ModelSpec, *, size: Size = FULL, recipe: Any = None, step
     from planner.profiling import profile
 
     model = spec.build(size)
-    extra = {"recipe": recipe} if recipe is not None else {}
-    prof = profile(model, spec.inputs(size), loss_fn=spec.loss_fn, device="cpu", steps=steps, **extra)
+    prof = profile(model, spec.inputs(size), loss_fn=spec.loss_fn, device="cpu", steps=steps,
+                   recipe=recipe_named(recipe)[1])
     g = graph_for(prof, solver="auto")
     return Profiled(spec, size, prof, g, sum(p.numel() for p in model.parameters()),
                     min_feasible_bytes(g), simulate(g, []).peak_bytes)
@@ -112,7 +141,8 @@ def run_case(spec: ModelSpec, budget_fraction: float, *, recipe: Any = None, siz
 
     ``profiled`` reuses a profile of the same spec, size and recipe (``profile_spec``).
     """
-    case = Case(spec.name, spec.family, budget_fraction)
+    name, recipe = recipe_named(recipe)
+    case = Case(spec.name, spec.family, budget_fraction, name)
     t0 = time.perf_counter()
     try:
         p = profiled or profile_spec(spec, size=size, recipe=recipe)
@@ -158,24 +188,25 @@ def run_model(spec: ModelSpec, *, fractions=FRACTIONS, recipe: Any = None, size:
     try:
         p = profile_spec(spec, size=size, recipe=recipe)
     except Exception as e:
-        return [Case(spec.name, spec.family, f, error=f"{type(e).__name__}: {e}".splitlines()[0][:300],
-                     problems=(_where(e),)) for f in fractions]
+        return [Case(spec.name, spec.family, f, recipe_named(recipe)[0],
+                     error=f"{type(e).__name__}: {e}".splitlines()[0][:300], problems=(_where(e),))
+                for f in fractions]
     return [run_case(spec, f, recipe=recipe, size=size, profiled=p, steps=steps) for f in fractions]
 
 
 # ----------------------------------------------------------------------------- output
 
-HEADER = ("model", "family", "params", "cand.", "budget", "none pred", "none meas", "plan pred", "plan meas",
+HEADER = ("model", "family", "recipe", "params", "cand.", "budget", "none pred", "none meas", "plan pred", "plan meas",
           "error", "ckpt", "recompute", "result")
 
 
 def row(c: Case) -> tuple[str, ...]:
     mib = lambda b: f"{b / 2**20:.2f}" if b else "-"  # noqa: E731
     if c.error:
-        return (c.model, c.family, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+        return (c.model, c.family, c.recipe, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                 f"FAIL: {c.error} {' '.join(c.problems)}")
     result = "pass" if c.passed else "FAIL: " + "; ".join(c.problems)
-    return (c.model, c.family, f"{c.params / 1e6:.2f}M", str(c.candidates),
+    return (c.model, c.family, c.recipe, f"{c.params / 1e6:.2f}M", str(c.candidates),
             f"{int(c.fraction * 4)}/4 {mib(c.budget_bytes)}", mib(c.none_predicted_bytes),
             mib(c.none_measured_bytes), mib(c.predicted_bytes), mib(c.measured_bytes), f"{c.rel_error:+.2%}",
             str(c.checkpointed), f"{c.recompute_ms:.1f} ms ({c.recompute_pct:.0f}%)", result)
@@ -201,11 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="write the table here")
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     ap.add_argument("--tiny", action="store_true", help="the sizes CI runs (tests/test_zoo.py)")
+    ap.add_argument("--recipes", default="plain",
+                    help=f"comma-separated step recipes, or 'all' ({', '.join(RECIPES)}); other than plain, "
+                         f"the models default to RECIPE_MODELS and the table to its own markers")
+    ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
+                    help="budgets, as fractions of the way from the minimum feasible peak to none")
     args = ap.parse_args(argv)
+    recipes = list(RECIPES) if args.recipes == "all" else [r for r in args.recipes.split(",") if r]
+    for r in recipes:
+        try:
+            recipe_named(r)  # an unknown name fails here, before any profiling
+        except ValueError as e:
+            ap.error(str(e))
+    fractions = tuple(float(f) for f in args.fractions.split(",") if f)
+    only_plain = recipes == ["plain"]
     import torch
 
     torch.set_num_threads(1)  # a shared 2-core machine: one thread keeps timings comparable
-    names = [n for n in args.models.split(",") if n]
+    names = [n for n in args.models.split(",") if n] or ([] if only_plain else list(RECIPE_MODELS))
     specs = [s for s in SPECS if not names or s.name in names]
     cases, skipped = [], {}
     print(" | ".join(HEADER), flush=True)
@@ -215,16 +259,19 @@ def main(argv: list[str] | None = None) -> int:
             skipped[spec.name] = why
             print(f"{spec.name}: skipped, {why}", flush=True)
             continue
-        for c in run_model(spec, size=TINY if args.tiny else FULL):
-            cases.append(c)
-            print(" | ".join(row(c)), f"[{c.seconds:.0f} s]", flush=True)
-    command = "python benchmarks/zoo.py" + (f" --models {args.models}" if names else "") + \
+        for recipe in recipes:
+            for c in run_model(spec, fractions=fractions, recipe=recipe, size=TINY if args.tiny else FULL):
+                cases.append(c)
+                print(" | ".join(row(c)), f"[{c.seconds:.0f} s]", flush=True)
+    command = "python benchmarks/zoo.py" + (f" --models {args.models}" if args.models else "") + \
+        ("" if only_plain else f" --recipes {args.recipes}") + \
+        (f" --fractions {args.fractions}" if fractions != FRACTIONS else "") + \
         (" --tiny" if args.tiny else "") + \
         (f" --markdown {args.markdown}" if args.markdown else "")
     table = markdown(cases, skipped, command)
     print(table.splitlines()[-1 - len(skipped)] if cases else "no rows")
     if args.markdown:
-        _write_between_markers(args.markdown, table)
+        _write_between_markers(args.markdown, table, "zoo table" if only_plain else "zoo recipes")
     if args.json:
         import json
 
@@ -233,19 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(c.passed for c in cases) else 1
 
 
-BEGIN, END = "<!-- zoo table begin -->", "<!-- zoo table end -->"
-
-
-def _write_between_markers(path: Path, table: str) -> None:
-    """Replace the table between the markers of ``path`` (the whole file when it has none), atomically."""
+def _write_between_markers(path: Path, table: str, tag: str) -> None:
+    """Replace the table between ``<!-- {tag} begin/end -->`` in ``path`` (appended when absent), atomically."""
     from planner.model.schema import atomic_write_text
 
+    BEGIN, END = f"<!-- {tag} begin -->", f"<!-- {tag} end -->"
     text = path.read_text() if path.exists() else ""
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
         text = f"{head}{BEGIN}\n{table}{END}{rest.split(END, 1)[1]}"
     else:
-        text = f"{BEGIN}\n{table}{END}\n"
+        text = f"{text}{BEGIN}\n{table}{END}\n"
     atomic_write_text(path, text)
 
 

@@ -29,3 +29,19 @@ def test_zoo_model_plans_applies_and_measures_as_predicted(name):
     (case,) = run_model(spec, fractions=(0.5,), size=TINY)
     assert case.passed, f"{name}: {case.error or '; '.join(case.problems)}"
     assert case.measured_bytes <= case.budget_bytes
+
+
+RECIPE_CASES = (("bert", "accum4"), ("vit", "bf16"), ("transformer-encoder", "fp16"), ("albert", "clip"),
+                ("bart", "accum4+fp16+clip"))
+"""The step recipes of issue #17 (benchmarks.zoo.RECIPES), each on one model: the same gates."""
+
+
+@pytest.mark.parametrize("name, recipe", RECIPE_CASES)
+def test_zoo_model_under_a_step_recipe(name, recipe):
+    spec = BY_NAME[name]
+    if spec.missing():
+        pytest.skip(spec.missing())
+    (case,) = run_model(spec, fractions=(0.5,), size=TINY, recipe=recipe)
+    assert case.recipe == recipe
+    assert case.passed, f"{name} under {recipe}: {case.error or '; '.join(case.problems)}"
+    assert case.measured_bytes <= case.budget_bytes
