@@ -24,6 +24,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
 from planner.act.applier import apply_plan
+from planner.act.sharding import shard_for_plan
 from planner.profiling.model_file import call_model, default_loss, load_model_file
 from planner.model.schema import Plan
 
@@ -121,7 +122,10 @@ def main(argv=None):
     if plan is not None and rank == 0:
         note_plan_mismatch(plan, batch, world_size, args.sharding)
     handle = apply_plan(model, plan) if plan and args.apply_plan == "before" else None
-    model = wrap(model, args.sharding, world_size)
+    if plan is not None and plan.sharding == args.sharding and distributed:
+        model = shard_for_plan(model, plan)  # the FSDP units the plan's prediction assumed
+    else:
+        model = wrap(model, args.sharding, world_size)
     if plan and args.apply_plan == "after":
         handle = apply_plan(model, plan)  # FSDP2 keeps the FQNs; a DDP wrapper is looked through
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

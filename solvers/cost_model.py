@@ -87,12 +87,23 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 #         forward:  R (the root stays unsharded from forward to backward) + B (the running block)
 #                   + B when N > 1 (the running block's all-gather output, kept in the
 #                   all-gather state until the next unit waits for its own unshard);
-#         backward: R + B (parameters) + B when N > 1 (the previous block, prefetched)
-#                   + B (a later block's reduce-scatter input, kept until this block's
-#                   reduce-scatter) + B (the running block's unsharded gradients)
-#                   + R (the root group's unsharded gradients, reduce-scattered when backward
-#                   ends).
-#         Read off FSDP2's own state inside a step (benchmarks/fsdp_memory_census.py).
+#         backward, by the block b_k the point is in (blocks in forward order, B_k their
+#         parameter bytes; ``backward_static``):
+#                   R + B_k (parameters) + B_(k-1) when N > 1 (the previous block, prefetched)
+#                   + B_(k+1) (the later block's reduce-scatter input, kept until this block's
+#                   reduce-scatter; none for the last block) + the running block's and the root
+#                   group's gradients produced so far at full size (unsharded until their
+#                   reduce-scatter; the root's when backward ends) instead of their 1/N share;
+#                   after the last block (final norm, head, loss) the last block and its
+#                   prefetched predecessor, before the first (embeddings) the first block's
+#                   reduce-scatter input. bwd_extra keeps the largest case, 2R + 4B.
+#         Read off FSDP2's own state inside a step (benchmarks/fsdp_memory_census.py), then
+#         measured per rank by ``remat verify`` (docs/distributed.md): the first version
+#         added 2R + 4B at every backward point and over-predicted by 6-11%.
+#         Not probed: the instant of a block's reduce-scatter, when its unsharded gradients,
+#         their reduce-scatter copy and the later block's pending input coexist (one B more
+#         than the windows around it); it sets the peak only when a block's parameters
+#         outweigh its activations (docs/distributed.md).
 #   Activations, recompute and temporaries do not change with N: each rank runs the same
 #   per-rank batch.
 """
@@ -153,8 +164,10 @@ class _Rank:
     bwd_static_bytes: int  # everything static during backward, this rank's gradients excepted
     opt_static_bytes: int  # during optimizer.step(): static + all of this rank's gradients + temporaries
     fwd_extra: tuple[int, int]  # (parameter, gradient) bytes on top of the shards in forward
-    bwd_extra: tuple[int, int]  # the same in backward (FSDP unsharded buffers, DDP buckets)
+    bwd_extra: tuple[int, int]  # the same in backward, at most (FSDP unsharded buffers, DDP buckets)
     grad_divisor: int  # gradients are split this many ways (FSDP)
+    fsdp: bool = False  # backward extras depend on the point: see backward_static
+    base_bytes: int = 0  # this rank's parameters, optimizer state and batch
 
 
 def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
@@ -174,11 +187,42 @@ def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
         p_rank, o_rank = shard(params) + buffers, shard(opt)
         base = p_rank + o_rank + batch
         return _Rank(p_rank, o_rank, base + sum(fwd), base + sum(bwd), base + shard(grads) + shard(opt_tr),
-                     fwd, bwd, n)
+                     fwd, bwd, n, True, base)
     buckets = grads if sharding == "ddp" else 0
     base = params + buffers + opt + batch + buckets
     fwd = (0, buckets + (grads if alive else 0))
     return _Rank(params + buffers, opt, base + fwd[1] - buckets, base, base + grads + opt_tr, fwd, (0, buckets), 1)
+
+
+def backward_static(g: nx.DiGraph, rk: _Rank, after_seq: int, at_seq: int) -> tuple[int, int, int]:
+    """``(bytes, grads_bytes, extra_param_bytes)`` static at a point of backward, activations excepted.
+
+    ``after_seq``: the gradients of parameters last used after it exist; ``at_seq``: the forward
+    position the point's backward is at. Without FSDP: ``bwd_static`` and this rank's share of
+    those gradients. Under FSDP2 the unsharded buffers depend on the block being run (see
+    "Per rank" in the NOTE, backward): ``bwd_extra`` is only their largest case.
+    """
+    ctx = _context(g)
+    grads = -(-_grads_after(ctx, after_seq) // rk.grad_divisor)
+    if not rk.fsdp:
+        return rk.bwd_static_bytes + grads, grads + rk.bwd_extra[1], rk.bwd_extra[0]
+    n, root = rk.grad_divisor, g.graph.get("fsdp_root_param_bytes", 0)
+    blocks = g.graph.get("fsdp_blocks", ())
+    here = next((k for k, (lo, hi, _) in enumerate(blocks) if lo <= at_seq <= hi), None)
+    if here is None:  # before every block (embeddings) or after them (final norm, head, loss)
+        here = -1 if not blocks or at_seq < blocks[0][0] else len(blocks)
+    size = lambda k: blocks[k][2] if 0 <= k < len(blocks) else 0  # noqa: E731
+    running = size(here) if 0 <= here < len(blocks) else size(len(blocks) - 1) if here == len(blocks) else 0
+    prefetched = (size(here - 1) if 0 <= here < len(blocks) else size(len(blocks) - 2) if here == len(blocks)
+                  else 0) if n > 1 else 0
+    pending_rs = size(here + 1) if here < len(blocks) else 0  # the next block's reduce-scatter input
+    own = [_grads_after(ctx, max(after_seq, lo - 1)) - _grads_after(ctx, hi)
+           for lo, hi, _ in blocks if hi > after_seq]
+    running_grads = own[0] if own and 0 <= here < len(blocks) and blocks[here][1] > after_seq else 0
+    unsharded = running_grads + max(0, _grads_after(ctx, after_seq) - sum(own))  # the running block's and the root's
+    grads_extra = unsharded - -(-unsharded // n) + pending_rs
+    params_extra = root + running + prefetched
+    return rk.base_bytes + grads + grads_extra + params_extra, grads + grads_extra, params_extra
 
 
 def _cache_key(g: nx.DiGraph) -> tuple[int, int, int]:
@@ -352,8 +396,8 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
     def tr(attrs: dict, key: str) -> int:
         return attrs.get(key, 0) if calibrated else 0
 
-    fwd_static, bwd_static, div = rk.fwd_static_bytes, rk.bwd_static_bytes, rk.grad_divisor
-    (fwd_p, fwd_g), (bwd_p, bwd_g) = rk.fwd_extra, rk.bwd_extra
+    fwd_static, div = rk.fwd_static_bytes, rk.grad_divisor
+    fwd_p, fwd_g = rk.fwd_extra
     owner = {i: c for c in chosen for i in ctx.node_leaves[c]}
     prev_end = -1
     for i, (leaf, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
@@ -362,25 +406,23 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
         out_extra = sum(ctx.tb[t] for t in a["out_ids"] if pos.get(t, 1 << 62) > end)
         out_extra += _cached_casts(ctx, pos, end, a["out_ids"])
         yield f"forward of {leaf}", fwd_static + h + out_extra + tr(a, "fwd_transient_bytes"), fwd_g, fwd_p
-        grads = -(-_grads_after(ctx, prev_end) // div)
+        static, grads, extra = backward_static(g, rk, prev_end, end)
         rec = _recomputed(g, ctx, owner[i], end) if i in owner else 0
-        yield (f"backward of {leaf}", bwd_static + grads + h + rec + tr(a, "bwd_transient_bytes"),
-               grads + bwd_g, bwd_p)
+        yield f"backward of {leaf}", static + h + rec + tr(a, "bwd_transient_bytes"), grads, extra
         prev_end = end
     for c in sorted(chosen, key=lambda n: g.nodes[n]["order"]):  # ties resolve the same way every run
         a = g.nodes[c]
-        grads = -(-_grads_after(ctx, a["fwd_end_seq"]) // div)
+        static, grads, extra = backward_static(g, rk, a["fwd_end_seq"], a["fwd_end_seq"])
         t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
                     default=0) if calibrated else 0
-        total = (bwd_static + grads + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"])
-                 + t_fwd)
-        yield f"recompute of {c}", total, grads + bwd_g, bwd_p
+        total = static + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"]) + t_fwd
+        yield f"recompute of {c}", total, grads, extra
     h_all = prefix[-1]
     yield ("end of forward", fwd_static + h_all + _cached_casts(ctx, pos, _ALIVE)
            + (g.graph.get("tail_fwd_transient_bytes", 0) if calibrated else 0), fwd_g, fwd_p)
-    grads = -(-_grads_after(ctx, prev_end) // div)
-    yield ("start of backward", bwd_static + grads + h_all
-           + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads + bwd_g, bwd_p)
+    static, grads, extra = backward_static(g, rk, prev_end, 1 << 62)
+    yield ("start of backward", static + h_all
+           + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads, extra)
     all_grads = -(-g.graph["grads_bytes"] // div)
     yield "optimizer step", rk.opt_static_bytes, all_grads + (fwd_g if g.graph.get("sharding") == "ddp" else 0), 0
 
@@ -513,13 +555,14 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
                     if any(active(h, cur) for h in here):
                         delta[w][a_prev][cur] += b
     rk = rank_memory(g)
-    fwd_static, bwd_static, div = rk.fwd_static_bytes, rk.bwd_static_bytes, rk.grad_divisor
+    fwd_static = rk.fwd_static_bytes
     unsaved_casts = [(c, ctx.tb[t]) for c, t in ctx.casts if t not in hold]  # alive to the forward's end
     k = []
     prev_end = -1
     for i, (x, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
         a = g.nodes[x]
-        grads = -(-_grads_after(ctx, prev_end) // div)
+        bwd_base = backward_static(g, rk, prev_end, end)[0]
+        rcp_base = backward_static(g, rk, end, end)[0]
         rec = _recomputed(g, ctx, x, end)
         terms = []
         for cur in (0, 1):
@@ -527,14 +570,13 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
                             if not any(h[0] <= i and active(h, cur) for h in hold.get(t, ())))
             fwd = (fwd_static + out_extra + a.get("fwd_transient_bytes", 0)
                    + sum(b for c, b in unsaved_casts if c <= end))
-            bwd = bwd_static + grads + (rec if cur else 0) + a.get("bwd_transient_bytes", 0)
-            rcp = (bwd_static + -(-_grads_after(ctx, end) // div) + rec + a.get("fwd_transient_bytes", 0)
-                   if cur else 0)
+            bwd = bwd_base + (rec if cur else 0) + a.get("bwd_transient_bytes", 0)
+            rcp = rcp_base + rec + a.get("fwd_transient_bytes", 0) if cur else 0
             terms.append(max(fwd, bwd, rcp))
         k.append((terms[0], terms[1]))
         prev_end = end
     tail_k = max(fwd_static + g.graph.get("tail_fwd_transient_bytes", 0) + sum(b for _, b in unsaved_casts),
-                 bwd_static + -(-_grads_after(ctx, prev_end) // div) + g.graph.get("tail_bwd_transient_bytes", 0))
+                 backward_static(g, rk, prev_end, 1 << 62)[0] + g.graph.get("tail_bwd_transient_bytes", 0))
     const = rk.opt_static_bytes
     return ChainTerms(
         leaves=ctx.leaves,

@@ -100,7 +100,7 @@ import networkx as nx
 import pulp
 
 from solvers.cost_model import (
-    _context, _grads_after, _recomputed, close_ties, is_tied, rank_memory, simulate, tie_groups,
+    _context, _grads_after, _recomputed, backward_static, close_ties, is_tied, rank_memory, simulate, tie_groups,
 )
 from solvers.base import Solution, Status, judged
 from solvers.ilp_bound import Bound, sequential_bound
@@ -360,7 +360,6 @@ def build_program(g: nx.DiGraph) -> Program:
 
     # --- probes of NOTE [ Peak-memory model ], named as simulate names them
     probes: list[Probe] = []
-    div = rk.grad_divisor
     casts = _cast_terms(g, ctx, nodes, unit)
     contains = {i: [c for c in nodes if i in ctx.node_leaves[c]] for i in range(len(ctx.leaves))}
     bwd_const: list[int] = []
@@ -373,16 +372,15 @@ def build_program(g: nx.DiGraph) -> Program:
         probes.append(Probe(f"forward of {leaf}", leaf_bucket[i], fwd_extra,
                             rk.fwd_static_bytes + sum(ctx.tb[t] for t in a["out_ids"])
                             + a.get("fwd_transient_bytes", 0) + cast_bytes))
-        bc = rk.bwd_static_bytes + -(-_grads_after(ctx, prev_end) // div) + a.get("bwd_transient_bytes", 0)
+        bc = backward_static(g, rk, prev_end, e)[0] + a.get("bwd_transient_bytes", 0)
         bwd_const.append(bc)
         rec = {c: _recomputed(g, ctx, c, e) / unit for c in contains[i]}
         probes.append(Probe(f"backward of {leaf}", leaf_bucket[i], {c: r for c, r in rec.items() if r}, bc))
         prev_end = e
-    tail_bwd = (rk.bwd_static_bytes + -(-_grads_after(ctx, prev_end) // div)
-                + g.graph.get("tail_bwd_transient_bytes", 0))
+    tail_bwd = backward_static(g, rk, prev_end, 1 << 62)[0] + g.graph.get("tail_bwd_transient_bytes", 0)
     big_m = 0
     for c in nodes:
-        const = rk.bwd_static_bytes + -(-_grads_after(ctx, end[c]) // div)
+        const = backward_static(g, rk, end[c], end[c])[0]
         t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
                     default=0)
         later = bisect.bisect_left(ctx.leaf_end, end[c])

@@ -302,3 +302,82 @@ def test_fsdp_plan_checkpoints_less_as_ranks_grow():
     assert recompute == sorted(recompute, reverse=True), rows
     assert all(a > b for a, b in itertools.pairwise(peaks)), rows
     assert [r.params_bytes for r in rows] == sorted((r.params_bytes for r in rows), reverse=True)
+
+
+# ----------------------------------------------------------------------------- per-rank verify
+
+# A block's activations must outweigh its parameters, as in real training: on the 3-block d64 model above,
+# FSDP2's reduce-scatter of a block sets the peak, which the model does not probe (docs/distributed.md).
+RANK_MODEL_FILE = (MODEL_FILE.replace("t = torch.randint(0, 256, (4, 33)", "t = torch.randint(0, 256, (4, 65)")
+                   .replace("block_size=32, n_layer=3, n_head=2, d_model=64", "block_size=64, n_layer=4, n_head=4, d_model=128")
+                   .replace("# the global batch: 4 rows, 2 per rank", "# one rank's batch, as per-rank plans are made"))
+
+
+@pytest.fixture(scope="module")
+def rank_model_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dist") / "rank_gpt.py"
+    path.write_text(RANK_MODEL_FILE)
+    return path
+
+
+def _mid_budget_plan(model_file: Path, sharding: str, world_size: int, out: Path) -> Path:
+    """A per-rank plan at the budget halfway between every candidate checkpointed and none: it must choose."""
+    from planner.profiling.model_file import load_model_file
+
+    mf = load_model_file(model_file)
+    prof = planner.profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu", steps=1)
+    ends = [plan_from_profile(prof, "1GB", solver=s, world_size=world_size, sharding=sharding).predicted.peak_bytes
+            for s in ("all", "none")]
+    plan = plan_from_profile(prof, (ends[0] + ends[1]) // 2, world_size=world_size, sharding=sharding)
+    assert 0 < len(plan.checkpoints) < len(plan_from_profile(prof, "1GB", solver="all", world_size=world_size,
+                                                                sharding=sharding).checkpoints)
+    return plan.save(out)
+
+
+@needs_gloo
+def test_verify_spawns_fsdp_ranks_and_each_is_predicted_within_2_percent(rank_model_file, tmp_path):
+    from planner.act.verify import verify
+
+    plan_path = _mid_budget_plan(rank_model_file, "fsdp", 2, tmp_path / "plan.json")
+    report = verify(rank_model_file, plan_path, steps=1, device="cpu")
+    assert report.launched == "spawned" and [r.rank for r in report.rows] == [0, 1]
+    assert report.ok, report.problems
+    for row in report.rows:
+        assert abs(row.error) <= 0.02 and row.within_budget and row.recomputes > 0, row
+        assert abs(row.no_plan_error) <= 0.02, row
+    assert report.max_grad_diff <= 1e-5 and report.fsdp_units == [f"blocks.{i}" for i in range(4)]
+
+
+@needs_gloo
+def test_verify_under_torchrun_ddp_reports_every_rank_once(rank_model_file, tmp_path):
+    plan_path = _mid_budget_plan(rank_model_file, "ddp", 2, tmp_path / "plan.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(ROOT / "cli.py"), "verify", str(rank_model_file), str(plan_path),
+           "--device", "cpu", "--steps", "1", "--json", "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    import json
+
+    report = json.loads(r.stdout)  # one JSON document: only rank 0 prints
+    assert report["launched"] == "torchrun" and report["ok"], report["problems"]
+    assert [row["rank"] for row in report["rows"]] == [0, 1]
+    assert all(abs(row["error"]) <= 0.02 for row in report["rows"]), report["rows"]
+
+
+@pytest.mark.parametrize("option,words", [("reshard", "reshard_after_forward=False"),
+                                          ("mixed", "MixedPrecisionPolicy"), ("offload", "CPUOffloadPolicy")])
+def test_unmodelled_fsdp2_options_are_refused(option, words, one_rank_group, small, plan_file):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if option == "offload" and not torch.cuda.is_available():
+        pytest.skip("FSDP2's CPU offload needs an accelerator to offload from")
+    kwargs = {"reshard": {"reshard_after_forward": False},
+              "mixed": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
+              "offload": {"offload_policy": CPUOffloadPolicy()}}[option]
+    model = small.build_model()
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model)
+    with pytest.raises(BadInput, match=words):
+        apply_plan(model, Plan.load(plan_file))

@@ -104,6 +104,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import fingerprint, input_tensors
 from planner.model.schema import Fingerprint, Plan, TensorSig
@@ -372,6 +373,7 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     wanted = _check_antichain(list(dict.fromkeys(plan.checkpoints)))
     modules = _modules_by_plain_name(model)
     _check_fingerprint(plan, model, inputs, [n for n in wanted if n not in modules], strict=strict)
+    check_fsdp_options(model, plan)
 
     already = _user_checkpointed(model, modules)
     skipped: dict[str, str] = {}

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, Field
@@ -50,6 +50,9 @@ from planner.model.schema import Plan, Recipe
 from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.profiling.timing import num_threads, pick_clock
 from planner.units import format_bytes
+
+if TYPE_CHECKING:
+    from planner.act.verify_ranks import RanksReport
 
 SEED = 1234
 """RNG seed set before the compared step of each run: both draw the same dropout masks."""
@@ -119,8 +122,11 @@ class VerifyReport(BaseModel):
 def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: Plan | str | Path, *, steps: int = 3,
            device: str | torch.device = "cpu", tolerance: float = 1e-5, inputs: Inputs | None = None,
            loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
-           progress: Callable[[str], None] | None = None) -> VerifyReport:
+           progress: Callable[[str], None] | None = None) -> VerifyReport | RanksReport:
     """Train with and without ``plan`` and report predicted vs measured memory, time and gradients.
+
+    A per-rank plan (made with ``world_size``/``sharding``) is verified on its ranks by
+    ``planner.act.verify_ranks.verify_ranks``, which returns a ``RanksReport``.
 
     Args:
         model_file_or_model: a model file (``build_model()``, ``example_inputs()``, optional
@@ -147,10 +153,14 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
         BadInput, ModelLoadError, ProfileError: bad arguments, model file or training step.
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    if plan.world_size > 1 or plan.sharding != "none":
-        raise BadInput(f"this plan is for one of {plan.world_size} ranks under {plan.sharding}; verify runs one "
-                       f"process, so it would measure another memory layout. Verify a plan made without "
-                       f"--world-size/--sharding, or train under torchrun (examples/train_distributed.py)")
+    if plan.sharding != "none":
+        source = getattr(model_file_or_model, "path", model_file_or_model)  # a loaded ModelFile: its file
+        if isinstance(source, torch.nn.Module) or Path(str(source)).suffix != ".py":
+            raise BadInput("a per-rank plan is verified on processes of their own, which import the model: "
+                           "pass the model file (model.py) it was made from")
+        from planner.act.verify_ranks import verify_ranks
+
+        return verify_ranks(source, plan, steps=steps, device=str(device), progress=progress)
     if steps < 1:
         raise BadInput(f"verify needs steps >= 1, got {steps}")
     if tolerance < 0:
@@ -271,7 +281,7 @@ def _recompute_check(r: VerifyReport) -> str:
     return f"off by {off:+.1f} ms"
 
 
-def _max_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
+def max_abs_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
     """Largest |a - b| over all entries; inf where one side has a tensor and the other not."""
     worst = 0.0
     for name in a.keys() | b.keys():
@@ -298,8 +308,8 @@ def _planned_recomputes(plan: Plan, applied: list[str]) -> int:
 def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, steps: int, tolerance: float,
             base: _Run, mine: _Run) -> VerifyReport:
     p = plan.predicted
-    grad_diff = _max_diff(base.grads, mine.grads)
-    buffer_diff = _max_diff(base.buffers, mine.buffers)  # type: ignore[arg-type]
+    grad_diff = max_abs_diff(base.grads, mine.grads)
+    buffer_diff = max_abs_diff(base.buffers, mine.buffers)  # type: ignore[arg-type]
     planned = _planned_recomputes(plan, mine.checkpointed)
     problems, notes = [], []
     if mine.peak.peak_bytes > plan.budget_bytes:

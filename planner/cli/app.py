@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -556,8 +557,13 @@ def verify_cmd(
     if source is None:
         raise BadInput("give the model file the plan was made for: remat verify model.py plan.json")
     report = verify(source, plan, steps=steps, device=device, threads=threads, progress=_progress(log))
-    if as_json:
+    per_rank = getattr(report, "launched", None) is not None
+    if per_rank and report.launched == "torchrun" and os.environ.get("RANK", "0") != "0":
+        pass  # every rank has the report; rank 0 prints it
+    elif as_json:
         render.print_json(report)
+    elif per_rank:
+        render.show_rank_verify(out, report)
     else:
         render.show_verify(out, report)
     if not report.ok:

@@ -301,6 +301,30 @@ def show_verify(out: Console, report: Any) -> None:
     plain(out, "verify: OK" if report.ok else "verify: FAILED")
 
 
+def show_rank_verify(out: Console, report: Any) -> None:
+    """A per-rank verification: one row per rank, the gradient check, problems and the verdict."""
+    plain(out, f"verify {report.model} on {report.world_size} {report.device} ranks ({report.sharding}, "
+               f"{report.launched}; peak from {report.peak_source}): budget {format_bytes(report.budget_bytes)}, "
+               f"prediction tolerance {report.peak_tolerance:.1%}")
+    table = Table(show_edge=False, pad_edge=False)
+    for name in ("rank", "pred", "meas", "err", "fits", "no plan: pred", "meas", "err"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in report.rows:
+        no_plan = "-" if r.predicted_no_plan_peak_bytes is None else format_bytes(r.predicted_no_plan_peak_bytes)
+        no_err = "-" if r.no_plan_error is None else f"{r.no_plan_error:+.2%}"
+        table.add_row(str(r.rank), format_bytes(r.predicted_peak_bytes), format_bytes(r.measured_peak_bytes),
+                      f"{r.error:+.2%}", "yes" if r.within_budget else "OVER", no_plan,
+                      format_bytes(r.measured_no_plan_peak_bytes), no_err)
+    out.print(table)
+    plain(out, f"rank 0 vs one process without the plan: max |grad diff| {report.max_grad_diff:.3g} "
+               f"(tolerance {report.grad_tolerance:g}), |loss diff| {report.loss_diff:.3g}")
+    for note in report.notes:
+        plain(out, f"note: {note}")
+    for problem in report.problems:
+        plain(out, f"problem: {problem}")
+    plain(out, "verify: OK" if report.ok else "verify: FAILED")
+
+
 def devices_table(specs: Sequence[Any]) -> Table:
     """Known devices: name, memory, reserve and usable memory (the default budget, see NOTE
     [ Usable memory ] in planner/profiling/devices.py), bf16 TFLOP/s, bandwidth, full name (aliases: ``--json``)."""

@@ -186,11 +186,15 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
 def _fsdp_units(units: dict[str, UnitRecord], children: dict[str, list[str]], p: Profile) -> dict:
     """FSDP2 wraps every repeated block and the root: the largest block's and the root group's
     parameter bytes (see NOTE [ Peak-memory model ], "Per rank")."""
-    blocks = repeated_blocks(units, children)
-    per_fqn = {units[b].fqn: units[b].param_bytes for b in blocks}
-    largest = max(per_fqn.values(), default=0)
+    blocks = sorted(repeated_blocks(units, children), key=lambda b: units[b].fwd_start_seq)
+    first = {}  # forward order, a module's first call
+    for b in blocks:
+        first.setdefault(units[b].fqn, units[b])
+    largest = max((u.param_bytes for u in first.values()), default=0)
     return dict(fsdp_max_block_param_bytes=largest,
-                fsdp_root_param_bytes=max(0, p.step.params_bytes - sum(per_fqn.values())))
+                fsdp_root_param_bytes=max(0, p.step.params_bytes - sum(u.param_bytes for u in first.values())),
+                fsdp_units=list(first),
+                fsdp_blocks=tuple((u.fwd_start_seq, u.fwd_end_seq, u.param_bytes) for u in first.values()))
 
 
 def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],

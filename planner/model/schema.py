@@ -351,6 +351,9 @@ class Plan(_Model):
     optimizer: str = ""
     world_size: int = 1
     sharding: Literal["none", "ddp", "fsdp"] = "none"
+    fsdp_units: list[str] = Field(default_factory=list, description=(
+        "With sharding 'fsdp': the modules the per-rank prediction assumes each wrapped in fully_shard, "
+        "in forward order, before the root (planner.sharding.shard_for_plan wraps exactly these)."))
     torch_version: str = ""
     remat_version: str = ""
     time_source: str = Field("", description="What recompute_ms is measured or modelled with (Profile.time_source).")

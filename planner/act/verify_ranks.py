@@ -1,0 +1,367 @@
+"""Check a per-rank plan by measurement: every rank's peak against the prediction, under DDP or FSDP2.
+
+Example::
+
+    from planner.act.verify_ranks import verify_ranks
+    report = verify_ranks("model.py", "plan.json")     # plan made with --world-size 2 --sharding fsdp
+    for row in report.rows:
+        print(row.rank, row.predicted_peak_bytes, row.measured_peak_bytes, f"{row.error:+.2%}")
+    assert report.ok
+
+A per-rank plan is made from the model file's ``example_inputs()`` as *one rank's* batch, so
+every rank here trains on ``example_inputs()``: ``plan`` and ``verify`` read the file the same
+way. ``verify_ranks`` starts ``plan.world_size`` local processes itself (gloo on the CPU, NCCL
+on CUDA, one GPU a rank); launched under ``torchrun`` it runs as the calling rank instead. Each
+rank builds the model from the same seed, applies the plan, wraps it as the prediction assumes
+(``planner.act.sharding.shard_for_plan``), and trains twice, as single-process ``verify`` does:
+without the plan, then with it. Each run does one compared step (losses and, on rank 0, the
+full gradients are kept), ``steps`` more, then one measured step: its peak is the device's own
+(CUDA's allocator; on the CPU the process-wide allocator total, see NOTE [ CPU peaks across
+threads ] in ``planner/profiling/measure.py``). Every rank trains on the same batch, so the gradients
+that DDP and FSDP2 average over ranks equal one process's on that batch: the reference is one
+process training the plain model on it (rank 0 computes it when launched by torchrun).
+
+The report is ``ok`` when every rank's measured peak fits the budget, every rank's
+|predicted - measured| / measured is within ``peak_tolerance``, and the gradients match the
+reference within ``grad_tolerance``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from planner.errors import BadInput, ProfileError
+from planner.model.schema import Plan
+from planner.units import format_bytes
+
+SEED = 1234
+"""Seed set before building the model and before the compared step, on every rank."""
+
+
+class RankRow(BaseModel):
+    rank: int
+    predicted_peak_bytes: int = Field(description="The plan's per-rank prediction.")
+    measured_peak_bytes: int
+    error: float = Field(description="(predicted - measured) / measured.")
+    within_budget: bool
+    predicted_no_plan_peak_bytes: int | None = Field(description="The prediction without checkpointing.")
+    measured_no_plan_peak_bytes: int
+    no_plan_error: float | None
+    recomputes: int = Field(description="Forwards recomputed in the compared step on this rank.")
+
+
+class RanksReport(BaseModel):
+    """Per-rank predicted vs measured peaks, the gradient check, and the verdict."""
+
+    model: str
+    device: str = Field(description="Device type of the ranks: 'cpu' (gloo) or 'cuda' (NCCL).")
+    world_size: int
+    sharding: str
+    fsdp_units: list[str]
+    launched: str = Field(description="'spawned' (remat started the ranks) or 'torchrun'.")
+    peak_source: str
+    steps: int
+    budget_bytes: int
+    peak_tolerance: float
+    grad_tolerance: float
+    rows: list[RankRow]
+    loss_diff: float | None = Field(description="|loss with the plan on rank 0 - the reference's|.")
+    max_grad_diff: float | None = Field(description="Largest |gradient element| difference, rank 0 vs reference.")
+    problems: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+    ok: bool
+
+
+def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int = 2, device: str = "cpu",
+                 peak_tolerance: float = 0.02, grad_tolerance: float = 1e-5,
+                 progress: Any = None) -> RanksReport:
+    """Train a per-rank plan on ``plan.world_size`` ranks and compare every rank with the prediction.
+
+    Args:
+        model_file: the model file the plan was made for (processes import it by path).
+        plan: a ``Plan`` made with ``world_size``/``sharding``, or its path.
+        steps: steps between the compared and the measured step (>= 1: DDP rebuilds its
+            buckets on the second step, FSDP2 initialises lazily on the first).
+        device: 'cpu' (gloo) or 'cuda' (NCCL, one GPU a rank).
+        peak_tolerance: largest allowed |predicted - measured| / measured on any rank.
+        grad_tolerance: largest allowed |difference| of any gradient element from the reference.
+        progress: called with a short message as each stage starts.
+
+    Raises:
+        BadInput: not a per-rank plan, too few GPUs, bad arguments.
+        ProfileError: a rank failed (its error is in the message).
+    """
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if plan.sharding == "none":
+        raise BadInput("this plan is for one process; verify it without --world-size (planner.act.verify.verify)")
+    if steps < 1:
+        raise BadInput(f"verify needs steps >= 1, got {steps}")
+    if not 0 <= peak_tolerance < 1:
+        raise BadInput(f"the prediction tolerance must be a fraction in [0, 1), got {peak_tolerance}")
+    dev_type = _device_type(device, plan.world_size)
+    say = progress or (lambda _msg: None)
+    args = _Args(str(Path(model_file).resolve()), plan.to_json(), dev_type, steps)
+    if _under_torchrun():
+        return _torchrun_report(args, plan, str(model_file), peak_tolerance, grad_tolerance)
+    say(f"training the reference: one process, {steps + 2} steps without the plan")
+    reference = _reference(args)
+    say(f"training on {plan.world_size} ranks ({plan.sharding}), {steps + 2} steps without and with the plan")
+    results = _spawn(args, plan.world_size)
+    return _report(plan, str(model_file), "spawned", args, results, reference, peak_tolerance, grad_tolerance)
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+@dataclass(frozen=True)
+class _Args:
+    model_file: str
+    plan_json: str
+    device_type: str
+    steps: int
+
+
+def _device_type(device: str, world_size: int) -> str:
+    kind = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                        "cpu" if device == "auto" else device).type
+    if kind not in ("cpu", "cuda"):
+        raise BadInput(f"per-rank verify runs on 'cpu' (gloo) or 'cuda' (NCCL), not {device!r}")
+    if kind == "cuda" and torch.cuda.device_count() < world_size:
+        raise BadInput(f"the plan is for {world_size} ranks, one GPU each, but {torch.cuda.device_count()} "
+                       f"GPU(s) are visible; verify on --device cpu, or on a machine with {world_size} GPUs")
+    return kind
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(args: _Args, world_size: int) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="remat_ranks_") as tmp:
+        try:
+            mp.start_processes(_child, args=(world_size, _free_port(), args, tmp), nprocs=world_size,
+                               join=True, start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            last = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            raise ProfileError(f"a rank failed: {last[-1] if last else e}") from None
+        except mp.ProcessExitedException as e:
+            raise ProfileError(f"a rank exited without finishing ({e})") from None
+        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+        results[0]["grads"] = torch.load(Path(tmp, "grads.pt"), weights_only=True)
+    return results
+
+
+def _child(rank: int, world_size: int, port: int, args: _Args, out_dir: str) -> None:
+    """One spawned rank: set up the process group, run both trainings, write the results."""
+    from planner.profiling.measure import count_cpu_allocations
+
+    if args.device_type == "cpu":
+        count_cpu_allocations()  # before any tensor of the runs exists: see NOTE [ CPU peaks across threads ]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if os.uname().sysname == "Linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no waiting on a hostname that resolves elsewhere
+    torch.set_num_threads(1)
+    result = _rank_main(args, Path(out_dir, "grads.pt"))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _rank_main(args: _Args, grads_path: Path) -> dict:
+    """Both trainings on this rank (rank 0 saves its compared step's full gradients to ``grads_path``)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    dev = torch.device(args.device_type)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    if created:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    try:
+        plan = Plan.model_validate_json(args.plan_json)
+        if plan.world_size != dist.get_world_size():
+            raise BadInput(f"the plan is for {plan.world_size} ranks; this job has {dist.get_world_size()}")
+        base = _rank_run(args, plan, dev, planned=False, grads_path=None)
+        mine = _rank_run(args, plan, dev, planned=True, grads_path=grads_path)
+        return dict(rank=dist.get_rank(), no_plan_peak=base.peak_bytes, peak=mine.peak_bytes,
+                    source=mine.source, loss=mine.loss, recomputes=mine.recomputes)
+    finally:
+        if created:
+            gc.collect()  # FSDP2's state and DDP's reducer hold the group in cycles
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- one run on one rank
+
+
+@dataclass
+class _RankRun:
+    peak_bytes: int
+    source: str
+    loss: float
+    recomputes: int
+
+
+def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grads_path: Path | None) -> _RankRun:
+    import torch.distributed as dist
+
+    from planner.act.applier import apply_plan
+    from planner.profiling.measure import free, make_optimizer, make_step, measure_step, to_device
+    from planner.profiling.model_file import load_model_file
+    from planner.act.sharding import shard_for_plan
+
+    mf = load_model_file(args.model_file)
+    torch.manual_seed(SEED)  # the same weights on every rank and in the reference
+    model = mf.build_model().to(dev).train()
+    batch = to_device(mf.example_inputs(), dev)
+    handle = apply_plan(model, plan, inputs=batch) if planned else None
+    model = shard_for_plan(model, plan, device=dev)
+    opt = make_optimizer(plan.optimizer or "adamw", model)
+    step = make_step(model, batch, loss_fn=mf.loss_fn, optimizer=opt, amp=plan.amp)
+    losses: list[float] = []
+    torch.manual_seed(SEED)
+    step(lambda name, value: losses.append(float(value.detach())) if name == "forward_end" else None)
+    if grads_path is not None:
+        full = _full_grads(model)  # a collective under FSDP2: every rank calls it
+        if dist.get_rank() == 0:
+            torch.save(full, grads_path)  # not kept: the measured step would count them
+        del full
+    recomputes = handle.recompute_count if handle else 0
+    for i in range(args.steps):
+        torch.manual_seed(SEED + 1 + i)
+        step()
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.manual_seed(SEED)
+    peak = measure_step(step, dev)
+    run = _RankRun(peak.peak_bytes, peak.source, losses[0], recomputes)
+    if handle:
+        handle.remove()
+    del model, opt, step, batch
+    free(dev)
+    return run
+
+
+def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Gradients by plain FQN, unsharded on the CPU (a collective under FSDP2: every rank calls it)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in inner.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[name] = None if g is None else g.detach().to("cpu", copy=True)
+    return out
+
+
+def _reference(args: _Args) -> tuple[float, dict[str, torch.Tensor | None]]:
+    """One process, the plain model, the same batch and seeds: the loss and gradients of the compared step."""
+    from planner.profiling.measure import free, make_optimizer, make_step, to_device
+    from planner.profiling.model_file import load_model_file
+
+    plan = Plan.model_validate_json(args.plan_json)
+    dev = torch.device(args.device_type)
+    mf = load_model_file(args.model_file)
+    torch.manual_seed(SEED)
+    model = mf.build_model().to(dev).train()
+    batch = to_device(mf.example_inputs(), dev)
+    step = make_step(model, batch, loss_fn=mf.loss_fn, optimizer=make_optimizer(plan.optimizer or "adamw", model),
+                     amp=plan.amp)
+    losses: list[float] = []
+    torch.manual_seed(SEED)
+    step(lambda name, value: losses.append(float(value.detach())) if name == "forward_end" else None)
+    grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    del model, step, batch
+    free(dev)
+    return losses[0], grads
+
+
+def _torchrun_report(args: _Args, plan: Plan, label: str, peak_tolerance: float,
+                     grad_tolerance: float) -> RanksReport:
+    """Under torchrun: this rank's runs, every rank's rows gathered, rank 0's reference; the same report on all."""
+    import torch.distributed as dist
+
+    if args.device_type == "cpu":
+        from planner.profiling.measure import count_cpu_allocations
+
+        count_cpu_allocations()  # late: tensors made before now are not counted (see the NOTE)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl" if args.device_type == "cuda" else "gloo")
+    try:
+        with tempfile.TemporaryDirectory(prefix="remat_ranks_") as tmp:
+            result = _rank_main(args, Path(tmp, "grads.pt"))
+            if dist.get_rank() == 0:
+                result["grads"] = torch.load(Path(tmp, "grads.pt"), weights_only=True)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {k: v for k, v in result.items() if k != "grads"})
+        if dist.get_rank() == 0:
+            gathered[0]["grads"] = result["grads"]
+            reference = _reference(args)
+            report = _report(plan, label, "torchrun", args, gathered, reference, peak_tolerance, grad_tolerance)
+        else:
+            report = None
+        box = [report]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[dict],
+            reference: tuple[float, dict[str, torch.Tensor | None]], peak_tolerance: float,
+            grad_tolerance: float) -> RanksReport:
+    from planner.act.verify import max_abs_diff
+
+    p = plan.predicted
+    rows = []
+    for r in sorted(results, key=lambda x: x["rank"]):
+        no_plan = p.no_checkpoint_peak_bytes
+        rows.append(RankRow(
+            rank=r["rank"], predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=r["peak"],
+            error=(p.peak_bytes - r["peak"]) / r["peak"], within_budget=r["peak"] <= plan.budget_bytes,
+            predicted_no_plan_peak_bytes=no_plan, measured_no_plan_peak_bytes=r["no_plan_peak"],
+            no_plan_error=None if no_plan is None else (no_plan - r["no_plan_peak"]) / r["no_plan_peak"],
+            recomputes=r["recomputes"]))
+    ref_loss, ref_grads = reference
+    grad_diff = max_abs_diff(ref_grads, results[0]["grads"])
+    loss_diff = abs(results[0]["loss"] - ref_loss)
+    problems = []
+    for row in rows:
+        if not row.within_budget:
+            problems.append(f"rank {row.rank}: measured peak {format_bytes(row.measured_peak_bytes)} is over the "
+                            f"budget {format_bytes(plan.budget_bytes)}")
+        if abs(row.error) > peak_tolerance:
+            problems.append(f"rank {row.rank}: predicted {format_bytes(row.predicted_peak_bytes)}, measured "
+                            f"{format_bytes(row.measured_peak_bytes)} ({row.error:+.2%}, tolerance "
+                            f"{peak_tolerance:.2%})")
+    if grad_diff > grad_tolerance:
+        problems.append(f"gradients differ from one process's by up to {grad_diff:.3g} (tolerance {grad_tolerance:g})")
+    return RanksReport(
+        model=label, device=args.device_type, world_size=plan.world_size, sharding=plan.sharding,
+        fsdp_units=plan.fsdp_units, launched=launched, peak_source=results[0]["source"], steps=args.steps,
+        budget_bytes=plan.budget_bytes, peak_tolerance=peak_tolerance, grad_tolerance=grad_tolerance,
+        rows=rows, loss_diff=loss_diff, max_grad_diff=grad_diff, problems=problems, notes=[], ok=not problems)
