@@ -100,7 +100,7 @@ import networkx as nx
 import pulp
 
 from solvers.cost_model import (
-    _context, _grads_after, _recomputed, backward_static, close_ties, is_tied, rank_memory, simulate, tie_groups,
+    _context, _recomputed, backward_static, close_ties, is_tied, rank_memory, simulate, tie_groups,
 )
 from solvers.base import Solution, Status, judged
 from solvers.ilp_bound import Bound, sequential_bound
