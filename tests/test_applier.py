@@ -433,8 +433,8 @@ def test_verify_model_file_and_train_script(tmp_path, capsys):
     assert "step 1: loss" in out and "recomputed 4 checkpointed forwards in 2 steps" in out
 
 
-def test_verify_refuses_a_per_rank_plan(tmp_path):
-    """verify runs one process: a plan for FSDP/DDP ranks would be measured against the wrong layout."""
+def test_verify_of_a_per_rank_plan_needs_the_model_file(tmp_path):
+    """A per-rank plan is verified on ranks of their own (tests/test_distributed.py), which import the model file."""
     import random
 
     from planner.act.api import plan_from_profile
@@ -444,5 +444,5 @@ def test_verify_refuses_a_per_rank_plan(tmp_path):
 
     prof = synthetic_profile(random_chain(random.Random(0), 4))
     plan = plan_from_profile(prof, "1GB", solver="none", world_size=2, sharding="fsdp")
-    with pytest.raises(BadInput, match="verify runs one process"):
+    with pytest.raises(BadInput, match=r"pass the model file \(model.py\)"):
         verify(torch.nn.Linear(2, 2), plan, inputs=torch.ones(1, 2))
