@@ -150,8 +150,10 @@ def test_cli_out_of_memory_hint_and_exit_code(monkeypatch, tmp_path):
         raise RuntimeError(CPU_OOM)
 
     monkeypatch.setattr(cli, "_run_profiler", oom)
+    from tests.fixtures import TINY_MODEL
+
     model = tmp_path / "m.py"
-    model.write_text("")
+    model.write_text(TINY_MODEL)  # a model file that loads: the CLI reads it before profiling
     result = CliRunner().invoke(cli.app, ["profile", str(model), "--device", "cpu"])
     assert result.exit_code == ProfileError.exit_code
     assert OOM_HINT in result.output
