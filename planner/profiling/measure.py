@@ -299,6 +299,12 @@ def _measure_cuda(step_fn: Callable[[], Any], device: torch.device, static_bytes
 
 
 def _measure_cpu(step_fn: Callable[[], Any], device: torch.device, static_bytes: int) -> Measured:
+    prof, ms = _profiled(step_fn)
+    return Measured(static_bytes + _max_running_sum(prof), ms, "cpu-profiler")
+
+
+def _profiled(step_fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``step_fn()`` under the CPU profiler with memory events: (the profiler, wall ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -311,7 +317,7 @@ def _measure_cpu(step_fn: Callable[[], Any], device: torch.device, static_bytes:
     finally:
         with _quiet_stderr():
             prof.__exit__(None, None, None)
-    return Measured(static_bytes + _max_running_sum(prof), ms, "cpu-profiler")
+    return prof, ms
 
 
 def _max_running_sum(prof: Any) -> int:
@@ -393,18 +399,7 @@ def _measure_cpu_total(step_fn: Callable[[], Any], device: torch.device, static_
     import json
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
-        prof.__enter__()
-    try:
-        start = time.perf_counter()
-        step_fn()
-        ms = (time.perf_counter() - start) * 1e3
-    finally:
-        with _quiet_stderr():
-            prof.__exit__(None, None, None)
+    prof, ms = _profiled(step_fn)
     with tempfile.TemporaryDirectory(prefix="remat_trace_") as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
