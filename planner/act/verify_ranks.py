@@ -225,7 +225,7 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
     import torch.distributed as dist
 
     from planner.act.applier import apply_plan
-    from planner.profiling.measure import free, make_optimizer, make_step, measure_step, to_device
+    from planner.profiling.measure import free, measure_step, to_device
     from planner.profiling.model_file import load_model_file
     from planner.act.sharding import shard_for_plan
 
@@ -235,11 +235,7 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
     batch = to_device(mf.example_inputs(), dev)
     handle = apply_plan(model, plan, inputs=batch) if planned else None
     model = shard_for_plan(model, plan, device=dev)
-    opt = make_optimizer(plan.optimizer or "adamw", model)
-    step = make_step(model, batch, loss_fn=mf.loss_fn, optimizer=opt, amp=plan.amp)
-    losses: list[float] = []
-    torch.manual_seed(SEED)
-    step(lambda name, value: losses.append(float(value.detach())) if name == "forward_end" else None)
+    step, opt, loss = _compared_step(model, batch, mf.loss_fn, plan)
     if grads_path is not None:
         full = _full_grads(model)  # a collective under FSDP2: every rank calls it
         if dist.get_rank() == 0:
@@ -253,12 +249,24 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
     gc.collect()
     torch.manual_seed(SEED)
     peak = measure_step(step, dev)
-    run = _RankRun(peak.peak_bytes, peak.source, losses[0], recomputes)
+    run = _RankRun(peak.peak_bytes, peak.source, loss, recomputes)
     if handle:
         handle.remove()
     del model, opt, step, batch
     free(dev)
     return run
+
+
+def _compared_step(model: torch.nn.Module, batch: Any, loss_fn: Any, plan: Plan) -> tuple[Any, Any, float]:
+    """The plan's step (optimizer and recipe) for ``model``, run once from ``SEED``: (step, optimizer, loss)."""
+    from planner.profiling.measure import make_optimizer, make_step
+
+    opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
+    step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
+    losses: list[float] = []
+    torch.manual_seed(SEED)
+    step(lambda name, value: losses.append(float(value.detach())) if name == "forward_end" else None)
+    return step, opt, losses[0]
 
 
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -275,7 +283,7 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 
 def _reference(args: _Args) -> tuple[float, dict[str, torch.Tensor | None]]:
     """One process, the plain model, the same batch and seeds: the loss and gradients of the compared step."""
-    from planner.profiling.measure import free, make_optimizer, make_step, to_device
+    from planner.profiling.measure import free, to_device
     from planner.profiling.model_file import load_model_file
 
     plan = Plan.model_validate_json(args.plan_json)
@@ -284,15 +292,11 @@ def _reference(args: _Args) -> tuple[float, dict[str, torch.Tensor | None]]:
     torch.manual_seed(SEED)
     model = mf.build_model().to(dev).train()
     batch = to_device(mf.example_inputs(), dev)
-    step = make_step(model, batch, loss_fn=mf.loss_fn, optimizer=make_optimizer(plan.optimizer or "adamw", model),
-                     amp=plan.amp)
-    losses: list[float] = []
-    torch.manual_seed(SEED)
-    step(lambda name, value: losses.append(float(value.detach())) if name == "forward_end" else None)
+    step, _opt, loss = _compared_step(model, batch, mf.loss_fn, plan)
     grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-    del model, step, batch
+    del model, step, _opt, batch
     free(dev)
-    return losses[0], grads
+    return loss, grads
 
 
 def _torchrun_report(args: _Args, plan: Plan, label: str, peak_tolerance: float,
