@@ -52,6 +52,17 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 # exact bytes. Recompute time is the sum of the checkpointed units' forward times (early
 # stopping of the recompute is ignored: a slight overestimate).
 #
+# Retained bytes r(c): memory that something outside a unit still references after its
+# forward (a cache, an attribute set in forward, a hook that keeps outputs), so that
+# checkpointing c does not free it. Measured per unit by the profiler's validation step
+# (NOTE [ Validation step ] in planner/profiling/validate.py) and added by ``build_graph`` to
+# c's inputs as one tensor of r(c) bytes created when c starts. So a checkpointed c holds it
+# like its inputs, until backward passes c; not checkpointed, it is an input no one saves and
+# costs nothing beyond the measured step (whose windows already contain it). Every solver sees
+# it through the same held-tensor terms. A tensor that c's replay replaces (an attribute set
+# again) is counted twice while c is recomputed: an overestimate, on the safe side. Units
+# whose recomputation is unsafe are not candidates.
+#
 # Not modelled: the CPU RNG state each checkpointed region keeps (preserve_rng_state=True,
 # 5056 bytes per region in host memory: device memory on a CPU run only, measured in
 # docs/benchmarks.md) and allocations too brief to leave a window; the planner's headroom
@@ -425,6 +436,15 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
            + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads, extra)
     all_grads = -(-g.graph["grads_bytes"] // div)
     yield "optimizer step", rk.opt_static_bytes, all_grads + (fwd_g if g.graph.get("sharding") == "ddp" else 0), 0
+
+
+def window_bytes(g: nx.DiGraph, checkpointed: Iterable[str], *, calibrated: bool = True) -> dict[str, int]:
+    """The model's bytes at every probe of the NOTE, by name ('forward of h.0', 'optimizer step', ...).
+
+    ``calibrated=False`` leaves out the temporaries T: what is live at the end of each window.
+    ``verify`` and the validation step compare these with measurements, window by window.
+    """
+    return {name: total for name, total, _, _ in _probes(g, check_checkpoint_set(g, checkpointed), calibrated)}
 
 
 def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:

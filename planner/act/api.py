@@ -146,6 +146,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         target=profile.target, dtype=profile.dtype, recipe=profile.recipe, optimizer=profile.optimizer,
         world_size=g.graph["world_size"], sharding=g.graph["sharding"],
         fsdp_units=list(g.graph["fsdp_units"]) if g.graph["sharding"] == "fsdp" else [],
+        step_changes=list(profile.step_changes), excluded=list(profile.excluded),
         torch_version=profile.torch_version, remat_version=_version(),
         time_source=profile.time_source, threads=profile.threads, time_calibration=profile.time_calibration,
         created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),

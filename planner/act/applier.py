@@ -107,7 +107,8 @@ from torch.utils.checkpoint import checkpoint
 from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import fingerprint, input_tensors
-from planner.model.schema import Fingerprint, Plan, TensorSig
+from planner.model.schema import Fingerprint, Plan, StepChange, TensorSig
+from planner.profiling.step_changes import Installed, install
 from planner.units import format_bytes
 
 logger = logging.getLogger("remat")
@@ -269,7 +270,10 @@ class AppliedPlan:
     """FQNs of the modules now checkpointed, in plan order."""
     skipped: dict[str, str] = field(default_factory=dict)
     """Plan FQNs left alone, with the reason (already checkpointed by the user, not in the model)."""
+    step_changes: list[StepChange] = field(default_factory=list)
+    """What the plan changes in the training step (see NOTE [ Step changes ]), as its profile did."""
     _forwards: dict[str, _CheckpointedForward] = field(default_factory=dict, repr=False)
+    _changes: Installed | None = field(default=None, repr=False)
     _active: bool = field(default=True, repr=False)
     _guard_hook: Any = field(default=None, repr=False)
 
@@ -310,6 +314,8 @@ class AppliedPlan:
                 module.forward = fwd.previous
             else:
                 del module.forward
+        if self._changes is not None:
+            self._changes.remove()
 
     def __enter__(self) -> AppliedPlan:  # noqa: PYI034 (a dataclass nobody subclasses)
         return self
@@ -377,7 +383,8 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
 
     already = _user_checkpointed(model, modules)
     skipped: dict[str, str] = {}
-    handle = AppliedPlan(checkpointed=[], skipped=skipped)
+    handle = AppliedPlan(checkpointed=[], skipped=skipped, step_changes=list(plan.step_changes))
+    handle._changes = install(model, plan.step_changes)  # before the checkpoints: they wrap it
     seen: set[int] = set()
     for name in wanted:
         module = modules.get(name)

@@ -47,6 +47,7 @@ from planner.profiling.measure import Measured, free, make_optimizer, make_step,
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
 from planner.profiling.profiler import resolve_device
 from planner.model.schema import Plan, Recipe
+from planner.profiling.step_changes import install
 from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.profiling.timing import num_threads, pick_clock
 from planner.units import format_bytes
@@ -216,6 +217,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     model = copy.deepcopy(master).to(dev).train()
     batch = to_device(inputs, dev)
     handle = apply_plan(model, plan, inputs=batch) if planned else None
+    changes = None if planned else install(model, plan.step_changes, say=False)  # the step the plan runs
     opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
     step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
     losses: list[float] = []
@@ -254,6 +256,8 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
                list(handle.checkpointed) if handle else [], dict(handle.skipped) if handle else {}, recomputes)
     if handle:
         handle.remove()
+    if changes:
+        changes.remove()
     del model, opt, step, batch
     free(dev)
     return run

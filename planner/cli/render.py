@@ -234,8 +234,19 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
     plain(out, recompute_line(plan.predicted))
     plain(out, time_line(plan.time_source, plan.threads, plan.time_calibration))
     plain(out, solver_line(plan.solver, plan.created.solver_seconds if fresh else None))
+    step_lines(out, plan.step_changes, plan.excluded)
     if fresh:
         plain(out, written_line(written))
+
+
+def step_lines(out: Console, changes: Iterable[Any], excluded: Iterable[Any], retained: Iterable[Any] = ()) -> None:
+    """What remat changes in the training step, and the modules it will not checkpoint, with why."""
+    for c in changes:
+        plain(out, f"step change: {c.module or 'the model'} trains with use_cache=False ({c.reason})")
+    for x in excluded:
+        plain(out, f"never checkpointed: {x.module or '<root>'}: {x.reason}")
+    for r in retained:
+        plain(out, f"retained when checkpointed: {r.unit} keeps {format_bytes(r.nbytes)} alive outside its region")
 
 
 def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bool = False,
@@ -263,6 +274,7 @@ def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bo
                    f"[{s.peak_source}]")
     for note in profile.notes:
         plain(out, f"note: {note}")
+    step_lines(out, profile.step_changes, profile.excluded, profile.retained)
     if fresh:
         plain(out, written_line(written, "profile"))
 

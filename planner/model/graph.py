@@ -73,6 +73,7 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     children = _children(profile.units)
     levels = _candidate_levels(units, children, granularity)
     chosen = [uid for level in (levels if nested else levels[-1:]) for uid in level]
+    chosen = [uid for uid in chosen if not _excluded(units[uid].fqn, profile)]
     chosen = sorted(set(chosen), key=lambda uid: (units[uid].fwd_start_seq, -units[uid].fwd_end_seq))
 
     g = nx.DiGraph()
@@ -82,6 +83,7 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     tensor_bytes = g.graph["tensor_bytes"]
     for order, uid in enumerate(chosen):
         g.add_node(uid, **_node_attrs(units[uid], order, saves_by_seq, tensor_bytes))
+    _add_retained(g, profile)
     _link_tree(g, chosen, units)
     _add_edges(g, profile, chosen, units)
     leaves = [n for n in chosen if g.nodes[n]["leaf"]]
@@ -89,6 +91,25 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     _add_windows(g, profile, leaves, units)
     calibrate(g)
     return g
+
+
+def _excluded(fqn: str, profile: Profile) -> bool:
+    """True for a module the validation step found unsafe to recompute, and for its submodules."""
+    return any(fqn == x.module or x.module == "" or fqn.startswith(x.module + ".") for x in profile.excluded)
+
+
+def _add_retained(g: nx.DiGraph, profile: Profile) -> None:
+    """Retained bytes r(c) as one more input of c (see "Retained bytes" in NOTE [ Peak-memory model ])."""
+    for k, r in enumerate(profile.retained):
+        if r.unit not in g:
+            continue
+        a = g.nodes[r.unit]
+        tid = -1 - k  # profile tensor ids are >= 0
+        g.graph["tensor_bytes"][tid] = r.nbytes
+        g.graph["tensor_created_seq"][tid] = a["fwd_start_seq"]
+        a["input_ids"] = a["input_ids"] | {tid}
+        a["input_bytes"] += r.nbytes
+        a["retained_bytes"] = r.nbytes
 
 
 # ----------------------------------------------------------------------------- candidate choice

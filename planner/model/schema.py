@@ -155,6 +155,36 @@ def _recipe_with_amp(data: Any) -> Any:
     return {**data, "amp": amp}
 
 
+# ----------------------------------------------------------------------------- step changes
+
+
+class StepChange(_Model):
+    """Something remat changes in the user's training step, when profiling and when applying a plan.
+
+    See NOTE [ Step changes ] in ``planner/profiling/step_changes.py``.
+    """
+
+    kind: Literal["hf_use_cache_off"] = Field(description="'hf_use_cache_off': a Hugging Face model is called "
+                                                          "with use_cache=False while training.")
+    module: str = Field(description="FQN of the module whose calls change ('' for the root).")
+    reason: str = Field("", description="Why, in words.")
+
+
+class RetainedBytes(_Model):
+    """Bytes a unit keeps alive when checkpointed, measured (see NOTE [ Validation step ] in planner/profiling/validate.py)."""
+
+    unit: str = Field(description="Unit id.")
+    nbytes: int = Field(description="Bytes still referenced outside the checkpointed region (a cache, an "
+                                    "attribute set in forward, a hook), kept until backward passes the unit.")
+
+
+class ExcludedUnit(_Model):
+    """A module no plan may checkpoint: recomputing it is unsafe (see NOTE [ Validation step ])."""
+
+    module: str = Field(description="Module FQN ('' for the root); every call of it is excluded.")
+    reason: str = Field(description="Why, in words.")
+
+
 # ----------------------------------------------------------------------------- profile
 
 
@@ -276,6 +306,13 @@ class Profile(_Model):
                     "as it is (a memory-safe profile: the timeline and peak of the unplanned step are "
                     "reconstructed, see NOTE [ Memory-safe profile ] in planner/profiling/memsafe.py); empty when the "
                     "step was measured as it is.")
+    step_changes: list[StepChange] = Field(default_factory=list,
+                                           description="What remat changed in the profiled step (and will change "
+                                                       "when a plan is applied).")
+    retained: list[RetainedBytes] = Field(default_factory=list,
+                                          description="Measured bytes checkpointing does not free, per unit.")
+    excluded: list[ExcludedUnit] = Field(default_factory=list,
+                                         description="Modules whose recomputation is unsafe: never planned.")
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")
@@ -354,6 +391,11 @@ class Plan(_Model):
     fsdp_units: list[str] = Field(default_factory=list, description=(
         "With sharding 'fsdp': the modules the per-rank prediction assumes each wrapped in fully_shard, "
         "in forward order, before the root (planner.sharding.shard_for_plan wraps exactly these)."))
+    step_changes: list[StepChange] = Field(default_factory=list,
+                                           description="What apply_plan changes in the training step, as the "
+                                                       "profile did (see planner/profiling/step_changes.py).")
+    excluded: list[ExcludedUnit] = Field(default_factory=list,
+                                         description="Modules the profile found unsafe to recompute: not planned.")
     torch_version: str = ""
     remat_version: str = ""
     time_source: str = Field("", description="What recompute_ms is measured or modelled with (Profile.time_source).")

@@ -80,8 +80,10 @@ def profile(
             the user's frames), the loss is not a scalar, or the device ran out of memory.
     """
     from planner.errors import BadInput
-    from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS, resolve_recipe
+    from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS, resolve_recipe, to_device
     from planner.profiling.profiler import profile_real, resolve_device
+    from planner.profiling.step_changes import find_step_changes, install
+    from planner.profiling.validate import validate
 
     dev = resolve_device(device)
     if optimizer.lower() not in OPTIMIZERS:
@@ -93,13 +95,25 @@ def profile(
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise BadInput(f"threads must be an integer >= 1, got {threads!r}")
     recipe = resolve_recipe(recipe, amp)
-    if dev.type == "meta":
-        return _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe,
-                             progress=progress)
-    if target is not None:
+    if dev.type != "meta" and target is not None:
         raise BadInput(f"target={target!r} models times for device='meta'; on {dev} the times are measured")
-    return profile_real(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, warmup_steps=warmup_steps,
-                        steps=steps, recipe=recipe, threads=threads, progress=progress)
+    changes = find_step_changes(model)  # see NOTE [ Step changes ]: profile the step the plan will run
+    installed = install(model, changes)
+    try:
+        if dev.type == "meta":
+            result = _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe,
+                                   progress=progress)
+        else:
+            result = profile_real(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer,
+                                  warmup_steps=warmup_steps, steps=steps, recipe=recipe, threads=threads,
+                                  progress=progress)
+            (progress or (lambda _msg: None))("validation step: what checkpointing frees")
+            result.retained, result.excluded = validate(model, to_device(inputs, dev), result, loss_fn=loss_fn,
+                                                        amp=recipe.amp, dev=dev)
+    finally:
+        installed.remove()
+    result.step_changes = changes
+    return result
 
 
 def _profile_meta(model: torch.nn.Module, inputs: Inputs, target: Any, **kwargs: Any) -> schema.Profile:

@@ -119,6 +119,10 @@ class LiveBytesTracker(TorchDispatchMode):
         st = _storage(t)
         return None if st is None else self._entries.get(id(st))
 
+    def live_entries(self) -> list[StorageEntry]:
+        """The entries of every storage alive now."""
+        return list(self._entries.values())
+
     def mark(self) -> int:
         """Return the peak since the previous mark, and start a new peak window at ``live_bytes``."""
         peak, self.peak_bytes = self.peak_bytes, self.live_bytes

@@ -1,0 +1,205 @@
+"""Measure what checkpointing frees instead of assuming it: the profiler's validation step.
+
+# NOTE [ Validation step ]
+#
+# The cost model assumes a checkpointed unit keeps nothing of its own (NOTE [ Peak-memory
+# model ]). That is false when something outside the region still references the tensors
+# the unit creates: a cache, an attribute set in forward (``self.attn = probs``), a hook
+# that stores outputs, an extra output kept by the caller. And recomputing a unit is unsafe
+# when it changes state (a counter, a buffer updated in place) or saves other tensors when
+# replayed (``CheckpointError``). So after profiling, ``validate`` runs one more step on the
+# same device, forward and backward, with every top-level candidate checkpointed (as
+# ``apply_plan`` does it), under the live-bytes tracker. Each storage allocated while a
+# checkpointed unit c runs its forward is attributed to c. When backward starts (the model's
+# output already dropped, see ``planner.profiling.measure.make_step``), the storages still alive that
+# were allocated inside c and are not c's outputs are what checkpointing c did not free:
+# c's *retained bytes* r(c) (kept when over ``RETAINED_MIN_BYTES``). Outputs flow on as the
+# inputs of later units, which the cost model already counts. The cost model counts r(c) as
+# a tensor c keeps when checkpointed, like its inputs (see "Retained bytes" in the NOTE [
+# Peak-memory model ]); ``remat verify`` then compares its prediction with the measured step.
+# A unit whose replay raises, or changes a buffer, a parameter or a plain-number attribute of
+# its modules, is excluded from every plan with the reason (``Profile.excluded``, shown by
+# ``remat plan`` and ``remat show``); the step is re-run without it. BatchNorm running
+# statistics are restored by the applier (NOTE [ BatchNorm under recomputation ]) and are
+# not a reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.errors import ProfileError
+from planner.model.schema import ExcludedUnit, Profile, RetainedBytes
+
+RETAINED_MIN_BYTES = 4096
+"""Smaller differences are not reported as retained: the CPU tracker counts exact bytes, and
+CUDA rounds each storage to 512 bytes, so a few KiB is below anything a cache or an
+attribute holds."""
+
+
+def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
+             amp: str | None, dev: torch.device) -> tuple[list[RetainedBytes], list[ExcludedUnit]]:
+    """Retained bytes per candidate and the candidates whose recompute is unsafe (NOTE [ Validation step ])."""
+    from planner.model.graph import build_graph
+
+    g = build_graph(prof)
+    cands = sorted((n for n, a in g.nodes(data=True) if a["parent"] is None), key=lambda n: g.nodes[n]["order"])
+    fqns = list(dict.fromkeys(g.nodes[n]["fqn"] for n in cands))
+    excluded: dict[str, str] = {}
+    for _ in range(len(fqns) + 1):
+        chosen = [f for f in fqns if f not in excluded]
+        run = _checkpointed_step(model, inputs, set(cands), chosen, loss_fn=loss_fn, amp=amp, dev=dev)
+        if run.failed is None:
+            excluded.update(run.mutated)
+            break
+        excluded[run.failed[0]] = run.failed[1]
+    else:
+        raise ProfileError("the validation step kept failing with every candidate excluded; please report this")
+    retained = [RetainedBytes(unit=n, nbytes=run.retained[n]) for n in cands
+                if run.retained.get(n, 0) > RETAINED_MIN_BYTES]
+    return retained, [ExcludedUnit(module=f, reason=r) for f, r in excluded.items()]
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+@dataclass
+class _Run:
+    retained: dict[str, int] = field(default_factory=dict)
+    """Unit id -> bytes allocated in its forward, not its outputs, still alive when backward starts."""
+    failed: tuple[str, str] | None = None
+    """(module FQN, reason) when a replay raised."""
+    mutated: dict[str, str] = field(default_factory=dict)
+    """Module FQN -> what its replay changed."""
+    phase: str = "forward"
+    replaying: str | None = None
+
+
+class _Watch:
+    """The forward a validation checkpoint region runs: notes which region replays, and what it changes."""
+
+    def __init__(self, module: nn.Module, name: str, run: _Run):
+        self.module, self.name, self.run = module, name, run
+        self.inner = type(module).forward.__get__(module, type(module))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.run.phase != "backward":
+            return self.inner(*args, **kwargs)
+        self.run.replaying = self.name
+        before = _state(self.module)
+        try:
+            return self.inner(*args, **kwargs)
+        finally:  # also when checkpoint stops the replay early, which it does by raising
+            changed = _changes(before, _state(self.module))
+            if changed:
+                self.run.mutated.setdefault(self.name, f"recomputing it changes {changed} a second time per step")
+
+
+def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpointed: list[str], *,
+                       loss_fn: Any, amp: str | None, dev: torch.device) -> _Run:
+    from planner.profiling.measure import make_step
+    from planner.profiling.profiler import _restoring
+    from planner.profiling.recording import _io_tensors
+    from planner.profiling.tracker import LiveBytesTracker, iter_tensors
+
+    run = _Run()
+    modules = dict(model.named_modules())
+    wanted = {id(modules[f]) for f in checkpointed}
+    owner: dict[int, str] = {}  # storage serial -> unit id whose checkpointed forward allocated it
+    outputs: set[int] = set()  # serials of the checkpointed units' outputs
+    running: list[str] = []
+    calls: dict[int, int] = {}
+
+    def allocated(_func: Any, _inputs: Any, new: list) -> None:
+        if running:
+            for e in new:
+                owner[e.serial] = running[-1]
+
+    tracker = LiveBytesTracker(device_type=dev.type, round_to=512 if dev.type == "cuda" else 1, observer=allocated)
+
+    def started(module: nn.Module, _args: Any, name: str) -> None:
+        if run.phase == "forward" and id(module) in wanted and not running:
+            k = calls.get(id(module), 0)
+            calls[id(module)] = k + 1
+            uid = (name or "<root>") + (f"#{k}" if k else "")
+            running.append(uid if uid in units else "")
+
+    def ended(module: nn.Module, _args: Any, out: Any) -> None:
+        if run.phase == "forward" and id(module) in wanted and running:
+            running.pop()
+            outputs.update(e.serial for e in map(tracker.entry, _io_tensors(out)) if e is not None)
+
+    def mark(name: str, _value: Any = None) -> None:
+        if name == "backward_start":
+            run.phase = "backward"
+            for e in tracker.live_entries():
+                uid = owner.get(e.serial)
+                if uid and e.serial not in outputs:
+                    run.retained[uid] = run.retained.get(uid, 0) + e.nbytes
+        elif name == "backward_end":
+            run.phase = "done"
+
+    with _restoring(model, dev), _checkpointed(modules, checkpointed, run), contextlib.ExitStack() as hooks:
+        for name, m in modules.items():
+            if id(m) in wanted:
+                hooks.callback(m.register_forward_pre_hook(lambda mod, a, name=name: started(mod, a, name)).remove)
+                hooks.callback(m.register_forward_hook(ended).remove)
+        step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
+        model.zero_grad(set_to_none=True)
+        tracker.register_static(model.parameters())
+        tracker.register_static(model.buffers())
+        tracker.register_static(iter_tensors(inputs))
+        try:
+            with tracker:
+                step(mark)
+        except ProfileError as e:
+            if run.phase != "backward" or run.replaying is None:
+                raise
+            cause = e.__cause__ or e
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            run.failed = (run.replaying, f"its recomputation raised {type(cause).__name__}: {first}")
+    return run
+
+
+@contextlib.contextmanager
+def _checkpointed(modules: dict[str, nn.Module], names: list[str], run: _Run) -> Iterator[None]:
+    from planner.act.applier import RegionCounts, _CheckpointedForward
+
+    done: list[nn.Module] = []
+    try:
+        for name in names:
+            m = modules[name]
+            if "forward" in m.__dict__:  # another wrapper (e.g. a step change): validate through it
+                continue
+            m.forward = _CheckpointedForward(m, _Watch(m, name, run), RegionCounts())
+            done.append(m)
+        yield
+    finally:
+        for m in done:
+            del m.forward
+
+
+def _state(module: nn.Module) -> dict[str, Any]:
+    """What a replay must not change: parameter and buffer versions (BatchNorm statistics aside),
+    and plain-number attributes."""
+    out: dict[str, Any] = {}
+    for prefix, m in module.named_modules():
+        norm = isinstance(m, nn.modules.batchnorm._NormBase)
+        for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if not (norm and n in ("running_mean", "running_var", "num_batches_tracked")):
+                out[f"{prefix}.{n}".lstrip(".")] = t._version
+        for n, v in vars(m).items():
+            if isinstance(v, (bool, int, float)) and n not in ("training",):
+                out[f"{prefix}.{n}".lstrip(".")] = v
+    return out
+
+
+def _changes(before: dict[str, Any], after: dict[str, Any]) -> str:
+    names = [k for k in after if before.get(k) != after[k]]
+    return ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")

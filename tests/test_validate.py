@@ -1,0 +1,121 @@
+"""The validation step (NOTE [ Validation step ]): what checkpointing does not free, and what it must not replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from planner.act.applier import apply_plan
+from planner.model.graph import build_graph
+from solvers.cost_model import simulate
+
+WIDTH, HIDDEN, ROWS = 32, 128, 64
+HIDDEN_BYTES = ROWS * HIDDEN * 4  # one float32 (ROWS, HIDDEN) activation
+
+
+class KeepsHidden(nn.Module):
+    """Stores an activation on itself (for inspection, say): it outlives a checkpointed region."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        self.last_hidden = h
+        return x + self.down(h)
+
+
+class Counts(nn.Module):
+    """Counts its calls: a replay would count twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(WIDTH, WIDTH), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + torch.tanh(self.lin(x))
+
+
+class ReadsCache(nn.Module):
+    """Computes a projection once per step into a cache it is handed, then reads it: the replay saves less."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, cache):
+        if "k" not in cache:
+            cache["k"] = torch.tanh(self.proj(x))
+        return x + self.out(cache["k"] * x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([KeepsHidden() for _ in range(3)])
+        self.counts, self.reads, self.head = Counts(), ReadsCache(), nn.Linear(WIDTH, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.reads(self.counts(x), {}))
+
+
+def _net_and_batch():
+    torch.manual_seed(0)
+    return Net(), torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(0))
+
+
+def _loss(out):
+    return out.square().mean()
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    model, x = _net_and_batch()
+    return planner.profile(model, x, loss_fn=_loss, device="cpu", optimizer="none", steps=1)
+
+
+def test_retained_bytes_are_measured_per_unit(profiled):
+    assert {r.unit: r.nbytes for r in profiled.retained} == {f"blocks.{i}": HIDDEN_BYTES for i in range(3)}
+
+
+def test_unsafe_units_are_excluded_with_a_reason(profiled):
+    reasons = {x.module: x.reason for x in profiled.excluded}
+    assert set(reasons) == {"counts", "reads"}
+    assert "'calls'" in reasons["counts"]
+    assert "CheckpointError" in reasons["reads"]
+    g = build_graph(profiled)
+    assert "counts" not in g and "reads" not in g and "blocks.0" in g
+    plan = planner.plan(profiled, 10**9, solver="all")
+    assert "counts" not in plan.checkpoints and sorted(x.module for x in plan.excluded) == ["counts", "reads"]
+
+
+def test_cost_model_counts_retained_bytes(profiled):
+    g = build_graph(profiled)
+    assert g.nodes["blocks.0"]["retained_bytes"] == HIDDEN_BYTES
+    without = profiled.model_copy(update={"retained": []})
+    g0 = build_graph(without)
+    blocks = [f"blocks.{i}" for i in range(3)]
+    # checkpointing frees less than it would if nothing were retained, and never less than measured
+    assert simulate(g, blocks).peak_bytes > simulate(g0, blocks).peak_bytes
+    plan = planner.plan(profiled, 10**9, solver="all")
+    report = planner.verify(_net_and_batch()[0], plan, inputs=_net_and_batch()[1], loss_fn=_loss, steps=1,
+                            device="cpu")
+    assert report.predicted_peak_bytes >= report.measured_peak_bytes
+    assert report.max_grad_diff == 0.0
+
+
+def test_validation_leaves_the_model_as_it_was():
+    model, x = _net_and_batch()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    planner.profile(model, x, loss_fn=_loss, device="cpu", optimizer="none", steps=1)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with apply_plan(model, planner.plan(planner.profile(model, x, loss_fn=_loss, device="cpu", optimizer="none",
+                                                        steps=1), 10**9, solver="all")):
+        _loss(model(x)).backward()  # the plan never checkpoints what would break the step
