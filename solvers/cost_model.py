@@ -63,10 +63,9 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 # again) is counted twice while c is recomputed: an overestimate, on the safe side. Units
 # whose recomputation is unsafe are not candidates.
 #
-# Not modelled: the CPU RNG state each checkpointed region keeps (preserve_rng_state=True,
-# 5056 bytes per region in host memory: device memory on a CPU run only, measured in
-# docs/benchmarks.md) and allocations too brief to leave a window; the planner's headroom
-# (planner.act.api.DEFAULT_HEADROOM) covers them.
+# Not modelled: allocations too brief to leave a window; the planner's headroom
+# (planner.act.api.DEFAULT_HEADROOM) covers them. (The CPU RNG state each checkpointed region
+# keeps, 5056 bytes in device memory on a CPU run, is counted as retained bytes.)
 #
 # Recipe (graph.graph "recipe", from ``schema.Recipe``; the profiler ran the same step):
 #   grad_accum N > 1:  the step runs N micro-batches and the optimizer step after the last. From

@@ -197,6 +197,23 @@ def test_verify_failure_exits_1(tiny_model: Path, tiny_profile: Path, tmp_path: 
     assert "verify: FAILED" in r.stdout and "error: the plan failed verification" in r.stderr
 
 
+def test_verify_fails_on_a_wrong_prediction(tiny_model: Path, tiny_profile: Path, tmp_path: Path):
+    plan = Plan.model_validate_json(invoke("plan", "--budget", "1GB", "--profile", tiny_profile, "--solver", "all",
+                                           "--json", "-q").stdout)
+    assert plan.predicted.windows  # what verify compares window by window
+    out = tmp_path / "plan.json"
+    wrong = plan.predicted.model_copy(update={"peak_bytes": int(plan.predicted.peak_bytes * 1.3)})
+    plan.model_copy(update={"predicted": wrong}).save(out)  # a prediction 30% off
+    r = invoke("verify", tiny_model, out, "--device", "cpu", "--steps", "1")
+    assert r.exit_code == 1, r.output
+    assert "prediction error" in r.stdout and "worst window" in r.stdout
+    assert "off the measured" in r.stderr and "differ most at" in r.stderr
+    r = invoke("verify", tiny_model, out, "--device", "cpu", "--steps", "1", "--tolerance", "40%")
+    assert r.exit_code == 0, r.output  # within a looser tolerance
+    r = invoke("verify", tiny_model, out, "--tolerance", "lots")
+    assert r.exit_code == 2 and "--tolerance" in r.stderr
+
+
 def test_headroom_is_kept_free_and_recorded(profile_path: Path, tmp_path: Path):
     out = tmp_path / "plan.json"
     r = invoke("plan", "--budget", "10MB", "--profile", profile_path, "--headroom", "2%", "-o", out)

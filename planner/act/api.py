@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import networkx as nx
 
-from solvers.cost_model import chain_terms, simulate
+from solvers.cost_model import chain_terms, simulate, window_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
 from planner.model.schema import Plan, Predicted, Profile, Recipe, RunStamp, SolverInfo, now_iso
@@ -141,6 +141,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
             recompute_ms=round(est.recompute_ms, 6), step_ms=round(est.step_ms, 6), peak_at=est.peak_at,
             no_checkpoint_peak_bytes=simulate(g, []).peak_bytes,
             min_feasible_bytes=sol.min_feasible_bytes,
+            windows={k: v for k, v in window_bytes(g, est.checkpointed).items() if k.startswith(_WINDOWS)},
         ),
         granularity=g.graph["granularity"], device=profile.device, device_name=profile.device_name,
         target=profile.target, dtype=profile.dtype, recipe=profile.recipe, optimizer=profile.optimizer,
@@ -151,6 +152,10 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         time_source=profile.time_source, threads=profile.threads, time_calibration=profile.time_calibration,
         created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
     )
+
+
+_WINDOWS = ("forward of ", "backward of ", "end of forward", "start of backward")
+"""The probes of NOTE [ Peak-memory model ] that are measured windows of the step (``graph.window_peaks``)."""
 
 
 def budget_with_headroom(peak_bytes: int, headroom: float = DEFAULT_HEADROOM) -> int:

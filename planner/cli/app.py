@@ -540,6 +540,9 @@ def verify_cmd(
     batch: Batch = None,
     seq_len: SeqLen = None,
     task: Task = None,
+    tolerance: Annotated[str, typer.Option(
+        "--tolerance", help="Largest |predicted - measured| / measured peak before verify fails: 2%, 0.5% or "
+                            "a fraction such as 0.02.")] = "2%",
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -556,7 +559,8 @@ def verify_cmd(
     source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
     if source is None:
         raise BadInput("give the model file the plan was made for: remat verify model.py plan.json")
-    report = verify(source, plan, steps=steps, device=device, threads=threads, progress=_progress(log))
+    report = verify(source, plan, steps=steps, device=device, threads=threads, progress=_progress(log),
+                    prediction_tolerance=_fraction(tolerance, "--tolerance"))
     per_rank = getattr(report, "launched", None) is not None
     if per_rank and report.launched == "torchrun" and os.environ.get("RANK", "0") != "0":
         pass  # every rank has the report; rank 0 prints it

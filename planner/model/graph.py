@@ -300,11 +300,23 @@ def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, 
         )
         prev_end = end
 
-    tl = p.timeline
-    g.graph["tail_fwd_peak_bytes"] = None
-    g.graph["tail_bwd_peak_bytes"] = None
+    peaks = window_peaks(p.timeline, leaves)
+    g.graph["tail_fwd_peak_bytes"] = peaks.get("end of forward")
+    g.graph["tail_bwd_peak_bytes"] = peaks.get("start of backward")
+    for n in leaves:
+        if f"forward of {n}" in peaks:
+            g.nodes[n]["fwd_window_peak_bytes"] = peaks[f"forward of {n}"]
+            g.nodes[n]["bwd_window_peak_bytes"] = peaks[f"backward of {n}"]
+
+
+def window_peaks(tl: list, leaves: list[str]) -> dict[str, int | None]:
+    """Measured peak of every window of NOTE [ Peak-memory model ], named as the cost model's probes.
+
+    ``tl`` is a timeline of events with ``kind``, ``unit`` and ``peak_bytes`` (``MemoryEvent``);
+    empty when there is no timeline.
+    """
     if not tl or not leaves:
-        return
+        return {}
     index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
     pos_of = {e.kind: i for i, e in enumerate(tl) if e.unit is None}
 
@@ -313,20 +325,20 @@ def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, 
             return None
         return max(e.peak_bytes for e in tl[lo + 1: hi + 1])
 
+    out: dict[str, int | None] = {}
     # forward windows: (fwd_end of previous leaf, fwd_end of this leaf]
     bounds = [pos_of.get("step_start", 0)] + [index.get(("fwd_end", n)) for n in leaves]
     bounds.append(pos_of.get("forward_end"))
     fwd = _merged_window_peaks(bounds, peak)
-    for n, v in zip(leaves, fwd[:-1]):
-        g.nodes[n]["fwd_window_peak_bytes"] = v
-    g.graph["tail_fwd_peak_bytes"] = fwd[-1]
+    out.update({f"forward of {n}": v for n, v in zip(leaves, fwd[:-1])})
+    out["end of forward"] = fwd[-1]
     # backward windows, in backward order: tail, then leaf n, n-1, ..., 1
     bb = [pos_of.get("backward_start")] + [index.get(("bwd_start", n)) for n in reversed(leaves)]
     bb.append(pos_of.get("backward_end"))
     bwd = _merged_window_peaks(bb, peak)
-    g.graph["tail_bwd_peak_bytes"] = bwd[0]
-    for n, v in zip(reversed(leaves), bwd[1:]):
-        g.nodes[n]["bwd_window_peak_bytes"] = v
+    out["start of backward"] = bwd[0]
+    out.update({f"backward of {n}": v for n, v in zip(reversed(leaves), bwd[1:])})
+    return out
 
 
 def _merged_window_peaks(bounds: list[int | None], peak) -> list[int | None]:

@@ -360,6 +360,10 @@ class Predicted(_Model):
     peak_at: str = ""
     no_checkpoint_peak_bytes: int | None = None
     min_feasible_bytes: int | None = None
+    windows: dict[str, int] = Field(default_factory=dict,
+                                    description="Predicted bytes of every forward and backward window, in forward "
+                                                "order ('forward of h.0', ...; see NOTE [ Peak-memory model ]): "
+                                                "verify compares them with the measured windows.")
 
 
 class Plan(_Model):

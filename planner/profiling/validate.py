@@ -13,7 +13,8 @@
 # checkpointed unit c runs its forward is attributed to c. When backward starts (the model's
 # output already dropped, see ``planner.profiling.measure.make_step``), the storages still alive that
 # were allocated inside c and are not c's outputs are what checkpointing c did not free:
-# c's *retained bytes* r(c) (kept when over ``RETAINED_MIN_BYTES``). Outputs flow on as the
+# c's *retained bytes* r(c) (kept when over ``RETAINED_MIN_BYTES``), plus, on the CPU, the RNG
+# state each region keeps for its replay (``_rng_state_bytes``). Outputs flow on as the
 # inputs of later units, which the cost model already counts. The cost model counts r(c) as
 # a tensor c keeps when checkpointed, like its inputs (see "Retained bytes" in the NOTE [
 # Peak-memory model ]); ``remat verify`` then compares its prediction with the measured step.
@@ -61,9 +62,20 @@ def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[
         excluded[run.failed[0]] = run.failed[1]
     else:
         raise ProfileError("the validation step kept failing with every candidate excluded; please report this")
-    retained = [RetainedBytes(unit=n, nbytes=run.retained[n]) for n in cands
-                if run.retained.get(n, 0) > RETAINED_MIN_BYTES]
+    rng = _rng_state_bytes(dev)
+    retained = [RetainedBytes(unit=n, nbytes=run.retained.get(n, 0) + rng) for n in cands
+                if g.nodes[n]["fqn"] in chosen and run.retained.get(n, 0) + rng > RETAINED_MIN_BYTES]
     return retained, [ExcludedUnit(module=f, reason=r) for f, r in excluded.items()]
+
+
+def _rng_state_bytes(dev: torch.device) -> int:
+    """Device bytes of the RNG state a checkpointed region keeps until its backward (preserve_rng_state=True).
+
+    It is made outside the dispatcher, so the tracker does not see it: on the CPU it is the
+    CPU generator's state (5056 bytes in torch 2.x, docs/benchmarks.md); on CUDA both states
+    live in host memory and cost the device nothing.
+    """
+    return torch.get_rng_state().nbytes if dev.type == "cpu" else 0
 
 
 # ----------------------------------------------------------------------------- one step
