@@ -787,10 +787,10 @@ def _run_profiler(mf: Any, *, device: str, optimizer: str, steps: int, log: Any,
         render.plain(log, f"profiling {mf.path} on cpu within {cap} bytes (a capped child process) ...")
         return profile_capped(mf.path, device_memory_bytes=cap, optimizer=optimizer, steps=steps, amp=amp,
                               threads=threads, quiet=log.quiet)
-    # stages the profiler announces: a warm-up step, the timing steps, the memory step, the peak
-    # (meta: a warm-up step and one memory-and-roofline step on fake tensors)
+    # stages the profiler announces: a warm-up step, the timing steps, the memory step, the peak,
+    # the validation step (meta: a warm-up step and one memory-and-roofline step on fake tensors)
     title = f"profiling {mf.path} on fake tensors for {target}" if meta else f"profiling {mf.path} on {device} ({steps} steps)"
-    with render.stages(log, f"{title} ...", total=2 if meta else steps + 3) as say:
+    with render.stages(log, f"{title} ...", total=2 if meta else steps + 4) as say:
         net = build_on_meta(mf.build_model) if meta else mf.build_model()
         if meta or not plain:  # the memory-safe profile measures the plain step (with amp) only
             return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=device, optimizer=optimizer,
