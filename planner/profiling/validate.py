@@ -64,7 +64,8 @@ def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[
         raise ProfileError("the validation step kept failing with every candidate excluded; please report this")
     rng = _rng_state_bytes(dev)
     retained = [RetainedBytes(unit=n, nbytes=run.retained.get(n, 0) + rng) for n in cands
-                if g.nodes[n]["fqn"] in chosen and run.retained.get(n, 0) + rng > RETAINED_MIN_BYTES]
+                if g.nodes[n]["fqn"] in chosen and g.nodes[n]["fqn"] not in excluded
+                and run.retained.get(n, 0) + rng > RETAINED_MIN_BYTES]
     return retained, [ExcludedUnit(module=f, reason=r) for f, r in excluded.items()]
 
 
