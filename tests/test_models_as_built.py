@@ -104,3 +104,19 @@ def test_plan_without_step_changes_still_loads(tmp_path):
     path = tmp_path / "plan.json"
     old.save(path)
     assert Plan.load(path).checkpoints == plan.checkpoints
+
+
+@pytest.mark.parametrize("device_memory_bytes", [None, 1], ids=["fits", "memory-safe"])
+def test_profile_within_applies_step_changes(device_memory_bytes, caplog):
+    """The CLI profiles through profile_within: both its full profile and its checkpointed one (a step
+    over the device's memory) run the step with use_cache=False, say so once and undo it after."""
+    from planner.profiling.memsafe import profile_within
+
+    model, inputs = _llama()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        prof = profile_within(model, inputs, device="cpu", device_memory_bytes=device_memory_bytes,
+                              optimizer="none", steps=1)
+    assert [(c.kind, c.module) for c in prof.step_changes] == [("hf_use_cache_off", "")]
+    assert bool(prof.measured_with_checkpoints) == (device_memory_bytes is not None)
+    assert sum("use_cache=False" in r.getMessage() for r in caplog.records) == 1
+    assert "forward" not in model.__dict__

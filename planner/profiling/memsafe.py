@@ -122,6 +122,44 @@ def profile_within(
     Raises:
         ProfileError: user code failed, or nothing fits and no fake-tensor fallback exists.
     """
+    from planner.profiling.step_changes import find_step_changes, install
+
+    # see NOTE [ Step changes ]: every path below (the full profile, the checkpointed one, the fake-tensor
+    # ones) profiles the step the plan will run; ``profile`` finds the same changes already installed
+    changes = find_step_changes(model)
+    installed = install(model, changes)
+    try:
+        prof = _profile_within(model, inputs, device_memory_bytes=device_memory_bytes, loss_fn=loss_fn,
+                               device=device, optimizer=optimizer, warmup_steps=warmup_steps, steps=steps,
+                               amp=amp, threads=threads, progress=progress)
+    finally:
+        installed.remove()
+    return prof.model_copy(update={"step_changes": changes})
+
+
+def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, loss_fn: Any, amp: str | None,
+               dev: torch.device, progress: Progress | None) -> schema.Profile:
+    """``prof`` with the validation step's retained bytes and excluded units (NOTE [ Validation step ]), as
+    ``profile`` measures them: the validation step runs with the candidates checkpointed, so it fits
+    where the checkpointed profile did."""
+    from planner.profiling.measure import to_device
+    from planner.profiling.validate import validate
+
+    (progress or (lambda _msg: None))("validation step: what checkpointing frees")
+    try:
+        retained, excluded = validate(model, to_device(inputs, dev), prof, loss_fn=loss_fn, amp=amp, dev=dev)
+    except (ProfileError, RuntimeError, MemoryError) as e:
+        if not _out_of_memory(e):
+            raise
+        _free(model, dev)
+        return prof.model_copy(update={"notes": [*prof.notes, f"validation step skipped: {_first_line(e)}"]})
+    return prof.model_copy(update={"retained": retained, "excluded": excluded})
+
+
+def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_bytes: int | None,
+                    loss_fn: Callable[[Any], torch.Tensor] | None, device: str | torch.device, optimizer: str,
+                    warmup_steps: int, steps: int, amp: str | None, threads: int | None,
+                    progress: Progress | None) -> schema.Profile:
     dev = resolve_device(device)
     kw = dict(loss_fn=loss_fn, optimizer=optimizer, warmup_steps=warmup_steps, steps=steps, amp=amp,
               threads=threads, progress=progress)
@@ -217,7 +255,8 @@ def profile_checkpointed(
                         clock=_PausingClock(pick_clock(dev, torch.get_num_threads())),
                         timing_recorder=timing_recorder,
                         memory_recorder=lambda m, tracker: _CheckpointedMemory(m, tracker, ckpt))
-    return _as_unplanned(prof, fqns, timing[-1].recompute_ms if timing else {})
+    prof = _as_unplanned(prof, fqns, timing[-1].recompute_ms if timing else {})
+    return _validated(model, inputs, prof, loss_fn=loss_fn, amp=amp, dev=dev, progress=progress)
 
 
 def candidate_modules(prof: schema.Profile, granularity: int = 0) -> list[str]:

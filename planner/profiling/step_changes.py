@@ -126,7 +126,7 @@ def install(model: nn.Module, changes: list[StepChange], *, say: bool = True) ->
             fwd = _CacheOffForward(m, m.__dict__.get("forward"))
             m.forward = fwd
             forwards.append(fwd)
-    if say and changes:
+    if say and forwards:  # already installed (profile_within, then profile): said already
         describe(changes)
     return Installed(forwards)
 
