@@ -34,15 +34,24 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 #   forward of window i:   static + |held with p <= end(l_i)  U  out_i| + T_fwd(i)
 #   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
 #   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
-#                          + max T_fwd over the leaves of c
+#                          + G_c + max T_fwd over the leaves of c
 #   tail forward/backward: static (+ grads after l_n) + |all held| + T_tail
 #   optimizer step:        static + all grads + the optimizer's measured temporaries
 # where out_i are tensors created in window i that later code still uses (in flight, alive
 # whether held or not), R_i are the tensors a checkpointed unit c containing l_i re-creates
 # when its backward starts (everything c saves that c itself created: not its inputs, which it
 # kept, nor tensors it reached otherwise, which recompute does not copy) and that
-# backward has not yet passed (saved at or before end(l_i)), and grads(i) are the gradients of
-# parameters last used in window i or later.
+# backward has not yet passed (saved at or before end(l_i)), grads(i) are the gradients of
+# parameters last used after window i, and G_c (``replay_in_flight``) is what the replay of c
+# runs beside: the gradient of c's outputs (backward has reached c) and c's outputs, which the
+# replay re-creates unless c saves them.
+#
+# Why grads(i) leaves out window i's own parameters: their gradients appear while backward
+# frees what window i saved, so the window never holds both in full; counting both at once
+# over-counted by up to their bytes wherever the measured window peak fell below it (T is
+# never negative): under amp, each fp32 gradient replaces the bf16/fp16 cast it was computed
+# from (transformer-encoder, bf16: +2.03% on the plan, +1.1% on the unplanned step). Window
+# i's gradients are in T_bwd(i), measured; the next window's probe counts them in full.
 #
 # T are *temporaries* not explained by held tensors: activation gradients in flight, kernel
 # workspaces, tensors freed within the window. They are calibrated once per graph from the
@@ -389,6 +398,15 @@ def _recomputed(g: nx.DiGraph, ctx: _Ctx, c: str, upto_seq: int) -> int:
     return sum(ctx.tb[t] for t in seen)
 
 
+def replay_in_flight(g: nx.DiGraph, c: str) -> int:
+    """Bytes alive while ``c`` is recomputed that ``_recomputed`` does not count: the gradient of
+    c's outputs (backward has reached c) and c's outputs, which the replay re-creates unless c
+    saves them (NOTE [ Peak-memory model ], recompute)."""
+    a, tb = g.nodes[c], g.graph["tensor_bytes"]
+    outs = a.get("output_ids", ())
+    return sum(tb.get(t, 0) for t in outs) + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"])
+
+
 def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_rank: bool = True):
     """Yield (name, total_bytes, grads_bytes, extra_params_bytes) for every probe of the NOTE."""
     ctx = _context(g)
@@ -416,7 +434,7 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
         out_extra = sum(ctx.tb[t] for t in a["out_ids"] if pos.get(t, 1 << 62) > end)
         out_extra += _cached_casts(ctx, pos, end, a["out_ids"])
         yield f"forward of {leaf}", fwd_static + h + out_extra + tr(a, "fwd_transient_bytes"), fwd_g, fwd_p
-        static, grads, extra = backward_static(g, rk, prev_end, end)
+        static, grads, extra = backward_static(g, rk, end, end)  # the NOTE's grads(i): used after window i
         rec = _recomputed(g, ctx, owner[i], end) if i in owner else 0
         yield f"backward of {leaf}", static + h + rec + tr(a, "bwd_transient_bytes"), grads, extra
         prev_end = end
@@ -425,7 +443,8 @@ def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_
         static, grads, extra = backward_static(g, rk, a["fwd_end_seq"], a["fwd_end_seq"])
         t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
                     default=0) if calibrated else 0
-        total = static + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"]) + t_fwd
+        total = (static + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"])
+                 + replay_in_flight(g, c) + t_fwd)
         yield f"recompute of {c}", total, grads, extra
     h_all = prefix[-1]
     yield ("end of forward", fwd_static + h_all + _cached_casts(ctx, pos, _ALIVE)
@@ -580,7 +599,7 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
     prev_end = -1
     for i, (x, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
         a = g.nodes[x]
-        bwd_base = backward_static(g, rk, prev_end, end)[0]
+        bwd_base = backward_static(g, rk, end, end)[0]
         rcp_base = backward_static(g, rk, end, end)[0]
         rec = _recomputed(g, ctx, x, end)
         terms = []
@@ -590,7 +609,7 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
             fwd = (fwd_static + out_extra + a.get("fwd_transient_bytes", 0)
                    + sum(b for c, b in unsaved_casts if c <= end))
             bwd = bwd_base + (rec if cur else 0) + a.get("bwd_transient_bytes", 0)
-            rcp = rcp_base + rec + a.get("fwd_transient_bytes", 0) if cur else 0
+            rcp = rcp_base + rec + replay_in_flight(g, x) + a.get("fwd_transient_bytes", 0) if cur else 0
             terms.append(max(fwd, bwd, rcp))
         k.append((terms[0], terms[1]))
         prev_end = end

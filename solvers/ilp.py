@@ -64,13 +64,13 @@ save events, n candidates and b leaves; solving is exponential in the worst case
 #                         expression, exact) and its bytes go into the constant.
 #   backward of leaf i:   H(e_i) + sum_{c containing leaf i} x_c * recomputed(c, e_i) + const;
 #                         at most one such x_c is 1 (antichain), as in simulate's ``owner``.
-#   recompute of c:       H(end c) + x_c * (recomputed(c) + max T_fwd) - (1 - x_c) * M_c + const.
+#   recompute of c:       H(end c) + x_c * (recomputed(c) + G_c + max T_fwd) - (1 - x_c) * M_c + const.
 #                         simulate has this probe only when c is checkpointed. With x_c = 0 the
 #                         row must not cut anything: M_c is how much its constant exceeds that of
 #                         the backward of the first leaf ending at or after end(c) (or of the
-#                         start of backward), which has at least the same H and R >= 0; with the
-#                         NOTE's constants M_c = 0 (that leaf's gradients include c's), so the
-#                         row is big-M free in practice.
+#                         start of backward), which has at least the same H and R >= 0. M_c > 0
+#                         only when parameters used between end(c) and that leaf's end have
+#                         gradients that leaf's backward does not count (NOTE: grads(i)).
 #   end of forward, start of backward: H(all) + const;  optimizer step: P >= const.
 # Tied calls (NOTE [ Tied calls ]): x_v = x_w for the calls v, w of one module ("tied ...").
 # Recompute model: min sum_v forward_ms(v) x_v with P <= budget + 1/2 (probes are whole bytes,
@@ -100,7 +100,7 @@ import networkx as nx
 import pulp
 
 from solvers.cost_model import (
-    _context, _recomputed, backward_static, close_ties, is_tied, rank_memory, simulate, tie_groups,
+    _context, _recomputed, backward_static, replay_in_flight, close_ties, is_tied, rank_memory, simulate, tie_groups,
 )
 from solvers.base import Solution, Status, judged
 from solvers.ilp_bound import Bound, sequential_bound
@@ -372,7 +372,7 @@ def build_program(g: nx.DiGraph) -> Program:
         probes.append(Probe(f"forward of {leaf}", leaf_bucket[i], fwd_extra,
                             rk.fwd_static_bytes + sum(ctx.tb[t] for t in a["out_ids"])
                             + a.get("fwd_transient_bytes", 0) + cast_bytes))
-        bc = backward_static(g, rk, prev_end, e)[0] + a.get("bwd_transient_bytes", 0)
+        bc = backward_static(g, rk, e, e)[0] + a.get("bwd_transient_bytes", 0)
         bwd_const.append(bc)
         rec = {c: _recomputed(g, ctx, c, e) / unit for c in contains[i]}
         probes.append(Probe(f"backward of {leaf}", leaf_bucket[i], {c: r for c, r in rec.items() if r}, bc))
@@ -386,7 +386,7 @@ def build_program(g: nx.DiGraph) -> Program:
         later = bisect.bisect_left(ctx.leaf_end, end[c])
         m = max(0, const - (bwd_const[later] if later < len(ctx.leaves) else tail_bwd))
         big_m += m > 0
-        coef = (_recomputed(g, ctx, c, end[c]) + t_fwd + m) / unit
+        coef = (_recomputed(g, ctx, c, end[c]) + replay_in_flight(g, c) + t_fwd + m) / unit
         extra = {**({c: coef} if coef else {}), **({None: -m / unit} if m else {})}
         probes.append(Probe(f"recompute of {c}", bucket(end[c]), extra, const))
     cast_form, cast_bytes = casts(1 << 62)

@@ -21,6 +21,7 @@ node attribute            meaning
 ``output_bytes``          unique tensors returned
 ``saved_ids``             frozenset of tensor ids saved inside the unit
 ``input_ids``             frozenset of tensor ids passed in
+``output_ids``            frozenset of step-created tensor ids returned
 ``out_ids``               (leaves) tensors created in the leaf's window and used after it
 ``fwd_window_peak_bytes``  (leaves) measured peak of the forward window, or None
 ``bwd_window_peak_bytes``  (leaves) measured peak of the backward window, or None
@@ -233,7 +234,7 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
         saved_bytes=sum(tensor_bytes[t] for t in saved),
         input_bytes=sum(tensor_bytes[t] for t in inputs),
         output_bytes=u.output_bytes,
-        saved_ids=saved, input_ids=inputs, out_ids=frozenset(),
+        saved_ids=saved, input_ids=inputs, output_ids=frozenset(u.output_ids), out_ids=frozenset(),
         fwd_window_peak_bytes=None, bwd_window_peak_bytes=None,
         fwd_transient_bytes=0, bwd_transient_bytes=0,
     )
