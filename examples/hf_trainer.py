@@ -1,16 +1,18 @@
 """Train a tiny Hugging Face GPT-2 with ``Trainer`` and a remat plan: the plan is one callback.
 
     python examples/hf_trainer.py --budget 10MB --steps 3           # plan here, then train with it
-    remat plan examples/hf_trainer.py --budget 10MB -o plan.json   # or: this file is a model file ...
+    remat plan examples/hf_trainer.py --budget 10MB --clip-grad-norm 1 --fused -o plan.json  # or: a model file ...
     python examples/hf_trainer.py --write-config cfg               # ... or plan its config.json:
-    remat plan --hf cfg --batch 4 --seq-len 64 --budget 10MB -o plan.json
+    remat plan --hf cfg --batch 4 --seq-len 64 --budget 10MB --clip-grad-norm 1 --fused -o plan.json
     python examples/hf_trainer.py --plan plan.json --steps 3       # train with the plan file
     python examples/hf_trainer.py --steps 3                        # no plan: the baseline
 
 The model is ``GPT2LMHeadModel`` from a small ``GPT2Config`` with the library's defaults
 (dropout 0.1, KV cache on), random weights; the data are random token ids, batch 4 x 64.
 With a plan, ``RematCallback`` checkpoints the planned blocks before the first step; the loss
-and the weights after training are those of the plain run (bit for bit on the CPU).
+and the weights after training are those of the plain run (bit for bit on the CPU). A plan is
+made for the Trainer's training step (``training_recipe``): by default the Trainer clips
+gradients at norm 1.0 and uses fused AdamW, hence ``--clip-grad-norm 1 --fused`` above.
 """
 
 import argparse
@@ -26,7 +28,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallb
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
 import planner
-from planner.integrations.hf import RematCallback
+from planner.integrations.hf import RematCallback, training_recipe
 
 CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 512, "n_positions": 64,
           "n_embd": 64, "n_layer": 4, "n_head": 4, "bos_token_id": 0, "eos_token_id": 0}
@@ -49,9 +51,21 @@ def example_inputs() -> dict[str, torch.Tensor]:
     return {k: torch.stack([row[k] for row in rows]) for k in ("input_ids", "labels")}
 
 
-def make_plan(budget: str, *, solver: str = "auto") -> planner.Plan:
-    """Profile a copy of the model on one batch (here, on the CPU) and plan it for ``budget``."""
-    return planner.plan(build_model(), budget, inputs=example_inputs(), device="cpu", solver=solver, steps=1)
+def training_args(output_dir: str, *, steps: int = 3, **overrides) -> TrainingArguments:
+    """The Trainer's arguments: batch 4, lr 1e-3, a log line per step, on the CPU unless CUDA is there."""
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=BATCH_SIZE, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True, **overrides)
+
+
+def make_plan(budget: str, *, solver: str = "auto", **overrides) -> planner.Plan:
+    """Profile a copy of the model on one batch (here, on the CPU), running the training step the
+    Trainer with ``overrides`` runs (``training_recipe``), and plan it for ``budget``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = training_recipe(training_args(tmp, **overrides))
+    return planner.plan(build_model(), budget, inputs=example_inputs(), device="cpu", solver=solver, steps=1,
+                        recipe=recipe)
 
 
 class LossRecorder(TrainerCallback):
@@ -71,10 +85,7 @@ def train(plan=None, *, steps: int = 3, output_dir: str | None = None, **overrid
     recorder = LossRecorder()
     callbacks = [recorder] + ([RematCallback(plan)] if plan is not None else [])
     with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(
-            output_dir=output_dir or tmp, max_steps=steps, per_device_train_batch_size=BATCH_SIZE,
-            learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
-            use_cpu=not torch.cuda.is_available(), disable_tqdm=True, **overrides)
+        args = training_args(output_dir or tmp, steps=steps, **overrides)
         Trainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks).train()
     return recorder.losses, model
 

@@ -71,9 +71,43 @@ def test_trainer_refuses_double_checkpointing_another_model_and_another_recipe(h
     other = GPT2LMHeadModel(GPT2Config(**{**example.CONFIG, "n_layer": 2}))
     with pytest.raises(PlanMismatch, match="transformer.h.3"):
         Trainer(model=other, args=TrainingArguments(**args), callbacks=[RematCallback(plan)])
-    with pytest.raises(PlanMismatch, match="mixed precision: plan has none, TrainingArguments have bf16"):
+    with pytest.raises(PlanMismatch, match=r"amp: plan has None, training uses 'bf16' \(bf16/fp16\)"):
         Trainer(model=example.build_model(), args=TrainingArguments(bf16=True, **args),
                 callbacks=[RematCallback(plan)])
+
+
+@needs_trainer
+def test_trainer_refuses_a_plan_for_another_accumulation_and_clipping_naming_the_flags(hf_example, tmp_path):
+    """The plan was made for the Trainer's defaults: clipping at 1.0, one micro-batch, fused AdamW."""
+    from transformers import TrainingArguments
+
+    from planner.integrations.hf import check_training_arguments, training_recipe
+
+    example, plan, _, _ = hf_example
+    assert plan.recipe == training_recipe(example.training_args(str(tmp_path)))
+    assert plan.recipe.clip_grad_norm == 1.0 and plan.recipe.optimizer_impl == "fused"
+    args = example.training_args(str(tmp_path), gradient_accumulation_steps=2, max_grad_norm=0.0)
+    with pytest.raises(PlanMismatch) as e:
+        check_training_arguments(plan, args)
+    message = str(e.value)
+    assert "grad_accum: plan has 1, training uses 2 (gradient_accumulation_steps)" in message
+    assert "clip_grad_norm: plan has 1.0, training uses None (max_grad_norm" in message
+    assert "remat plan <model> --budget <budget> --grad-accum 2 --fused " in message
+    assert "recipe=training_recipe(args)" in message
+    check_training_arguments(plan, example.training_args(str(tmp_path), max_grad_norm=0.5))  # the norm: same kernels
+    assert isinstance(args, TrainingArguments)
+
+
+@needs_trainer
+def test_trainer_with_accumulation_trains_a_plan_made_for_it_like_the_plain_run():
+    import hf_trainer
+
+    plan = hf_trainer.make_plan("1GB", solver="all", gradient_accumulation_steps=2)
+    assert plan.recipe.grad_accum == 2
+    plain_losses, plain_model = hf_trainer.train(steps=2, gradient_accumulation_steps=2)
+    losses, model = hf_trainer.train(plan, steps=2, gradient_accumulation_steps=2)
+    assert len(losses) == 2 and losses == plain_losses
+    assert same_weights(model, plain_model)
 
 
 # ----------------------------------------------------------------------------- Lightning
@@ -126,6 +160,49 @@ def test_lightning_callback_matches_the_plain_run(lightning_plain, tiny_file, bu
     (callback,) = [c for c in planned.trainer.callbacks if isinstance(c, RematCallback)]
     assert callback.handle.recompute_count == 3 * len(plan.checkpoints)
     assert "configure_model" not in vars(planned)  # the hook is the class's again
+
+
+@needs_lightning
+def test_lightning_refuses_another_accumulation_and_clipping_and_trains_a_matching_plan(lightning_plain, tiny_file):
+    import planner
+    from planner.model.schema import Recipe
+    from planner.profiling.model_file import load_model_file
+
+    example, plan, _ = lightning_plain
+    options = dict(accumulate_grad_batches=2, gradient_clip_val=1.0)
+    with pytest.raises(PlanMismatch) as e:
+        example.train(str(tiny_file), plan, steps=2, **options)
+    message = str(e.value)
+    assert "grad_accum: plan has 1, training uses 2 (accumulate_grad_batches)" in message
+    assert "clip_grad_norm: plan has None, training uses 1.0 (gradient_clip_val" in message
+    assert "--grad-accum 2 --clip-grad-norm 1 " in message
+
+    mf = load_model_file(tiny_file)
+    matching = planner.plan(mf.build_model(), "1GB", inputs=mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu",
+                            solver="all", steps=1, recipe=Recipe(grad_accum=2, clip_grad_norm=1.0))
+    plain = example.train(str(tiny_file), steps=2, **options)
+    planned = example.train(str(tiny_file), matching, steps=2, **options)
+    assert len(planned.losses) == 4 and planned.losses == plain.losses
+    assert same_weights(planned.model, plain.model)
+
+
+@needs_lightning
+def test_lightning_clipping_by_value_is_the_step_without_clipping():
+    """gradient_clip_algorithm='value' clamps the gradients in place: nothing allocated."""
+    import lightning.pytorch as pl
+
+    from planner.integrations.lightning import training_recipe
+    from planner.profiling.tracker import LiveBytesTracker
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    assert training_recipe(trainer).clip_grad_norm is None
+    model = torch.nn.Linear(64, 64)
+    model(torch.randn(8, 64)).square().sum().backward()
+    tracker = LiveBytesTracker(device_type="cpu")
+    tracker.register_static([*model.parameters(), *(p.grad for p in model.parameters())])
+    with tracker:
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.5)
+    assert tracker.peak_bytes == tracker.static_bytes
 
 
 # ----------------------------------------------------------------------------- accelerate

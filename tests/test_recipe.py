@@ -116,6 +116,11 @@ def test_recipe_describe_and_differences():
     assert diffs == ["grad_accum: plan has 4, training uses 1", "amp: plan has 'fp16', training uses None",
                      "clip_grad_norm: plan has None, training uses 1.0"]
     assert Recipe().differences(Recipe()) == []
+    assert Recipe(clip_grad_norm=1.0).differences(Recipe(clip_grad_norm=0.5)) == []  # the norm: same kernels
+    assert Recipe().flags() == []
+    assert Recipe(grad_accum=4, zero_grad_set_to_none=False, amp="bf16", clip_grad_norm=1.0,
+                  optimizer_impl="fused").flags() == ["--grad-accum 4", "--no-zero-grad-set-to-none", "--amp bf16",
+                                                      "--clip-grad-norm 1", "--fused"]
 
 
 def test_version_1_files_load_as_the_default_recipe(tmp_path: Path):

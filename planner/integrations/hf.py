@@ -14,8 +14,11 @@ refuses, with a ``RematError`` naming the fix, when:
   layer and the plan would checkpoint on top of that (double checkpointing, and the plan's
   prediction would not hold);
 - the plan was made for another model (``PlanMismatch``, listing what differs);
-- the plan was made for another training recipe than the ``TrainingArguments`` (mixed
-  precision, optimizer, ranks): its predicted peak is for that recipe.
+- the plan was made for another training step than the ``TrainingArguments`` run
+  (``training_recipe(args)``: gradient accumulation, clipping, mixed precision, the optimizer
+  and its implementation, ranks): its predicted peak is for that step. The Trainer clips
+  gradients by default (``max_grad_norm=1.0``) and uses fused AdamW with torch >= 2.8, so plan
+  with ``recipe=training_recipe(args)`` (or the ``remat plan`` options the refusal names).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from planner.act.applier import AppliedPlan, apply_plan
-from planner.errors import BadInput, PlanMismatch
-from planner.model.schema import Plan
+from planner.errors import BadInput
+from planner.integrations.recipe import refuse_other_recipe
+from planner.model.schema import Plan, Recipe
 
 logger = logging.getLogger("remat")
 
@@ -80,12 +84,14 @@ def check_training_arguments(plan: Plan, args: Any) -> None:
             f"{which} checkpoints every layer, and the remat plan would checkpoint on top of it (double "
             f"checkpointing; the plan's prediction would not hold): turn it off and let the plan choose, or drop "
             f"RematCallback")
-    diffs = recipe_differences(plan, args)
-    if diffs:
-        listing = "\n  ".join(diffs)
-        raise PlanMismatch(f"the plan was made for another training recipe than these TrainingArguments:\n"
-                           f"  {listing}\nre-plan with the job's recipe (remat plan --amp/--optimizer/"
-                           f"--world-size ...) or change the TrainingArguments", diffs)
+    refuse_other_recipe(plan, training_recipe(args), framework="these TrainingArguments", settings=_SETTINGS,
+                        python_call="training_recipe(args)", other=_other_differences(plan, args))
+
+
+_SETTINGS = {"grad_accum": "gradient_accumulation_steps", "amp": "bf16/fp16",
+             "clip_grad_norm": "max_grad_norm; the Trainer clips at 1.0 unless max_grad_norm=0",
+             "optimizer_impl": "optim", "zero_grad_set_to_none": "the Trainer calls model.zero_grad()"}
+"""The TrainingArguments behind each ``Recipe`` field, named in refusals."""
 
 
 def _trainer_checkpointing(args: Any) -> str | None:
@@ -100,19 +106,35 @@ def _trainer_checkpointing(args: Any) -> str | None:
     return None
 
 
-def recipe_differences(plan: Plan, args: Any) -> list[str]:
-    """What differs between the recipe ``plan`` was made for and ``args``, one line each."""
+def training_recipe(args: Any) -> Recipe:
+    """The training step a ``Trainer`` with ``args`` (``TrainingArguments``) runs, as a ``Recipe``.
+
+    Plan with it (``planner.plan(model, budget, inputs=..., recipe=training_recipe(args))``, or
+    the ``remat plan`` options ``training_recipe(args).flags()``) so that ``RematCallback``
+    accepts the plan. The Trainer accumulates ``gradient_accumulation_steps`` micro-batches,
+    clips with ``clip_grad_norm_(max_grad_norm)`` unless ``max_grad_norm`` is 0 (its default is
+    1.0), runs forward and loss under autocast with ``bf16``/``fp16`` (fp16 with a GradScaler),
+    sets gradients to None after each step (``model.zero_grad()``) and builds AdamW with
+    ``fused=True`` for ``optim="adamw_torch_fused"`` (the default since torch 2.8).
+    """
+    clip = getattr(args, "max_grad_norm", None)
+    return Recipe(grad_accum=getattr(args, "gradient_accumulation_steps", 1) or 1,
+                  amp="bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None,
+                  clip_grad_norm=float(clip) if clip and clip > 0 else None,
+                  optimizer_impl="fused" if _text(getattr(args, "optim", None)) == "adamw_torch_fused" else "default")
+
+
+def _other_differences(plan: Plan, args: Any) -> list[str]:
+    """Differences outside the step recipe: the optimizer and the ranks."""
     out = []
-    amp = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
-    if amp != plan.amp:
-        out.append(f"mixed precision: plan has {plan.amp or 'none'}, TrainingArguments have {amp or 'none'} "
-                   f"(bf16/fp16)")
     optimizer = _optimizer(getattr(args, "optim", None))
     if optimizer is not None and plan.optimizer and optimizer != plan.optimizer:
-        out.append(f"optimizer: plan has {plan.optimizer}, TrainingArguments have {_text(args.optim)}")
+        out.append(f"optimizer: plan has {plan.optimizer}, TrainingArguments have {_text(args.optim)} "
+                   f"(remat plan --optimizer)")
     world = getattr(args, "world_size", 1)
     if world != plan.world_size:
-        out.append(f"ranks: plan has {plan.world_size}, TrainingArguments have {world} (world_size)")
+        out.append(f"ranks: plan has {plan.world_size}, TrainingArguments have {world} (world_size; "
+                   f"remat plan --world-size)")
     return out
 
 

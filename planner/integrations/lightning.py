@@ -10,6 +10,11 @@ callback's ``setup`` hook, or, when the ``LightningModule`` builds its layers in
 ``configure_model``, right after that hook returns. The plan is applied to the submodule it
 was made for: by default the outermost module of the plan's model class (the
 ``LightningModule`` itself, or e.g. its ``self.model``); ``module="model"`` names it.
+
+A plan made for another training step than the Trainer runs (``training_recipe(trainer,
+optimizer)``: ``accumulate_grad_batches``, ``gradient_clip_val``, ``precision``, the optimizer's
+implementation, ranks) is refused with ``PlanMismatch`` naming each difference, when fitting
+starts (the optimizers exist then), before the first step.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from torch import nn
 
 from planner.act.applier import AppliedPlan, apply_plan
 from planner.errors import BadInput
-from planner.model.schema import Plan
+from planner.integrations.recipe import refuse_other_recipe
+from planner.model.schema import Plan, Recipe
 
 logger = logging.getLogger("remat")
 
@@ -67,6 +73,13 @@ class RematCallback(pl.Callback):
 
         pl_module.configure_model = configure_then_plan
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        other = [] if trainer.world_size == self.plan.world_size else [
+            f"ranks: plan has {self.plan.world_size}, the Trainer has {trainer.world_size} (remat plan --world-size)"]
+        refuse_other_recipe(self.plan, training_recipe(trainer, optimizer), framework="this Trainer",
+                            settings=_SETTINGS, python_call="training_recipe(trainer, optimizer)", other=other)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         pl_module.__dict__.pop("configure_model", None)  # fit failed before configure_model ran
 
@@ -87,3 +100,34 @@ class RematCallback(pl.Callback):
                 return m
         raise BadInput(f"the plan was made for a {wanted}, and the LightningModule ({type(pl_module).__name__}) "
                        f"holds none; pass RematCallback(plan, module='<attribute>') or re-plan for this model")
+
+
+_AMP = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
+"""Lightning's ``precision`` -> ``Recipe.amp`` (``16-mixed`` runs a GradScaler, as fp16 does)."""
+
+_SETTINGS = {"grad_accum": "accumulate_grad_batches", "amp": "precision",
+             "clip_grad_norm": "gradient_clip_val with gradient_clip_algorithm='norm'",
+             "optimizer_impl": "the optimizer's foreach/fused", "zero_grad_set_to_none": "optimizer.zero_grad()"}
+"""The Trainer settings behind each ``Recipe`` field, named in refusals."""
+
+
+def training_recipe(trainer: pl.Trainer, optimizer: Any = None) -> Recipe:
+    """The training step a Lightning ``Trainer`` runs with ``optimizer``, as a ``Recipe``.
+
+    ``accumulate_grad_batches`` micro-batches; ``precision`` "bf16-mixed" or "16-mixed" (with a
+    GradScaler) is autocast, "32-true" none (other precisions, which cast the model itself, are
+    refused); ``gradient_clip_val`` clips by norm (``gradient_clip_algorithm="value"`` clamps every
+    gradient in place, ``clip_grad_value_``: no memory, the step of a recipe without clipping);
+    ``optimizer.zero_grad()`` sets gradients to None; the optimizer's ``fused``/``foreach``
+    option is its implementation.
+    """
+    precision = str(trainer.precision)
+    if precision not in _AMP:
+        raise BadInput(f"Trainer(precision={precision!r}) casts the model itself, which remat does not plan; "
+                       f"use one of {', '.join(map(repr, _AMP))}, or drop RematCallback")
+    clip = trainer.gradient_clip_val
+    by_norm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm") == "norm"
+    defaults = getattr(optimizer, "defaults", {})
+    impl = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "default"
+    return Recipe(grad_accum=trainer.accumulate_grad_batches, amp=_AMP[precision],
+                  clip_grad_norm=float(clip) if clip and by_norm else None, optimizer_impl=impl)

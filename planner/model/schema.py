@@ -132,13 +132,27 @@ class Recipe(_Model):
                 f"{clip}, {self.optimizer_impl} optimizer")
 
     def differences(self, other: "Recipe") -> list[str]:
-        """What differs between ``self`` (a plan's recipe) and ``other`` (the job's), one phrase each."""
+        """What differs between ``self`` (a plan's recipe) and ``other`` (the job's), one phrase each,
+        starting with the field's name.
+
+        Clipping counts as on or off: ``clip_grad_norm_`` runs the same kernels whatever the max norm
+        (it multiplies every gradient by the clamped coefficient), so the norm does not move the peak.
+        """
         out = []
-        for name, field in type(self).model_fields.items():
+        for name in type(self).model_fields:
             mine, theirs = getattr(self, name), getattr(other, name)
-            if mine != theirs:
+            same = (mine is None) == (theirs is None) if name == "clip_grad_norm" else mine == theirs
+            if not same:
                 out.append(f"{name}: plan has {mine!r}, training uses {theirs!r}")
         return out
+
+    def flags(self) -> list[str]:
+        """The ``remat plan`` options that profile and plan this recipe (none for the defaults)."""
+        out = [f"--grad-accum {self.grad_accum}"] if self.grad_accum > 1 else []
+        out += [] if self.zero_grad_set_to_none else ["--no-zero-grad-set-to-none"]
+        out += [f"--amp {self.amp}"] if self.amp else []
+        out += [f"--clip-grad-norm {self.clip_grad_norm:g}"] if self.clip_grad_norm is not None else []
+        return out + ([f"--{self.optimizer_impl}"] if self.optimizer_impl != "default" else [])
 
 
 def _recipe_with_amp(data: Any) -> Any:

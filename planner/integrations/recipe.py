@@ -1,0 +1,37 @@
+"""The training step a framework runs, against the one a plan was made for (issue #17).
+
+A plan's predicted peak holds for the step it was profiled with (``Plan.recipe``, see
+``planner.model.schema.Recipe``): gradient accumulation keeps gradients alive through the
+micro-batches, autocast halves the activations, clipping and fused optimizers add temporaries.
+Each framework callback reads its Trainer's recipe and calls ``refuse_other_recipe``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from planner.errors import PlanMismatch
+from planner.model.schema import Plan, Recipe
+
+
+def refuse_other_recipe(plan: Plan, job: Recipe, *, framework: str, settings: Mapping[str, str],
+                        python_call: str, other: Sequence[str] = ()) -> None:
+    """Raise ``PlanMismatch`` when ``plan`` was made for another step than ``job``, the framework's.
+
+    Args:
+        plan: the plan the callback was given.
+        job: the recipe the framework will run.
+        framework: its name in the message, e.g. "these TrainingArguments".
+        settings: ``Recipe`` field -> the framework's setting for it, named in the message.
+        python_call: how to make the job's recipe in Python, e.g. "training_recipe(args)".
+        other: further differences (ranks, optimizer), one phrase each.
+    """
+    diffs = [f"{d} ({settings[d.split(':')[0]]})" if d.split(":")[0] in settings else d
+             for d in plan.recipe.differences(job)] + list(other)
+    if not diffs:
+        return
+    listing = "\n  ".join(diffs)
+    flags = " ".join(job.flags()) or "(no step options: the plain loop)"
+    raise PlanMismatch(f"the plan was made for another training step than {framework} run:\n  {listing}\n"
+                       f"re-plan with their step: remat plan <model> --budget <budget> {flags} "
+                       f"(in Python: planner.plan(..., recipe={python_call})), or change {framework}", diffs)
