@@ -219,8 +219,11 @@ def markdown(cases: list[Case], skipped: dict[str, str], command: str) -> str:
     worst = max(ok, key=lambda c: abs(c.rel_error), default=None)
     out = [f"Produced by `{command}`; peaks in MiB.", "", *lines, ""]
     if worst is not None:
+        under = min(ok, key=lambda c: c.rel_error)
         out.append(f"{sum(c.passed for c in cases)} of {len(cases)} rows pass; worst |error| "
-                   f"{abs(worst.rel_error):.2%} ({worst.model} at {int(worst.fraction * 4)}/4).")
+                   f"{abs(worst.rel_error):.2%} ({worst.model} at {int(worst.fraction * 4)}/4); most under-predicted "
+                   f"{under.rel_error:+.2%} ({under.model} at {int(under.fraction * 4)}/4), what the planner's "
+                   f"headroom must cover (planner.act.api.DEFAULT_HEADROOM).")
     for name, why in skipped.items():
         out.append(f"- {name}: skipped, {why}")
     return "\n".join(out) + "\n"

@@ -1,7 +1,8 @@
 """Hugging Face GPT-2 (``GPT2LMHeadModel``), tiny random-weight config (2.6M params).
 
 4 layers, n_embd 192, 4 heads, vocab 4096, n_positions 256, dropout 0.1 (embd,
-attn, resid), tied input/output embeddings, SDPA attention, ``use_cache=False``.
+attn, resid), tied input/output embeddings, SDPA attention, the
+library's cache default (remat trains with it off: NOTE [ Step changes ]).
 Input: batch 4 x 256 tokens as ``dict(input_ids=..., labels=...)``; the loss is
 ``output.loss`` (no ``loss_fn``). Built from ``GPT2Config``: no weights downloaded.
 """
@@ -27,12 +28,9 @@ def build_model() -> torch.nn.Module:
         attn_pdrop=0.1,
         bos_token_id=VOCAB_SIZE - 1,
         eos_token_id=VOCAB_SIZE - 1,
-        use_cache=False,
         attn_implementation="sdpa",
     )
-    config.use_cache = False
     model = GPT2LMHeadModel(config)
-    model.config.use_cache = False
     # The class name "GPT2LMHeadModel" does not map to a loss type, which makes
     # transformers log a warning on every forward; the default is the same loss.
     model.loss_type = "ForCausalLM"

@@ -3,7 +3,7 @@
 4 layers, hidden 192, 4 query heads / 2 key-value heads (GQA, head_dim 48),
 SwiGLU MLP 512, RMSNorm, RoPE, vocab 2048, untied embeddings, attention
 dropout 0.1 (Llama has no residual/MLP dropout), SDPA attention,
-``use_cache=False``. Input: batch 8 x 128 tokens as
+the library's cache default. Input: batch 8 x 128 tokens as
 ``dict(input_ids=..., labels=...)``; the loss is ``output.loss`` (no
 ``loss_fn``). Built from ``LlamaConfig``: no weights downloaded.
 """
@@ -31,12 +31,9 @@ def build_model() -> torch.nn.Module:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        use_cache=False,
         attn_implementation="sdpa",
     )
-    config.use_cache = False
     model = LlamaForCausalLM(config)
-    model.config.use_cache = False
     model.train()
     return model
 

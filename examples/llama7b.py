@@ -8,7 +8,7 @@ CPU (``--device cpu``) the weights alone would take 12.6 GiB, with gradients and
 about 50 GiB; on one GPU it needs a budget far above any single card without sharding.
 
 32 layers, hidden 4096, 32 heads (no GQA), SwiGLU MLP 11008, vocab 32000, RoPE, RMSNorm,
-untied embeddings, no dropout, SDPA attention, ``use_cache=False``, ``torch_dtype``
+untied embeddings, no dropout, SDPA attention, the library's cache default, ``torch_dtype``
 bfloat16 (parameters, gradients and AdamW state all bf16, as plain bf16 training keeps
 them). Input: batch 1 x 4096 tokens as ``dict(input_ids=..., labels=...)``; the loss is
 ``output.loss``. Built from ``LlamaConfig``: no weights downloaded.
@@ -38,13 +38,10 @@ def build_model() -> torch.nn.Module:
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        use_cache=False,
         attn_implementation="sdpa",
         torch_dtype=torch.bfloat16,
     )
-    config.use_cache = False
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.config.use_cache = False
     model.train()
     return model
 

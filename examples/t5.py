@@ -1,7 +1,7 @@
 """Hugging Face T5 (``T5ForConditionalGeneration``), tiny random-weight encoder-decoder (1.6M params).
 
 d_model 128, d_kv 32, 4 heads, d_ff 512, 3 encoder + 3 decoder layers, vocab
-2048, dropout 0.1, tied embeddings, eager attention, ``use_cache=False``. The
+2048, dropout 0.1, tied embeddings, eager attention, the library's cache default. The
 encoder output feeds the cross-attention of every decoder block, so it stays
 live across the whole decoder. Input: batch 4, source 256 tokens, target 128 tokens, as
 ``dict(input_ids=..., labels=...)``; the loss is ``output.loss`` (no
@@ -33,12 +33,9 @@ def build_model() -> torch.nn.Module:
         pad_token_id=0,
         eos_token_id=1,
         decoder_start_token_id=0,
-        use_cache=False,
         attn_implementation="eager",
     )
-    config.use_cache = False
     model = T5ForConditionalGeneration(config)
-    model.config.use_cache = False
     model.train()
     return model
 

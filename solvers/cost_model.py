@@ -74,7 +74,8 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 #
 # Not modelled: allocations too brief to leave a window; the planner's headroom
 # (planner.act.api.DEFAULT_HEADROOM) covers them. (The CPU RNG state each checkpointed region
-# keeps, 5056 bytes in device memory on a CPU run, is counted as retained bytes.)
+# keeps, 5056 bytes in device memory on a CPU run, Profile.region_state_bytes, is counted as
+# retained bytes of every unit.)
 #
 # Recipe (graph.graph "recipe", from ``schema.Recipe``; the profiler ran the same step):
 #   grad_accum N > 1:  the step runs N micro-batches and the optimizer step after the last. From

@@ -94,8 +94,8 @@ def test_cache_is_off_only_while_training_and_comes_back():
     assert model(**inputs).past_key_values is not None
 
 
-def test_plan_without_step_changes_still_loads(tmp_path):
-    model, inputs = _llama()
+def test_plan_without_step_changes_still_loads_and_trains(tmp_path, caplog):
+    model, inputs = _t5()
     plan = _mid_budget_plan(model, inputs)
     data = plan.model_dump()
     del data["step_changes"]  # a plan file written before the field existed
@@ -104,6 +104,12 @@ def test_plan_without_step_changes_still_loads(tmp_path):
     path = tmp_path / "plan.json"
     old.save(path)
     assert Plan.load(path).checkpoints == plan.checkpoints
+    # applied, it still turns the cache off (T5's replay would otherwise save fewer tensors) and says why
+    with caplog.at_level(logging.WARNING, logger="remat"), apply_plan(model, path) as handle:
+        assert [c.kind for c in handle.step_changes] == ["hf_use_cache_off"]
+        model(**inputs).loss.backward()
+        assert handle.recompute_count > 0
+    assert any("plan was made without the step changes" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("device_memory_bytes", [None, 1], ids=["fits", "memory-safe"])

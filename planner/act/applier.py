@@ -51,7 +51,8 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 # training-mode BatchNorm does not read the running statistics, so the recomputed activations
 # are unaffected; after the step the statistics equal the unplanned model's exactly. Other
 # in-place updates of module state inside a region (a custom counter, a KV cache) are not
-# undone: keep such modules out of plans, or train with ``use_cache=False``.
+# undone: the profiler's validation step keeps such modules out of plans (NOTE [ Validation
+# step ]), and a Hugging Face cache is turned off while training (NOTE [ Step changes ]).
 #
 # NOTE [ Plans under FSDP2 and DDP ]
 #
@@ -108,7 +109,7 @@ from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import fingerprint, input_tensors
 from planner.model.schema import Fingerprint, Plan, StepChange, TensorSig
-from planner.profiling.step_changes import Installed, install
+from planner.profiling.step_changes import Installed, find_step_changes, install
 from planner.units import format_bytes
 
 logger = logging.getLogger("remat")
@@ -383,8 +384,9 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
 
     already = _user_checkpointed(model, modules)
     skipped: dict[str, str] = {}
-    handle = AppliedPlan(checkpointed=[], skipped=skipped, step_changes=list(plan.step_changes))
-    handle._changes = install(model, plan.step_changes)  # before the checkpoints: they wrap it
+    changes = _step_changes(model, plan)
+    handle = AppliedPlan(checkpointed=[], skipped=skipped, step_changes=changes)
+    handle._changes = install(model, changes)  # before the checkpoints: they wrap it
     seen: set[int] = set()
     for name in wanted:
         module = modules.get(name)
@@ -409,6 +411,21 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         handle._guard_hook = model.register_forward_pre_hook(shape_guard, with_kwargs=True)
     _report(plan, handle, already)
     return handle
+
+
+def _step_changes(model: nn.Module, plan: Plan) -> list[StepChange]:
+    """The plan's step changes, and those the model needs that the plan lacks (a plan file written before
+    remat made them, or one made by hand): checkpointing a layer that appends to a cache breaks its replay
+    whatever the plan predicted, so they are made anyway, and the prediction is said to be for another step."""
+    if not plan.checkpoints:
+        return list(plan.step_changes)
+    have = {(c.kind, c.module) for c in plan.step_changes}
+    missing = [c for c in find_step_changes(model) if (c.kind, c.module) not in have]
+    if missing:
+        logger.warning("remat: the plan was made without the step changes this model needs (%s); remat makes them "
+                       "anyway, so the plan's prediction is for another step: re-plan with this version of remat",
+                       ", ".join(f"{c.kind} on {c.module or 'the model'}" for c in missing))
+    return [*plan.step_changes, *missing]
 
 
 def _unwrap_ddp(model: nn.Module) -> nn.Module:

@@ -275,6 +275,9 @@ def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bo
     for note in profile.notes:
         plain(out, f"note: {note}")
     step_lines(out, profile.step_changes, profile.excluded, profile.retained)
+    if profile.region_state_bytes:
+        plain(out, f"every checkpointed region keeps {format_bytes(profile.region_state_bytes)} until its backward "
+                   f"(the RNG state its replay restores); counted by the cost model")
     if fresh:
         plain(out, written_line(written, "profile"))
 

@@ -100,17 +100,19 @@ def _excluded(fqn: str, profile: Profile) -> bool:
 
 
 def _add_retained(g: nx.DiGraph, profile: Profile) -> None:
-    """Retained bytes r(c) as one more input of c (see "Retained bytes" in NOTE [ Peak-memory model ])."""
-    for k, r in enumerate(profile.retained):
-        if r.unit not in g:
+    """Retained bytes r(c), the unit's own plus the state every region keeps, as one more input of c
+    (see "Retained bytes" in NOTE [ Peak-memory model ])."""
+    own = {r.unit: r.nbytes for r in profile.retained}
+    for k, (node, a) in enumerate(sorted(g.nodes(data=True), key=lambda na: na[1]["order"])):
+        nbytes = own.get(node, 0) + profile.region_state_bytes
+        if nbytes <= 0:
             continue
-        a = g.nodes[r.unit]
         tid = -1 - k  # profile tensor ids are >= 0
-        g.graph["tensor_bytes"][tid] = r.nbytes
+        g.graph["tensor_bytes"][tid] = nbytes
         g.graph["tensor_created_seq"][tid] = a["fwd_start_seq"]
         a["input_ids"] = a["input_ids"] | {tid}
-        a["input_bytes"] += r.nbytes
-        a["retained_bytes"] = r.nbytes
+        a["input_bytes"] += nbytes
+        a["retained_bytes"] = nbytes
 
 
 # ----------------------------------------------------------------------------- candidate choice

@@ -327,6 +327,9 @@ class Profile(_Model):
                                           description="Measured bytes checkpointing does not free, per unit.")
     excluded: list[ExcludedUnit] = Field(default_factory=list,
                                          description="Modules whose recomputation is unsafe: never planned.")
+    region_state_bytes: int = Field(0, description="Device bytes every checkpointed region keeps until its "
+                                                   "backward for its replay (the CPU RNG state on a CPU run), "
+                                                   "measured by the validation step; 0 when not measured.")
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")

@@ -108,8 +108,8 @@ def profile(
                                   warmup_steps=warmup_steps, steps=steps, recipe=recipe, threads=threads,
                                   progress=progress)
             (progress or (lambda _msg: None))("validation step: what checkpointing frees")
-            result.retained, result.excluded = validate(model, to_device(inputs, dev), result, loss_fn=loss_fn,
-                                                        amp=recipe.amp, dev=dev)
+            found = validate(model, to_device(inputs, dev), result, loss_fn=loss_fn, amp=recipe.amp, dev=dev)
+            result.retained, result.excluded, result.region_state_bytes = found
     finally:
         installed.remove()
     result.step_changes = changes

@@ -147,13 +147,13 @@ def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, 
 
     (progress or (lambda _msg: None))("validation step: what checkpointing frees")
     try:
-        retained, excluded = validate(model, to_device(inputs, dev), prof, loss_fn=loss_fn, amp=amp, dev=dev)
+        found = validate(model, to_device(inputs, dev), prof, loss_fn=loss_fn, amp=amp, dev=dev)
     except (ProfileError, RuntimeError, MemoryError) as e:
         if not _out_of_memory(e):
             raise
         _free(model, dev)
         return prof.model_copy(update={"notes": [*prof.notes, f"validation step skipped: {_first_line(e)}"]})
-    return prof.model_copy(update={"retained": retained, "excluded": excluded})
+    return prof.model_copy(update=found._asdict())
 
 
 def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_bytes: int | None,

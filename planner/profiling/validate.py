@@ -13,8 +13,9 @@
 # checkpointed unit c runs its forward is attributed to c. When backward starts (the model's
 # output already dropped, see ``planner.profiling.measure.make_step``), the storages still alive that
 # were allocated inside c and are not c's outputs are what checkpointing c did not free:
-# c's *retained bytes* r(c) (kept when over ``RETAINED_MIN_BYTES``), plus, on the CPU, the RNG
-# state each region keeps for its replay (``_rng_state_bytes``). Outputs flow on as the
+# c's *retained bytes* r(c) (kept when over ``RETAINED_MIN_BYTES``). On the CPU every region also
+# keeps the RNG state for its replay (``_rng_state_bytes``): ``Profile.region_state_bytes``, the
+# same for every unit, so it is one figure and not a line per unit. Outputs flow on as the
 # inputs of later units, which the cost model already counts. The cost model counts r(c) as
 # a tensor c keeps when checkpointed, like its inputs (see "Retained bytes" in the NOTE [
 # Peak-memory model ]); ``remat verify`` then compares its prediction with the measured step.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -44,8 +45,17 @@ CUDA rounds each storage to 512 bytes, so a few KiB is below anything a cache or
 attribute holds."""
 
 
+class Validation(NamedTuple):
+    """What the validation step measured (NOTE [ Validation step ])."""
+
+    retained: list[RetainedBytes]
+    excluded: list[ExcludedUnit]
+    region_state_bytes: int
+    """Device bytes every checkpointed region keeps for its replay (the RNG state), whatever the unit."""
+
+
 def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
-             amp: str | None, dev: torch.device) -> tuple[list[RetainedBytes], list[ExcludedUnit]]:
+             amp: str | None, dev: torch.device) -> Validation:
     """Retained bytes per candidate and the candidates whose recompute is unsafe (NOTE [ Validation step ])."""
     from planner.model.graph import build_graph
 
@@ -62,11 +72,11 @@ def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[
         excluded[run.failed[0]] = run.failed[1]
     else:
         raise ProfileError("the validation step kept failing with every candidate excluded; please report this")
-    rng = _rng_state_bytes(dev)
-    retained = [RetainedBytes(unit=n, nbytes=run.retained.get(n, 0) + rng) for n in cands
+    retained = [RetainedBytes(unit=n, nbytes=run.retained[n]) for n in cands
                 if g.nodes[n]["fqn"] in chosen and g.nodes[n]["fqn"] not in excluded
-                and run.retained.get(n, 0) + rng > RETAINED_MIN_BYTES]
-    return retained, [ExcludedUnit(module=f, reason=r) for f, r in excluded.items()]
+                and run.retained.get(n, 0) > RETAINED_MIN_BYTES]
+    return Validation(retained, [ExcludedUnit(module=f, reason=r) for f, r in excluded.items()],
+                      _rng_state_bytes(dev))
 
 
 def _rng_state_bytes(dev: torch.device) -> int:
