@@ -45,8 +45,9 @@ def write_config(folder: Path, data: dict) -> Path:
 def test_plan_hf_config_of_each_family(tmp_path: Path, family: str):
     folder = write_config(tmp_path / family, CONFIGS[family])
     out = tmp_path / "plan.json"
-    r = invoke("plan", "--hf", folder, *SHAPE, "--budget", "1GB", "--device", "cpu", "--steps", "1", "-o", out, "-q")
+    r = invoke("plan", "--hf", folder, *SHAPE, "--budget", "1GB", "--device", "cpu", "--steps", "1", "-o", out)
     assert r.exit_code == 0, r.output
+    assert "plan that step with --clip-grad-norm 1 --fused" in r.output  # the Trainer's step, not the plain loop
     fp = Plan.load(out).fingerprint
     assert fp.model_class == CONFIGS[family]["architectures"][0]
     assert sorted(i.name for i in fp.inputs) == INPUTS.get(family, ["input_ids", "labels"])

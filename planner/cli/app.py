@@ -274,6 +274,8 @@ def plan_cmd(
     _check_ranks(world_size, sharding)
     recipe = _recipe(amp, grad_accum, zero_grad_set_to_none, clip_grad_norm, fused, foreach, optimizer)
     render.plain(log if as_json else out, render.budget_line(budget, budget_bytes))
+    if hf is not None and recipe.clip_grad_norm is None and recipe.optimizer_impl == "default":
+        render.plain(log, TRAINER_NOTE)
     source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
     prof = _profile_source(source, profile, device=device, optimizer=optimizer, steps=steps, log=log,
                            target=target, recipe=recipe, threads=threads, device_memory=device_memory)
@@ -649,6 +651,12 @@ def _need_source(model: Path | None, profile: Path | None, hf: Path | None, with
     if profile is None and model is None and hf is None:
         raise BadInput(f"give a model file ({with_model}), a Hugging Face config (--hf config.json --batch 8 "
                        f"--seq-len 2048) or a saved profile ({with_profile})")
+
+
+TRAINER_NOTE = ("note: a Hugging Face Trainer clips gradients at norm 1.0 (max_grad_norm) and, with torch 2.8 or "
+                "later, uses fused AdamW by default: for its RematCallback, plan that step with --clip-grad-norm 1 "
+                "--fused (planner.integrations.hf.training_recipe(args) gives the step of any TrainingArguments)")
+"""Printed by ``remat plan --hf`` without step options: the Trainer would refuse the plain loop's plan."""
 
 
 def _model_source(model: Path | None, *, hf: Path | None, batch: int | None, seq_len: int | None,
