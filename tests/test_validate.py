@@ -123,3 +123,27 @@ def test_validation_leaves_the_model_as_it_was():
     with apply_plan(model, planner.plan(planner.profile(model, x, loss_fn=_loss, device="cpu", optimizer="none",
                                                         steps=1), 10**9, solver="all")):
         _loss(model(x)).backward()  # the plan never checkpoints what would break the step
+
+
+class WritesItsInput(nn.Module):
+    """``nn.Dropout(inplace=True)`` as a unit of its own (Hugging Face's MobileNetV2 head): checkpointed,
+    it would write the input its region keeps for the replay, and backward's version check fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop, self.head = nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5, inplace=True), nn.Linear(WIDTH, 4)
+
+    def forward(self, x):
+        return self.head(self.drop(self.lin(x)))  # nothing saves the linear output: fine unplanned
+
+
+def test_a_unit_writing_its_input_is_excluded():
+    torch.manual_seed(0)
+    model, x = WritesItsInput(), torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(0))
+    prof = planner.profile(model, x, loss_fn=_loss, device="cpu", optimizer="none", steps=1)
+    reasons = {e.module: e.reason for e in prof.excluded}
+    assert list(reasons) == ["drop"] and "in place" in reasons["drop"]
+    plan = planner.plan(prof, 10**9, solver="all")
+    assert "drop" not in plan.checkpoints and plan.checkpoints
+    with apply_plan(model, plan):
+        _loss(model(x)).backward()

@@ -20,10 +20,12 @@
 # a tensor c keeps when checkpointed, like its inputs (see "Retained bytes" in the NOTE [
 # Peak-memory model ]); ``remat verify`` then compares its prediction with the measured step.
 # A unit whose replay raises, or changes a buffer, a parameter or a plain-number attribute of
-# its modules, is excluded from every plan with the reason (``Profile.excluded``, shown by
-# ``remat plan`` and ``remat show``); the step is re-run without it. BatchNorm running
-# statistics are restored by the applier (NOTE [ BatchNorm under recomputation ]) and are
-# not a reason.
+# its modules, or whose forward writes one of its inputs in place (``nn.Dropout(inplace=True)``
+# as a candidate of its own: the region keeps that input to replay from, and autograd's version
+# check fails in backward), is excluded from every plan with the reason (``Profile.excluded``,
+# shown by ``remat plan`` and ``remat show``); the step is re-run without it. BatchNorm running
+# statistics are restored by the applier (NOTE [ BatchNorm under recomputation ]) and are not a
+# reason.
 """
 
 from __future__ import annotations
@@ -66,10 +68,12 @@ def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[
     for _ in range(len(fqns) + 1):
         chosen = [f for f in fqns if f not in excluded]
         run = _checkpointed_step(model, inputs, set(cands), chosen, loss_fn=loss_fn, amp=amp, dev=dev)
+        excluded.update(run.writes_inputs)
         if run.failed is None:
             excluded.update(run.mutated)
             break
-        excluded[run.failed[0]] = run.failed[1]
+        if run.failed[0]:
+            excluded[run.failed[0]] = run.failed[1]
     else:
         raise ProfileError("the validation step kept failing with every candidate excluded; please report this")
     retained = [RetainedBytes(unit=n, nbytes=run.retained[n]) for n in cands
@@ -100,6 +104,8 @@ class _Run:
     """(module FQN, reason) when a replay raised."""
     mutated: dict[str, str] = field(default_factory=dict)
     """Module FQN -> what its replay changed."""
+    writes_inputs: dict[str, str] = field(default_factory=dict)
+    """Module FQN -> why: its forward wrote one of its inputs in place."""
     phase: str = "forward"
     replaying: str | None = None
 
@@ -113,7 +119,17 @@ class _Watch:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.run.phase != "backward":
-            return self.inner(*args, **kwargs)
+            from planner.profiling.recording import _io_tensors
+
+            inputs = list(_io_tensors((args, kwargs)))
+            versions = [t._version for t in inputs]
+            out = self.inner(*args, **kwargs)
+            if any(t._version != v for t, v in zip(inputs, versions)):
+                self.run.writes_inputs.setdefault(
+                    self.name, "it writes one of its inputs in place (an in-place dropout or activation, say): "
+                               "a checkpointed region keeps its inputs to replay from them, so the replay would "
+                               "read the written values")
+            return out
         self.run.replaying = self.name
         before = _state(self.module)
         try:
@@ -182,6 +198,9 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
             with tracker:
                 step(mark)
         except ProfileError as e:
+            if run.writes_inputs and run.phase == "backward":  # autograd's version check; excluded by the caller
+                run.failed = ("", str(e))
+                return run
             if run.phase != "backward" or run.replaying is None:
                 raise
             cause = e.__cause__ or e
