@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
+from planner.act.api import budget_with_headroom, graph_for, headroom_for, min_feasible_bytes, plan_from_profile  # noqa: E402
 from planner.act.verify import verify  # noqa: E402
 from planner.model.schema import Recipe  # noqa: E402
 from planner.profiling import profile  # noqa: E402
@@ -54,7 +54,7 @@ def run_case(recipe: Recipe, *, cache_off: bool) -> dict:
     model, batch = build_model(cache_off=cache_off), example_inputs()
     prof = profile(model, batch, device="cpu", optimizer="none", recipe=recipe, steps=1)
     g = graph_for(prof)
-    budget = budget_with_headroom((simulate(g, []).peak_bytes + min_feasible_bytes(g)) // 2)
+    budget = budget_with_headroom((simulate(g, []).peak_bytes + min_feasible_bytes(g)) // 2, headroom_for(prof))
     plan = plan_from_profile(prof, budget)
     rep = verify(model, plan, inputs=batch, device="cpu", steps=1)
     error = (rep.predicted_peak_bytes - rep.measured_peak_bytes) / rep.measured_peak_bytes

@@ -130,9 +130,9 @@ def profile_spec(spec: ModelSpec, *, size: Size = FULL, recipe: Any = None, step
 
 def budget_at(p: Profiled, fraction: float) -> int:
     """The budget ``fraction`` of the way from the minimum feasible peak to none, with headroom."""
-    from planner.act.api import budget_with_headroom
+    from planner.act.api import budget_with_headroom, headroom_for
 
-    return budget_with_headroom(p.lo_bytes + int((p.hi_bytes - p.lo_bytes) * fraction))
+    return budget_with_headroom(p.lo_bytes + int((p.hi_bytes - p.lo_bytes) * fraction), headroom_for(p.profile))
 
 
 def run_case(spec: ModelSpec, budget_fraction: float, *, recipe: Any = None, size: Size = FULL,

@@ -228,3 +228,20 @@ def test_bad_headroom_is_a_usage_error(profile_path: Path, bad: str):
     r = invoke("plan", "--budget", "10MB", "--profile", profile_path, "--headroom", bad)
     assert r.exit_code == 2
     assert "--headroom" in r.output and "Traceback" not in r.output
+
+
+def test_default_headroom_follows_how_the_profile_was_made(profile_path: Path, tmp_path: Path):
+    """NOTE [ Headroom from evidence ]: measured full-precision profiles keep 0.5%, autocast ones 1.5%,
+    fake-tensor ones 7%; an explicit --headroom wins."""
+    from planner.act.api import AMP_HEADROOM, DEFAULT_HEADROOM, META_HEADROOM, headroom_for
+    from planner.model.schema import Recipe
+
+    prof = Profile.load(profile_path)
+    assert headroom_for(prof) == DEFAULT_HEADROOM
+    assert headroom_for(prof.model_copy(update={"recipe": Recipe(amp="bf16")})) == AMP_HEADROOM
+    assert headroom_for(prof.model_copy(update={"device": "meta"})) == META_HEADROOM
+    out = tmp_path / "plan.json"
+    assert invoke("plan", "--budget", "10MB", "--profile", profile_path, "-o", out).exit_code == 0
+    assert Plan.load(out).headroom_bytes == int(10 * 2**20 * DEFAULT_HEADROOM)
+    assert invoke("plan", "--budget", "10MB", "--profile", profile_path, "--headroom", "1%", "-o", out).exit_code == 0
+    assert Plan.load(out).headroom_bytes == int(10 * 2**20 * 0.01)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes, plan_from_profile
+from planner.act.api import budget_with_headroom, graph_for, headroom_for, min_feasible_bytes, plan_from_profile
 from planner.act.verify import verify
 from planner.cli.app import app
 from planner.model.schema import Plan, Profile, Recipe
@@ -57,7 +57,7 @@ def test_recipe_is_predicted_and_fits(name: str):
     prof = profile(model, x, loss_fn=_loss, device="cpu", optimizer="adamw", recipe=recipe, steps=1)
     assert prof.recipe == recipe
     g = graph_for(prof)
-    budget = budget_with_headroom((simulate(g, []).peak_bytes + min_feasible_bytes(g)) // 2)
+    budget = budget_with_headroom((simulate(g, []).peak_bytes + min_feasible_bytes(g)) // 2, headroom_for(prof))
     plan = plan_from_profile(prof, budget)
     assert plan.recipe == recipe and plan.checkpoints
     report = verify(model, plan, inputs=x, loss_fn=_loss, device="cpu", steps=1)

@@ -246,7 +246,8 @@ def plan_cmd(
     threads: Threads = None,
     headroom: Annotated[str, typer.Option(
         "--headroom", help="Part of the budget kept free, for what the cost model cannot see: "
-                           "0.5%, 2% or a fraction such as 0.01.")] = "0.5%",
+                           "0.5%, 2% or a fraction such as 0.01; auto: from the zoo's evidence, by how the "
+                           "profile was made (0.5% measured, 1.5% under autocast, 7% on --device meta).")] = "auto",
     world_size: WorldSize = 1,
     sharding: Sharding = "none",
     hf: HfConfig = None,
@@ -282,7 +283,7 @@ def plan_cmd(
     graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
     plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
-                             time_limit_s=time_limit, headroom=_fraction(headroom, "--headroom"), graph=graph)
+                             time_limit_s=time_limit, headroom=_headroom(headroom), graph=graph)
     if output is not None:
         plan.save(output)
     if as_json:
@@ -601,6 +602,11 @@ def _budget(text: str, parse: Callable[[str], int]) -> int:
         return parse(text)
     except BadInput as e:
         raise BadInput(f"--budget: {e}") from None
+
+
+def _headroom(text: str) -> float | None:
+    """--headroom: 'auto' (None: ``planner.act.api.headroom_for``) or a fraction."""
+    return None if text.strip().lower() == "auto" else _fraction(text, "--headroom")
 
 
 def _fraction(text: str, option: str) -> float:
