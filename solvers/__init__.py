@@ -49,11 +49,6 @@ def _registry() -> dict[str, Callable[..., Solution]]:
     }
 
 
-def register(name: str, fn: Callable[..., Solution]) -> None:
-    """Add a solver under ``name`` (used by optional backends such as the ILP)."""
-    _registry()[name] = fn
-
-
 def available() -> list[str]:
     """Solver names, 'auto' first, each once."""
     return list(dict.fromkeys(["auto", *_registry()]))
@@ -69,4 +64,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'solvers' has no attribute {name!r}")
 
 
-__all__ = ["SOLVERS", "Solution", "available", "register"]
+__all__ = ["SOLVERS", "Solution", "available"]

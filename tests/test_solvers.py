@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from planner.model.graph import build_graph
 from planner.model.synthetic import SynUnit, random_chain, random_dag, random_tied, synthetic_profile
 from solvers import SOLVERS
 from solvers.dp import min_feasible
+from solvers.errors import SolverError
 from tests.solver_checks import best_recompute, brute_force, check_solution
 
 HEURISTICS = ("none", "all", "sqrt", "sqrt-greedy", "every-2")
@@ -25,14 +27,38 @@ def _budgets(points):
     return [lo - 1, lo, lo + (hi - lo) // 3, (lo + hi) // 2, hi]
 
 
-@pytest.mark.parametrize("name", sorted(SOLVERS))
-@pytest.mark.parametrize("seed", range(6))
-def test_every_solver_meets_the_contract(name, seed):
+@functools.cache
+def _contract_case(kind: str, seed: int):
+    """A small graph of each shape the solvers meet, with every checkpoint set's (peak, recompute)."""
     rng = random.Random(seed)
-    g = build_graph(synthetic_profile(random_chain(rng, 7)))
-    points = brute_force(g)
+    if kind == "chain":
+        g = build_graph(synthetic_profile(random_chain(rng, 7)))
+    elif kind == "dag":  # skip connections: tensors held across non-adjacent blocks
+        g = build_graph(synthetic_profile(random_dag(rng, 7, p_skip=0.5)))
+    else:  # blocks and their parts are both candidates
+        g = build_graph(synthetic_profile(random_dag(rng, 3, p_nested=0.8)), granularity=1, nested=True)
+    return g, brute_force(g)
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+@pytest.mark.parametrize("kind", ["chain", "dag", "nested"])
+@pytest.mark.parametrize("seed", range(4))
+def test_every_solver_meets_the_contract(name, kind, seed):
+    """The contract of solvers/__init__.py on chains, general DAGs and nested candidates; a plan
+    called optimal has the least recompute of all checkpoint sets that fit. Only the DP may refuse
+    a graph (nested candidates), with a SolverError."""
+    g, points = _contract_case(kind, seed)
     for budget in _budgets(points):
-        check_solution(g, SOLVERS[name](g, budget), budget)
+        try:
+            sol = SOLVERS[name](g, budget)
+        except SolverError:
+            assert name == "dp" and g.graph.get("nested"), f"{name} refused a {kind} graph"
+            continue
+        check_solution(g, sol, budget)
+        if sol.status == "optimal":
+            best = best_recompute(points, budget)
+            assert best is not None and abs(sol.recompute_ms - best) <= 1e-9 * max(1.0, best), (
+                f"{name} on a {kind} graph at {budget}: 'optimal' recompute {sol.recompute_ms}, least is {best}")
 
 
 @settings(max_examples=60, deadline=None)
