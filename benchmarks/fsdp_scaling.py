@@ -29,7 +29,7 @@ from planner.act.api import graph_for, plan_from_profile
 from solvers.cost_model import rank_memory, simulate
 from planner.errors import BudgetInfeasible
 from planner.model.schema import Profile
-from planner.units import format_bytes, parse_bytes
+from planner.sizes import format_bytes, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "profiles" / "models" / "llama2-7b-h100.json"

@@ -55,7 +55,7 @@ from planner.profiling.meta import build_on_meta
 from planner.profiling.model_file import load_model_file
 from planner.profiling import profile
 from planner.model.schema import Profile
-from planner.units import format_bytes
+from planner.sizes import format_bytes
 from planner.act.verify import verify
 
 MODELS = ("gpt2", "llama")

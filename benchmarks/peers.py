@@ -46,7 +46,7 @@ from planner.profiling import profile
 from planner.profiling.profiler import resolve_device
 from planner.model.schema import Plan
 from planner.profiling.tracker import iter_tensors, storage_bytes
-from planner.units import format_bytes
+from planner.sizes import format_bytes
 
 MIB = 2**20
 

@@ -29,7 +29,7 @@ from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes,
 from solvers.cost_model import simulate  # noqa: E402
 from planner.profiling.model_file import load_model_file  # noqa: E402
 from planner.profiling import profile  # noqa: E402
-from planner.units import format_bytes  # noqa: E402
+from planner.sizes import format_bytes  # noqa: E402
 from planner.act.verify import verify  # noqa: E402
 from solvers.base import top_level  # noqa: E402
 

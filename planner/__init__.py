@@ -23,7 +23,7 @@ _LAZY = {
     "Profile": ("planner.model.schema", "Profile"),
     "Plan": ("planner.model.schema", "Plan"),
     "Estimate": ("solvers.cost_model", "Estimate"),
-    "parse_bytes": ("planner.units", "parse_bytes"),
+    "parse_bytes": ("planner.sizes", "parse_bytes"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

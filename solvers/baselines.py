@@ -26,7 +26,7 @@ def solve_all(g: nx.DiGraph, budget_bytes: int, **_: object) -> Solution:
     return judged("all", g, top_level(g), budget_bytes, time.perf_counter() - t0)
 
 
-def repeated_blocks(g: nx.DiGraph) -> list[str]:
+def indexed_blocks(g: nx.DiGraph) -> list[str]:
     """Top-level candidates that belong to the largest group of repeated blocks (same class,
     indexed names), in forward order; all top-level candidates when there is no such group."""
     tops = top_level(g)
@@ -45,5 +45,5 @@ def repeated_blocks(g: nx.DiGraph) -> list[str]:
 def solve_every_k(g: nx.DiGraph, budget_bytes: int, *, k: int = 2, **_: object) -> Solution:
     """Checkpoint every k-th repeated block (blocks 0, k, 2k, ...)."""
     t0 = time.perf_counter()
-    chosen = repeated_blocks(g)[::k]
+    chosen = indexed_blocks(g)[::k]
     return judged(f"every-{k}", g, chosen, budget_bytes, time.perf_counter() - t0)

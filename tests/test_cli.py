@@ -81,7 +81,7 @@ def test_plan_infeasible_states_minimum_and_writes_nothing(profile_path: Path, t
     assert r.exit_code == 1
     from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes
     from planner.model.schema import Profile
-    from planner.units import format_bytes
+    from planner.sizes import format_bytes
 
     lowest = budget_with_headroom(min_feasible_bytes(graph_for(Profile.load(profile_path))))
     assert lowest > CHAIN_MIN_FEASIBLE_BYTES  # the cost model's minimum peak, plus the default 0.5% headroom

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from planner.act.api import budget_with_headroom
-from planner.units import format_bytes
+from planner.sizes import format_bytes
 import torch
 
 from planner.errors import PlanMismatch

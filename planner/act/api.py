@@ -21,7 +21,7 @@ from solvers.cost_model import chain_terms, simulate, window_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
 from planner.model.schema import Plan, Predicted, Profile, Recipe, RunStamp, SolverInfo, now_iso
-from planner.units import format_bytes, parse_bytes
+from planner.sizes import format_bytes, parse_bytes
 
 # NOTE [ Headroom from evidence ]
 #

@@ -110,7 +110,7 @@ from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import fingerprint, input_tensors
 from planner.model.schema import Fingerprint, Plan, StepChange, TensorSig
 from planner.profiling.step_changes import Installed, find_step_changes, install
-from planner.units import format_bytes
+from planner.sizes import format_bytes
 
 logger = logging.getLogger("remat")
 

@@ -55,7 +55,7 @@ from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.profiling.timing import num_threads, pick_clock
 from planner.profiling.recording import _memory_step
 from planner.model.graph import window_peaks
-from planner.units import format_bytes
+from planner.sizes import format_bytes
 
 if TYPE_CHECKING:
     from planner.act.verify_ranks import RanksReport

@@ -42,7 +42,7 @@ from pydantic import BaseModel, Field
 
 from planner.errors import BadInput, ProfileError
 from planner.model.schema import Plan
-from planner.units import format_bytes
+from planner.sizes import format_bytes
 
 SEED = 1234
 """Seed set before building the model and before the compared step, on every rank."""

@@ -265,7 +265,7 @@ def plan_cmd(
 ) -> None:
     """Find the checkpoint set that fits --budget with the least recompute."""
     from planner.act.api import graph_for, plan_from_profile
-    from planner.units import parse_bytes
+    from planner.sizes import parse_bytes
 
     out, log = render.consoles(quiet=quiet)
     budget, budget_bytes = _budget_or_target(budget, target, parse_bytes)
@@ -481,7 +481,7 @@ def compare_cmd(
     import time
 
     from planner.act.frontier import compare, tradeoff
-    from planner.units import parse_bytes
+    from planner.sizes import parse_bytes
 
     out, log = render.consoles(quiet=quiet)
     budget, budget_bytes = _budget_or_target(budget, target, parse_bytes)
@@ -818,7 +818,7 @@ def _run_profiler(mf: Any, *, device: str, optimizer: str, steps: int, log: Any,
 
 def _device_memory(text: str | None, meta: bool) -> int | None:
     """--device-memory (or REMAT_DEVICE_MEMORY) in bytes; None when not given."""
-    from planner.units import parse_bytes
+    from planner.sizes import parse_bytes
 
     if text is None or not text.strip():
         return None

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.model.schema import Plan, Predicted, Profile, Recipe, SolverInfo
-from planner.units import format_bytes
+from planner.sizes import format_bytes
 
 MIB = 2**20
 

@@ -11,7 +11,7 @@ import re
 
 from planner.errors import BadInput
 
-_UNITS = {
+_MULTIPLIERS = {
     "": 1, "b": 1,
     "k": 2**10, "kb": 2**10, "kib": 2**10,
     "m": 2**20, "mb": 2**20, "mib": 2**20,
@@ -40,11 +40,11 @@ def parse_bytes(text: str | int | float) -> int:
         if not m:
             raise BadInput(f"invalid size {raw!r}: {_HINT}")
         value, unit = float(m.group(1)), m.group(2).lower()
-        if unit not in _UNITS:
+        if unit not in _MULTIPLIERS:
             raise BadInput(f"invalid size {raw!r}: unknown unit {m.group(2)!r}; {_HINT}")
     if not math.isfinite(value) or value <= 0:
         raise BadInput(f"invalid size {text!r}: a memory budget must be positive; {_HINT}")
-    n = int(round(value * _UNITS[unit]))
+    n = int(round(value * _MULTIPLIERS[unit]))
     if n <= 0:
         raise BadInput(f"invalid size {text!r}: it rounds to 0 bytes; {_HINT}")
     return n
