@@ -20,7 +20,7 @@ import time
 
 import networkx as nx
 
-from solvers.cost_model import chain_terms, tie_groups
+from solvers.cost_model import CostModel, chain_terms, tie_groups
 from solvers.base import Solution, judged
 from solvers.dp import MAX_TIED_GROUPS
 from solvers.dp import solve as solve_dp
@@ -73,9 +73,10 @@ def leaf_graph(g: nx.DiGraph) -> nx.DiGraph:
     that are not leaves never matter; every other probe term is per leaf or per chosen unit.
     """
     h = g.copy()
-    h.graph = {k: v for k, v in g.graph.items() if k != "_cost_ctx"}
+    h.graph = {k: v for k, v in g.graph.items() if k != "cost_model"}
     h.graph["nested"] = False
     h.remove_nodes_from([n for n, a in g.nodes(data=True) if not a["leaf"]])
     for order, n in enumerate(sorted(h.nodes, key=lambda n: g.nodes[n]["order"])):
         h.nodes[n].update(parent=None, order=order)
+    h.graph["cost_model"] = CostModel.build(h)
     return h

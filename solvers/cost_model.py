@@ -131,8 +131,9 @@ the graph built by ``planner.model.graph.build_graph``; no torch import.
 from __future__ import annotations
 
 import bisect
+import functools
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterable
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field
@@ -158,24 +159,7 @@ class Estimate(BaseModel):
 
 
 @dataclass(frozen=True)
-class _Ctx:
-    """Derived, immutable arrays of one graph (cached on the graph; the graph is not mutated)."""
-
-    leaves: tuple[str, ...]
-    leaf_end: tuple[int, ...]
-    tb: dict[int, int]
-    saves: tuple[tuple[int, int, tuple[str, ...]], ...]  # (seq, tensor, graph nodes containing seq)
-    save_seqs: tuple[int, ...]  # the seqs of ``saves`` (sorted)
-    node_leaves: dict[str, tuple[int, ...]]  # node -> indices of the leaves inside it
-    grad_seqs: tuple[int, ...]  # sorted
-    grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
-    static_bytes: int  # one process: params + buffers + optimizer state + batch
-    casts: tuple[tuple[int, int], ...]  # (created seq, tensor) of autocast's cached casts, sorted
-    cast_ids: frozenset[int]
-
-
-@dataclass(frozen=True)
-class _Rank:
+class RankMemory:
     """Static memory of one rank, per phase (see "Per rank" in the NOTE)."""
 
     params_bytes: int  # parameters + buffers held by this rank outside forward/backward
@@ -186,11 +170,11 @@ class _Rank:
     fwd_extra: tuple[int, int]  # (parameter, gradient) bytes on top of the shards in forward
     bwd_extra: tuple[int, int]  # the same in backward, at most (FSDP unsharded buffers, DDP buckets)
     grad_divisor: int  # gradients are split this many ways (FSDP)
-    fsdp: bool = False  # backward extras depend on the point: see backward_static
+    fsdp: bool = False  # backward extras depend on the point: see CostModel.backward_static
     base_bytes: int = 0  # this rank's parameters, optimizer state and batch
 
 
-def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
+def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> RankMemory:
     """Static memory of one rank for the graph's ``world_size`` and ``sharding``."""
     gg = g.graph
     n = int(gg.get("world_size", 1)) if per_rank else 1
@@ -206,95 +190,244 @@ def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> _Rank:
         bwd = (root + block + pending, block + block + root)
         p_rank, o_rank = shard(params) + buffers, shard(opt)
         base = p_rank + o_rank + batch
-        return _Rank(p_rank, o_rank, base + sum(fwd), base + sum(bwd), base + shard(grads) + shard(opt_tr),
-                     fwd, bwd, n, True, base)
+        return RankMemory(p_rank, o_rank, base + sum(fwd), base + sum(bwd), base + shard(grads) + shard(opt_tr),
+                          fwd, bwd, n, True, base)
     buckets = grads if sharding == "ddp" else 0
     base = params + buffers + opt + batch + buckets
     fwd = (0, buckets + (grads if alive else 0))
-    return _Rank(params + buffers, opt, base + fwd[1] - buckets, base, base + grads + opt_tr, fwd, (0, buckets), 1)
+    return RankMemory(params + buffers, opt, base + fwd[1] - buckets, base, base + grads + opt_tr, fwd,
+                      (0, buckets), 1)
 
 
-def backward_static(g: nx.DiGraph, rk: _Rank, after_seq: int, at_seq: int) -> tuple[int, int, int]:
-    """``(bytes, grads_bytes, extra_param_bytes)`` static at a point of backward, activations excepted.
+ALIVE_SEQ = 1 << 62
+"""A position after every forward position: a gradient kept alive by the recipe counts as last
+used there, and a tensor never held is held from there."""
 
-    ``after_seq``: the gradients of parameters last used after it exist; ``at_seq``: the forward
-    position the point's backward is at. Without FSDP: ``bwd_static`` and this rank's share of
-    those gradients. Under FSDP2 the unsharded buffers depend on the block being run (see
-    "Per rank" in the NOTE, backward): ``bwd_extra`` is only their largest case.
+
+@dataclass(frozen=True, eq=False)
+class CostModel:
+    """NOTE [ Peak-memory model ] for one graph, built once (``CostModel.of``); the graph is not mutated.
+
+    It holds every term that does not depend on the checkpoint set: the windows, the saves, the
+    gradients' timing, autocast's cached casts and each probe's base bytes (static + gradients +
+    temporaries T). ``simulate``, ``chain_terms`` (the DP) and the ILP's program add the held and
+    recomputed bytes of a checkpoint set to these bases.
     """
-    ctx = _context(g)
-    grads = -(-_grads_after(ctx, after_seq) // rk.grad_divisor)
-    if not rk.fsdp:
-        return rk.bwd_static_bytes + grads, grads + rk.bwd_extra[1], rk.bwd_extra[0]
-    n, root = rk.grad_divisor, g.graph.get("fsdp_root_param_bytes", 0)
-    blocks = g.graph.get("fsdp_blocks", ())
-    here = next((k for k, (lo, hi, _) in enumerate(blocks) if lo <= at_seq <= hi), None)
-    if here is None:  # before every block (embeddings) or after them (final norm, head, loss)
-        here = -1 if not blocks or at_seq < blocks[0][0] else len(blocks)
-    size = lambda k: blocks[k][2] if 0 <= k < len(blocks) else 0  # noqa: E731
-    running = size(here) if 0 <= here < len(blocks) else size(len(blocks) - 1) if here == len(blocks) else 0
-    prefetched = (size(here - 1) if 0 <= here < len(blocks) else size(len(blocks) - 2) if here == len(blocks)
-                  else 0) if n > 1 else 0
-    pending_rs = size(here + 1) if here < len(blocks) else 0  # the next block's reduce-scatter input
-    own = [_grads_after(ctx, max(after_seq, lo - 1)) - _grads_after(ctx, hi)
-           for lo, hi, _ in blocks if hi > after_seq]
-    running_grads = own[0] if own and 0 <= here < len(blocks) and blocks[here][1] > after_seq else 0
-    unsharded = running_grads + max(0, _grads_after(ctx, after_seq) - sum(own))  # the running block's and the root's
-    grads_extra = unsharded - -(-unsharded // n) + pending_rs
-    params_extra = root + running + prefetched
-    return rk.base_bytes + grads + grads_extra + params_extra, grads + grads_extra, params_extra
 
+    graph: nx.DiGraph
+    rank: RankMemory
+    calibrated: bool  # False: the temporaries T are left out (for ``calibrate``)
+    leaves: tuple[str, ...]  # the graph's leaves, forward order: window i ends with leaves[i]
+    leaf_end_seq: tuple[int, ...]
+    tensor_bytes: Mapping[int, int]
+    saves: tuple[tuple[int, int, tuple[str, ...]], ...]  # (seq, tensor, graph nodes containing seq), by seq
+    save_seqs: tuple[int, ...]  # the seqs of ``saves``
+    node_leaves: Mapping[str, tuple[int, ...]]  # node -> indices of the leaves inside it
+    grad_seqs: tuple[int, ...]  # sorted
+    grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
+    casts: tuple[tuple[int, int], ...]  # (created seq, tensor) of autocast's cached casts, sorted
+    cast_ids: frozenset[int]
+    # Probe bases (static + gradients + temporaries T), per window and for the tail:
+    forward_base_bytes: tuple[int, ...]
+    backward_base_bytes: tuple[int, ...]
+    tail_forward_base_bytes: int
+    tail_backward_base_bytes: int
 
-def _cache_key(g: nx.DiGraph) -> tuple[int, int, int]:
-    """Derived data is cached on the graph under this key: a copy, or a changed graph, misses."""
-    return (id(g), g.number_of_nodes(), g.number_of_edges())
+    tie_groups: tuple[tuple[str, ...], ...]  # NOTE [ Tied calls ]
 
+    @staticmethod
+    def attached(g: nx.DiGraph) -> CostModel | None:
+        """The model ``build_graph`` attached to ``g`` (``g.graph["cost_model"]``), if any."""
+        model = g.graph.get("cost_model")
+        return model if isinstance(model, CostModel) and model.graph is g else None
 
-def _context(g: nx.DiGraph) -> _Ctx:
-    key, ctx = g.graph.get("_cost_ctx", (None, None))
-    if key == _cache_key(g):
-        return ctx
-    leaves = tuple(g.graph["leaves"])
-    leaf_end = tuple(g.nodes[n]["fwd_end_seq"] for n in leaves)
-    ranges = [(n, a["fwd_start_seq"], a["fwd_end_seq"]) for n, a in g.nodes(data=True)]
-    saves = tuple(
-        (seq, t, tuple(n for n, lo, hi in ranges if lo <= seq <= hi)) for seq, t in g.graph["saves"]
-    )
-    leaf_pos = {n: i for i, n in enumerate(leaves)}
-    node_leaves = {
-        n: tuple(leaf_pos[x] for x in leaves
-                 if a["fwd_start_seq"] <= g.nodes[x]["fwd_start_seq"] <= a["fwd_end_seq"])
-        for n, a in g.nodes(data=True)
-    }
-    pg = g.graph["param_grads"]
-    # NOTE [ Peak-memory model ], "Recipe": gradients kept alive appear before anything else.
-    grad_seqs = tuple(_ALIVE if g.graph.get("grads_alive", False) else s for s, _ in pg)
-    suffix = [0] * (len(pg) + 1)
-    for k in range(len(pg) - 1, -1, -1):
-        suffix[k] = suffix[k + 1] + pg[k][1]
-    static = rank_memory(g, per_rank=False).fwd_static_bytes
-    created = g.graph["tensor_created_seq"]
-    casts = tuple(sorted((created[t], t) for t in g.graph.get("autocast_cached", ())))
-    ctx = _Ctx(leaves, leaf_end, g.graph["tensor_bytes"], saves, tuple(s[0] for s in saves), node_leaves, grad_seqs,
-               tuple(suffix), static, casts, frozenset(t for _, t in casts))
-    g.graph["_cost_ctx"] = (_cache_key(g), ctx)
-    return ctx
+    @staticmethod
+    def of(g: nx.DiGraph) -> CostModel:
+        """The model ``build_graph`` attached to ``g``, or a new one for a graph built otherwise."""
+        return CostModel.attached(g) or CostModel.build(g)
 
+    @staticmethod
+    def build(g: nx.DiGraph, *, calibrated: bool = True, per_rank: bool = True) -> CostModel:
+        """Derive the model of ``g``. ``calibrated=False`` leaves the temporaries T out and
+        ``per_rank=False`` counts one process (both for ``calibrate``)."""
+        leaves = tuple(g.graph["leaves"])
+        leaf_end = tuple(g.nodes[n]["fwd_end_seq"] for n in leaves)
+        ranges = [(n, a["fwd_start_seq"], a["fwd_end_seq"]) for n, a in g.nodes(data=True)]
+        saves = tuple(
+            (seq, t, tuple(n for n, lo, hi in ranges if lo <= seq <= hi)) for seq, t in g.graph["saves"]
+        )
+        leaf_pos = {n: i for i, n in enumerate(leaves)}
+        node_leaves = {
+            n: tuple(leaf_pos[x] for x in leaves
+                     if a["fwd_start_seq"] <= g.nodes[x]["fwd_start_seq"] <= a["fwd_end_seq"])
+            for n, a in g.nodes(data=True)
+        }
+        pg = g.graph["param_grads"]
+        # NOTE [ Peak-memory model ], "Recipe": gradients kept alive appear before anything else.
+        grad_seqs = tuple(ALIVE_SEQ if g.graph.get("grads_alive", False) else s for s, _ in pg)
+        suffix = [0] * (len(pg) + 1)
+        for k in range(len(pg) - 1, -1, -1):
+            suffix[k] = suffix[k + 1] + pg[k][1]
+        created = g.graph["tensor_created_seq"]
+        casts = tuple(sorted((created[t], t) for t in g.graph.get("autocast_cached", ())))
+        rk = rank_memory(g, per_rank=per_rank)
 
-_ALIVE = 1 << 62
-"""A gradient kept alive by the recipe counts as last used after every position."""
+        def tr(attrs: dict, key: str) -> int:
+            return attrs.get(key, 0) if calibrated else 0
 
+        fields = dict(
+            graph=g, rank=rk, calibrated=calibrated, leaves=leaves, leaf_end_seq=leaf_end,
+            tensor_bytes=g.graph["tensor_bytes"], saves=saves, save_seqs=tuple(s[0] for s in saves),
+            node_leaves=node_leaves, grad_seqs=grad_seqs, grad_suffix=tuple(suffix), casts=casts,
+            cast_ids=frozenset(t for _, t in casts), tie_groups=tie_groups(g),
+        )
+        # The bases need backward_static, which reads the fields above: a model without them first.
+        partial = CostModel(**fields, forward_base_bytes=(), backward_base_bytes=(), tail_forward_base_bytes=0,
+                            tail_backward_base_bytes=0)
+        fwd_base = tuple(rk.fwd_static_bytes + tr(g.nodes[leaf], "fwd_transient_bytes") for leaf in leaves)
+        bwd_base = tuple(partial.backward_static(end, end)[0] + tr(g.nodes[leaf], "bwd_transient_bytes")
+                         for leaf, end in zip(leaves, leaf_end))
+        last_end = leaf_end[-1] if leaf_end else -1
+        return CostModel(
+            **fields, forward_base_bytes=fwd_base, backward_base_bytes=bwd_base,
+            tail_forward_base_bytes=rk.fwd_static_bytes + tr(g.graph, "tail_fwd_transient_bytes"),
+            tail_backward_base_bytes=(partial.backward_static(last_end, ALIVE_SEQ)[0]
+                                      + tr(g.graph, "tail_bwd_transient_bytes")),
+        )
 
-def _cached_casts(ctx: _Ctx, pos: dict[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:
-    """Bytes of autocast's cached casts made by ``seq`` and not held by then: the cache keeps them
-    alive until the forward ends (NOTE [ Peak-memory model ], "Recipe"). ``counted``: in flight
-    already."""
-    return sum(ctx.tb[t] for c, t in ctx.casts if c <= seq and pos.get(t, _ALIVE + 1) > seq and t not in counted)
+    def grads_after(self, seq: int) -> int:
+        """Bytes of parameter gradients (one process) whose last forward use is after ``seq``."""
+        return self.grad_suffix[bisect.bisect_right(self.grad_seqs, seq)]
 
+    def backward_static(self, after_seq: int, at_seq: int) -> tuple[int, int, int]:
+        """``(bytes, grads_bytes, extra_param_bytes)`` static at a point of backward, activations excepted.
 
-def _grads_after(ctx: _Ctx, seq: int) -> int:
-    """Bytes of parameter gradients whose last forward use is after ``seq``."""
-    return ctx.grad_suffix[bisect.bisect_right(ctx.grad_seqs, seq)]
+        ``after_seq``: the gradients of parameters last used after it exist; ``at_seq``: the forward
+        position the point's backward is at. Without FSDP: ``bwd_static`` and this rank's share of
+        those gradients. Under FSDP2 the unsharded buffers depend on the block being run (see
+        "Per rank" in the NOTE, backward): ``bwd_extra`` is only their largest case.
+        """
+        g, rk = self.graph, self.rank
+        grads = -(-self.grads_after(after_seq) // rk.grad_divisor)
+        if not rk.fsdp:
+            return rk.bwd_static_bytes + grads, grads + rk.bwd_extra[1], rk.bwd_extra[0]
+        n, root = rk.grad_divisor, g.graph.get("fsdp_root_param_bytes", 0)
+        blocks = g.graph.get("fsdp_blocks", ())
+        here = next((k for k, (lo, hi, _) in enumerate(blocks) if lo <= at_seq <= hi), None)
+        if here is None:  # before every block (embeddings) or after them (final norm, head, loss)
+            here = -1 if not blocks or at_seq < blocks[0][0] else len(blocks)
+        size = lambda k: blocks[k][2] if 0 <= k < len(blocks) else 0  # noqa: E731
+        running = size(here) if 0 <= here < len(blocks) else size(len(blocks) - 1) if here == len(blocks) else 0
+        prefetched = (size(here - 1) if 0 <= here < len(blocks) else size(len(blocks) - 2) if here == len(blocks)
+                      else 0) if n > 1 else 0
+        pending_rs = size(here + 1) if here < len(blocks) else 0  # the next block's reduce-scatter input
+        own = [self.grads_after(max(after_seq, lo - 1)) - self.grads_after(hi)
+               for lo, hi, _ in blocks if hi > after_seq]
+        running_grads = own[0] if own and 0 <= here < len(blocks) and blocks[here][1] > after_seq else 0
+        # the running block's and the root's
+        unsharded = running_grads + max(0, self.grads_after(after_seq) - sum(own))
+        grads_extra = unsharded - -(-unsharded // n) + pending_rs
+        params_extra = root + running + prefetched
+        return rk.base_bytes + grads + grads_extra + params_extra, grads + grads_extra, params_extra
+
+    def recompute_static_bytes(self, c: str) -> int:
+        """Static memory and gradients alive while ``c`` is recomputed (its recompute probe's base
+        without the temporaries)."""
+        end = self.graph.nodes[c]["fwd_end_seq"]
+        return self.backward_static(end, end)[0]
+
+    def recompute_transient_bytes(self, c: str) -> int:
+        """The temporaries T of ``c``'s recompute: the largest forward T over its leaves."""
+        return max((self.forward_base_bytes[i] - self.rank.fwd_static_bytes for i in self.node_leaves[c]),
+                   default=0)
+
+    def recomputed_bytes(self, c: str, upto_seq: int) -> int:
+        """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the
+        tensors ``c`` saves that it also created (not its inputs, nor tensors it reached otherwise),
+        and autocast's casts it saves wherever they were made: backward runs outside autocast, so
+        each recompute casts afresh (a shared module's later calls reused the forward's cached cast)."""
+        a = self.graph.nodes[c]
+        lo_seq, hi_seq = a["fwd_start_seq"], a["fwd_end_seq"]
+        created = self.graph.graph["tensor_created_seq"]
+        casts = self.cast_ids
+        lo = bisect.bisect_left(self.save_seqs, lo_seq)
+        hi = bisect.bisect_right(self.save_seqs, min(hi_seq, upto_seq))
+        seen = {t for _, t, _ in self.saves[lo:hi] if lo_seq <= created.get(t, -1) <= hi_seq or t in casts}
+        return sum(self.tensor_bytes[t] for t in seen)
+
+    def replay_in_flight(self, c: str) -> int:
+        """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradient
+        of c's outputs (backward has reached c) and c's outputs, which the replay re-creates unless c
+        saves them (NOTE [ Peak-memory model ], recompute)."""
+        a, tb = self.graph.nodes[c], self.graph.graph["tensor_bytes"]
+        outs = a.get("output_ids", ())
+        return sum(tb.get(t, 0) for t in outs) + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"])
+
+    def cached_casts(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:
+        """Bytes of autocast's cached casts made by ``seq`` and not held by then (``pos``: holding
+        positions): the cache keeps them alive until the forward ends (NOTE [ Peak-memory model ],
+        "Recipe"). ``counted``: in flight already."""
+        return sum(self.tensor_bytes[t] for c, t in self.casts
+                   if c <= seq and pos.get(t, ALIVE_SEQ + 1) > seq and t not in counted)
+
+    def holdings(self, chosen: frozenset[str]) -> dict[int, int]:
+        """tensor -> earliest holding position p(t), for the held tensors (see NOTE)."""
+        pos: dict[int, int] = {}
+        for seq, t, containers in self.saves:
+            if chosen and any(c in chosen for c in containers):
+                continue
+            if seq < pos.get(t, 1 << 62):
+                pos[t] = seq
+        for c in chosen:
+            start = self.graph.nodes[c]["fwd_start_seq"]
+            for t in self.graph.nodes[c]["input_ids"]:
+                if start < pos.get(t, 1 << 62):
+                    pos[t] = start
+        return pos
+
+    def probes(self, chosen: frozenset[str]) -> Iterator[tuple[str, int, int, int]]:
+        """(name, total_bytes, grads_bytes, extra_params_bytes) for every probe of the NOTE."""
+        g, rk, tb = self.graph, self.rank, self.tensor_bytes
+        pos = self.holdings(chosen)
+        held = sorted((p, tb[t]) for t, p in pos.items())
+        held_pos = [p for p, _ in held]
+        prefix = [0]
+        for _, b in held:
+            prefix.append(prefix[-1] + b)
+
+        def held_upto(seq: int) -> int:
+            return prefix[bisect.bisect_right(held_pos, seq)]
+
+        fwd_p, fwd_g = rk.fwd_extra
+        owner = {i: c for c in chosen for i in self.node_leaves[c]}
+        prev_end = -1
+        for i, (leaf, end) in enumerate(zip(self.leaves, self.leaf_end_seq)):
+            out_ids = g.nodes[leaf]["out_ids"]
+            h = held_upto(end)
+            out_extra = sum(tb[t] for t in out_ids if pos.get(t, 1 << 62) > end)
+            out_extra += self.cached_casts(pos, end, out_ids)
+            yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
+            _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
+            rec = self.recomputed_bytes(owner[i], end) if i in owner else 0
+            yield f"backward of {leaf}", self.backward_base_bytes[i] + h + rec, grads, extra
+            prev_end = end
+        for c in sorted(chosen, key=lambda n: g.nodes[n]["order"]):  # ties resolve the same way every run
+            end = g.nodes[c]["fwd_end_seq"]
+            static, grads, extra = self.backward_static(end, end)
+            total = (static + held_upto(end) + self.recomputed_bytes(c, end) + self.replay_in_flight(c)
+                     + self.recompute_transient_bytes(c))
+            yield f"recompute of {c}", total, grads, extra
+        h_all = prefix[-1]
+        yield "end of forward", self.tail_forward_base_bytes + h_all + self.cached_casts(pos, ALIVE_SEQ), fwd_g, fwd_p
+        _, grads, extra = self.backward_static(prev_end, ALIVE_SEQ)
+        yield "start of backward", self.tail_backward_base_bytes + h_all, grads, extra
+        all_grads = -(-g.graph["grads_bytes"] // rk.grad_divisor)
+        yield "optimizer step", rk.opt_static_bytes, all_grads + (fwd_g if g.graph.get("sharding") == "ddp" else 0), 0
+
+    @functools.cached_property
+    def chain_terms(self) -> ChainTerms:
+        """The model as a chain recurrence, for the DP (see ``ChainTerms``); computed on first use."""
+        return _chain_terms(self)
 
 
 def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str]) -> frozenset[str]:
@@ -330,14 +463,13 @@ def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str]) -> frozense
 
 def tie_groups(g: nx.DiGraph) -> tuple[tuple[str, ...], ...]:
     """Graph nodes that are calls of one module (the same FQN), two or more, in forward order."""
-    key, groups = g.graph.get("_tie_groups", (None, None))
-    if key != _cache_key(g):
-        by_fqn: dict[str, list[str]] = {}
-        for n in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
-            by_fqn.setdefault(g.nodes[n]["fqn"], []).append(n)
-        groups = tuple(tuple(ns) for ns in by_fqn.values() if len(ns) > 1)
-        g.graph["_tie_groups"] = (_cache_key(g), groups)
-    return groups
+    model = CostModel.attached(g)
+    if model is not None:
+        return model.tie_groups
+    by_fqn: dict[str, list[str]] = {}
+    for n in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
+        by_fqn.setdefault(g.nodes[n]["fqn"], []).append(n)
+    return tuple(tuple(ns) for ns in by_fqn.values() if len(ns) > 1)
 
 
 def is_tied(g: nx.DiGraph, chosen: Iterable[str]) -> bool:
@@ -368,102 +500,14 @@ def _enclosing(g: nx.DiGraph, n: str, among) -> str | None:
     return p
 
 
-def _holdings(g: nx.DiGraph, ctx: _Ctx, chosen: frozenset[str]) -> dict[int, int]:
-    """tensor -> earliest holding position p(t), for the held tensors (see NOTE)."""
-    pos: dict[int, int] = {}
-    for seq, t, containers in ctx.saves:
-        if chosen and any(c in chosen for c in containers):
-            continue
-        if seq < pos.get(t, 1 << 62):
-            pos[t] = seq
-    for c in chosen:
-        start = g.nodes[c]["fwd_start_seq"]
-        for t in g.nodes[c]["input_ids"]:
-            if start < pos.get(t, 1 << 62):
-                pos[t] = start
-    return pos
-
-
-def _recomputed(g: nx.DiGraph, ctx: _Ctx, c: str, upto_seq: int) -> int:
-    """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the
-    tensors ``c`` saves that it also created (not its inputs, nor tensors it reached otherwise),
-    and autocast's casts it saves wherever they were made: backward runs outside autocast, so
-    each recompute casts afresh (a shared module's later calls reused the forward's cached cast)."""
-    a = g.nodes[c]
-    lo_seq, hi_seq = a["fwd_start_seq"], a["fwd_end_seq"]
-    created = g.graph["tensor_created_seq"]
-    casts = ctx.cast_ids
-    lo = bisect.bisect_left(ctx.save_seqs, lo_seq)
-    hi = bisect.bisect_right(ctx.save_seqs, min(hi_seq, upto_seq))
-    seen = {t for _, t, _ in ctx.saves[lo:hi] if lo_seq <= created.get(t, -1) <= hi_seq or t in casts}
-    return sum(ctx.tb[t] for t in seen)
-
-
-def replay_in_flight(g: nx.DiGraph, c: str) -> int:
-    """Bytes alive while ``c`` is recomputed that ``_recomputed`` does not count: the gradient of
-    c's outputs (backward has reached c) and c's outputs, which the replay re-creates unless c
-    saves them (NOTE [ Peak-memory model ], recompute)."""
-    a, tb = g.nodes[c], g.graph["tensor_bytes"]
-    outs = a.get("output_ids", ())
-    return sum(tb.get(t, 0) for t in outs) + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"])
-
-
-def _probes(g: nx.DiGraph, chosen: frozenset[str], calibrated: bool = True, per_rank: bool = True):
-    """Yield (name, total_bytes, grads_bytes, extra_params_bytes) for every probe of the NOTE."""
-    ctx = _context(g)
-    rk = rank_memory(g, per_rank=per_rank)
-    pos = _holdings(g, ctx, chosen)
-    held = sorted((p, ctx.tb[t]) for t, p in pos.items())
-    held_pos = [p for p, _ in held]
-    prefix = [0]
-    for _, b in held:
-        prefix.append(prefix[-1] + b)
-
-    def held_upto(seq: int) -> int:
-        return prefix[bisect.bisect_right(held_pos, seq)]
-
-    def tr(attrs: dict, key: str) -> int:
-        return attrs.get(key, 0) if calibrated else 0
-
-    fwd_static, div = rk.fwd_static_bytes, rk.grad_divisor
-    fwd_p, fwd_g = rk.fwd_extra
-    owner = {i: c for c in chosen for i in ctx.node_leaves[c]}
-    prev_end = -1
-    for i, (leaf, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
-        a = g.nodes[leaf]
-        h = held_upto(end)
-        out_extra = sum(ctx.tb[t] for t in a["out_ids"] if pos.get(t, 1 << 62) > end)
-        out_extra += _cached_casts(ctx, pos, end, a["out_ids"])
-        yield f"forward of {leaf}", fwd_static + h + out_extra + tr(a, "fwd_transient_bytes"), fwd_g, fwd_p
-        static, grads, extra = backward_static(g, rk, end, end)  # the NOTE's grads(i): used after window i
-        rec = _recomputed(g, ctx, owner[i], end) if i in owner else 0
-        yield f"backward of {leaf}", static + h + rec + tr(a, "bwd_transient_bytes"), grads, extra
-        prev_end = end
-    for c in sorted(chosen, key=lambda n: g.nodes[n]["order"]):  # ties resolve the same way every run
-        a = g.nodes[c]
-        static, grads, extra = backward_static(g, rk, a["fwd_end_seq"], a["fwd_end_seq"])
-        t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
-                    default=0) if calibrated else 0
-        total = (static + held_upto(a["fwd_end_seq"]) + _recomputed(g, ctx, c, a["fwd_end_seq"])
-                 + replay_in_flight(g, c) + t_fwd)
-        yield f"recompute of {c}", total, grads, extra
-    h_all = prefix[-1]
-    yield ("end of forward", fwd_static + h_all + _cached_casts(ctx, pos, _ALIVE)
-           + (g.graph.get("tail_fwd_transient_bytes", 0) if calibrated else 0), fwd_g, fwd_p)
-    static, grads, extra = backward_static(g, rk, prev_end, 1 << 62)
-    yield ("start of backward", static + h_all
-           + (g.graph.get("tail_bwd_transient_bytes", 0) if calibrated else 0), grads, extra)
-    all_grads = -(-g.graph["grads_bytes"] // div)
-    yield "optimizer step", rk.opt_static_bytes, all_grads + (fwd_g if g.graph.get("sharding") == "ddp" else 0), 0
-
-
 def window_bytes(g: nx.DiGraph, checkpointed: Iterable[str], *, calibrated: bool = True) -> dict[str, int]:
     """The model's bytes at every probe of the NOTE, by name ('forward of h.0', 'optimizer step', ...).
 
     ``calibrated=False`` leaves out the temporaries T: what is live at the end of each window.
     ``verify`` and the validation step compare these with measurements, window by window.
     """
-    return {name: total for name, total, _, _ in _probes(g, check_checkpoint_set(g, checkpointed), calibrated)}
+    model = CostModel.of(g) if calibrated else CostModel.build(g, calibrated=False)
+    return {name: total for name, total, _, _ in model.probes(check_checkpoint_set(g, checkpointed))}
 
 
 def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
@@ -474,10 +518,10 @@ def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
     Cost: O(S log S + n * s) for S saves, n leaves and s saves per checkpointed unit.
     """
     chosen = check_checkpoint_set(g, checkpointed)
-    name, peak, grads, extra = max(_probes(g, chosen), key=lambda p: p[1])
-    rk = rank_memory(g)
-    params = rk.params_bytes + extra  # extra: FSDP's unsharded parameters at that point
-    opt = rk.optimizer_bytes
+    model = CostModel.of(g)
+    name, peak, grads, extra = max(model.probes(chosen), key=lambda p: p[1])
+    params = model.rank.params_bytes + extra  # extra: FSDP's unsharded parameters at that point
+    opt = model.rank.optimizer_bytes
     recompute_ms = g.graph.get("micro_batches", 1) * sum(g.nodes[c]["forward_ms"] for c in chosen)
     return Estimate(
         checkpointed=sorted(chosen, key=lambda n: g.nodes[n]["order"]),
@@ -488,13 +532,13 @@ def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
 
 
 def calibrate(g: nx.DiGraph) -> None:
-    """Set the temporaries T of NOTE [ Peak-memory model ] from the measured window peaks.
+    """Set the temporaries T of NOTE [ Peak-memory model ] from the measured window peaks, then
+    attach the graph's ``CostModel`` (``g.graph["cost_model"]``).
 
     Called once by ``build_graph``. Windows without a measurement keep T = 0.
     """
-    g.graph.pop("_cost_ctx", None)
-    g.graph.pop("_chain_terms", None)
-    probes = {p[0]: p[1] for p in _probes(g, frozenset(), calibrated=False, per_rank=False)}
+    raw = CostModel.build(g, calibrated=False, per_rank=False)
+    probes = {p[0]: p[1] for p in raw.probes(frozenset())}
     for leaf in g.graph["leaves"]:
         a = g.nodes[leaf]
         for kind, key, peak_key in (("forward", "fwd_transient_bytes", "fwd_window_peak_bytes"),
@@ -507,6 +551,7 @@ def calibrate(g: nx.DiGraph) -> None:
         measured = g.graph.get(peak_key)
         if measured is not None:
             g.graph[key] = max(0, measured - probes[probe])
+    g.graph["cost_model"] = CostModel.build(g)
 
 
 # ----------------------------------------------------------------------------- chain decomposition
@@ -536,21 +581,17 @@ class ChainTerms:
 def chain_terms(g: nx.DiGraph) -> ChainTerms:
     """Decompose the cost model along the leaves; the DP solver runs on this.
 
-    Computed once per graph and cached on it, so budget sweeps pay for it once.
+    Computed once per graph (``CostModel.chain_terms``), so budget sweeps pay for it once.
     """
-    key, cached = g.graph.get("_chain_terms", (None, None))
-    if key != _cache_key(g):
-        cached = _chain_terms(g)
-        g.graph["_chain_terms"] = (_cache_key(g), cached)
-    return cached
+    return CostModel.of(g).chain_terms
 
 
-def _chain_terms(g: nx.DiGraph) -> ChainTerms:
+def _chain_terms(model: CostModel) -> ChainTerms:
+    g, ctx = model.graph, model
     if any(not a["leaf"] for _, a in g.nodes(data=True)):
         raise SolverError("the chain recurrence needs a graph without nested candidates (nested=False)")
-    ctx = _context(g)
     n = len(ctx.leaves)
-    window = lambda seq: bisect.bisect_left(ctx.leaf_end, seq)  # noqa: E731  (n = tail)
+    window = lambda seq: bisect.bisect_left(ctx.leaf_end_seq, seq)  # noqa: E731  (n = tail)
     leaf_pos = {x: i for i, x in enumerate(ctx.leaves)}
     # holdings per tensor: (window, leaf or None, kind)  kind: 0 = save (dropped if leaf ckpt), 1 = ckpt input
     hold: dict[int, list[tuple[int, int | None, int]]] = {}
@@ -572,7 +613,7 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
     delta = [[[0, 0], [0, 0]] for _ in range(n)]
     tail_delta = [0, 0]
     for t, hs in hold.items():
-        b = ctx.tb[t]
+        b = ctx.tensor_bytes[t]
         for w in sorted({h[0] for h in hs}):
             here = [h for h in hs if h[0] == w]
             before = [h for h in hs if h[0] < w]
@@ -593,30 +634,23 @@ def _chain_terms(g: nx.DiGraph) -> ChainTerms:
                 for cur in (0, 1):
                     if any(active(h, cur) for h in here):
                         delta[w][a_prev][cur] += b
-    rk = rank_memory(g)
-    fwd_static = rk.fwd_static_bytes
-    unsaved_casts = [(c, ctx.tb[t]) for c, t in ctx.casts if t not in hold]  # alive to the forward's end
+    # alive to the forward's end
+    unsaved_casts = [(c, ctx.tensor_bytes[t]) for c, t in ctx.casts if t not in hold]
     k = []
-    prev_end = -1
-    for i, (x, end) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
-        a = g.nodes[x]
-        bwd_base = backward_static(g, rk, end, end)[0]
-        rcp_base = backward_static(g, rk, end, end)[0]
-        rec = _recomputed(g, ctx, x, end)
+    for i, (x, end) in enumerate(zip(ctx.leaves, ctx.leaf_end_seq)):
+        rec = ctx.recomputed_bytes(x, end)
         terms = []
         for cur in (0, 1):
-            out_extra = sum(ctx.tb[t] for t in a["out_ids"]
+            out_extra = sum(ctx.tensor_bytes[t] for t in g.nodes[x]["out_ids"]
                             if not any(h[0] <= i and active(h, cur) for h in hold.get(t, ())))
-            fwd = (fwd_static + out_extra + a.get("fwd_transient_bytes", 0)
-                   + sum(b for c, b in unsaved_casts if c <= end))
-            bwd = bwd_base + (rec if cur else 0) + a.get("bwd_transient_bytes", 0)
-            rcp = rcp_base + rec + replay_in_flight(g, x) + a.get("fwd_transient_bytes", 0) if cur else 0
+            fwd = ctx.forward_base_bytes[i] + out_extra + sum(b for c, b in unsaved_casts if c <= end)
+            bwd = ctx.backward_base_bytes[i] + (rec if cur else 0)
+            rcp = (ctx.recompute_static_bytes(x) + rec + ctx.replay_in_flight(x)
+                   + ctx.forward_base_bytes[i] - ctx.rank.fwd_static_bytes) if cur else 0
             terms.append(max(fwd, bwd, rcp))
         k.append((terms[0], terms[1]))
-        prev_end = end
-    tail_k = max(fwd_static + g.graph.get("tail_fwd_transient_bytes", 0) + sum(b for _, b in unsaved_casts),
-                 backward_static(g, rk, prev_end, 1 << 62)[0] + g.graph.get("tail_bwd_transient_bytes", 0))
-    const = rk.opt_static_bytes
+    tail_k = max(ctx.tail_forward_base_bytes + sum(b for _, b in unsaved_casts), ctx.tail_backward_base_bytes)
+    const = ctx.rank.opt_static_bytes
     return ChainTerms(
         leaves=ctx.leaves,
         forward_ms=tuple(g.nodes[x]["forward_ms"] for x in ctx.leaves),

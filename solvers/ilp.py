@@ -94,14 +94,12 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
 import networkx as nx
 import pulp
 
-from solvers.cost_model import (
-    _context, _recomputed, backward_static, replay_in_flight, close_ties, is_tied, rank_memory, simulate, tie_groups,
-)
+from solvers.cost_model import ALIVE_SEQ, CostModel, close_ties, is_tied, simulate, tie_groups
 from solvers.base import Solution, Status, judged
 from solvers.ilp_bound import Bound, sequential_bound
 
@@ -293,15 +291,15 @@ def build_program(g: nx.DiGraph) -> Program:
     units: CBC's preprocessing loses feasibility with raw byte counts of 1e10 ("possible
     tolerance issue"). Powers of two keep every byte count exactly representable.
     """
-    ctx = _context(g)
-    rk = rank_memory(g)
-    magnitude = max(rk.opt_static_bytes, rk.bwd_static_bytes + sum(ctx.tb.values()), 1)
+    ctx = CostModel.of(g)
+    rk = ctx.rank
+    magnitude = max(rk.opt_static_bytes, rk.bwd_static_bytes + sum(ctx.tensor_bytes.values()), 1)
     unit = 2 ** max(0, magnitude.bit_length() - 24)
     nodes = sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
     anc = _ancestors(g)
     start = {v: g.nodes[v]["fwd_start_seq"] for v in nodes}
     end = {v: g.nodes[v]["fwd_end_seq"] for v in nodes}
-    thresholds = sorted(set(ctx.leaf_end) | set(end.values()))
+    thresholds = sorted(set(ctx.leaf_end_seq) | set(end.values()))
     last_bucket = len(thresholds)  # positions after every probe: only the tail probes see them
 
     def bucket(pos: int) -> int:
@@ -315,7 +313,7 @@ def build_program(g: nx.DiGraph) -> Program:
         for t in g.nodes[v]["input_ids"]:
             holds.setdefault(t, {}).setdefault(bucket(start[v]), set()).add(("input", v))
     out_leaf = {t: i for i, leaf in enumerate(ctx.leaves) for t in g.nodes[leaf]["out_ids"]}
-    leaf_bucket = [bucket(e) for e in ctx.leaf_end]
+    leaf_bucket = [bucket(e) for e in ctx.leaf_end_seq]
 
     # --- steps per tensor; tensors with the same steps (and in-flight leaf, if it matters) grouped
     step_cache: dict[tuple, tuple] = {}
@@ -328,7 +326,7 @@ def build_program(g: nx.DiGraph) -> Program:
         if steps:
             i = out_leaf.get(t)
             flying = i if i is not None and steps[0][0] <= leaf_bucket[i] else None
-            groups[(steps, flying)] = groups.get((steps, flying), 0) + ctx.tb[t]
+            groups[(steps, flying)] = groups.get((steps, flying), 0) + ctx.tensor_bytes[t]
 
     def aff(a: _Affine) -> Lin:
         return {None: float(a[0]), **{v: float(c) for v, c in a[1]}}
@@ -362,36 +360,30 @@ def build_program(g: nx.DiGraph) -> Program:
     probes: list[Probe] = []
     casts = _cast_terms(g, ctx, nodes, unit)
     contains = {i: [c for c in nodes if i in ctx.node_leaves[c]] for i in range(len(ctx.leaves))}
-    bwd_const: list[int] = []
-    prev_end = -1
-    for i, (leaf, e) in enumerate(zip(ctx.leaves, ctx.leaf_end)):
-        a = g.nodes[leaf]
-        cast_form, cast_bytes = casts(e, a["out_ids"])
+    bwd_const = ctx.backward_base_bytes
+    for i, (leaf, e) in enumerate(zip(ctx.leaves, ctx.leaf_end_seq)):
+        out_ids = g.nodes[leaf]["out_ids"]
+        cast_form, cast_bytes = casts(e, out_ids)
         fwd_extra = dict(in_flight.get(i, {}))
         _lin_add(fwd_extra, cast_form)
         probes.append(Probe(f"forward of {leaf}", leaf_bucket[i], fwd_extra,
-                            rk.fwd_static_bytes + sum(ctx.tb[t] for t in a["out_ids"])
-                            + a.get("fwd_transient_bytes", 0) + cast_bytes))
-        bc = backward_static(g, rk, e, e)[0] + a.get("bwd_transient_bytes", 0)
-        bwd_const.append(bc)
-        rec = {c: _recomputed(g, ctx, c, e) / unit for c in contains[i]}
-        probes.append(Probe(f"backward of {leaf}", leaf_bucket[i], {c: r for c, r in rec.items() if r}, bc))
-        prev_end = e
-    tail_bwd = backward_static(g, rk, prev_end, 1 << 62)[0] + g.graph.get("tail_bwd_transient_bytes", 0)
+                            ctx.forward_base_bytes[i] + sum(ctx.tensor_bytes[t] for t in out_ids) + cast_bytes))
+        rec = {c: ctx.recomputed_bytes(c, e) / unit for c in contains[i]}
+        probes.append(Probe(f"backward of {leaf}", leaf_bucket[i], {c: r for c, r in rec.items() if r},
+                            bwd_const[i]))
+    tail_bwd = ctx.tail_backward_base_bytes
     big_m = 0
     for c in nodes:
-        const = backward_static(g, rk, end[c], end[c])[0]
-        t_fwd = max((g.nodes[ctx.leaves[i]].get("fwd_transient_bytes", 0) for i in ctx.node_leaves[c]),
-                    default=0)
-        later = bisect.bisect_left(ctx.leaf_end, end[c])
+        const = ctx.recompute_static_bytes(c)
+        t_fwd = ctx.recompute_transient_bytes(c)
+        later = bisect.bisect_left(ctx.leaf_end_seq, end[c])
         m = max(0, const - (bwd_const[later] if later < len(ctx.leaves) else tail_bwd))
         big_m += m > 0
-        coef = (_recomputed(g, ctx, c, end[c]) + replay_in_flight(g, c) + t_fwd + m) / unit
+        coef = (ctx.recomputed_bytes(c, end[c]) + ctx.replay_in_flight(c) + t_fwd + m) / unit
         extra = {**({c: coef} if coef else {}), **({None: -m / unit} if m else {})}
         probes.append(Probe(f"recompute of {c}", bucket(end[c]), extra, const))
-    cast_form, cast_bytes = casts(1 << 62)
-    probes.append(Probe("end of forward", last_bucket, cast_form,
-                        rk.fwd_static_bytes + g.graph.get("tail_fwd_transient_bytes", 0) + cast_bytes))
+    cast_form, cast_bytes = casts(ALIVE_SEQ)
+    probes.append(Probe("end of forward", last_bucket, cast_form, ctx.tail_forward_base_bytes + cast_bytes))
     probes.append(Probe("start of backward", last_bucket, {}, tail_bwd))
     probes.append(Probe("optimizer step", None, {}, rk.opt_static_bytes))
 
@@ -406,7 +398,7 @@ def build_program(g: nx.DiGraph) -> Program:
                    {v: g.nodes[v]["parent"] for v in nodes}, paths, ors, delta, probes, unit, stats, ties)
 
 
-def _cast_terms(g: nx.DiGraph, ctx: Any, nodes: list[str], unit: int) -> Callable[[int], tuple[Lin, int]]:
+def _cast_terms(g: nx.DiGraph, ctx: CostModel, nodes: list[str], unit: int) -> Callable[[int], tuple[Lin, int]]:
     """seq -> (form in units, constant bytes) of autocast's cached casts made by ``seq``, not held then
     and not in ``in_flight`` (counted as such) (NOTE [ Peak-memory model ], "Recipe"). A cast saved before ``seq`` is unheld when a candidate
     containing all its saves is checkpointed: x_c for each such c (an antichain picks at most one);
@@ -425,11 +417,11 @@ def _cast_terms(g: nx.DiGraph, ctx: Any, nodes: list[str], unit: int) -> Callabl
             if created > seq or t in in_flight:
                 continue
             if not seqs or min(seqs) > seq or t in inputs:  # a unit's input: as if never held (over-counts)
-                const += ctx.tb[t]
+                const += ctx.tensor_bytes[t]
                 continue
             for v, (lo, hi) in span.items():
                 if lo <= min(seqs) and max(seqs) <= hi:
-                    form[v] = form.get(v, 0.0) + ctx.tb[t] / unit
+                    form[v] = form.get(v, 0.0) + ctx.tensor_bytes[t] / unit
         return form, const
 
     return at

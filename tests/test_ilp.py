@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from solvers.cost_model import _probes, simulate
+from solvers.cost_model import CostModel, simulate
 from planner.model.graph import build_graph
 from planner.model.synthetic import random_chain, random_dag, synthetic_profile
 from solvers import SOLVERS
@@ -122,7 +122,7 @@ def test_program_is_the_cost_model(seed):
     program = build_program(g)
     for chosen in map(frozenset, antichains(g)):
         mine = probe_values(program, chosen)
-        for name, total, *_ in _probes(g, chosen):
+        for name, total, *_ in CostModel.of(g).probes(chosen):
             assert mine[name] == pytest.approx(total, abs=1e-6), (name, sorted(chosen))
         # the "recompute of c" rows of unchosen c are slack: the peak is simulate's
         assert max(mine.values()) == pytest.approx(simulate(g, chosen).peak_bytes, abs=1e-6)

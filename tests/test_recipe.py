@@ -186,7 +186,7 @@ def test_ilp_program_is_the_cost_model_with_the_recipe_terms(seed: int):
 
     from planner.model.graph import build_graph
     from planner.model.synthetic import random_dag, synthetic_profile
-    from solvers.cost_model import _probes, chain_terms
+    from solvers.cost_model import CostModel, chain_terms
     from solvers.dp import solve as dp_solve
     from solvers.ilp import build_program, probe_values
     from tests.solver_checks import antichains
@@ -203,7 +203,7 @@ def test_ilp_program_is_the_cost_model_with_the_recipe_terms(seed: int):
     program = build_program(g)
     for chosen in map(frozenset, antichains(g)):
         mine = probe_values(program, chosen)
-        for name, total, *_ in _probes(g, chosen):
+        for name, total, *_ in CostModel.of(g).probes(chosen):
             assert mine[name] == pytest.approx(total, abs=1e-6), (name, sorted(chosen))
     flat = build_graph(prof)
     assert not chain_terms(flat).exact or not casts
