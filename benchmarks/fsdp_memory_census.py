@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 benchmarks/fsdp_memory_census.py --layers 4 --d-model 256
 
 The plain transformer of examples/transformer.py, ``fully_shard`` on every block and on the root
-(the layout NOTE [ Peak-memory model ], "Per rank", assumes). Hooks inside the root group (tok_emb,
+(the layout NOTE [ Per-rank memory ], assumes). Hooks inside the root group (tok_emb,
 lm_head) and inside each block (its MLP's first Linear) record, on rank 0, the bytes FSDP2 holds
 beyond the sharded parameters: unsharded parameters, all-gather output buffers, retained
 reduce-scatter inputs, unsharded and sharded gradients. Counted by storage from FSDP2's objects,

@@ -6,7 +6,7 @@
     python benchmarks/fsdp_scaling.py --sharding ddp --world-sizes 1,2,4,8
 
 For each world size N: one rank's parameters, gradients and optimizer state as the cost model
-counts them (``solvers.cost_model.rank_memory``, NOTE [ Peak-memory model ], "Per rank"), the
+counts them (``solvers.cost_model.rank_memory``, NOTE [ Per-rank memory ]), the
 predicted peak without checkpointing, and the plan ``remat plan --world-size N --sharding fsdp``
 makes at one per-rank budget: how many units it checkpoints and the recompute it costs. The
 profile is of one rank's batch, so activations are the same for every N; only the model state

@@ -1,131 +1,9 @@
-"""The cost model: for a graph and a checkpoint choice, predicted peak memory and recompute time.
+"""The cost model: predicted peak memory and recompute time of a checkpoint set (``simulate``).
 
-Every solver is judged by ``simulate``; every measurement is compared with it. Pure Python over
-the graph built by ``planner.model.graph.build_graph``; no torch import.
-
-# NOTE [ Peak-memory model ]
-#
-# What is modelled: one steady-state training step of the recipe (default:
-# ``zero_grad(set_to_none=True)``, forward, loss, backward, ``optimizer.step()``; see "Recipe"
-# below), with the candidates in the checkpoint set C wrapped in non-reentrant
-# ``torch.utils.checkpoint`` (C is an antichain of the module tree: a unit and one of its
-# descendants are never both checkpointed; and it holds every call of a module or none,
-# NOTE [ Tied calls ]).
-#
-# Static memory, alive all step: parameters + buffers + optimizer state + the input batch.
-# Gradient buffers: none during forward; during backward a parameter's gradient appears once
-# backward reaches the last forward use of that parameter (``grad_seq``), and all are alive at
-# the optimizer step.
-#
-# Activations are tracked per storage ("tensor"): a tensor costs its bytes once, however many
-# units save it. A tensor is *held* (kept alive for backward) by
-#   - every save-for-backward event of it, unless the event happens inside a checkpointed unit
-#     (checkpointed units keep nothing of their own), positioned at the event's sequence number;
-#   - every checkpointed unit it is an input of (non-reentrant checkpoint keeps the inputs),
-#     positioned at the unit's forward start.
-# A held tensor lives from its creation until backward passes its *earliest* holding position
-# p(t). Backward runs in reverse forward order, so "backward passes position p" means every
-# unit that started after p has finished its backward.
-#
-# Time is cut into windows at the leaves l_1..l_n of the graph (forward order): window i is
-# the code after l_{i-1} up to and including l_i (glue code such as a residual add or the
-# embedding sum belongs to the next leaf's window); the tail window is everything after l_n
-# (final norm, head, loss, when they are not candidates). The peak is the largest of:
-#   forward of window i:   static + |held with p <= end(l_i)  U  out_i| + T_fwd(i)
-#   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
-#   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
-#                          + G_c + max T_fwd over the leaves of c
-#   tail forward/backward: static (+ grads after l_n) + |all held| + T_tail
-#   optimizer step:        static + all grads + the optimizer's measured temporaries
-# where out_i are tensors created in window i that later code still uses (in flight, alive
-# whether held or not), R_i are the tensors a checkpointed unit c containing l_i re-creates
-# when its backward starts (everything c saves that c itself created: not its inputs, which it
-# kept, nor tensors it reached otherwise, which recompute does not copy) and that
-# backward has not yet passed (saved at or before end(l_i)), grads(i) are the gradients of
-# parameters last used after window i, and G_c (``replay_in_flight``) is what the replay of c
-# runs beside: the gradient of c's outputs (backward has reached c) and c's outputs, which the
-# replay re-creates unless c saves them.
-#
-# Why grads(i) leaves out window i's own parameters: their gradients appear while backward
-# frees what window i saved, so the window never holds both in full; counting both at once
-# over-counted by up to their bytes wherever the measured window peak fell below it (T is
-# never negative): under amp, each fp32 gradient replaces the bf16/fp16 cast it was computed
-# from (transformer-encoder, bf16: +2.03% on the plan, +1.1% on the unplanned step). Window
-# i's gradients are in T_bwd(i), measured; the next window's probe counts them in full.
-#
-# T are *temporaries* not explained by held tensors: activation gradients in flight, kernel
-# workspaces, tensors freed within the window. They are calibrated once per graph from the
-# profiler's measured timeline: T = max(0, measured window peak - the model's value for the
-# same window without checkpointing). So the model reproduces the measured no-checkpoint step
-# window by window, and checkpointing changes only the held and recomputed terms, which are
-# exact bytes. Recompute time is the sum of the checkpointed units' forward times (early
-# stopping of the recompute is ignored: a slight overestimate).
-#
-# Retained bytes r(c): memory that something outside a unit still references after its
-# forward (a cache, an attribute set in forward, a hook that keeps outputs), so that
-# checkpointing c does not free it. Measured per unit by the profiler's validation step
-# (NOTE [ Validation step ] in planner/profiling/validate.py) and added by ``build_graph`` to
-# c's inputs as one tensor of r(c) bytes created when c starts. So a checkpointed c holds it
-# like its inputs, until backward passes c; not checkpointed, it is an input no one saves and
-# costs nothing beyond the measured step (whose windows already contain it). Every solver sees
-# it through the same held-tensor terms. A tensor that c's replay replaces (an attribute set
-# again) is counted twice while c is recomputed: an overestimate, on the safe side. Units
-# whose recomputation is unsafe are not candidates.
-#
-# Not modelled: allocations too brief to leave a window; the planner's headroom
-# (planner.act.api.DEFAULT_HEADROOM) covers them. (The CPU RNG state each checkpointed region
-# keeps, 5056 bytes in device memory on a CPU run, Profile.region_state_bytes, is counted as
-# retained bytes of every unit.)
-#
-# Recipe (graph.graph "recipe", from ``schema.Recipe``; the profiler ran the same step):
-#   grad_accum N > 1:  the step runs N micro-batches and the optimizer step after the last. From
-#         micro-batch 2 on, every gradient is alive from the start (accumulated in place; the new
-#         gradient is a temporary of its backward window, in T). The worst micro-batch is the last:
-#         the profiler measures it, and the model counts all gradients in every window ("grads_alive":
-#         forward windows and tail included). Micro-batch 1, whose gradients appear during its
-#         backward, is never higher. Recompute time is N times the checkpointed units' forward time.
-#   zero_grad(set_to_none=False): the gradients stay allocated (zeroed) between steps: the same term.
-#   amp (bf16/fp16): autocast caches the cast of each parameter it casts (leaf, requires grad)
-#         until the forward's autocast region exits. A checkpointed unit drops what it saves, but
-#         not its casts: they stay alive to the forward's end ("autocast_cached" tensors not held are
-#         added to every forward window after their creation and to the end of forward). In
-#         backward they are freed; the recompute re-creates them (in R). fp16's GradScaler adds a
-#         few scalars; its unscale, like clipping, runs at the optimizer step.
-#   clip_grad_norm / GradScaler unscale / fused or foreach optimizers: their temporaries are part
-#         of the measured optimizer-step temporaries (between the last backward and the step's end).
-# The DP's recurrence (``chain_terms``) keeps autocast's casts as if held (an over-count, so its
-# plans fit and ``auto`` sends amp graphs to the ILP, which has the exact term).
-#
-# Per rank, under torch.distributed (graph.graph "world_size" N and "sharding"):
-#   ddp:  static memory as above, plus DDP's gradient buckets: one flat copy of the gradients,
-#         allocated when the DDP wrapper is built (default gradient_as_bucket_view=False), for
-#         any N (measured: 14,768,128 bytes kept at construction = the gradients' bytes).
-#   fsdp: FSDP2, fully_shard on every repeated block and on the root. Parameters, gradients and
-#         optimizer state are divided by N. Unsharded parameters live in buffers of their own
-#         (FSDPParam.all_gather_outputs), apart from the local shard, so they add their full
-#         size, for any N. With R the root group's and B the largest block's parameter bytes:
-#         forward:  R (the root stays unsharded from forward to backward) + B (the running block)
-#                   + B when N > 1 (the running block's all-gather output, kept in the
-#                   all-gather state until the next unit waits for its own unshard);
-#         backward, by the block b_k the point is in (blocks in forward order, B_k their
-#         parameter bytes; ``backward_static``):
-#                   R + B_k (parameters) + B_(k-1) when N > 1 (the previous block, prefetched)
-#                   + B_(k+1) (the later block's reduce-scatter input, kept until this block's
-#                   reduce-scatter; none for the last block) + the running block's and the root
-#                   group's gradients produced so far at full size (unsharded until their
-#                   reduce-scatter; the root's when backward ends) instead of their 1/N share;
-#                   after the last block (final norm, head, loss) the last block and its
-#                   prefetched predecessor, before the first (embeddings) the first block's
-#                   reduce-scatter input. bwd_extra keeps the largest case, 2R + 4B.
-#         Read off FSDP2's own state inside a step (benchmarks/fsdp_memory_census.py), then
-#         measured per rank by ``remat verify`` (docs/distributed.md): the first version
-#         added 2R + 4B at every backward point and over-predicted by 6-11%.
-#         Not probed: the instant of a block's reduce-scatter, when its unsharded gradients,
-#         their reduce-scatter copy and the later block's pending input coexist (one B more
-#         than the windows around it); it sets the peak only when a block's parameters
-#         outweigh its activations (docs/distributed.md).
-#   Activations, recompute and temporaries do not change with N: each rank runs the same
-#   per-rank batch.
+Every solver is judged by ``simulate`` and every measurement is compared with it. ``CostModel``
+holds what does not depend on the checkpoint set, built once per graph; the DP's ``chain_terms``
+and the ILP's program are formulated from its terms. Pure Python over the graph of
+``planner.model.graph.build_graph``; no torch import. See NOTE [ Peak-memory model ] below.
 """
 
 from __future__ import annotations
@@ -158,9 +36,46 @@ class Estimate(BaseModel):
     step_ms: float = Field(description="Profiled step time plus recompute_ms.")
 
 
+# NOTE [ Per-rank memory ]
+#
+# Under torch.distributed (graph.graph "world_size" N and "sharding"), static memory is counted
+# per rank; activations, recompute and temporaries do not change with N (each rank runs the
+# same per-rank batch).
+#
+# Rule 1. ddp: static memory as in NOTE [ Peak-memory model ], plus DDP's gradient buckets: one
+# flat copy of the gradients, allocated when the DDP wrapper is built (default
+# gradient_as_bucket_view=False), for any N (docs/distributed.md measures it).
+#
+# Rule 2. fsdp: FSDP2, fully_shard on every repeated block and on the root. Parameters,
+# gradients and optimizer state are divided by N. Unsharded parameters live in buffers of their
+# own (FSDPParam.all_gather_outputs), apart from the local shard, so they add their full size,
+# for any N. With R the root group's and B the largest block's parameter bytes:
+#   forward:  R (the root stays unsharded from forward to backward) + B (the running block)
+#             + B when N > 1 (the running block's all-gather output, kept in the all-gather
+#             state until the next unit waits for its own unshard);
+#   backward, by the block b_k the point is in (blocks in forward order, B_k their parameter
+#   bytes; ``CostModel.backward_static``):
+#             R + B_k (parameters) + B_(k-1) when N > 1 (the previous block, prefetched)
+#             + B_(k+1) (the later block's reduce-scatter input, kept until this block's
+#             reduce-scatter; none for the last block) + the running block's and the root
+#             group's gradients produced so far at full size (unsharded until their
+#             reduce-scatter; the root's when backward ends) instead of their 1/N share;
+#             after the last block (final norm, head, loss) the last block and its prefetched
+#             predecessor, before the first (embeddings) the first block's reduce-scatter
+#             input. bwd_extra keeps the largest case, 2R + 4B.
+# These terms were read off FSDP2's own state inside a step (benchmarks/fsdp_memory_census.py)
+# and checked per rank by ``remat verify`` (docs/distributed.md, which also measures the first
+# version: 2R + 4B at every backward point).
+#
+# Rule 3. Not probed: the instant of a block's reduce-scatter, when its unsharded gradients,
+# their reduce-scatter copy and the later block's pending input coexist (one B more than the
+# windows around it); it sets the peak only when a block's parameters outweigh its activations
+# (docs/distributed.md).
+
+
 @dataclass(frozen=True)
 class RankMemory:
-    """Static memory of one rank, per phase (see "Per rank" in the NOTE)."""
+    """Static memory of one rank, per phase (NOTE [ Per-rank memory ])."""
 
     params_bytes: int  # parameters + buffers held by this rank outside forward/backward
     optimizer_bytes: int
@@ -175,7 +90,7 @@ class RankMemory:
 
 
 def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> RankMemory:
-    """Static memory of one rank for the graph's ``world_size`` and ``sharding``."""
+    """Static memory of one rank for the graph's ``world_size`` and ``sharding`` (NOTE [ Per-rank memory ])."""
     gg = g.graph
     n = int(gg.get("world_size", 1)) if per_rank else 1
     sharding = gg.get("sharding", "none") if per_rank else "none"
@@ -202,6 +117,100 @@ def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> RankMemory:
 ALIVE_SEQ = 1 << 62
 """A position after every forward position: a gradient kept alive by the recipe counts as last
 used there, and a tensor never held is held from there."""
+
+
+# NOTE [ Peak-memory model ]
+#
+# Rule 1. What is modelled: one steady-state training step of the recipe (default:
+# ``zero_grad(set_to_none=True)``, forward, loss, backward, ``optimizer.step()``; Rule 8), with
+# the candidates in the checkpoint set C wrapped in non-reentrant ``torch.utils.checkpoint``. C
+# is an antichain of the module tree: a unit and one of its descendants are never both
+# checkpointed; and it holds every call of a module or none (NOTE [ Tied calls ]).
+#
+# Rule 2. Static memory is alive all step: parameters + buffers + optimizer state + the input
+# batch. Gradient buffers: none during forward; during backward a parameter's gradient appears
+# once backward reaches the last forward use of that parameter (``grad_seq``), and all are
+# alive at the optimizer step.
+#
+# Rule 3. Activations are tracked per storage ("tensor"): a tensor costs its bytes once, however
+# many units save it. A tensor is *held* (kept alive for backward) by
+#   - every save-for-backward event of it, unless the event happens inside a checkpointed unit
+#     (checkpointed units keep nothing of their own), positioned at the event's sequence number;
+#   - every checkpointed unit it is an input of (non-reentrant checkpoint keeps the inputs),
+#     positioned at the unit's forward start.
+# A held tensor lives from its creation until backward passes its *earliest* holding position
+# p(t). Backward runs in reverse forward order, so "backward passes position p" means every
+# unit that started after p has finished its backward.
+#
+# Rule 4. Time is cut into windows at the leaves l_1..l_n of the graph (forward order): window
+# i is the code after l_{i-1} up to and including l_i (glue code such as a residual add or the
+# embedding sum belongs to the next leaf's window); the tail window is everything after l_n
+# (final norm, head, loss, when they are not candidates). The peak is the largest probe:
+#   forward of window i:   static + |held with p <= end(l_i)  U  out_i| + T_fwd(i)
+#   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
+#   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
+#                          + G_c + max T_fwd over the leaves of c
+#   tail forward/backward: static (+ grads after l_n) + |all held| + T_tail
+#   optimizer step:        static + all grads + the optimizer's measured temporaries
+# where out_i are tensors created in window i that later code still uses (in flight, alive
+# whether held or not), R_i are the tensors a checkpointed unit c containing l_i re-creates
+# when its backward starts (everything c saves that c itself created: not its inputs, which it
+# kept, nor tensors it reached otherwise, which recompute does not copy) and that backward has
+# not yet passed (saved at or before end(l_i)), grads(i) are the gradients of parameters last
+# used after window i, and G_c (``CostModel.replay_in_flight``) is what the replay of c runs
+# beside: the gradient of c's outputs (backward has reached c) and c's outputs, which the
+# replay re-creates unless c saves them. ``CostModel`` holds each probe's base (static,
+# gradients, T); the held, in-flight and recomputed bytes depend on C.
+#
+# Rule 5. grads(i) leaves out window i's own parameters: their gradients appear while backward
+# frees what window i saved, so the window never holds both in full; counting both at once
+# over-counts by up to their bytes wherever the measured window peak falls below it (T is
+# never negative): under amp, each fp32 gradient replaces the bf16/fp16 cast it was computed
+# from (docs/zoo.md, the recipe table). Window i's gradients are in T_bwd(i), measured; the
+# next window's probe counts them in full.
+#
+# Rule 6. T are *temporaries* not explained by held tensors: activation gradients in flight,
+# kernel workspaces, tensors freed within the window. They are calibrated once per graph from
+# the profiler's measured timeline (``calibrate``): T = max(0, measured window peak - the
+# model's value for the same window without checkpointing). So the model reproduces the
+# measured no-checkpoint step window by window, and checkpointing changes only the held and
+# recomputed terms, which are exact bytes. Recompute time is the sum of the checkpointed units'
+# forward times (early stopping of the recompute is ignored: a slight overestimate).
+#
+# Rule 7. Retained bytes r(c): memory that something outside a unit still references after its
+# forward (a cache, an attribute set in forward, a hook that keeps outputs), so that
+# checkpointing c does not free it. Measured per unit by the profiler's validation step
+# (NOTE [ Validation step ] in planner/profiling/validate.py) and added by ``build_graph`` to
+# c's inputs as one tensor of r(c) bytes created when c starts. So a checkpointed c holds it
+# like its inputs, until backward passes c; not checkpointed, it is an input no one saves and
+# costs nothing beyond the measured step (whose windows already contain it). Every solver sees
+# it through the same held-tensor terms. A tensor that c's replay replaces (an attribute set
+# again) is counted twice while c is recomputed: an overestimate, on the safe side. Units
+# whose recomputation is unsafe are not candidates. The CPU RNG state each checkpointed region
+# keeps (Profile.region_state_bytes, device memory on a CPU run) is counted as retained bytes
+# of every unit.
+#
+# Rule 8. Recipe (graph.graph "recipe", from ``schema.Recipe``; the profiler ran the same step):
+#   grad_accum N > 1:  the step runs N micro-batches and the optimizer step after the last. From
+#         micro-batch 2 on, every gradient is alive from the start (accumulated in place; the new
+#         gradient is a temporary of its backward window, in T). The worst micro-batch is the last:
+#         the profiler measures it, and the model counts all gradients in every window ("grads_alive":
+#         forward windows and tail included). Micro-batch 1, whose gradients appear during its
+#         backward, is never higher. Recompute time is N times the checkpointed units' forward time.
+#   zero_grad(set_to_none=False): the gradients stay allocated (zeroed) between steps: the same term.
+#   amp (bf16/fp16): autocast caches the cast of each parameter it casts (leaf, requires grad)
+#         until the forward's autocast region exits. A checkpointed unit drops what it saves, but
+#         not its casts: they stay alive to the forward's end ("autocast_cached" tensors not held are
+#         added to every forward window after their creation and to the end of forward). In
+#         backward they are freed; the recompute re-creates them (in R). fp16's GradScaler adds a
+#         few scalars; its unscale, like clipping, runs at the optimizer step.
+#   clip_grad_norm / GradScaler unscale / fused or foreach optimizers: their temporaries are part
+#         of the measured optimizer-step temporaries (between the last backward and the step's end).
+# The DP's recurrence (``chain_terms``) keeps autocast's casts as if held (an over-count, so its
+# plans fit and ``auto`` sends amp graphs to the ILP, which has the exact term).
+#
+# Not modelled: allocations too brief to leave a window; the planner's headroom
+# (planner.act.api.DEFAULT_HEADROOM) covers them. Per-rank memory: NOTE [ Per-rank memory ].
 
 
 @dataclass(frozen=True, eq=False)
@@ -305,7 +314,7 @@ class CostModel:
         ``after_seq``: the gradients of parameters last used after it exist; ``at_seq``: the forward
         position the point's backward is at. Without FSDP: ``bwd_static`` and this rank's share of
         those gradients. Under FSDP2 the unsharded buffers depend on the block being run (see
-        "Per rank" in the NOTE, backward): ``bwd_extra`` is only their largest case.
+        NOTE [ Per-rank memory ], Rule 2, backward): ``bwd_extra`` is only their largest case.
         """
         g, rk = self.graph, self.rank
         grads = -(-self.grads_after(after_seq) // rk.grad_divisor)
@@ -514,7 +523,7 @@ def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
     """Predict peak memory (with breakdown) and recompute time of one training step.
 
     ``checkpointed`` is a set of graph node ids (an antichain of the module tree).
-    See NOTE [ Peak-memory model ] at the top of this file for the semantics.
+    See NOTE [ Peak-memory model ] for the semantics.
     Cost: O(S log S + n * s) for S saves, n leaves and s saves per checkpointed unit.
     """
     chosen = check_checkpoint_set(g, checkpointed)
@@ -532,7 +541,7 @@ def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
 
 
 def calibrate(g: nx.DiGraph) -> None:
-    """Set the temporaries T of NOTE [ Peak-memory model ] from the measured window peaks, then
+    """Set the temporaries T (NOTE [ Peak-memory model ], Rule 6) from the measured window peaks, then
     attach the graph's ``CostModel`` (``g.graph["cost_model"]``).
 
     Called once by ``build_graph``. Windows without a measurement keep T = 0.
@@ -586,75 +595,98 @@ def chain_terms(g: nx.DiGraph) -> ChainTerms:
     return CostModel.of(g).chain_terms
 
 
+# A holding of a tensor, for the chain recurrence: (window, leaf index or None, kind). kind 0 is a
+# save (None: glue code outside every leaf, or autocast's cast kept as if held), dropped when its
+# leaf is checkpointed; kind 1 is the input a checkpointed leaf keeps.
+_Holding = tuple[int, "int | None", int]
+
+
 def _chain_terms(model: CostModel) -> ChainTerms:
-    g, ctx = model.graph, model
+    g = model.graph
     if any(not a["leaf"] for _, a in g.nodes(data=True)):
         raise SolverError("the chain recurrence needs a graph without nested candidates (nested=False)")
-    n = len(ctx.leaves)
-    window = lambda seq: bisect.bisect_left(ctx.leaf_end_seq, seq)  # noqa: E731  (n = tail)
-    leaf_pos = {x: i for i, x in enumerate(ctx.leaves)}
-    # holdings per tensor: (window, leaf or None, kind)  kind: 0 = save (dropped if leaf ckpt), 1 = ckpt input
-    hold: dict[int, list[tuple[int, int | None, int]]] = {}
-    casts = {t for _, t in ctx.casts}
+    hold, exact_holdings = _chain_holdings(model)
+    delta, tail_delta, exact_deltas = _chain_deltas(model, hold)
+    # autocast's casts no one holds stay alive to the forward's end (NOTE [ Peak-memory model ], Rule 8)
+    unsaved_casts = [(c, model.tensor_bytes[t]) for c, t in model.casts if t not in hold]
+    return ChainTerms(
+        leaves=model.leaves,
+        forward_ms=tuple(g.nodes[x]["forward_ms"] for x in model.leaves),
+        delta=tuple(((d[0][0], d[0][1]), (d[1][0], d[1][1])) for d in delta),
+        k=_chain_peaks(model, hold, unsaved_casts), tail_delta=(tail_delta[0], tail_delta[1]),
+        tail_k=max(model.tail_forward_base_bytes + sum(b for _, b in unsaved_casts), model.tail_backward_base_bytes),
+        const_bytes=model.rank.opt_static_bytes, exact=exact_holdings and exact_deltas,
+    )
+
+
+def _in_force(h: _Holding, c: int) -> bool:
+    """Whether holding ``h`` holds its tensor when its leaf's bit is ``c`` (1: checkpointed)."""
+    _, leaf, kind = h
+    return True if leaf is None else (c == 1) == (kind == 1)
+
+
+def _chain_holdings(model: CostModel) -> tuple[dict[int, list[_Holding]], bool]:
+    """Every tensor's holdings (NOTE [ Peak-memory model ], Rule 3), by window; False when
+    autocast's casts are kept as if held (the recurrence over-counts them)."""
+    window = lambda seq: bisect.bisect_left(model.leaf_end_seq, seq)  # noqa: E731  (len(leaves) = tail)
+    leaf_pos = {x: i for i, x in enumerate(model.leaves)}
+    hold: dict[int, list[_Holding]] = {}
     exact = True
-    for seq, t, containers in ctx.saves:
+    for seq, t, containers in model.saves:
         leaf = leaf_pos[containers[0]] if containers else None
-        if t in casts and leaf is not None:
+        if t in model.cast_ids and leaf is not None:
             leaf, exact = None, False  # kept as if held: the recurrence over-counts autocast's casts
         hold.setdefault(t, []).append((window(seq), leaf, 0))
-    for i, x in enumerate(ctx.leaves):
-        for t in g.nodes[x]["input_ids"]:
+    for i, x in enumerate(model.leaves):
+        for t in model.graph.nodes[x]["input_ids"]:
             hold.setdefault(t, []).append((i, i, 1))
+    return hold, exact
 
-    def active(h: tuple[int, int | None, int], c: int) -> bool:
-        _, leaf, kind = h
-        return True if leaf is None else (c == 1) == (kind == 1)
 
+def _chain_deltas(model: CostModel, hold: dict[int, list[_Holding]]) -> tuple[list, list[int], bool]:
+    """The held bytes each window adds, delta[w][previous bit][bit], and the tail's; exact unless a
+    tensor is held by two non-adjacent leaves (then it is counted twice: an over-count)."""
+    n = len(model.leaves)
     delta = [[[0, 0], [0, 0]] for _ in range(n)]
     tail_delta = [0, 0]
+    exact = True
     for t, hs in hold.items():
-        b = ctx.tensor_bytes[t]
+        b = model.tensor_bytes[t]
         for w in sorted({h[0] for h in hs}):
             here = [h for h in hs if h[0] == w]
             before = [h for h in hs if h[0] < w]
             if any(h[1] is None for h in before):
-                continue  # a glue holding earlier is always active: counted there
+                continue  # a glue holding earlier is always in force: counted there
             far = [h for h in before if h[1] is not None and h[1] < w - 1]
             prev = [h for h in before if h[1] == w - 1]
             for a_prev in (0, 1):
-                if any(active(h, a_prev) for h in prev):
-                    if far:
-                        exact = False
+                exact = exact and not far  # counted again although a far leaf may hold it
+                if any(_in_force(h, a_prev) for h in prev):
                     continue
-                if far:
-                    exact = False  # counted again although a far leaf may hold it: over-count
-                if w == n:  # the tail window holds glue holdings only: always active
+                if w == n:  # the tail window holds glue holdings only: always in force
                     tail_delta[a_prev] += b
                     continue
                 for cur in (0, 1):
-                    if any(active(h, cur) for h in here):
+                    if any(_in_force(h, cur) for h in here):
                         delta[w][a_prev][cur] += b
-    # alive to the forward's end
-    unsaved_casts = [(c, ctx.tensor_bytes[t]) for c, t in ctx.casts if t not in hold]
+    return delta, tail_delta, exact
+
+
+def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
+                 unsaved_casts: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """k[i][bit]: window i's largest probe on top of the held bytes (forward with its in-flight
+    tensors and the unheld casts made so far, backward, and with bit 1 the leaf's recompute)."""
     k = []
-    for i, (x, end) in enumerate(zip(ctx.leaves, ctx.leaf_end_seq)):
-        rec = ctx.recomputed_bytes(x, end)
+    for i, (x, end) in enumerate(zip(model.leaves, model.leaf_end_seq)):
+        rec = model.recomputed_bytes(x, end)
         terms = []
         for cur in (0, 1):
-            out_extra = sum(ctx.tensor_bytes[t] for t in g.nodes[x]["out_ids"]
-                            if not any(h[0] <= i and active(h, cur) for h in hold.get(t, ())))
-            fwd = ctx.forward_base_bytes[i] + out_extra + sum(b for c, b in unsaved_casts if c <= end)
-            bwd = ctx.backward_base_bytes[i] + (rec if cur else 0)
-            rcp = (ctx.recompute_static_bytes(x) + rec + ctx.replay_in_flight(x)
-                   + ctx.forward_base_bytes[i] - ctx.rank.fwd_static_bytes) if cur else 0
+            out_extra = sum(model.tensor_bytes[t] for t in model.graph.nodes[x]["out_ids"]
+                            if not any(h[0] <= i and _in_force(h, cur) for h in hold.get(t, ())))
+            fwd = model.forward_base_bytes[i] + out_extra + sum(b for c, b in unsaved_casts if c <= end)
+            bwd = model.backward_base_bytes[i] + (rec if cur else 0)
+            rcp = (model.recompute_static_bytes(x) + rec + model.replay_in_flight(x)
+                   + model.forward_base_bytes[i] - model.rank.fwd_static_bytes) if cur else 0
             terms.append(max(fwd, bwd, rcp))
         k.append((terms[0], terms[1]))
-    tail_k = max(ctx.tail_forward_base_bytes + sum(b for _, b in unsaved_casts), ctx.tail_backward_base_bytes)
-    const = ctx.rank.opt_static_bytes
-    return ChainTerms(
-        leaves=ctx.leaves,
-        forward_ms=tuple(g.nodes[x]["forward_ms"] for x in ctx.leaves),
-        delta=tuple(((d[0][0], d[0][1]), (d[1][0], d[1][1])) for d in delta),
-        k=tuple(k), tail_delta=(tail_delta[0], tail_delta[1]), tail_k=tail_k,
-        const_bytes=const, exact=exact,
-    )
+    return tuple(k)

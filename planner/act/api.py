@@ -123,7 +123,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
                       headroom: float | None = None, graph: nx.DiGraph | None = None) -> Plan:
     """Plan on a measured profile. Raises ``BudgetInfeasible`` when nothing fits ``budget``.
 
-    ``world_size``/``sharding`` plan per rank (see NOTE [ Peak-memory model ], "Per rank").
+    ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]).
     The solver plans for ``budget * (1 - headroom)``; None: ``headroom_for(profile)`` (NOTE [ Headroom
     from evidence ]).
     """

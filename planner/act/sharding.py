@@ -1,7 +1,7 @@
 """Wrap a model for data parallelism the way a per-rank plan's prediction assumes.
 
 A plan made with ``world_size``/``sharding`` predicts one rank's peak for one layout (see
-NOTE [ Peak-memory model ], "Per rank"): FSDP2 with ``fully_shard`` on each module in
+NOTE [ Per-rank memory ]): FSDP2 with ``fully_shard`` on each module in
 ``plan.fsdp_units`` (forward order) and then on the root, default options; or DDP with its
 defaults. ``shard_for_plan`` builds exactly that layout, so ``remat verify`` and training
 scripts (``examples/train_distributed.py``) measure what was predicted. Call it after
@@ -53,8 +53,8 @@ def shard_for_plan(model: nn.Module, plan: Plan, *, device: torch.device | None 
 def check_fsdp_options(model: nn.Module, plan: Plan) -> None:
     """Refuse FSDP2 options that the per-rank prediction does not model (a no-op before ``fully_shard``).
 
-    The prediction assumes ``fully_shard``'s defaults on every unit (see "Per rank" in NOTE
-    [ Peak-memory model ]): parameters resharded after forward, kept in their own dtype, on the
+    The prediction assumes ``fully_shard``'s defaults on every unit (see NOTE
+    [ Per-rank memory ]): parameters resharded after forward, kept in their own dtype, on the
     device. ``reshard_after_forward=False`` keeps every block unsharded from its forward to its
     backward (ZeRO-2), a mixed-precision policy adds low-precision copies, and CPU offload moves
     the shards to host memory: each changes the peak by far more than the tolerance.

@@ -62,7 +62,7 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     """Build the candidate graph of ``profile`` (see module docstring for its attributes).
 
     ``world_size`` and ``sharding`` (``none``, ``ddp``, ``fsdp``) make the cost model count
-    memory per rank (see NOTE [ Peak-memory model ], "Per rank").
+    memory per rank (see NOTE [ Per-rank memory ]).
     """
     if granularity < 0:
         raise BadInput(f"granularity must be >= 0, got {granularity}")
@@ -209,7 +209,7 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
 
 def _fsdp_units(units: dict[str, UnitRecord], children: dict[str, list[str]], p: Profile) -> dict:
     """FSDP2 wraps every repeated block and the root: the largest block's and the root group's
-    parameter bytes (see NOTE [ Peak-memory model ], "Per rank")."""
+    parameter bytes (see NOTE [ Per-rank memory ])."""
     blocks = sorted(repeated_blocks(units, children), key=lambda b: units[b].fwd_start_seq)
     first = {}  # forward order, a module's first call
     for b in blocks:
