@@ -90,7 +90,8 @@ class RankMemory:
 
 
 def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> RankMemory:
-    """Static memory of one rank for the graph's ``world_size`` and ``sharding`` (NOTE [ Per-rank memory ])."""
+    """Static memory of one rank for the graph's ``world_size`` and ``sharding``
+    (NOTE [ Per-rank memory ])."""
     gg = g.graph
     n = int(gg.get("world_size", 1)) if per_rank else 1
     sharding = gg.get("sharding", "none") if per_rank else "none"
@@ -411,10 +412,10 @@ class CostModel:
         owner = {i: c for c in chosen for i in self.node_leaves[c]}
         prev_end = -1
         for i, (leaf, end) in enumerate(zip(self.leaves, self.leaf_end_seq)):
-            out_ids = g.nodes[leaf]["out_ids"]
+            in_flight_ids = g.nodes[leaf]["in_flight_ids"]
             h = held_upto(end)
-            out_extra = sum(tb[t] for t in out_ids if pos.get(t, 1 << 62) > end)
-            out_extra += self.cached_casts(pos, end, out_ids)
+            out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, 1 << 62) > end)
+            out_extra += self.cached_casts(pos, end, in_flight_ids)
             yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
             _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
             rec = self.recomputed_bytes(owner[i], end) if i in owner else 0
@@ -431,7 +432,8 @@ class CostModel:
         _, grads, extra = self.backward_static(prev_end, ALIVE_SEQ)
         yield "start of backward", self.tail_backward_base_bytes + h_all, grads, extra
         all_grads = -(-g.graph["grads_bytes"] // rk.grad_divisor)
-        yield "optimizer step", rk.opt_static_bytes, all_grads + (fwd_g if g.graph.get("sharding") == "ddp" else 0), 0
+        ddp_buckets = fwd_g if g.graph.get("sharding") == "ddp" else 0
+        yield "optimizer step", rk.opt_static_bytes, all_grads + ddp_buckets, 0
 
     @functools.cached_property
     def chain_terms(self) -> ChainTerms:
@@ -681,7 +683,7 @@ def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
         rec = model.recomputed_bytes(x, end)
         terms = []
         for cur in (0, 1):
-            out_extra = sum(model.tensor_bytes[t] for t in model.graph.nodes[x]["out_ids"]
+            out_extra = sum(model.tensor_bytes[t] for t in model.graph.nodes[x]["in_flight_ids"]
                             if not any(h[0] <= i and _in_force(h, cur) for h in hold.get(t, ())))
             fwd = model.forward_base_bytes[i] + out_extra + sum(b for c, b in unsaved_casts if c <= end)
             bwd = model.backward_base_bytes[i] + (rec if cur else 0)

@@ -2,15 +2,16 @@
 
 The program is NOTE [ Peak-memory model ] (``solvers/cost_model.py``) written linearly, with
 nothing approximated: a checkpoint set fits the budget in the program iff it fits under
-``simulate`` (NOTE [ ILP formulation ] below; ``tests/test_ilp.py`` compares every probe).
+``simulate`` (NOTE [ ILP formulation ] above ``build_program``; ``tests/test_ilp.py`` compares
+every probe).
 
 How ``solve`` proceeds:
 
 1. Checkpointing nothing fits: done, optimal.
 2. The sequential relaxation (``solvers/ilp_bound.py``, NOTE [ Sequential relaxation ]): a
    lower bound on recompute and a plan reaching it. If that plan fits under ``simulate`` it is
-   optimal. On stacks of near-identical blocks this is the common case (500 candidates in
-   under a second), where branch-and-bound alone often cannot close the last 0.3 % in minutes.
+   optimal. On stacks of near-identical blocks this is the common case, where branch-and-bound
+   alone often cannot close the last fraction of a percent.
 3. Otherwise branch-and-bound on the program, with the bound as a cut (HiGHS only, see
    ``solve``). A plan a solver accepts within its tolerances but ``simulate`` puts over budget
    is excluded and the solve repeated (``_Run.fitting``).
@@ -19,66 +20,15 @@ How ``solve`` proceeds:
 6. The returned plan is judged by ``simulate`` (``solvers.base.judged``); a plan over budget
    there would be a bug, and is reported as such (a RuntimeWarning, status "infeasible").
 
-Backends, through PuLP: HiGHS (``HiGHS``, needs highspy) and CBC (``PULP_CBC_CMD``, bundled
-with PuLP). HiGHS is the default: ``python benchmarks/ilp_scaling.py`` measured it equal on the
-transformer-like stacks (the relaxation decides them) and 3-18x faster where branch-and-bound
-does the work (1.5-2 s against 6-36 s at 542 candidates), it runs in-process (CBC writes an
-MPS file and starts a process per solve: ~20 ms), and CBC 2.10.3 needs guarding against
-wrong "optimal" answers (see ``_run_cbc``). Branch-and-bound alone on the stacks
-(``--no-relaxation``, 30 s) proves 8 of 12 with either. Without highspy the HiGHS backend
-falls back to CBC and says so in ``Solution.detail``.
+Backends, through PuLP: HiGHS (``HiGHS``, needs highspy; the default, in-process) and CBC
+(``PULP_CBC_CMD``, bundled with PuLP; an MPS file and a process per solve, and guarded against
+wrong "optimal" answers, see ``_run_cbc``). Without highspy the HiGHS backend falls back to CBC
+and says so in ``Solution.detail``. docs/benchmarks.md compares them (``benchmarks/ilp_scaling.py``).
 
 Size: one binary per candidate, an OR variable only for a tensor whose "held by then" is not
 affine in x, one running-sum variable per probe position where held bytes change; rows: one
-per probe, per root-to-leaf path, per OR lower bound and per running sum. A 200-candidate
-transformer stack: 200 binaries, 161 continuous, 843 rows. Building it is O(S + n * b) for S
-save events, n candidates and b leaves; solving is exponential in the worst case.
-
-# NOTE [ ILP formulation ]
-#
-# x_v in {0, 1} per candidate v (checkpoint v). Antichain: per root-to-leaf path of the
-# candidate tree, sum x <= 1 ("antichain ..."). Hence a save event with containing nodes S is
-# active (held) iff 1 - sum_{c in S} x_c = 1, an affine expression; a checkpoint input of c is
-# active iff x_c.
-#
-# Only comparisons "holding position <= probe position" matter, so positions are replaced by
-# *buckets*: the rank of the first probe position (a leaf's or a candidate's fwd_end_seq) at or
-# after them. Per tensor t, with its holdings grouped by bucket b_1 < b_2 < ..., "t is held
-# with p(t) <= b_j" is F_j = OR of the holdings in buckets b_1..b_j. Per prefix j:
-#   - F_j == F_{j-1} (decided on the truth table over the antichains of the few candidates the
-#     tensor's holdings mention): the new holdings can never be earliest; nothing is added.
-#   - F_j affine on those antichains (e.g. "saved inside B, or an input of checkpointed B" is
-#     1 - sum of x over B's ancestors): F_j is that affine expression; no variable.
-#   - otherwise a continuous y in [0, 1] with y >= F_{j-1} (its expression or variable) and
-#     y >= each new holding ("or ..."). y may exceed the OR, which only over-counts memory, so
-#     every plan the program accepts fits under simulate, and every plan that fits under
-#     simulate is accepted with y = OR.
-# Tensors with the same steps (and the same "in flight" leaf, below) are one group with the
-# summed bytes, sharing the y variables.
-#
-# H_b = held bytes with p <= bucket b: H_b = H_{b-1} + sum_t bytes_t * (F_{j(b)} - F_{j(b)-1})
-# ("held ..."), a running sum, so each probe row has a handful of entries instead of every
-# tensor. Probes, each one row against the peak variable P ("P >= probe"):
-#   forward of leaf i:    H(e_i) - sum_{t in out_i} bytes_t * F_t(e_i) + const: a tensor in
-#                         flight costs its bytes held or not, so its held term cancels (same
-#                         expression, exact) and its bytes go into the constant.
-#   backward of leaf i:   H(e_i) + sum_{c containing leaf i} x_c * recomputed(c, e_i) + const;
-#                         at most one such x_c is 1 (antichain), as in simulate's ``owner``.
-#   recompute of c:       H(end c) + x_c * (recomputed(c) + G_c + max T_fwd) - (1 - x_c) * M_c + const.
-#                         simulate has this probe only when c is checkpointed. With x_c = 0 the
-#                         row must not cut anything: M_c is how much its constant exceeds that of
-#                         the backward of the first leaf ending at or after end(c) (or of the
-#                         start of backward), which has at least the same H and R >= 0. M_c > 0
-#                         only when parameters used between end(c) and that leaf's end have
-#                         gradients that leaf's backward does not count (NOTE: grads(i)).
-#   end of forward, start of backward: H(all) + const;  optimizer step: P >= const.
-# Tied calls (NOTE [ Tied calls ]): x_v = x_w for the calls v, w of one module ("tied ...").
-# Recompute model: min sum_v forward_ms(v) x_v with P <= budget + 1/2 (probes are whole bytes,
-# so "<= budget + 1/2" is "<= budget" with half a byte of slack against solver tolerances).
-# Minimum peak model (status infeasible): min P, no budget. Tie-break (``prefer_low_peak``):
-# min P subject to recompute <= the optimum, kept only if simulate confirms it is no slower.
-# Not an epsilon * P term in the objective: within the solver's gap tolerance that term could
-# buy a lower peak with more recompute; a separate, time-boxed solve cannot.
+per probe, per root-to-leaf path, per OR lower bound and per running sum. Building it is
+O(S + n * b) for S save events, n candidates and b leaves; solving is exponential in the worst case.
 """
 
 from __future__ import annotations
@@ -123,17 +73,18 @@ Lin = dict  # linear form: {node id (x) | int (y index) | None (constant): coeff
 
 @dataclass(frozen=True)
 class Probe:
-    """One probe of NOTE [ Peak-memory model ]: bytes = (H(bucket) + extra) * unit + const_bytes."""
+    """One probe of NOTE [ Peak-memory model ]: bytes = (H(bucket) + extra) * scale + const_bytes."""
 
     name: str  # as ``simulate`` names it: "backward of h.3", "optimizer step", ...
     bucket: int | None  # held bytes up to this bucket count; None: none (the optimizer step)
-    extra: Lin  # in units: recompute terms, in-flight tensors (see NOTE [ ILP formulation ])
+    extra: Lin  # in multiples of scale_bytes: recompute terms, in-flight tensors (NOTE [ ILP formulation ])
     const_bytes: int
 
 
 @dataclass
 class Program:
-    """NOTE [ ILP formulation ] as plain data, before any solver sees it. Memory in units."""
+    """NOTE [ ILP formulation ] as plain data, before any solver sees it. Memory in multiples of
+    ``scale_bytes``."""
 
     nodes: list[str]  # candidates, forward order
     forward_ms: dict[str, float]
@@ -142,7 +93,7 @@ class Program:
     ors: list[list[Lin]]  # y_k >= each form of ors[k] (forms may use earlier y)
     delta: dict[int, Lin]  # held bytes added at each bucket
     probes: list[Probe]
-    unit_bytes: int  # a power of two
+    scale_bytes: int  # a power of two (``_scale_bytes``)
     stats: dict = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()  # calls of one module: x equal (NOTE [ Tied calls ])
 
@@ -174,7 +125,7 @@ def probe_values(program: Program, chosen: frozenset[str]) -> dict[str, float]:
         running += _lin_value(program.delta.get(b, {}), x, y)
         held[b] = running
     return {p.name: ((held[p.bucket] if p.bucket is not None else 0.0) + _lin_value(p.extra, x, y))
-            * program.unit_bytes + p.const_bytes for p in program.probes}
+            * program.scale_bytes + p.const_bytes for p in program.probes}
 
 
 def _variable(prob: pulp.LpProblem, name: str, low: float | None, up: float | None = None,
@@ -284,38 +235,129 @@ def _tensor_steps(groups: list[tuple[int, set[_Term]]], anc: dict[str, frozenset
     return tuple(steps)
 
 
-def build_program(g: nx.DiGraph) -> Program:
-    """The program of NOTE [ ILP formulation ] for ``g``.
+# NOTE [ ILP formulation ]
+#
+# Rule 1. Variables.
+# x_v in {0, 1} per candidate v (checkpoint v). Antichain: per root-to-leaf path of the
+# candidate tree, sum x <= 1 ("antichain ..."). Hence a save event with containing nodes S is
+# active (held) iff 1 - sum_{c in S} x_c = 1, an affine expression; a checkpoint input of c is
+# active iff x_c.
+#
+# Rule 2. Buckets and prefix ORs.
+# Only comparisons "holding position <= probe position" matter, so positions are replaced by
+# *buckets*: the rank of the first probe position (a leaf's or a candidate's fwd_end_seq) at or
+# after them. Per tensor t, with its holdings grouped by bucket b_1 < b_2 < ..., "t is held
+# with p(t) <= b_j" is F_j = OR of the holdings in buckets b_1..b_j. Per prefix j:
+#   - F_j == F_{j-1} (decided on the truth table over the antichains of the few candidates the
+#     tensor's holdings mention): the new holdings can never be earliest; nothing is added.
+#   - F_j affine on those antichains (e.g. "saved inside B, or an input of checkpointed B" is
+#     1 - sum of x over B's ancestors): F_j is that affine expression; no variable.
+#   - otherwise a continuous y in [0, 1] with y >= F_{j-1} (its expression or variable) and
+#     y >= each new holding ("or ..."). y may exceed the OR, which only over-counts memory, so
+#     every plan the program accepts fits under simulate, and every plan that fits under
+#     simulate is accepted with y = OR.
+# Tensors with the same steps (and the same "in flight" leaf, below) are one group with the
+# summed bytes, sharing the y variables.
+#
+# Rule 3. Running sums.
+# H_b = held bytes with p <= bucket b: H_b = H_{b-1} + sum_t bytes_t * (F_{j(b)} - F_{j(b)-1})
+# ("held ..."), a running sum, so each probe row has a handful of entries instead of every
+# tensor.
+#
+# Rule 4. Probes.
+# Each is one row against the peak variable P ("P >= probe"):
+#   forward of leaf i:    H(e_i) - sum_{t in out_i} bytes_t * F_t(e_i) + const: a tensor in
+#                         flight costs its bytes held or not, so its held term cancels (same
+#                         expression, exact) and its bytes go into the constant.
+#   backward of leaf i:   H(e_i) + sum_{c containing leaf i} x_c * recomputed(c, e_i) + const;
+#                         at most one such x_c is 1 (antichain), as in simulate's ``owner``.
+#   recompute of c:       H(end c) + x_c * (recomputed(c) + G_c + max T_fwd) - (1 - x_c) * M_c + const.
+#                         simulate has this probe only when c is checkpointed. With x_c = 0 the
+#                         row must not cut anything: M_c is how much its constant exceeds that of
+#                         the backward of the first leaf ending at or after end(c) (or of the
+#                         start of backward), which has at least the same H and R >= 0. M_c > 0
+#                         only when parameters used between end(c) and that leaf's end have
+#                         gradients that leaf's backward does not count (NOTE [ Peak-memory
+#                         model ], Rule 5).
+#   end of forward, start of backward: H(all) + const;  optimizer step: P >= const.
+# Forward of leaf i and end of forward also count autocast's cached casts not held then
+# (NOTE [ Peak-memory model ], Rule 8; ``_cast_terms``): a cast all of whose saves lie inside a
+# candidate c adds x_c * its bytes (checkpointing c drops the save, the cache keeps the cast);
+# a cast saved later or never goes into the constant.
+#
+# Rule 5. Tied calls.
+# x_v = x_w for the calls v, w of one module ("tied ..."; NOTE [ Tied calls ]).
+#
+# Rule 6. Objectives.
+# Recompute model: min sum_v forward_ms(v) x_v with P <= budget + 1/2 (probes are whole bytes,
+# so "<= budget + 1/2" is "<= budget" with half a byte of slack against solver tolerances).
+# Minimum peak model (status infeasible): min P, no budget. Tie-break (``prefer_low_peak``):
+# min P subject to recompute <= the optimum, kept only if simulate confirms it is no slower.
+# Not an epsilon * P term in the objective: within the solver's gap tolerance that term could
+# buy a lower peak with more recompute; a separate, time-boxed solve cannot.
 
-    Memory is counted in units of 2^k bytes, k chosen so that the largest term is below 2^24
-    units: CBC's preprocessing loses feasibility with raw byte counts of 1e10 ("possible
-    tolerance issue"). Powers of two keep every byte count exactly representable.
-    """
-    ctx = CostModel.of(g)
-    rk = ctx.rank
-    magnitude = max(rk.opt_static_bytes, rk.bwd_static_bytes + sum(ctx.tensor_bytes.values()), 1)
-    unit = 2 ** max(0, magnitude.bit_length() - 24)
+
+def build_program(g: nx.DiGraph) -> Program:
+    """The program of NOTE [ ILP formulation ] for ``g``, in four steps: the buckets, each
+    tensor's holdings as steps of prefix ORs, the running sums H_b, and the probe rows."""
+    model = CostModel.of(g)
+    scale = _scale_bytes(model)
     nodes = sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
     anc = _ancestors(g)
-    start = {v: g.nodes[v]["fwd_start_seq"] for v in nodes}
-    end = {v: g.nodes[v]["fwd_end_seq"] for v in nodes}
-    thresholds = sorted(set(ctx.leaf_end_seq) | set(end.values()))
-    last_bucket = len(thresholds)  # positions after every probe: only the tail probes see them
+    buckets = _Buckets.of(g, model)
+    groups, n_tensors = _tensor_groups(g, model, nodes, anc, buckets)
+    ors, delta, in_flight = _running_sums(groups, buckets, scale)
+    probes, big_m = _probe_rows(g, model, nodes, buckets, in_flight, scale)
+    paths = [p for p in ((leaf, *anc[leaf]) for leaf in model.leaves) if len(p) > 1]
+    stats = {"scale_bytes": scale, "candidates": len(nodes), "leaves": len(model.leaves),
+             "tensors": n_tensors, "tensor_groups": len(groups), "or_variables": len(ors), "or_rows": sum(map(len, ors)),
+             "buckets": buckets.last + 1, "probe_rows": len(probes), "antichain_rows": len(paths),
+             "big_m_rows": big_m}
+    ties = tie_groups(g)
+    stats["tie_rows"] = sum(len(group) - 1 for group in ties)
+    return Program(nodes, {v: g.nodes[v]["forward_ms"] for v in nodes},
+                   {v: g.nodes[v]["parent"] for v in nodes}, paths, ors, delta, probes, scale, stats, ties)
 
-    def bucket(pos: int) -> int:
-        return bisect.bisect_left(thresholds, pos)
 
-    # --- holdings per tensor, grouped by bucket
+def _scale_bytes(model: CostModel) -> int:
+    """Memory is counted in multiples of 2^k bytes, k chosen so that the largest term is below
+    2^24 of them: CBC's preprocessing loses feasibility with raw byte counts of 1e10 ("possible
+    tolerance issue"). Powers of two keep every byte count exactly representable."""
+    rk = model.rank
+    magnitude = max(rk.opt_static_bytes, rk.bwd_static_bytes + sum(model.tensor_bytes.values()), 1)
+    return 2 ** max(0, magnitude.bit_length() - 24)
+
+
+@dataclass(frozen=True)
+class _Buckets:
+    """Positions replaced by their rank among the probe positions (NOTE [ ILP formulation ])."""
+
+    thresholds: tuple[int, ...]  # every leaf's and candidate's fwd_end_seq, sorted
+    leaf: tuple[int, ...]  # the bucket of each leaf's window end
+    last: int  # positions after every probe: only the tail probes see them
+
+    @staticmethod
+    def of(g: nx.DiGraph, model: CostModel) -> _Buckets:
+        ends = {a["fwd_end_seq"] for _, a in g.nodes(data=True)}
+        thresholds = tuple(sorted(set(model.leaf_end_seq) | ends))
+        return _Buckets(thresholds, tuple(bisect.bisect_left(thresholds, e) for e in model.leaf_end_seq),
+                        len(thresholds))
+
+    def __call__(self, pos: int) -> int:
+        return bisect.bisect_left(self.thresholds, pos)
+
+
+def _tensor_groups(g: nx.DiGraph, model: CostModel, nodes: list[str], anc: dict[str, frozenset[str]],
+                   bucket: _Buckets) -> tuple[dict[tuple, int], int]:
+    """Each held tensor's steps of prefix ORs; tensors with the same steps (and the same leaf
+    they are in flight in, where that matters) are one group with their summed bytes."""
     holds: dict[int, dict[int, set[_Term]]] = {}
-    for seq, t, containers in ctx.saves:
+    for seq, t, containers in model.saves:
         holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("save", frozenset(containers)))
     for v in nodes:
         for t in g.nodes[v]["input_ids"]:
-            holds.setdefault(t, {}).setdefault(bucket(start[v]), set()).add(("input", v))
-    out_leaf = {t: i for i, leaf in enumerate(ctx.leaves) for t in g.nodes[leaf]["out_ids"]}
-    leaf_bucket = [bucket(e) for e in ctx.leaf_end_seq]
-
-    # --- steps per tensor; tensors with the same steps (and in-flight leaf, if it matters) grouped
+            holds.setdefault(t, {}).setdefault(bucket(g.nodes[v]["fwd_start_seq"]), set()).add(("input", v))
+    out_leaf = {t: i for i, leaf in enumerate(model.leaves) for t in g.nodes[leaf]["in_flight_ids"]}
     step_cache: dict[tuple, tuple] = {}
     groups: dict[tuple, int] = {}
     for t, by_bucket in holds.items():
@@ -325,25 +367,28 @@ def build_program(g: nx.DiGraph) -> Program:
             steps = step_cache[key] = _tensor_steps([(b, set(ts)) for b, ts in key], anc)
         if steps:
             i = out_leaf.get(t)
-            flying = i if i is not None and steps[0][0] <= leaf_bucket[i] else None
-            groups[(steps, flying)] = groups.get((steps, flying), 0) + ctx.tensor_bytes[t]
+            flying = i if i is not None and steps[0][0] <= bucket.leaf[i] else None
+            groups[(steps, flying)] = groups.get((steps, flying), 0) + model.tensor_bytes[t]
+    return groups, len(holds)
 
-    def aff(a: _Affine) -> Lin:
-        return {None: float(a[0]), **{v: float(c) for v, c in a[1]}}
 
+def _running_sums(groups: dict[tuple, int], bucket: _Buckets,
+                  scale: int) -> tuple[list[list[Lin]], dict[int, Lin], dict[int, Lin]]:
+    """The OR variables' lower bounds, the held bytes each bucket adds to H_b (``delta``), and per
+    leaf the held terms of its in-flight tensors, which its forward probe cancels."""
     ors: list[list[Lin]] = []
     delta: dict[int, Lin] = {}
     in_flight: dict[int, Lin] = {}
     for (steps, flying), nbytes in sorted(groups.items(), key=lambda kv: repr(kv[0])):
-        w = nbytes / unit
+        w = nbytes / scale
         prev: Lin = {}
         reps: list[tuple[int, Lin]] = []
         for b, rep in steps:
             if rep[0] == "aff":
-                cur = aff(rep[1])
+                cur = _affine_form(rep[1])
             else:
-                ors.append([{k: 1.0 for k in prev if isinstance(k, int)} if low[0] == "prev" else aff(low[1])
-                            for low in sorted(rep[1], key=repr)])
+                ors.append([{k: 1.0 for k in prev if isinstance(k, int)} if low[0] == "prev"
+                            else _affine_form(low[1]) for low in sorted(rep[1], key=repr)])
                 cur = {len(ors) - 1: 1.0}
             d = delta.setdefault(b, {})
             _lin_add(d, cur, w)
@@ -351,60 +396,64 @@ def build_program(g: nx.DiGraph) -> Program:
             reps.append((b, cur))
             prev = cur
         if flying is not None:
-            _lin_add(in_flight.setdefault(flying, {}), [r for b, r in reps if b <= leaf_bucket[flying]][-1], -w)
+            last = [r for b, r in reps if b <= bucket.leaf[flying]][-1]
+            _lin_add(in_flight.setdefault(flying, {}), last, -w)
     for d in delta.values():
         for k in [k for k, c in d.items() if c == 0]:
             del d[k]
+    return ors, delta, in_flight
 
-    # --- probes of NOTE [ Peak-memory model ], named as simulate names them
+
+def _affine_form(a: _Affine) -> Lin:
+    return {None: float(a[0]), **{v: float(c) for v, c in a[1]}}
+
+
+def _probe_rows(g: nx.DiGraph, model: CostModel, nodes: list[str], bucket: _Buckets,
+                in_flight: dict[int, Lin], scale: int) -> tuple[list[Probe], int]:
+    """The probes of NOTE [ Peak-memory model ], named as simulate names them, on the cost model's
+    bases; and how many recompute rows need a big-M term."""
     probes: list[Probe] = []
-    casts = _cast_terms(g, ctx, nodes, unit)
-    contains = {i: [c for c in nodes if i in ctx.node_leaves[c]] for i in range(len(ctx.leaves))}
-    bwd_const = ctx.backward_base_bytes
-    for i, (leaf, e) in enumerate(zip(ctx.leaves, ctx.leaf_end_seq)):
-        out_ids = g.nodes[leaf]["out_ids"]
-        cast_form, cast_bytes = casts(e, out_ids)
+    contains = {i: [c for c in nodes if i in model.node_leaves[c]] for i in range(len(model.leaves))}
+    casts = _cast_terms(g, model, nodes, scale)
+    for i, (leaf, e) in enumerate(zip(model.leaves, model.leaf_end_seq)):
+        in_flight_ids = g.nodes[leaf]["in_flight_ids"]
+        cast_form, cast_bytes = casts(e, in_flight_ids)
         fwd_extra = dict(in_flight.get(i, {}))
         _lin_add(fwd_extra, cast_form)
-        probes.append(Probe(f"forward of {leaf}", leaf_bucket[i], fwd_extra,
-                            ctx.forward_base_bytes[i] + sum(ctx.tensor_bytes[t] for t in out_ids) + cast_bytes))
-        rec = {c: ctx.recomputed_bytes(c, e) / unit for c in contains[i]}
-        probes.append(Probe(f"backward of {leaf}", leaf_bucket[i], {c: r for c, r in rec.items() if r},
-                            bwd_const[i]))
-    tail_bwd = ctx.tail_backward_base_bytes
+        out_bytes = sum(model.tensor_bytes[t] for t in in_flight_ids)
+        probes.append(Probe(f"forward of {leaf}", bucket.leaf[i], fwd_extra,
+                            model.forward_base_bytes[i] + out_bytes + cast_bytes))
+        rec = {c: model.recomputed_bytes(c, e) / scale for c in contains[i]}
+        probes.append(Probe(f"backward of {leaf}", bucket.leaf[i], {c: r for c, r in rec.items() if r},
+                            model.backward_base_bytes[i]))
     big_m = 0
     for c in nodes:
-        const = ctx.recompute_static_bytes(c)
-        t_fwd = ctx.recompute_transient_bytes(c)
-        later = bisect.bisect_left(ctx.leaf_end_seq, end[c])
-        m = max(0, const - (bwd_const[later] if later < len(ctx.leaves) else tail_bwd))
+        end = g.nodes[c]["fwd_end_seq"]
+        const = model.recompute_static_bytes(c)
+        later = bisect.bisect_left(model.leaf_end_seq, end)
+        m = max(0, const - (model.backward_base_bytes[later] if later < len(model.leaves)
+                            else model.tail_backward_base_bytes))
         big_m += m > 0
-        coef = (ctx.recomputed_bytes(c, end[c]) + ctx.replay_in_flight(c) + t_fwd + m) / unit
-        extra = {**({c: coef} if coef else {}), **({None: -m / unit} if m else {})}
-        probes.append(Probe(f"recompute of {c}", bucket(end[c]), extra, const))
+        coef = (model.recomputed_bytes(c, end) + model.replay_in_flight(c) + model.recompute_transient_bytes(c)
+                + m) / scale
+        extra = {**({c: coef} if coef else {}), **({None: -m / scale} if m else {})}
+        probes.append(Probe(f"recompute of {c}", bucket(end), extra, const))
     cast_form, cast_bytes = casts(ALIVE_SEQ)
-    probes.append(Probe("end of forward", last_bucket, cast_form, ctx.tail_forward_base_bytes + cast_bytes))
-    probes.append(Probe("start of backward", last_bucket, {}, tail_bwd))
-    probes.append(Probe("optimizer step", None, {}, rk.opt_static_bytes))
-
-    paths = [p for p in ((leaf, *anc[leaf]) for leaf in ctx.leaves) if len(p) > 1]
-    stats = {"unit_bytes": unit, "candidates": len(nodes), "leaves": len(ctx.leaves), "tensors": len(holds),
-             "tensor_groups": len(groups), "or_variables": len(ors), "or_rows": sum(map(len, ors)),
-             "buckets": last_bucket + 1, "probe_rows": len(probes), "antichain_rows": len(paths),
-             "big_m_rows": big_m}
-    ties = tie_groups(g)
-    stats["tie_rows"] = sum(len(group) - 1 for group in ties)
-    return Program(nodes, {v: g.nodes[v]["forward_ms"] for v in nodes},
-                   {v: g.nodes[v]["parent"] for v in nodes}, paths, ors, delta, probes, unit, stats, ties)
+    probes.append(Probe("end of forward", bucket.last, cast_form, model.tail_forward_base_bytes + cast_bytes))
+    probes.append(Probe("start of backward", bucket.last, {}, model.tail_backward_base_bytes))
+    probes.append(Probe("optimizer step", None, {}, model.rank.opt_static_bytes))
+    return probes, big_m
 
 
-def _cast_terms(g: nx.DiGraph, ctx: CostModel, nodes: list[str], unit: int) -> Callable[[int], tuple[Lin, int]]:
-    """seq -> (form in units, constant bytes) of autocast's cached casts made by ``seq``, not held then
-    and not in ``in_flight`` (counted as such) (NOTE [ Peak-memory model ], "Recipe"). A cast saved before ``seq`` is unheld when a candidate
-    containing all its saves is checkpointed: x_c for each such c (an antichain picks at most one);
-    a cast saved only later, or never, is alive through the cache whatever is checkpointed."""
+def _cast_terms(g: nx.DiGraph, model: CostModel, nodes: list[str],
+                scale: int) -> Callable[..., tuple[Lin, int]]:
+    """seq -> (form in multiples of ``scale``, constant bytes) of autocast's cached casts made by
+    ``seq``, not held then and not in ``in_flight`` (counted as such) (NOTE [ Peak-memory model ],
+    Rule 8). A cast saved before ``seq`` is unheld when a candidate containing all its saves is
+    checkpointed: x_c for each such c (an antichain picks at most one); a cast saved only later,
+    or never, is alive through the cache whatever is checkpointed."""
     saves: dict[int, list[int]] = {}
-    for seq, t, _ in ctx.saves:
+    for seq, t, _ in model.saves:
         saves.setdefault(t, []).append(seq)
     span = {v: (g.nodes[v]["fwd_start_seq"], g.nodes[v]["fwd_end_seq"]) for v in nodes}
     inputs = {t for v in nodes for t in g.nodes[v]["input_ids"]}  # casts are not, in models we know
@@ -412,16 +461,16 @@ def _cast_terms(g: nx.DiGraph, ctx: CostModel, nodes: list[str], unit: int) -> C
     def at(seq: int, in_flight: frozenset[int] = frozenset()) -> tuple[Lin, int]:
         form: Lin = {}
         const = 0
-        for created, t in ctx.casts:
+        for created, t in model.casts:
             seqs = saves.get(t, [])
             if created > seq or t in in_flight:
                 continue
             if not seqs or min(seqs) > seq or t in inputs:  # a unit's input: as if never held (over-counts)
-                const += ctx.tensor_bytes[t]
+                const += model.tensor_bytes[t]
                 continue
             for v, (lo, hi) in span.items():
                 if lo <= min(seqs) and max(seqs) <= hi:
-                    form[v] = form.get(v, 0.0) + ctx.tensor_bytes[t] / unit
+                    form[v] = form.get(v, 0.0) + model.tensor_bytes[t] / scale
         return form, const
 
     return at
@@ -440,7 +489,7 @@ class IlpModel:
 
     def set_cap(self, cap_bytes: int | None) -> None:
         """P <= cap (None: no cap). Probes are whole bytes: half a byte of slack is exact."""
-        self.peak.upBound = None if cap_bytes is None else (cap_bytes + 0.5) / self.program.unit_bytes
+        self.peak.upBound = None if cap_bytes is None else (cap_bytes + 0.5) / self.program.scale_bytes
 
     def recompute_row(self, name: str, sense: int, rhs: float | None) -> None:
         """Set the row ``recompute <= rhs`` (sense LE) or ``>= rhs`` (GE); None switches it off.
@@ -498,7 +547,7 @@ def build_model(g: nx.DiGraph, budget_bytes: int | None = None, program: Program
         h = held[p.bucket] if p.bucket is not None else pulp.LpAffineExpression()
         e = h + expr(p.extra)
         e = pulp.LpAffineExpression({v: c for v, c in e.items() if c != 0}, constant=e.constant)
-        prob.addConstraint(e - peak <= -p.const_bytes / pg.unit_bytes, f"p{i}_{_sanitize(p.name)}")
+        prob.addConstraint(e - peak <= -p.const_bytes / pg.scale_bytes, f"p{i}_{_sanitize(p.name)}")
     recompute = pulp.lpSum(pg.forward_ms[v] * x[v] for v in pg.nodes)
     prob.setObjective(recompute)
     stats = {**pg.stats, "binaries": len(x), "held_variables": n_held,
@@ -870,8 +919,8 @@ class _Run:
             # the solver's optimum may sit a byte or so under the rounded plan's peak (see
             # ``fitting``): unless its bound rules it out, ask for a plan one byte lower
             peak = simulate(g, best).peak_bytes
-            unit = self.model.program.unit_bytes
-            while proven and not (out.bound is not None and out.bound * unit > peak - 1 + 1e-6 * unit):
+            scale = self.model.program.scale_bytes
+            while proven and not (out.bound is not None and out.bound * scale > peak - 1 + 1e-6 * scale):
                 out = self.fitting(peak - 1)
                 if out.state == "infeasible":
                     break

@@ -62,7 +62,7 @@ class Program(Protocol):
     ors: list[list[Lin]]
     delta: dict[int, Lin]
     probes: Sequence[_ProbeRow]
-    unit_bytes: int
+    scale_bytes: int
 
 
 _MAX_PAIRS = 1 << 22
@@ -90,8 +90,8 @@ def sequential_bound(program: Program, cap_bytes: int, *, max_states: int = 1 <<
     """
     t0 = time.perf_counter()
     pg = program
-    unit = pg.unit_bytes
-    cap = (cap_bytes + 0.5) / unit
+    scale = pg.scale_bytes
+    cap = (cap_bytes + 0.5) / scale
     tol = 1e-9 * max(1.0, abs(cap))
     index = {v: i for i, v in enumerate(pg.nodes)}
     blocks, block_of = _blocks(pg)
@@ -193,7 +193,7 @@ def _relax_ors(pg: Program, block_of: dict[str, int]) -> list[Lin]:
 
 
 def _dense_rows(pg: Program, low: list[Lin], index: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Every probe as (coefficients over x, constant) in units, with y replaced by ``low``."""
+    """Every probe as (coefficients over x, constant) in multiples of ``scale_bytes``, y replaced by ``low``."""
     n_buckets = max([*pg.delta, *(p.bucket or 0 for p in pg.probes), 0]) + 1
     n = len(pg.nodes)
 
@@ -224,7 +224,7 @@ def _dense_rows(pg: Program, low: list[Lin], index: dict[str, int]) -> tuple[np.
         if p.bucket is not None:
             vec += cum[p.bucket]
             const += cumc[p.bucket]
-        rows[r], consts[r] = vec, const + p.const_bytes / pg.unit_bytes
+        rows[r], consts[r] = vec, const + p.const_bytes / pg.scale_bytes
     rows[np.abs(rows) < 1e-12] = 0.0
     return rows, consts
 

@@ -22,7 +22,7 @@ node attribute            meaning
 ``saved_ids``             frozenset of tensor ids saved inside the unit
 ``input_ids``             frozenset of tensor ids passed in
 ``output_ids``            frozenset of step-created tensor ids returned
-``out_ids``               (leaves) tensors created in the leaf's window and used after it
+``in_flight_ids``         (leaves) tensors created in the leaf's window and used after it (in flight)
 ``fwd_window_peak_bytes``  (leaves) measured peak of the forward window, or None
 ``bwd_window_peak_bytes``  (leaves) measured peak of the backward window, or None
 ``fwd_transient_bytes``   (leaves) calibrated temporaries, see NOTE [ Peak-memory model ]
@@ -35,7 +35,8 @@ Edges ``u -> v`` carry ``bytes``: tensors produced inside ``u`` and passed into 
 ``(seq, tensor_id)`` pairs), ``param_grads`` (``(grad_seq, bytes)`` pairs), the static memory
 (``params_bytes``, ``buffers_bytes``, ``batch_bytes``, ``optimizer_bytes``, ``grads_bytes``,
 ``optimizer_step_transient_bytes``), step times, ``leaves`` (leaf ids in forward order),
-``forward_end_seq``, tail-window peaks, ``fingerprint`` and profile metadata.
+``forward_end_seq``, tail-window peaks, ``fingerprint`` and profile metadata, and
+``cost_model``: the graph's ``solvers.cost_model.CostModel``, built once, last.
 
 Granularity: by default the candidates are the repeated blocks (children of a ModuleList or
 Sequential that share a class: transformer layers, ResNet blocks) and the modules around them
@@ -236,7 +237,7 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
         saved_bytes=sum(tensor_bytes[t] for t in saved),
         input_bytes=sum(tensor_bytes[t] for t in inputs),
         output_bytes=u.output_bytes,
-        saved_ids=saved, input_ids=inputs, output_ids=frozenset(u.output_ids), out_ids=frozenset(),
+        saved_ids=saved, input_ids=inputs, output_ids=frozenset(u.output_ids), in_flight_ids=frozenset(),
         fwd_window_peak_bytes=None, bwd_window_peak_bytes=None,
         fwd_transient_bytes=0, bwd_transient_bytes=0,
     )
@@ -289,7 +290,7 @@ def is_ancestor(g: nx.DiGraph, a: str, b: str) -> bool:
 
 
 def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, UnitRecord]) -> None:
-    """Per leaf: tensors handed on past its window (``out_ids``) and the measured window peaks."""
+    """Per leaf: tensors handed on past its window (``in_flight_ids``) and the measured window peaks."""
     ends = [g.nodes[n]["fwd_end_seq"] for n in leaves]
     last_use: dict[int, int] = defaultdict(lambda: -1)
     for u in p.units:
@@ -298,7 +299,7 @@ def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, 
     created = g.graph["tensor_created_seq"]
     prev_end = -1
     for n, end in zip(leaves, ends):
-        g.nodes[n]["out_ids"] = frozenset(
+        g.nodes[n]["in_flight_ids"] = frozenset(
             t for t, c in created.items() if prev_end < c <= end and last_use[t] > end
         )
         prev_end = end
