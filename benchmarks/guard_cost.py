@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.act.applier import _ShapeGuard, apply_plan  # noqa: E402
+from planner.act.applier import ShapeGuard, apply_plan  # noqa: E402
 from planner.model.fingerprint import fingerprint  # noqa: E402
 from planner.profiling.model_file import call_model, default_loss, load_model_file  # noqa: E402
 from planner.model.schema import Plan, Predicted, SolverInfo  # noqa: E402
@@ -45,7 +45,7 @@ def every_block_plan(model: torch.nn.Module, inputs) -> Plan:
 
 
 def hook_us(plan: Plan, batch) -> float:
-    guard = _ShapeGuard(plan.fingerprint.inputs, "warn", 0)
+    guard = ShapeGuard(plan.fingerprint.inputs, "warn", 0)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 # NOTE [ Checkpointing by instance forward ]
 #
 # ``nn.Module.__call__`` runs hooks and then ``self.forward``. ``apply_plan`` sets an instance
-# attribute ``forward`` on each planned module: a ``_CheckpointedForward`` object that calls the
+# attribute ``forward`` on each planned module: a ``CheckpointedForward`` object that calls the
 # module's previous forward (the bound class method, or an instance-level forward someone else
 # installed) inside ``checkpoint(..., use_reentrant=False, preserve_rng_state=True)``. So:
 #   - the module's own hooks stay outside the region and run once (as Hugging Face's
@@ -138,7 +138,7 @@ class RegionCounts:
     """Forwards ``checkpoint`` replayed during backward (eager mode only)."""
 
 
-class _CheckpointedForward:
+class CheckpointedForward:
     """The instance-level ``forward`` of a planned module; see NOTE [ Checkpointing by instance forward ]."""
 
     _remat_forward = True  # marks a module that already carries a plan
@@ -205,7 +205,7 @@ class _running_stats_kept:
 # ----------------------------------------------------------------------------- the shape guard
 
 
-class _ShapeGuard:
+class ShapeGuard:
     """A forward pre-hook comparing input shapes with the plan's; see NOTE [ Runtime shape guard ]."""
 
     def __init__(self, planned: list[TensorSig], mode: str, peak_bytes: int):
@@ -273,7 +273,7 @@ class AppliedPlan:
     """Plan FQNs left alone, with the reason (already checkpointed by the user, not in the model)."""
     step_changes: list[StepChange] = field(default_factory=list)
     """What the plan changes in the training step (see NOTE [ Step changes ]), as its profile did."""
-    _forwards: dict[str, _CheckpointedForward] = field(default_factory=dict, repr=False)
+    _forwards: dict[str, CheckpointedForward] = field(default_factory=dict, repr=False)
     _changes: Installed | None = field(default=None, repr=False)
     _active: bool = field(default=True, repr=False)
     _guard_hook: Any = field(default=None, repr=False)
@@ -401,13 +401,13 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
             continue
         seen.add(id(module))
         previous = module.__dict__.get("forward")
-        fwd = _CheckpointedForward(module, previous, RegionCounts())
+        fwd = CheckpointedForward(module, previous, RegionCounts())
         module.forward = fwd
         handle._forwards[name] = fwd
         handle.checkpointed.append(name)
 
     if guard != "off" and plan.fingerprint.inputs:
-        shape_guard = _ShapeGuard(plan.fingerprint.inputs, guard, plan.predicted.peak_bytes)
+        shape_guard = ShapeGuard(plan.fingerprint.inputs, guard, plan.predicted.peak_bytes)
         handle._guard_hook = model.register_forward_pre_hook(shape_guard, with_kwargs=True)
     _report(plan, handle, already)
     return handle

@@ -53,7 +53,7 @@ from planner.model.schema import Plan, Recipe
 from planner.profiling.step_changes import install
 from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.profiling.timing import num_threads, pick_clock
-from planner.profiling.recording import _memory_step
+from planner.profiling.recording import memory_step
 from planner.model.graph import window_peaks
 from planner.sizes import format_bytes
 
@@ -288,7 +288,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     if planned and plan.predicted.windows:
         torch.manual_seed(SEED)
         leaves = [k[len("forward of "):] for k in plan.predicted.windows if k.startswith("forward of ")]
-        windows = window_peaks(_memory_step(model, step, batch, opt, dev, recipe=plan.recipe).recorder.timeline(), leaves)
+        windows = window_peaks(memory_step(model, step, batch, opt, dev, recipe=plan.recipe).recorder.timeline(), leaves)
     run = _Run(losses[0], grads, buffers, statistics.median(times), statistics.median(walls), peak,
                list(handle.checkpointed) if handle else [], dict(handle.skipped) if handle else {}, recomputes,
                windows)

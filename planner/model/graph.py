@@ -72,8 +72,8 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     if sharding not in ("none", "ddp", "fsdp"):
         raise BadInput(f"unknown sharding {sharding!r}; choose none, ddp or fsdp")
     units = {u.id: u for u in profile.units}
-    children = _children(profile.units)
-    levels = _candidate_levels(units, children, granularity)
+    children = unit_children(profile.units)
+    levels = candidate_levels(units, children, granularity)
     chosen = [uid for level in (levels if nested else levels[-1:]) for uid in level]
     chosen = [uid for uid in chosen if not _excluded(units[uid].fqn, profile)]
     chosen = sorted(set(chosen), key=lambda uid: (units[uid].fwd_start_seq, -units[uid].fwd_end_seq))
@@ -119,7 +119,7 @@ def _add_retained(g: nx.DiGraph, profile: Profile) -> None:
 # ----------------------------------------------------------------------------- candidate choice
 
 
-def _children(units: Iterable[UnitRecord]) -> dict[str, list[str]]:
+def unit_children(units: Iterable[UnitRecord]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = defaultdict(list)
     for u in units:
         if u.parent is not None:
@@ -172,7 +172,7 @@ def _default_cut(units: dict[str, UnitRecord], children: dict[str, list[str]]) -
     return top
 
 
-def _candidate_levels(units: dict[str, UnitRecord], children: dict[str, list[str]],
+def candidate_levels(units: dict[str, UnitRecord], children: dict[str, list[str]],
                       granularity: int) -> list[list[str]]:
     level = _default_cut(units, children)
     levels = [level]

@@ -308,14 +308,14 @@ def _profiled(step_fn: Callable[[], Any]) -> tuple[Any, float]:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():  # kineto prints "profiler_start/stop" lines to fd 2
+    with quiet_stderr():  # kineto prints "profiler_start/stop" lines to fd 2
         prof.__enter__()
     try:
         start = time.perf_counter()
         step_fn()
         ms = (time.perf_counter() - start) * 1e3
     finally:
-        with _quiet_stderr():
+        with quiet_stderr():
             prof.__exit__(None, None, None)
     return prof, ms
 
@@ -332,7 +332,7 @@ def _max_running_sum(prof: Any) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
+def quiet_stderr() -> Iterator[None]:
     """Silence file descriptor 2 (C++ logging) for the duration; a no-op where it cannot."""
     try:
         fd = sys.stderr.fileno()

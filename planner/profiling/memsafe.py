@@ -24,9 +24,9 @@ from planner.errors import BadInput, ProfileError
 from planner.profiling.measure import is_oom
 from planner.profiling.model_file import Inputs, check_devices
 from planner.profiling import profile
-from planner.profiling.profiler import _measure, _restoring, _TimingRecorder, resolve_device
+from planner.profiling.profiler import measure_profile, restoring_model, TimingRecorder, resolve_device
 from planner.profiling.timing import num_threads, pick_clock
-from planner.profiling.recording import _io_tensors, _MemoryRecorder, _Unit
+from planner.profiling.recording import io_tensors, MemoryRecorder, UnitCall
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry
 
 Progress = Callable[[str], None]
@@ -249,8 +249,8 @@ def profile_checkpointed(
         timing.append(_CheckpointedTiming(m, clock, ckpt))
         return timing[-1]
 
-    with _restoring(model, dev), num_threads(threads), ckpt:
-        prof = _measure(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp,
+    with restoring_model(model, dev), num_threads(threads), ckpt:
+        prof = measure_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp,
                         warmup_steps=warmup_steps, steps=steps, say=say,
                         clock=_PausingClock(pick_clock(dev, torch.get_num_threads())),
                         timing_recorder=timing_recorder,
@@ -262,10 +262,10 @@ def profile_checkpointed(
 def candidate_modules(prof: schema.Profile, granularity: int = 0) -> list[str]:
     """FQNs of the graph's candidates at ``granularity`` (0: the repeated blocks and the modules
     around them; 1: their children), the modules a memory-safe profile checkpoints."""
-    from planner.model.graph import _candidate_levels, _children
+    from planner.model.graph import candidate_levels, unit_children
 
     units = {u.id: u for u in prof.units}
-    level = _candidate_levels(units, _children(prof.units), granularity)[-1]
+    level = candidate_levels(units, unit_children(prof.units), granularity)[-1]
     return list(dict.fromkeys(units[uid].fqn for uid in level if uid not in (schema.ROOT_ID, schema.LOSS_ID)))
 
 
@@ -286,7 +286,7 @@ class _Checkpointing:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> _Checkpointing:
-        from planner.act.applier import RegionCounts, _CheckpointedForward
+        from planner.act.applier import RegionCounts, CheckpointedForward
 
         checks = torch_checkpoint._allowed_determinism_checks_to_fns
         default_check = checks["default"]
@@ -302,7 +302,7 @@ class _Checkpointing:
         self._stack.enter_context(torch_checkpoint.set_checkpoint_early_stop(False))
         for m in self.modules:
             previous = m.__dict__.get("forward")
-            fwd = _CheckpointedForward(m, previous, RegionCounts())
+            fwd = CheckpointedForward(m, previous, RegionCounts())
             fwd.options = {"determinism_check": self.key, "context_fn": self._contexts}
             m.forward = fwd
             self._stack.callback(_restore_forward, m, previous)
@@ -346,7 +346,7 @@ class _Forwarding:
 class _Replaying:
     """checkpoint's recompute context: tells the recorder a recompute of ``unit`` runs."""
 
-    def __init__(self, rec: Any, unit: _Unit):
+    def __init__(self, rec: Any, unit: UnitCall):
         self.rec, self.unit = rec, unit
 
     def __enter__(self) -> None:
@@ -388,7 +388,7 @@ class _PausingClock:
 # ----------------------------------------------------------------------------- recorders
 
 
-class _CheckpointedTiming(_TimingRecorder):
+class _CheckpointedTiming(TimingRecorder):
     """Timing steps under checkpointing: recomputes are timed apart (Rule 4)."""
 
     def __init__(self, model: torch.nn.Module, clock: _PausingClock, ckpt: _Checkpointing):
@@ -400,25 +400,25 @@ class _CheckpointedTiming(_TimingRecorder):
     def on_checkpointed_save(self, x: torch.Tensor) -> None:
         pass
 
-    def recompute_begin(self, unit: _Unit) -> None:
+    def recompute_begin(self, unit: UnitCall) -> None:
         self.clock.pause()
 
-    def recompute_end(self, unit: _Unit) -> None:
+    def recompute_end(self, unit: UnitCall) -> None:
         self.recompute_ms[unit.id].append(self.clock.resume())
 
 
 class _Replay:
     """The recompute of one checkpointed call: its inner calls, matched to the forward's units."""
 
-    def __init__(self, unit: _Unit, units: list[_Unit]):
+    def __init__(self, unit: UnitCall, units: list[UnitCall]):
         self.unit = unit
-        self.inner: dict[int, deque[_Unit]] = defaultdict(deque)
+        self.inner: dict[int, deque[UnitCall]] = defaultdict(deque)
         for u in units[unit.index + 1:]:
             if u.fwd_start > unit.fwd_end:
                 break
             if u.key is not None:
                 self.inner[u.key].append(u)
-        self.stack: list[tuple[int, _Unit]] = []
+        self.stack: list[tuple[int, UnitCall]] = []
         self.made: list[StorageEntry] = []
         """Storages the recompute allocated, in order."""
 
@@ -427,7 +427,7 @@ _REPLAY_KINDS = ("rc_start", "rfwd_start", "rfwd_end", "rc_end")
 """Events of a recompute: they place the replay in the timeline and are not part of the profile."""
 
 
-class _CheckpointedMemory(_MemoryRecorder):
+class _CheckpointedMemory(MemoryRecorder):
     """The memory step under checkpointing, and the unplanned timeline rebuilt from it (Rules 1-3)."""
 
     def __init__(self, model: torch.nn.Module, tracker: LiveBytesTracker, ckpt: _Checkpointing):
@@ -468,10 +468,10 @@ class _CheckpointedMemory(_MemoryRecorder):
         if self.stack:
             self.rng_holders.add(self.stack[-1].id)
 
-    def _exit(self, unit: _Unit, args: tuple, kwargs: dict, output: Any,
+    def _exit(self, unit: UnitCall, args: tuple, kwargs: dict, output: Any,
               module: torch.nn.Module | None = None) -> None:
         super()._exit(unit, args, kwargs, output, module)
-        if unit.id in self.rng_holders and not any(t.requires_grad for t in _io_tensors(output)):
+        if unit.id in self.rng_holders and not any(t.requires_grad for t in io_tensors(output)):
             self.rng_holders.discard(unit.id)  # no graph to backward through: checkpoint let go already
 
     def on_checkpointed_save(self, x: torch.Tensor) -> None:
@@ -528,7 +528,7 @@ class _CheckpointedMemory(_MemoryRecorder):
 
     # ------------------------------------------------------------- Rule 2: events
 
-    def _note(self, kind: str, unit: _Unit | None) -> int:
+    def _note(self, kind: str, unit: UnitCall | None) -> int:
         if kind == "bwd_end" and unit is not None:
             self.rng_holders.discard(unit.id)  # the call's backward is done: checkpoint let go of it
         self.kept_at.append(self._kept_alive())
@@ -549,12 +549,12 @@ class _CheckpointedMemory(_MemoryRecorder):
         self.dropped = alive
         return sum(b for c, b in self.dead_bytes.items() if c not in self.replayed)
 
-    def recompute_begin(self, unit: _Unit) -> None:
+    def recompute_begin(self, unit: UnitCall) -> None:
         self._note("rc_start", unit)
         self.replayed.add(unit.id)
         self.replay = _Replay(unit, self.units)
 
-    def recompute_end(self, unit: _Unit) -> None:
+    def recompute_end(self, unit: UnitCall) -> None:
         # the recompute made the call's storages again, in the same order: pair them up
         originals = [e for seq, e in self.made if unit.fwd_start < seq < unit.fwd_end]
         for original, copy in zip(originals, self.replay.made):

@@ -49,7 +49,7 @@ from planner.profiling.devices import Calibration, DeviceSpec, get_device, load_
 from planner.errors import BadInput, ProfileError
 from planner.profiling.measure import Measured, make_optimizer, make_step, resolve_recipe
 from planner.profiling.model_file import Inputs
-from planner.profiling.recording import _assemble, _memory_step, _MemoryRecorder, _Times
+from planner.profiling.recording import assemble_profile, memory_step, MemoryRecorder, StepTimes
 from planner.profiling.tracker import LiveBytesTracker, iter_tensors
 
 Progress = Callable[[str], None]
@@ -194,14 +194,14 @@ def profile_meta(
         say("memory and roofline step (fake tensors)")
         stamps: dict[int, tuple[float, float]] = {}
         with roofline:
-            mem = _memory_step(
+            mem = memory_step(
                 model, step, fake_inputs, opt, dev, recipe=recipe, round_to=rules.round_to,
                 recorder=lambda m, tracker: _RooflineRecorder(m, tracker, roofline, stamps))
         times, flops = _times(mem.recorder, stamps)
         peak = max((e.peak_bytes for e in mem.recorder.events), default=0)
         measured = Measured(peak_bytes=peak, step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
                             source="tracker")
-        prof = _assemble(model, inputs, dev, optimizer, recipe, times, mem, measured, 1, 1)
+        prof = assemble_profile(model, inputs, dev, optimizer, recipe, times, mem, measured, 1, 1)
     units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
     source = f"profiles/devices/calibration/{spec.name}.json" if calibration else None
     return prof.model_copy(update={
@@ -559,7 +559,7 @@ def _tf32_enabled() -> bool:
 # ----------------------------------------------------------------------------- times per unit
 
 
-class _RooflineRecorder(_MemoryRecorder):
+class _RooflineRecorder(MemoryRecorder):
     """The profiler's memory recorder, also noting the roofline's totals at every event."""
 
     def __init__(self, model: nn.Module, tracker: LiveBytesTracker, roofline: Roofline,
@@ -575,7 +575,7 @@ class _RooflineRecorder(_MemoryRecorder):
 
 
 def _times(rec: Any, stamps: dict[int, tuple[float, float]]) -> tuple[Any, dict[str, float]]:
-    """The profiler's ``_Times`` from the stamps, and each unit's forward FLOPs."""
+    """The profiler's ``StepTimes`` from the stamps, and each unit's forward FLOPs."""
 
     def span(a: int | None, b: int | None, i: int) -> float:
         if a is None or b is None:
@@ -583,7 +583,7 @@ def _times(rec: Any, stamps: dict[int, tuple[float, float]]) -> tuple[Any, dict[
         return max(stamps[b][i] - stamps[a][i], 0.0)
 
     m = rec.marks
-    times = _Times(
+    times = StepTimes(
         forward_ms=span(m["step_start"], m["forward_end"], 0),
         backward_ms=span(m["backward_start"], m["backward_end"], 0),
         optimizer_ms=span(m["backward_end"], m["optimizer_end"], 0),

@@ -38,7 +38,7 @@ from planner.model import schema
 from planner.profiling.measure import make_optimizer, make_step, measure_step, resolve_recipe, to_device
 from planner.profiling.model_file import Inputs, check_devices
 from planner.profiling.recording import (
-    Progress, _assemble, _memory_step, _Recorder, _release, _Times, _Unit,
+    Progress, assemble_profile, memory_step, Recorder, release_grads, StepTimes, UnitCall,
 )
 from planner.profiling.timing import num_threads, pick_clock, robust_ms, unit_costs
 
@@ -59,18 +59,18 @@ def profile_real(
     """Profile one training step of ``recipe`` on ``dev`` (resolved by ``resolve_device``, not meta); the
     arguments are checked by ``planner.profiling.profile``, which documents them."""
     check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
-    with _restoring(model, dev), num_threads(threads):
+    with restoring_model(model, dev), num_threads(threads):
         clock = pick_clock(dev, torch.get_num_threads())
-        return _measure(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe, clock=clock,
+        return measure_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe, clock=clock,
                         warmup_steps=warmup_steps, steps=steps, say=progress or (lambda _msg: None))
 
 
-def _measure(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, loss_fn: Callable | None,
+def measure_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, loss_fn: Callable | None,
              optimizer: str, warmup_steps: int, steps: int, say: Progress, clock: Any,
              amp: str | None = None, recipe: schema.Recipe | None = None,
-             timing_recorder: Callable[..., _TimingRecorder] | None = None,
-             memory_recorder: Callable[..., _MemoryRecorder] | None = None) -> schema.Profile:
-    """The stages of ``profile_real`` (inside ``_restoring`` and ``num_threads``).
+             timing_recorder: Callable[..., TimingRecorder] | None = None,
+             memory_recorder: Callable[..., MemoryRecorder] | None = None) -> schema.Profile:
+    """The stages of ``profile_real`` (inside ``restoring_model`` and ``num_threads``).
     planner/profiling/memsafe.py runs them with the candidates checkpointed, its own recorders and
     a clock that leaves out recomputes. ``amp`` is short for ``recipe=Recipe(amp=...)``."""
     recipe = resolve_recipe(recipe, amp)
@@ -84,11 +84,11 @@ def _measure(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, loss_
         step()
     times = _timing_steps(model, step, clock, steps, say, recorder=timing_recorder)
     say("memory step")
-    mem = _memory_step(model, step, inputs, opt, dev, recipe=recipe, recorder=memory_recorder)
+    mem = memory_step(model, step, inputs, opt, dev, recipe=recipe, recorder=memory_recorder)
     say("measuring the step's peak")
-    _release(model, dev, recipe)
+    release_grads(model, dev, recipe)
     measured = measure_step(step, dev, static_bytes=mem.static_bytes)
-    result = _assemble(model, inputs, dev, optimizer, recipe, times, mem, measured, warmup_steps, steps)
+    result = assemble_profile(model, inputs, dev, optimizer, recipe, times, mem, measured, warmup_steps, steps)
     return result.model_copy(update={"time_source": clock.source,
                                      "threads": torch.get_num_threads() if dev.type == "cpu" else None})
 
@@ -126,23 +126,23 @@ def resolve_device(device: str | torch.device) -> torch.device:
 # ----------------------------------------------------------------------------- timing steps
 
 
-class _TimingRecorder(_Recorder):
+class TimingRecorder(Recorder):
     def __init__(self, model: torch.nn.Module, clock: Any):
         self.clock = clock
         super().__init__(model)
 
-    def _note(self, kind: str, unit: _Unit | None) -> Any:
+    def _note(self, kind: str, unit: UnitCall | None) -> Any:
         return self.clock.stamp()
 
 
 
 
 def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int, say: Progress, *,
-                  recorder: Callable[..., _TimingRecorder] | None = None) -> _Times:
+                  recorder: Callable[..., TimingRecorder] | None = None) -> StepTimes:
     """``steps`` steps under the timing recorder; medians per phase and per unit (NOTE [ Unit costs ])."""
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-    times = _Times()
-    with (recorder or _TimingRecorder)(model, clock) as rec:
+    times = StepTimes()
+    with (recorder or TimingRecorder)(model, clock) as rec:
         for i in range(steps):
             say(f"timing step {i + 1}/{steps}")
             rec.reset()
@@ -163,7 +163,7 @@ def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int
 
 
 @contextlib.contextmanager
-def _restoring(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
+def restoring_model(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
     """Give the model back as it came: train/eval flags, buffers, RNG state; gradients cleared."""
     modes = [(m, m.training) for m in model.modules()]
     buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers()}

@@ -54,7 +54,7 @@ _ROUND_TO = {"cuda": 512}
 # ----------------------------------------------------------------------------- units
 
 
-class _Unit:
+class UnitCall:
     """One module call while a step runs. ``fwd_*``/``bwd_*`` hold clock stamps or seqs."""
 
     __slots__ = (
@@ -98,10 +98,10 @@ class _Point:
     ref: weakref.ref
     node: int | None
     """Sequence number of the tensor's grad_fn when hooked; it changes if modified in place."""
-    units: list[_Unit]
+    units: list[UnitCall]
 
 
-class _Recorder:
+class Recorder:
     """Module-call bookkeeping shared by the timing and the memory step (see NOTE [ Units ]).
 
     Subclasses say what a point in time is (``_note``: a clock stamp, or a seq plus a
@@ -119,8 +119,8 @@ class _Recorder:
 
     def reset(self) -> None:
         self._remove(self.grad_handles)
-        self.units: list[_Unit] = []
-        self.stack: list[_Unit] = []
+        self.units: list[UnitCall] = []
+        self.stack: list[UnitCall] = []
         self.calls: dict[int, int] = {}
         self.first_use: dict[torch.nn.Parameter, int] = {}
         self.end_points: dict[int, _Point] = {}
@@ -178,12 +178,12 @@ class _Recorder:
         if self.stack and self.stack[-1].key == id(module):
             self._exit(self.stack[-1], args, kwargs, output, module)
 
-    def _enter(self, key: int | None, base: str, fqn: str, module_type: str, args: tuple, kwargs: dict) -> _Unit:
+    def _enter(self, key: int | None, base: str, fqn: str, module_type: str, args: tuple, kwargs: dict) -> UnitCall:
         k = self.calls.get(key, 0) if key is not None else 0
         if key is not None:
             self.calls[key] = k + 1
         parent = self.stack[-1] if self.stack and key is not None else None
-        unit = _Unit(base if k == 0 else f"{base}#{k}", fqn, k, module_type,
+        unit = UnitCall(base if k == 0 else f"{base}#{k}", fqn, k, module_type,
                      parent.id if parent else None, len(self.stack) if key is not None else 0, key, len(self.units))
         self.units.append(unit)
         self.stack.append(unit)
@@ -191,18 +191,18 @@ class _Recorder:
         self._on_inputs(unit, args, kwargs)
         # Hooked now, before forward runs: an in-place module (ReLU(inplace=True)) would
         # otherwise hand us its input already turned into its output.
-        for t in _io_tensors(args, kwargs):
+        for t in io_tensors(args, kwargs):
             if t.requires_grad:
                 unit.has_input_grads = True
                 self._listen_end(t, unit)
         return unit
 
-    def _exit(self, unit: _Unit, args: tuple, kwargs: dict, output: Any,
+    def _exit(self, unit: UnitCall, args: tuple, kwargs: dict, output: Any,
               module: torch.nn.Module | None = None) -> None:
         self.stack.pop()
         self._on_outputs(unit, output)
         unit.fwd_end = self._note("fwd_end", unit)
-        for t in _io_tensors(output):
+        for t in io_tensors(output):
             if t.requires_grad:
                 self._listen_start(t, unit)
         if not unit.has_input_grads and module is not None:
@@ -222,17 +222,17 @@ class _Recorder:
     # a node's tensor hooks before its node hooks, so when one unit's output is the next
     # one's input, the next unit's backward ends before this one's starts.
 
-    def _listen_end(self, t: torch.Tensor, unit: _Unit) -> None:
+    def _listen_end(self, t: torch.Tensor, unit: UnitCall) -> None:
         self._listen(self.end_points, t, unit, self._fire_ends, lambda t, fn: t.register_hook(fn))
 
-    def _listen_start(self, t: torch.Tensor, unit: _Unit) -> None:
+    def _listen_start(self, t: torch.Tensor, unit: UnitCall) -> None:
         def register(t: torch.Tensor, fn: Callable[[Any], None]) -> Any:
             return t.register_hook(fn) if t.grad_fn is None else t.grad_fn.register_prehook(fn)
 
         self._listen(self.start_points, t, unit, self._fire_starts, register)
 
-    def _listen(self, points: dict[int, _Point], t: torch.Tensor, unit: _Unit,
-                fire: Callable[[list[_Unit], Any], None], register: Callable[..., Any]) -> None:
+    def _listen(self, points: dict[int, _Point], t: torch.Tensor, unit: UnitCall,
+                fire: Callable[[list[UnitCall], Any], None], register: Callable[..., Any]) -> None:
         node = t.grad_fn._sequence_nr() if t.grad_fn is not None else None
         point = points.get(id(t))
         if point is None or point.ref() is not t or point.node != node:  # new, or modified in place
@@ -241,43 +241,43 @@ class _Recorder:
         if unit not in point.units:
             point.units.append(unit)
 
-    def _fire_ends(self, units: list[_Unit], _grad: Any) -> None:
+    def _fire_ends(self, units: list[UnitCall], _grad: Any) -> None:
         for unit in sorted(units, key=lambda u: -u.index):
             if unit.bwd_start is None:  # an identity (shortcut, loss_fn returning its input)
                 unit.bwd_start = self._note("bwd_start", unit)
             unit.bwd_end = self._note("bwd_end", unit)  # the last gradient to complete wins
 
-    def _fire_starts(self, units: list[_Unit], _grads: Any) -> None:
+    def _fire_starts(self, units: list[UnitCall], _grads: Any) -> None:
         for unit in sorted(units, key=lambda u: u.index):
             if unit.bwd_start is None:
                 unit.bwd_start = self._note("bwd_start", unit)
 
     # ------------------------------------------------------------- subclass points
 
-    def _note(self, kind: str, unit: _Unit | None) -> Any:
+    def _note(self, kind: str, unit: UnitCall | None) -> Any:
         raise NotImplementedError
 
-    def _on_inputs(self, unit: _Unit, args: tuple, kwargs: dict) -> None:
+    def _on_inputs(self, unit: UnitCall, args: tuple, kwargs: dict) -> None:
         pass
 
-    def _on_outputs(self, unit: _Unit, output: Any) -> None:
+    def _on_outputs(self, unit: UnitCall, output: Any) -> None:
         pass
 
 
-def _io_tensors(*trees: Any) -> Iterator[torch.Tensor]:
+def io_tensors(*trees: Any) -> Iterator[torch.Tensor]:
     """Tensors among a module's inputs or outputs: pytree knows ``ModelOutput`` and friends;
     containers it does not know are searched as plain tuples, lists and dicts."""
     for leaf in pytree.tree_leaves(trees):
         if isinstance(leaf, torch.Tensor):
             yield leaf
         elif isinstance(leaf, (tuple, list)):
-            yield from _io_tensors(*leaf)
+            yield from io_tensors(*leaf)
         elif isinstance(leaf, Mapping):
-            yield from _io_tensors(*leaf.values())
+            yield from io_tensors(*leaf.values())
 
 
 @dataclass
-class _Times:
+class StepTimes:
     forward_ms: float = 0.0
     backward_ms: float = 0.0
     optimizer_ms: float = 0.0
@@ -311,7 +311,7 @@ class _Tensor:
     producer: str | None
 
 
-class _MemoryRecorder(_Recorder):
+class MemoryRecorder(Recorder):
     """Sequence numbers, tensors, saves, parameter uses and the timeline of one step."""
 
     def __init__(self, model: torch.nn.Module, tracker: LiveBytesTracker):
@@ -347,7 +347,7 @@ class _MemoryRecorder(_Recorder):
         self.seq += 1
         return self.seq
 
-    def _note(self, kind: str, unit: _Unit | None) -> int:
+    def _note(self, kind: str, unit: UnitCall | None) -> int:
         seq = self._next()
         live = self.tracker.live_bytes
         peak = max(self.tracker.mark(), live)
@@ -407,7 +407,7 @@ class _MemoryRecorder(_Recorder):
         seen: set[int] = set()
         ids: list[int] = []
         total = 0
-        for t in _io_tensors(*trees):
+        for t in io_tensors(*trees):
             e = self.tracker.entry(t)
             if e is None:
                 continue
@@ -419,8 +419,8 @@ class _MemoryRecorder(_Recorder):
                 ids.append(self._tensor_id(e))
         return ids, total
 
-    def _on_inputs(self, unit: _Unit, args: tuple, kwargs: dict) -> None:
-        self.op_start[unit.id] = (len(self.ops), describe(_io_tensors(args, kwargs)))
+    def _on_inputs(self, unit: UnitCall, args: tuple, kwargs: dict) -> None:
+        self.op_start[unit.id] = (len(self.ops), describe(io_tensors(args, kwargs)))
         unit.input_ids, unit.input_bytes = self._io(args, kwargs)
         if unit.key is not None:
             if unit.key not in self.param_bytes_cache:
@@ -428,11 +428,11 @@ class _MemoryRecorder(_Recorder):
                 self.param_bytes_cache[unit.key] = storage_bytes(params, round_to=self.tracker.round_to)
             unit.param_bytes = self.param_bytes_cache[unit.key]
 
-    def _on_outputs(self, unit: _Unit, output: Any) -> None:
+    def _on_outputs(self, unit: UnitCall, output: Any) -> None:
         unit.output_ids, unit.output_bytes = self._io(output)
         start, inputs = self.op_start.pop(unit.id)
         params = describe(self.modules[unit.key].parameters()) if unit.key is not None else ""
-        self.signatures[unit.id] = signature(unit.module_type, params, inputs, describe(_io_tensors(output)),
+        self.signatures[unit.id] = signature(unit.module_type, params, inputs, describe(io_tensors(output)),
                                              self.ops[start:])
 
     def timeline(self) -> list[schema.MemoryEvent]:
@@ -451,7 +451,7 @@ class _MemoryRecorder(_Recorder):
 
 @dataclass
 class _Memory:
-    recorder: _MemoryRecorder
+    recorder: MemoryRecorder
     params_bytes: int
     buffers_bytes: int
     batch_bytes: int
@@ -465,15 +465,15 @@ class _Memory:
     unused_params: int
 
 
-def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
+def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
                  opt: torch.optim.Optimizer | None, dev: torch.device, *, recipe: schema.Recipe,
                  round_to: int | None = None,
-                 recorder: Callable[[torch.nn.Module, LiveBytesTracker], _MemoryRecorder] | None = None) -> _Memory:
+                 recorder: Callable[[torch.nn.Module, LiveBytesTracker], MemoryRecorder] | None = None) -> _Memory:
     """One step under the tracker. ``round_to`` (default: ``dev``'s) and ``recorder`` are
     for planner/profiling/meta.py, whose fake CPU tensors follow CUDA's rules and whose recorder also
     notes the roofline's clock. Gradients a ``zero_grad(set_to_none=False)`` recipe keeps
     from the last step are static here (alive before the step, as in training)."""
-    _release(model, dev, recipe)
+    release_grads(model, dev, recipe)
     round_to = _ROUND_TO.get(dev.type, 1) if round_to is None else round_to
     tracker = LiveBytesTracker(device_type=dev.type, round_to=round_to)
     params = [p for p in model.parameters()]
@@ -482,7 +482,7 @@ def _memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
     optimizer_bytes = tracker.register_static(_optimizer_tensors(opt))
     batch_bytes = tracker.register_static(iter_tensors(inputs))
     kept_grads_bytes = tracker.register_static(p.grad for p in params if p.grad is not None)
-    rec = (recorder or _MemoryRecorder)(model, tracker)
+    rec = (recorder or MemoryRecorder)(model, tracker)
     rec.autocast = recipe.amp is not None
     serials: dict[str, int] = {}
     for name, p in model.named_parameters():
@@ -604,15 +604,15 @@ def _allocator_view(dev: torch.device) -> Iterator[_TrackerView]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from planner.profiling.measure import _quiet_stderr
+    from planner.profiling.measure import quiet_stderr
 
     prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
+    with quiet_stderr():
         prof.__enter__()
     try:
         yield _CpuAllocatorView(prof)
     finally:
-        with _quiet_stderr():
+        with quiet_stderr():
             prof.__exit__(None, None, None)
 
 
@@ -623,7 +623,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> Iterator[torch.Tens
         yield from iter_tensors(state)
 
 
-def _release(model: torch.nn.Module, dev: torch.device, recipe: schema.Recipe | None = None) -> None:
+def release_grads(model: torch.nn.Module, dev: torch.device, recipe: schema.Recipe | None = None) -> None:
     """Free the last step's gradients (and, on CUDA, its cyclic garbage) before a measured step.
 
     ``max_memory_allocated`` is absolute, so garbage still holding device memory would count
@@ -640,8 +640,8 @@ def _release(model: torch.nn.Module, dev: torch.device, recipe: schema.Recipe | 
 # ----------------------------------------------------------------------------- assembling
 
 
-def _assemble(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimizer: str, recipe: schema.Recipe,
-              times: _Times, mem: _Memory, measured: Measured, warmup_steps: int, steps: int) -> schema.Profile:
+def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimizer: str, recipe: schema.Recipe,
+              times: StepTimes, mem: _Memory, measured: Measured, warmup_steps: int, steps: int) -> schema.Profile:
     rec = mem.recorder
     notes: list[str] = []
     if opt_note := _OPTIMIZER_NOTE.get(optimizer.lower()):
@@ -713,7 +713,7 @@ _OPTIMIZER_NOTE = {
 }
 
 
-def _pooled_costs(times: _Times, signatures: dict[str, str]) -> dict[str, tuple[float, float, int]]:
+def _pooled_costs(times: StepTimes, signatures: dict[str, str]) -> dict[str, tuple[float, float, int]]:
     """Unit id -> (forward ms, backward ms, samples): pooled over cost groups when the steps were
     timed (NOTE [ Unit costs ], Rule 3); as given otherwise (the roofline's one modelled step)."""
     if times.unit_samples:
@@ -721,7 +721,7 @@ def _pooled_costs(times: _Times, signatures: dict[str, str]) -> dict[str, tuple[
     return {uid: (f, b, 1) for uid, (f, b) in times.unit_ms.items()}
 
 
-def _unit_record(u: _Unit, cost: tuple[float, float, int], group: str, remap: dict[int, int]) -> schema.UnitRecord:
+def _unit_record(u: UnitCall, cost: tuple[float, float, int], group: str, remap: dict[int, int]) -> schema.UnitRecord:
     return schema.UnitRecord(
         id=u.id, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, parent=u.parent, depth=u.depth,
         fwd_start_seq=u.fwd_start, fwd_end_seq=u.fwd_end, bwd_start_seq=u.bwd_start, bwd_end_seq=u.bwd_end,

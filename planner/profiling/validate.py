@@ -119,9 +119,9 @@ class _Watch:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.run.phase != "backward":
-            from planner.profiling.recording import _io_tensors
+            from planner.profiling.recording import io_tensors
 
-            inputs = list(_io_tensors((args, kwargs)))
+            inputs = list(io_tensors((args, kwargs)))
             versions = [t._version for t in inputs]
             out = self.inner(*args, **kwargs)
             if any(t._version != v for t, v in zip(inputs, versions)):
@@ -143,8 +143,8 @@ class _Watch:
 def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpointed: list[str], *,
                        loss_fn: Any, amp: str | None, dev: torch.device) -> _Run:
     from planner.profiling.measure import make_step
-    from planner.profiling.profiler import _restoring
-    from planner.profiling.recording import _io_tensors
+    from planner.profiling.profiler import restoring_model
+    from planner.profiling.recording import io_tensors
     from planner.profiling.tracker import LiveBytesTracker, iter_tensors
 
     run = _Run()
@@ -172,7 +172,7 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
     def ended(module: nn.Module, _args: Any, out: Any) -> None:
         if run.phase == "forward" and id(module) in wanted and running:
             running.pop()
-            outputs.update(e.serial for e in map(tracker.entry, _io_tensors(out)) if e is not None)
+            outputs.update(e.serial for e in map(tracker.entry, io_tensors(out)) if e is not None)
 
     def mark(name: str, _value: Any = None) -> None:
         if name == "backward_start":
@@ -184,7 +184,7 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
         elif name == "backward_end":
             run.phase = "done"
 
-    with _restoring(model, dev), _checkpointed(modules, checkpointed, run), contextlib.ExitStack() as hooks:
+    with restoring_model(model, dev), _checkpointed(modules, checkpointed, run), contextlib.ExitStack() as hooks:
         for name, m in modules.items():
             if id(m) in wanted:
                 hooks.callback(m.register_forward_pre_hook(lambda mod, a, name=name: started(mod, a, name)).remove)
@@ -211,7 +211,7 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
 
 @contextlib.contextmanager
 def _checkpointed(modules: dict[str, nn.Module], names: list[str], run: _Run) -> Iterator[None]:
-    from planner.act.applier import RegionCounts, _CheckpointedForward
+    from planner.act.applier import RegionCounts, CheckpointedForward
 
     done: list[nn.Module] = []
     try:
@@ -219,7 +219,7 @@ def _checkpointed(modules: dict[str, nn.Module], names: list[str], run: _Run) ->
             m = modules[name]
             if "forward" in m.__dict__:  # another wrapper (e.g. a step change): validate through it
                 continue
-            m.forward = _CheckpointedForward(m, _Watch(m, name, run), RegionCounts())
+            m.forward = CheckpointedForward(m, _Watch(m, name, run), RegionCounts())
             done.append(m)
         yield
     finally:
