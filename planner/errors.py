@@ -43,8 +43,9 @@ class BudgetInfeasible(RematError):
 
     exit_code = 1
 
-    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int | None):
-        super().__init__(message)
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int | None,
+                 options: tuple[str, ...] = ()):
+        super().__init__(message, options=options)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
 

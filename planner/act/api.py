@@ -80,7 +80,8 @@ def check_ranks(world_size: int, sharding: str) -> None:
     if sharding == "none" and world_size > 1:
         raise BadInput(f"world size {world_size} needs sharding ddp or fsdp: with none every rank holds a "
                        f"full replica and no gradient sync buffers, which is the single-process plan "
-                       f"(drop the world size, or say how the ranks train: --sharding ddp|fsdp)")
+                       f"(drop the world size, or say how the ranks train: {{sharding}} ddp|fsdp)",
+                       options=("sharding",))
 
 
 def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
@@ -145,12 +146,14 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         if lowest <= budget_bytes:
             raise SolverError(
                 f"solver {sol.solver!r} found no plan within its limits ({sol.detail or 'no detail'}), "
-                f"although a plan with a peak of {lowest} bytes exists; raise --time-limit or use --solver dp")
+                f"although a plan with a peak of {lowest} bytes exists; "
+                f"raise {{time_limit_s}} or use {{solver}} dp",
+                options=("time_limit_s", "solver"))
         raise BudgetInfeasible(
             f"no checkpoint plan fits the budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); "
-            f"the minimum feasible budget is {lowest} bytes ({format_bytes(lowest)}): raise --budget, "
-            f"use a finer --granularity, or reduce the batch",
-            budget_bytes=budget_bytes, min_feasible_bytes=lowest,
+            f"the minimum feasible budget is {lowest} bytes ({format_bytes(lowest)}): raise {{budget}}, "
+            f"use a finer {{granularity}}, or reduce the batch",
+            budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget", "granularity"),
         )
     est = simulate(g, sol.checkpointed)  # every call of a module, or none (NOTE [ Tied calls ])
     if est.peak_bytes > usable:

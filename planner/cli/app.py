@@ -47,6 +47,9 @@ app = typer.Typer(
 DEVICES = ("auto", "cpu", "cuda", "meta")
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 SHARDINGS = ("none", "ddp", "fsdp")
+FLAGS = {"budget": "--budget", "granularity": "--granularity", "sharding": "--sharding", "solver": "--solver",
+         "time_limit_s": "--time-limit"}
+"""Library parameters a ``RematError`` may name (its ``options``), as this command line spells them."""
 
 # ----------------------------------------------------------------------------- shared options
 
@@ -176,7 +179,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(130) from None
         except RematError as e:
             _traceback(debug)
-            message = str(e)
+            message = e.worded(FLAGS)
             if isinstance(e, PlanMismatch) and e.differences and e.differences[0] not in message:
                 message += "\n  " + "\n  ".join(e.differences)
             render.error_line(message)
