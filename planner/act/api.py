@@ -21,6 +21,7 @@ from solvers.cost_model import chain_terms, simulate, window_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
 from planner.model.schema import Plan, Predicted, Profile, Recipe, RunStamp, SolverInfo, now_iso
+from planner.options import parse_sharding
 from planner.sizes import format_bytes, parse_bytes
 
 # NOTE [ Headroom from evidence ]
@@ -75,8 +76,7 @@ def check_ranks(world_size: int, sharding: str) -> None:
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise BadInput(f"world size must be an integer >= 1, got {world_size!r}")
-    if sharding not in ("none", "ddp", "fsdp"):
-        raise BadInput(f"unknown sharding {sharding!r}; choose none, ddp or fsdp")
+    parse_sharding(sharding)
     if sharding == "none" and world_size > 1:
         raise BadInput(f"world size {world_size} needs sharding ddp or fsdp: with none every rank holds a "
                        f"full replica and no gradient sync buffers, which is the single-process plan "

@@ -34,6 +34,7 @@ import typer
 
 from planner.cli import render
 from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, VerificationFailed
+from planner.options import parse_amp, parse_optimizer, parse_sharding
 
 app = typer.Typer(
     name="remat",
@@ -45,8 +46,6 @@ app = typer.Typer(
 )
 
 DEVICES = ("auto", "cpu", "cuda", "meta")
-OPTIMIZERS = ("adamw", "adam", "sgd", "none")
-SHARDINGS = ("none", "ddp", "fsdp")
 FLAGS = {"budget": "--budget", "granularity": "--granularity", "sharding": "--sharding", "solver": "--solver",
          "time_limit_s": "--time-limit"}
 """Library parameters a ``RematError`` may name (its ``options``), as this command line spells them."""
@@ -74,29 +73,27 @@ def _device_option(value: str) -> str:
 Device = Annotated[str, typer.Option(
     "--device", callback=_device_option,
     help="Where to run the step: auto (cuda if available, else cpu), cpu, cuda[:N], meta.")]
-def _optimizer_option(value: str) -> str:
-    v = value.strip().lower()
-    if v in OPTIMIZERS:
-        return v
-    raise typer.BadParameter(f"unknown optimizer {value!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _checked(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A typer callback from a ``planner.options`` check: its ``BadInput`` becomes a usage error."""
+
+    def callback(value: Any) -> Any:
+        try:
+            return parse(value)
+        except BadInput as e:
+            raise typer.BadParameter(str(e)) from None
+
+    return callback
 
 
 Optimizer = Annotated[str, typer.Option(
-    "--optimizer", callback=_optimizer_option,
+    "--optimizer", callback=_checked(parse_optimizer),
     help="Optimizer whose state is counted in the peak: adamw, adam, sgd, none.")]
 
 
-def _amp_option(value: str | None) -> str | None:
-    v = value.strip().lower() if value is not None else None
-    if v in (None, "none", "off"):
-        return None
-    if v in ("bf16", "fp16"):
-        return v
-    raise typer.BadParameter(f"unknown amp {value!r}; choose bf16, fp16 or none")
-
-
 Amp = Annotated[str | None, typer.Option(
-    "--amp", callback=_amp_option, show_default=False,
+    "--amp", callback=_checked(parse_amp), show_default=False,
     help="Mixed precision: bf16 or fp16 (torch.autocast around forward and loss; with --device meta, "
          "for the target). Default: the model's own dtype.")]
 Target = Annotated[str | None, typer.Option(
@@ -118,20 +115,13 @@ Foreach = Annotated[bool, typer.Option("--foreach", help="The optimizer with for
 WorldSize = Annotated[int, typer.Option(
     "--world-size", min=1, help="Data-parallel ranks; the budget and the peak are per rank (> 1 needs "
                                 "--sharding ddp or fsdp). See docs/distributed.md.")]
-def _sharding_option(value: str) -> str:
-    v = value.strip().lower()
-    if v in SHARDINGS:
-        return v
-    raise typer.BadParameter(f"unknown sharding {value!r}; choose one of {', '.join(SHARDINGS)}")
-
-
 DeviceMemory = Annotated[str | None, typer.Option(
     "--device-memory", envvar="REMAT_DEVICE_MEMORY", show_default=False,
     help="Memory the device may use (12GB, 150MiB; env REMAT_DEVICE_MEMORY): a step that does not fit is "
          "profiled with its candidates checkpointed (a memory-safe profile). CUDA: a per-process cap; "
          "CPU: profiled in a child process whose address space is capped.")]
 Sharding = Annotated[str, typer.Option(
-    "--sharding", callback=_sharding_option,
+    "--sharding", callback=_checked(parse_sharding),
     help="How the ranks hold the model: none (one process), ddp (a full replica plus gradient buckets), "
          "fsdp (FSDP2 on every block and the root: sharded, all-gathered per block).")]
 

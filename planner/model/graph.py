@@ -54,6 +54,7 @@ from typing import Iterable
 import networkx as nx
 
 from planner.errors import BadInput
+from planner.options import parse_sharding
 from planner.model.schema import LOSS_ID, ROOT_ID, Profile, UnitRecord
 from solvers.cost_model import calibrate
 
@@ -69,8 +70,7 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
         raise BadInput(f"granularity must be >= 0, got {granularity}")
     if world_size < 1:
         raise BadInput(f"world size must be >= 1, got {world_size}")
-    if sharding not in ("none", "ddp", "fsdp"):
-        raise BadInput(f"unknown sharding {sharding!r}; choose none, ddp or fsdp")
+    parse_sharding(sharding)
     units = {u.id: u for u in profile.units}
     children = unit_children(profile.units)
     levels = candidate_levels(units, children, granularity)

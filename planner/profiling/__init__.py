@@ -80,16 +80,15 @@ def profile(
             the user's frames), the loss is not a scalar, or the device ran out of memory.
     """
     from planner.errors import BadInput
-    from planner.profiling.measure import AMP_DTYPES, OPTIMIZERS, resolve_recipe, to_device
+    from planner.profiling.measure import resolve_recipe, to_device
+    from planner.options import parse_amp, parse_optimizer
     from planner.profiling.profiler import profile_real, resolve_device
     from planner.profiling.step_changes import find_step_changes, install
     from planner.profiling.validate import validate
 
     dev = resolve_device(device)
-    if optimizer.lower() not in OPTIMIZERS:
-        raise BadInput(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if amp is not None and amp.lower() not in AMP_DTYPES and amp.lower() not in ("", "none", "off"):
-        raise BadInput(f"unknown amp {amp!r}; use bf16, fp16 or none")
+    parse_optimizer(optimizer)
+    parse_amp(amp)
     if steps < 1 or warmup_steps < 0:
         raise BadInput(f"need steps >= 1 and warmup_steps >= 0, got steps={steps}, warmup_steps={warmup_steps}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):

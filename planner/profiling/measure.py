@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
+from planner.options import parse_amp, parse_optimizer
 from planner.profiling.model_file import Inputs, call_model, check_loss, default_loss, user_frames
 from planner.model.schema import Recipe
 
@@ -54,12 +55,9 @@ def make_optimizer(name: str, model: torch.nn.Module, *, lr: float = 0.0,
     ``impl`` is ``Recipe.optimizer_impl``: 'default' (torch's choice for the device), 'foreach'
     or 'fused'.
     """
-    key = name.lower()
-    if key not in OPTIMIZERS:
-        raise BadInput(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    factory = OPTIMIZERS[parse_optimizer(name)]
     if impl not in _IMPL_KWARGS:
         raise BadInput(f"unknown optimizer implementation {impl!r}; choose one of {', '.join(_IMPL_KWARGS)}")
-    factory = OPTIMIZERS[key]
     if factory is None:
         if impl != "default":
             raise BadInput(f"--{impl} chooses the optimizer's implementation, but the optimizer is 'none'; "
@@ -164,10 +162,7 @@ def make_step(
 
 def resolve_recipe(recipe: Recipe | None, amp: str | None) -> Recipe:
     """``recipe``, or the plain loop with ``amp``; both given must agree."""
-    name = None if amp is None or amp.lower() in ("", "none", "off") else amp.lower()
-    if name is not None:
-        _amp_dtype(name)
-        name = {"bfloat16": "bf16", "float16": "fp16"}.get(name, name)
+    name = parse_amp(amp)
     if recipe is None:
         return Recipe(amp=name)
     if name is not None and name != recipe.amp:
@@ -218,11 +213,8 @@ def _device_type(model: torch.nn.Module) -> str:
 
 
 def _amp_dtype(amp: str | None) -> torch.dtype | None:
-    if amp is None or amp.lower() in ("", "none", "off"):
-        return None
-    if amp.lower() not in AMP_DTYPES:
-        raise BadInput(f"unknown amp {amp!r}; use bf16, fp16 or none")
-    return AMP_DTYPES[amp.lower()]
+    name = parse_amp(amp)
+    return None if name is None else AMP_DTYPES[name]
 
 
 @contextlib.contextmanager
