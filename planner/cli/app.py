@@ -701,7 +701,7 @@ def _check_ranks(world_size: int, sharding: str) -> None:
     try:
         check_ranks(world_size, sharding)
     except BadInput as e:
-        raise BadInput(f"--world-size/--sharding: {e}") from None
+        raise BadInput(f"--world-size/--sharding: {e.worded(FLAGS)}") from None
 
 
 def _check_output(path: Path | None) -> None:
