@@ -15,7 +15,6 @@ from planner.model.graph import build_graph
 from planner.model.synthetic import SynUnit, random_chain, random_dag, random_tied, synthetic_profile
 from solvers import SOLVERS
 from solvers.dp import min_feasible
-from solvers.errors import SolverError
 from tests.solver_checks import best_recompute, brute_force, check_solution
 
 HEURISTICS = ("none", "all", "sqrt", "sqrt-greedy", "every-2")
