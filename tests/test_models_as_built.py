@@ -126,3 +126,16 @@ def test_profile_within_applies_step_changes(device_memory_bytes, caplog):
     assert bool(prof.measured_with_checkpoints) == (device_memory_bytes is not None)
     assert sum("use_cache=False" in r.getMessage() for r in caplog.records) == 1
     assert "forward" not in model.__dict__
+
+
+def test_checkpointed_profile_runs_the_step_changes():
+    """profile_checkpointed, called directly (benchmarks/memory_safe.py does), trains T5 with its cache off
+    too: with the cache on, the checkpointed blocks' replay saves fewer tensors and backward fails."""
+    from planner.profiling.memsafe import candidate_modules, profile_checkpointed
+
+    model, inputs = _t5()
+    full = planner.profile(model, inputs, device="cpu", optimizer="none", steps=1)
+    prof = profile_checkpointed(model, inputs, checkpointed=candidate_modules(full), device="cpu",
+                                optimizer="none", steps=1)
+    assert [c.kind for c in prof.step_changes] == ["hf_use_cache_off"]
+    assert "forward" not in model.__dict__

@@ -226,8 +226,26 @@ def profile_checkpointed(
     """Measure the step with the modules ``checkpointed`` (FQNs) checkpointed; return the
     profile of the unplanned step (NOTE [ Memory-safe profile ]).
 
-    The modules must not nest (one inside another). Every call of each is checkpointed.
+    The modules must not nest (one inside another). Every call of each is checkpointed. The step
+    runs with the model's step changes (NOTE [ Step changes ]), as ``profile_within`` runs it.
     """
+    from planner.profiling.step_changes import find_step_changes, install
+
+    changes = find_step_changes(model)
+    installed = install(model, changes)  # nothing new (and nothing said) under profile_within
+    try:
+        prof = _profile_checkpointed(model, inputs, checkpointed=checkpointed, loss_fn=loss_fn, device=device,
+                                     optimizer=optimizer, warmup_steps=warmup_steps, steps=steps, amp=amp,
+                                     threads=threads, progress=progress)
+    finally:
+        installed.remove()
+    return prof.model_copy(update={"step_changes": changes})
+
+
+def _profile_checkpointed(model: torch.nn.Module, inputs: Inputs, *, checkpointed: Sequence[str],
+                          loss_fn: Callable[[Any], torch.Tensor] | None, device: str | torch.device, optimizer: str,
+                          warmup_steps: int, steps: int, amp: str | None, threads: int | None,
+                          progress: Progress | None) -> schema.Profile:
     dev = resolve_device(device)
     if dev.type == "meta":
         raise BadInput("a checkpointed profile runs the step; use cpu or cuda")
