@@ -83,7 +83,7 @@ def profile(
     from planner.profiling.measure import resolve_recipe, to_device
     from planner.options import parse_amp, parse_optimizer
     from planner.profiling.profiler import profile_real, resolve_device
-    from planner.profiling.step_changes import find_step_changes, install
+    from planner.profiling.step_changes import profiled_with_step_changes
     from planner.profiling.validate import validate
 
     dev = resolve_device(device)
@@ -96,9 +96,8 @@ def profile(
     recipe = resolve_recipe(recipe, amp)
     if dev.type != "meta" and target is not None:
         raise BadInput(f"target={target!r} models times for device='meta'; on {dev} the times are measured")
-    changes = find_step_changes(model)  # see NOTE [ Step changes ]: profile the step the plan will run
-    installed = install(model, changes)
-    try:
+    # see NOTE [ Step changes ]: profile the step the plan will run
+    with profiled_with_step_changes(model) as changes:
         if dev.type == "meta":
             result = _profile_meta(model, inputs, target, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe,
                                    progress=progress)
@@ -109,8 +108,6 @@ def profile(
             (progress or (lambda _msg: None))("validation step: what checkpointing frees")
             found = validate(model, to_device(inputs, dev), result, loss_fn=loss_fn, amp=recipe.amp, dev=dev)
             result.retained, result.excluded, result.region_state_bytes = found
-    finally:
-        installed.remove()
     result.step_changes = changes
     return result
 

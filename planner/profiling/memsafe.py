@@ -122,18 +122,14 @@ def profile_within(
     Raises:
         ProfileError: user code failed, or nothing fits and no fake-tensor fallback exists.
     """
-    from planner.profiling.step_changes import find_step_changes, install
+    from planner.profiling.step_changes import profiled_with_step_changes
 
     # see NOTE [ Step changes ]: every path below (the full profile, the checkpointed one, the fake-tensor
     # ones) profiles the step the plan will run; ``profile`` finds the same changes already installed
-    changes = find_step_changes(model)
-    installed = install(model, changes)
-    try:
+    with profiled_with_step_changes(model) as changes:
         prof = _profile_within(model, inputs, device_memory_bytes=device_memory_bytes, loss_fn=loss_fn,
                                device=device, optimizer=optimizer, warmup_steps=warmup_steps, steps=steps,
                                amp=amp, threads=threads, progress=progress)
-    finally:
-        installed.remove()
     return prof.model_copy(update={"step_changes": changes})
 
 
@@ -229,16 +225,12 @@ def profile_checkpointed(
     The modules must not nest (one inside another). Every call of each is checkpointed. The step
     runs with the model's step changes (NOTE [ Step changes ]), as ``profile_within`` runs it.
     """
-    from planner.profiling.step_changes import find_step_changes, install
+    from planner.profiling.step_changes import profiled_with_step_changes
 
-    changes = find_step_changes(model)
-    installed = install(model, changes)  # nothing new (and nothing said) under profile_within
-    try:
+    with profiled_with_step_changes(model) as changes:  # nothing new (and nothing said) under profile_within
         prof = _profile_checkpointed(model, inputs, checkpointed=checkpointed, loss_fn=loss_fn, device=device,
                                      optimizer=optimizer, warmup_steps=warmup_steps, steps=steps, amp=amp,
                                      threads=threads, progress=progress)
-    finally:
-        installed.remove()
     return prof.model_copy(update={"step_changes": changes})
 
 

@@ -23,9 +23,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -129,6 +131,19 @@ def install(model: nn.Module, changes: list[StepChange], *, say: bool = True) ->
     if say and forwards:  # already installed (profile_within, then profile): said already
         describe(changes)
     return Installed(forwards)
+
+
+@contextlib.contextmanager
+def profiled_with_step_changes(model: nn.Module) -> Iterator[list[StepChange]]:
+    """The model's step changes installed for the duration (a profiling path runs the step the plan will
+    run); yields them, to record in the profile. Nested, the inner one finds them installed: nothing new
+    is installed or said."""
+    changes = find_step_changes(model)
+    installed = install(model, changes)
+    try:
+        yield changes
+    finally:
+        installed.remove()
 
 
 def describe(changes: list[StepChange]) -> None:

@@ -40,6 +40,7 @@ from torch import nn
 
 from planner.errors import ProfileError
 from planner.model.schema import ExcludedUnit, Profile, RetainedBytes
+from planner.profiling.recording import io_tensors
 
 RETAINED_MIN_BYTES = 4096
 """Smaller differences are not reported as retained: the CPU tracker counts exact bytes, and
@@ -119,8 +120,6 @@ class _Watch:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.run.phase != "backward":
-            from planner.profiling.recording import io_tensors
-
             inputs = list(io_tensors((args, kwargs)))
             versions = [t._version for t in inputs]
             out = self.inner(*args, **kwargs)
@@ -144,7 +143,6 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
                        loss_fn: Any, amp: str | None, dev: torch.device) -> _Run:
     from planner.profiling.measure import make_step
     from planner.profiling.profiler import restoring_model
-    from planner.profiling.recording import io_tensors
     from planner.profiling.tracker import LiveBytesTracker, iter_tensors
 
     run = _Run()
