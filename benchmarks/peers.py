@@ -9,15 +9,23 @@ Variants, each a fresh ``build_model()`` trained with the step of ``planner.prof
 - no checkpointing;
 - every layer: Hugging Face's ``model.gradient_checkpointing_enable()`` (use_reentrant=False);
 - every second block: a plan checkpointing blocks 0, 2, 4, ... applied by ``apply_plan``;
-- remat: ``planner.act.api.plan_from_profile`` at the budget, applied by ``apply_plan``.
+- remat, whole modules: ``planner.act.api.plan_from_profile(..., selective=False)``, applied by ``apply_plan``;
+- remat, op-level: the same with selective (op-level) policies allowed (the default);
+- torch.compile (inductor) of the plain model, without and with ``activation_memory_budget``
+  (``--compile-budgets``; the partitioner's min-cut over the joint graph), and of both remat plans;
+- PyTorch's ``sac_milp`` (``torch.distributed._tools.sac_ilp``): reported as not run on the CPU
+  (its SAC estimator counts CUDA storages only, its runtime estimator times with CUDA events).
 
 The budget is halfway between the predicted peaks of checkpointing every layer (baseline
 ``all``) and of checkpointing nothing: the range where a fixed rule wastes either memory or time.
 Step times: ``--repeats`` rounds of one step per variant in turn (round-robin, so drift on a
-shared machine hits every variant alike), median. Peaks: one step per variant, alone on the
-device, by ``planner.profiling.measure.measure_step`` (CUDA: the allocator's peak; CPU: the profiler's
-memory events). Prints a Markdown table: step time relative to every layer, peak relative to
-the budget, and the cost model's predicted peak next to the measured one.
+shared machine hits every variant alike); the table gives medians, and the recompute overhead
+relative to every layer, (t - t_none) / (t_every_layer - t_none), from the least CPU time of
+each variant over the rounds (with --threads 1, robust to other jobs). Peaks: one step per
+variant by ``planner.profiling.measure.measure_step`` (CUDA: the allocator's peak, each variant alone on
+the device; CPU: the profiler's memory events). Prints a Markdown table: step time relative to
+every layer, peak relative to the budget, and the cost model's predicted peak next to the
+measured one; then which memory budget of torch.compile comes closest to remat's op-level peak.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ class Variant:
     """Checkpoints the model in place; returns what it checkpointed, for the table."""
     predicted_peak_bytes: int | None
     what: str = ""
+    compile_budget: float | None | bool = False
+    """False: eager; None: torch.compile without a memory budget; a float: its activation_memory_budget."""
     times_ms: list[float] = field(default_factory=list)
     cpu_ms: list[float] = field(default_factory=list)
     """Process CPU time of each timed step: with --threads 1, robust to other jobs on the machine."""
@@ -65,33 +75,48 @@ class Variant:
     error: str = ""
 
 
+SAC_MILP_NOTE = ("not run: torch.distributed._tools.sac_ilp plans from SACEstimator, which counts only CUDA "
+                 "storages (sac_estimator.py), and RuntimeEstimator, which times ops with CUDA events; fake "
+                 "CUDA tensors need the CUDA runtime, which this CPU-only PyTorch lacks")
+
+
 def main() -> None:
     args = _args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch._dynamo.config.cache_size_limit = 64  # one model class compiled for several variants
     dev = resolve_device(args.device)
     mf = load_model_file(args.model)
     print(f"profiling {args.model} on {dev} ...", file=sys.stderr)
     prof = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=dev,
                    optimizer=args.optimizer, steps=args.profile_steps)
-    g = graph_for(prof)
+    g = graph_for(prof, selective=False)
     every_layer, nothing = run_solver(g, "all", 0), run_solver(g, "none", 0)
     budget = (every_layer.peak_bytes + nothing.peak_bytes) // 2
-    remat = plan_from_profile(prof, budget)
+    modules = plan_from_profile(prof, budget, selective=False)
+    ops = plan_from_profile(prof, budget)
     every_2 = plan_from_profile(prof, nothing.peak_bytes, solver="every-2")
     variants = [
         Variant("no checkpointing", lambda m, b: "-", nothing.peak_bytes),
         Variant("every layer (HF gradient_checkpointing_enable)", _hf_every_layer,
                 run_solver(g, "every-1", budget).peak_bytes),
         Variant("every 2nd block (apply_plan)", _applier(every_2), every_2.predicted.peak_bytes),
-        Variant(f"remat plan ({remat.solver.name}, {remat.solver.status})", _applier(remat),
-                remat.predicted.peak_bytes),
+        Variant(f"remat, whole modules ({modules.solver.name}, {modules.solver.status})", _applier(modules),
+                modules.predicted.peak_bytes),
+        Variant(f"remat, op-level ({ops.solver.name}, {ops.solver.status})", _applier(ops),
+                ops.predicted.peak_bytes),
     ]
+    if args.compile_budgets is not None:
+        variants.append(Variant("torch.compile", lambda m, b: "-", None, compile_budget=None))
+        for b in args.compile_budgets:
+            variants.append(Variant(f"torch.compile, activation_memory_budget {b:g}", lambda m, b: "-", None,
+                                    compile_budget=b))
+        variants.append(Variant("torch.compile of remat, whole modules", _applier(modules), None, compile_budget=None))
+        variants.append(Variant("torch.compile of remat, op-level", _applier(ops), None, compile_budget=None))
     print(f"budget {format_bytes(budget)}: halfway between every layer ({format_bytes(every_layer.peak_bytes)}) "
           f"and no checkpointing ({format_bytes(nothing.peak_bytes)}), predicted", file=sys.stderr)
-    for v in variants:
-        _measure_peak(v, mf, dev, args.optimizer)
-    _time_round_robin(variants, mf, dev, args.optimizer, args.repeats)
+    kept = [_measure_peak(v, mf, dev, args.optimizer) for v in variants]
+    _time_round_robin(variants, kept, mf, dev, args.optimizer, args.repeats)
     _print_table(args, dev, budget, variants)
 
 
@@ -102,9 +127,16 @@ def _args() -> argparse.Namespace:
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (one step per variant each)")
     p.add_argument("--profile-steps", type=int, default=2, help="timing steps of the profile")
+    p.add_argument("--compile-budgets", type=_floats, default=None, metavar="B1,B2,...",
+                   help="also torch.compile (inductor) variants: without a budget, with each "
+                        "activation_memory_budget given (e.g. 0.5,0.3,0.2,0.1), and of the remat plans")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch's default); 1 makes CPU time comparable on a busy machine")
     return p.parse_args()
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 # ----------------------------------------------------------------------------- variants
@@ -122,26 +154,37 @@ def _hf_every_layer(model: torch.nn.Module, _batch: Any) -> str:
 def _applier(plan: Plan) -> Callable[[torch.nn.Module, Any], str]:
     def setup(model: torch.nn.Module, batch: Any) -> str:
         handle = apply_plan(model, plan, inputs=batch)
-        return ", ".join(handle.checkpointed) or "-"
+        parts = [", ".join(handle.checkpointed)] if handle.checkpointed else []
+        if handle.selective:
+            parts.append(f"{len(handle.selective)} op by op: " + "; ".join(
+                f"{r.fqn} ({r.summary})" for r in plan.selective if r.fqn in handle.selective))
+        return "; ".join(parts) or "-"
 
     return setup
 
 
 def _build(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> tuple[Any, Any, Any, Any]:
-    """A fresh model with the variant applied, its optimizer, its step, its batch; one warm-up step."""
+    """A fresh model with the variant applied, its optimizer, its step, its batch; one warm-up step
+    (which also compiles, under the variant's activation_memory_budget)."""
     model = mf.build_model().to(dev).train()
     batch = to_device(mf.example_inputs(), dev)
     v.what = v.setup(model, batch)
     opt = make_optimizer(optimizer, model)
-    step = make_step(model, batch, loss_fn=mf.loss_fn, optimizer=opt)
-    step()  # creates the optimizer state: what follows is the steady state
+    run = model if v.compile_budget is False else torch.compile(model)
+    step = make_step(run, batch, loss_fn=mf.loss_fn, optimizer=opt)
+    budget = 1.0 if v.compile_budget in (False, None) else float(v.compile_budget)
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        step()  # creates the optimizer state: what follows is the steady state
     return model, opt, step, batch
 
 
-def _measure_peak(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> None:
-    """One variant alone on the device (CUDA's peak counts everything allocated there)."""
+def _measure_peak(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> Any:
+    """One variant's peak; on the CPU its build is kept for the timing rounds (a compile costs
+    tens of seconds), on CUDA it is dropped (the allocator's peak counts everything there)."""
+    built = None
     try:
-        model, opt, step, batch = _build(v, mf, dev, optimizer)
+        built = _build(v, mf, dev, optimizer)
+        model, opt, step, batch = built
         model.zero_grad(set_to_none=True)  # see measure_step's warning
         gc.collect()
         static = storage_bytes(itertools.chain(model.parameters(), model.buffers(),
@@ -150,15 +193,18 @@ def _measure_peak(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> Non
         v.peak_bytes = measure_step(step, dev, static_bytes=static).peak_bytes
     except torch.OutOfMemoryError:
         v.error = "out of memory"
-    except TypeError as e:
-        v.error = str(e)
-    finally:
-        model = opt = step = batch = None  # drop them before the next variant is built
+    except (TypeError, RuntimeError) as e:
+        v.error = str(e).splitlines()[0][:200]
+    if dev.type != "cpu" or v.error:
+        built = None  # drop them before the next variant is built
         free(dev)
+    return built
 
 
-def _time_round_robin(variants: list[Variant], mf: Any, dev: torch.device, optimizer: str, repeats: int) -> None:
-    runs = [(v, _build(v, mf, dev, optimizer)[2]) for v in variants if not v.error]
+def _time_round_robin(variants: list[Variant], kept: list[Any], mf: Any, dev: torch.device, optimizer: str,
+                      repeats: int) -> None:
+    runs = [(v, (b if b is not None else _build(v, mf, dev, optimizer))[2])
+            for v, b in zip(variants, kept) if not v.error]
     for r in range(repeats):
         print(f"round {r + 1}/{repeats}", file=sys.stderr)
         for v, step in runs:
@@ -182,12 +228,14 @@ def _print_table(args: argparse.Namespace, dev: torch.device, budget: int, varia
     print(f"`python benchmarks/peers.py {' '.join(sys.argv[1:])}` on {dev}{threads}, torch {torch.__version__}; "
           f"budget {budget} bytes ({budget / MIB:.2f} MiB); step times: median of {args.repeats} "
           f"round-robin rounds\n")
+    none = next((v for v in variants if v.name == "no checkpointing" and v.cpu_ms), None)
+    t0, t1 = (min(none.cpu_ms), min(base.cpu_ms)) if none and base else (None, None)
     print("| variant | checkpointed | step ms | vs every layer | CPU ms | vs every layer (CPU) "
-          "| peak bytes (measured) | peak / budget | predicted peak bytes |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| recompute vs every layer (min CPU) | peak bytes (measured) | peak / budget | predicted peak bytes |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for v in variants:
         if v.error:
-            print(f"| {v.name} | {v.error} | | | | | | | |")
+            print(f"| {v.name} | {v.error} | | | | | | | | |")
             continue
         ms, cpu = statistics.median(v.times_ms), statistics.median(v.cpu_ms)
         ratio = f"{ms / base_ms:.2f}x" if base_ms else "n/a"
@@ -196,10 +244,26 @@ def _print_table(args: argparse.Namespace, dev: torch.device, budget: int, varia
         share = f"{100 * v.peak_bytes / budget:.3f}%" if v.peak_bytes is not None else "n/a"
         over = f" (over by {v.peak_bytes - budget} B)" if v.peak_bytes is not None and v.peak_bytes > budget else ""
         predicted = str(v.predicted_peak_bytes) if v.predicted_peak_bytes is not None else "n/a"
-        print(f"| {v.name} | {v.what} | {ms:.1f} | {ratio} | {cpu:.1f} | {cpu_ratio} | {peak} | {share}{over} "
-              f"| {predicted} |")
+        overhead = f"{(min(v.cpu_ms) - t0) / (t1 - t0):.2f}" if t0 is not None and t1 > t0 else "n/a"
+        print(f"| {v.name} | {v.what} | {ms:.1f} | {ratio} | {cpu:.1f} | {cpu_ratio} | {overhead} | {peak} "
+              f"| {share}{over} | {predicted} |")
+    print(f"| sac_milp (torch.distributed._tools) | {SAC_MILP_NOTE} | | | | | | | | |")
     spread = {v.name: f"{min(v.times_ms):.0f}-{max(v.times_ms):.0f}" for v in variants if v.times_ms}
     print("\nstep ms range (min-max) per variant: " + "; ".join(f"{k}: {r}" for k, r in spread.items()))
+    _closest_budget(variants)
+
+
+def _closest_budget(variants: list[Variant]) -> None:
+    """Which torch.compile memory budget's measured peak comes closest to remat op-level's."""
+    ours = next((v for v in variants if v.name.startswith("remat, op-level") and v.peak_bytes), None)
+    theirs = [v for v in variants if isinstance(v.compile_budget, float) and v.peak_bytes and v.cpu_ms]
+    if ours is None or not theirs or not ours.cpu_ms:
+        return
+    near = min(theirs, key=lambda v: abs(v.peak_bytes - ours.peak_bytes))
+    print(f"\nclosest torch.compile memory budget to remat op-level's peak ({ours.peak_bytes / MIB:.2f} MiB): "
+          f"{near.compile_budget:g} at {near.peak_bytes / MIB:.2f} MiB; least CPU ms per step: remat op-level "
+          f"{min(ours.cpu_ms):.1f}, torch.compile {min(near.cpu_ms):.1f} "
+          f"({min(ours.cpu_ms) / min(near.cpu_ms):.2f}x)")
 
 
 

@@ -26,6 +26,8 @@ class Solution:
     min_feasible_bytes: int | None = None
     detail: str = ""
     extra: dict = field(default_factory=dict)
+    selective: dict[str, int] = field(default_factory=dict)
+    """Selective regions: node id -> index into its ``menu`` (op-level policies)."""
 
 
 def top_level(g: nx.DiGraph) -> list[str]:
@@ -34,16 +36,19 @@ def top_level(g: nx.DiGraph) -> list[str]:
 
 
 def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, seconds: float,
-           *, status_if_fits: Status = "feasible", detail: str = "") -> Solution:
-    """A ``Solution`` for ``chosen`` as ``simulate`` sees it: infeasible when over budget.
+           *, status_if_fits: Status = "feasible", detail: str = "",
+           selective: dict[str, int] | None = None) -> Solution:
+    """A ``Solution`` for ``chosen`` (and ``selective`` regions) as ``simulate`` sees it:
+    infeasible when over budget.
 
     ``chosen`` is first extended to every call of the modules it names (``close_ties``): what
     the applier would run. The exact solvers choose tied sets themselves; for the heuristics,
     which pick calls by position, this is their plan as it would train.
     """
-    est = simulate(g, close_ties(g, chosen))
+    est = simulate(g, close_ties(g, chosen), selective)
     fits = est.peak_bytes <= budget_bytes
     return Solution(
         solver=name, checkpointed=tuple(est.checkpointed), status=status_if_fits if fits else "infeasible",
         seconds=seconds, peak_bytes=est.peak_bytes, recompute_ms=est.recompute_ms, detail=detail,
+        selective=dict(est.selective),
     )

@@ -12,6 +12,7 @@ import bisect
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +26,8 @@ class Estimate(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
     checkpointed: list[str]
+    selective: dict[str, int] = Field(default_factory=dict,
+                                      description="Selective regions: node id -> index into its menu.")
     peak_bytes: int
     params_bytes: int = Field(description="Parameters and buffers.")
     grads_bytes: int = Field(description="Gradient buffers live at the peak.")
@@ -210,6 +213,18 @@ used there, and a tensor never held is held from there."""
 # The DP's recurrence (``chain_terms``) keeps autocast's casts as if held (an over-count, so its
 # plans fit and ``auto`` sends amp graphs to the ILP, which has the exact term).
 #
+# Rule 9. Selective regions (op-level checkpointing, NOTE [ Selective menus ] in
+# solvers/selective.py): a candidate c may instead run under a policy pi that keeps the outputs
+# of some op calls (torch's selective checkpointing with those ops MUST_SAVE). c is then a
+# region like a checkpointed unit (in C: its own saves dropped, its inputs held at its forward
+# start, the antichain and tie rules unchanged), with three differences:
+#   - each kept output storage t is held too, positioned at its first save inside c (backward
+#     needs it there), or at end(c) when backward does not need it (the recompute consumes it);
+#   - recomputed(c) leaves out the kept storages: they are held, not re-created;
+#   - its recompute costs pi's recompute_ms: forward_ms(c) less the kept ops' share.
+# Full checkpointing is the policy that keeps nothing. A checkpoint set with policies is a pair
+# (C, P): P maps some members of C to an index into their ``menu``.
+#
 # Not modelled: allocations too brief to leave a window; the planner's headroom
 # (planner.act.api.DEFAULT_HEADROOM) covers them. Per-rank memory: NOTE [ Per-rank memory ].
 
@@ -351,18 +366,20 @@ class CostModel:
         return max((self.forward_base_bytes[i] - self.rank.fwd_static_bytes for i in self.node_leaves[c]),
                    default=0)
 
-    def recomputed_bytes(self, c: str, upto_seq: int) -> int:
+    def recomputed_bytes(self, c: str, upto_seq: int, kept: frozenset[int] = frozenset()) -> int:
         """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the
         tensors ``c`` saves that it also created (not its inputs, nor tensors it reached otherwise),
         and autocast's casts it saves wherever they were made: backward runs outside autocast, so
-        each recompute casts afresh (a shared module's later calls reused the forward's cached cast)."""
+        each recompute casts afresh (a shared module's later calls reused the forward's cached cast).
+        ``kept``: the outputs a selective policy keeps (held, not re-created; Rule 9)."""
         a = self.graph.nodes[c]
         lo_seq, hi_seq = a["fwd_start_seq"], a["fwd_end_seq"]
         created = self.graph.graph["tensor_created_seq"]
         casts = self.cast_ids
         lo = bisect.bisect_left(self.save_seqs, lo_seq)
         hi = bisect.bisect_right(self.save_seqs, min(hi_seq, upto_seq))
-        seen = {t for _, t, _ in self.saves[lo:hi] if lo_seq <= created.get(t, -1) <= hi_seq or t in casts}
+        seen = {t for _, t, _ in self.saves[lo:hi]
+                if (lo_seq <= created.get(t, -1) <= hi_seq or t in casts) and t not in kept}
         return sum(self.tensor_bytes[t] for t in seen)
 
     def replay_in_flight(self, c: str) -> int:
@@ -380,9 +397,14 @@ class CostModel:
         return sum(self.tensor_bytes[t] for c, t in self.casts
                    if c <= seq and pos.get(t, ALIVE_SEQ + 1) > seq and t not in counted)
 
-    def holdings(self, chosen: frozenset[str]) -> dict[int, int]:
-        """tensor -> earliest holding position p(t), for the held tensors (see NOTE)."""
+    def holdings(self, chosen: frozenset[str], policies: Mapping[str, Any] | None = None) -> dict[int, int]:
+        """tensor -> earliest holding position p(t), for the held tensors (see NOTE); ``chosen``
+        are all regions, ``policies`` the selective ones' (Rule 9)."""
         pos: dict[int, int] = {}
+        for pol in (policies or {}).values():
+            for seq, t in pol.cached:
+                if seq < pos.get(t, 1 << 62):
+                    pos[t] = seq
         for seq, t, containers in self.saves:
             if chosen and any(c in chosen for c in containers):
                 continue
@@ -395,10 +417,14 @@ class CostModel:
                     pos[t] = start
         return pos
 
-    def probes(self, chosen: frozenset[str]) -> Iterator[tuple[str, int, int, int]]:
-        """(name, total_bytes, grads_bytes, extra_params_bytes) for every probe of the NOTE."""
+    def probes(self, chosen: frozenset[str],
+               policies: Mapping[str, Any] | None = None) -> Iterator[tuple[str, int, int, int]]:
+        """(name, total_bytes, grads_bytes, extra_params_bytes) for every probe of the NOTE;
+        ``chosen`` are all regions, ``policies`` the selective ones' (``policies_of``, Rule 9)."""
         g, rk, tb = self.graph, self.rank, self.tensor_bytes
-        pos = self.holdings(chosen)
+        policies = policies or {}
+        kept = {c: pol.cached_ids for c, pol in policies.items()}
+        pos = self.holdings(chosen, policies)
         held = sorted((p, tb[t]) for t, p in pos.items())
         held_pos = [p for p, _ in held]
         prefix = [0]
@@ -418,13 +444,14 @@ class CostModel:
             out_extra += self.cached_casts(pos, end, in_flight_ids)
             yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
             _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
-            rec = self.recomputed_bytes(owner[i], end) if i in owner else 0
+            rec = self.recomputed_bytes(owner[i], end, kept.get(owner[i], frozenset())) if i in owner else 0
             yield f"backward of {leaf}", self.backward_base_bytes[i] + h + rec, grads, extra
             prev_end = end
         for c in sorted(chosen, key=lambda n: g.nodes[n]["order"]):  # ties resolve the same way every run
             end = g.nodes[c]["fwd_end_seq"]
             static, grads, extra = self.backward_static(end, end)
-            total = (static + held_upto(end) + self.recomputed_bytes(c, end) + self.replay_in_flight(c)
+            total = (static + held_upto(end) + self.recomputed_bytes(c, end, kept.get(c, frozenset()))
+                     + self.replay_in_flight(c)
                      + self.recompute_transient_bytes(c))
             yield f"recompute of {c}", total, grads, extra
         h_all = prefix[-1]
@@ -441,10 +468,20 @@ class CostModel:
         return _chain_terms(self)
 
 
-def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str]) -> frozenset[str]:
+def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str],
+                         selective: Mapping[str, int] | None = None) -> frozenset[str]:
     """Validate a checkpoint choice: known node ids, no node together with an ancestor, and
-    every call of a module or none of them (see NOTE [ Tied calls ])."""
-    chosen = frozenset(checkpointed)
+    every call of a module or none of them (see NOTE [ Tied calls ]). ``selective`` maps further
+    nodes to an index into their ``menu`` (NOTE [ Peak-memory model ], Rule 9); they are regions
+    too. Returns all regions."""
+    full = frozenset(checkpointed)
+    chosen = full | frozenset(selective or ())
+    for n, k in (selective or {}).items():
+        if n in full:
+            raise SolverError(f"{n!r} is both checkpointed and selective; choose one")
+        menu = g.nodes[n].get("menu", ()) if n in g.nodes else ()
+        if n in g.nodes and not 0 <= k < len(menu):
+            raise SolverError(f"{n!r} has no selective policy {k} (its menu has {len(menu)})")
     unknown = sorted(chosen - set(g.nodes))
     if unknown:
         raise SolverError(f"unknown candidate(s) {unknown[:5]}; candidates are graph node ids")
@@ -511,31 +548,43 @@ def _enclosing(g: nx.DiGraph, n: str, among) -> str | None:
     return p
 
 
-def window_bytes(g: nx.DiGraph, checkpointed: Iterable[str], *, calibrated: bool = True) -> dict[str, int]:
+def policies_of(g: nx.DiGraph, selective: Mapping[str, int] | None) -> dict[str, Any]:
+    """node -> its chosen ``solvers.selective.Policy`` (Rule 9)."""
+    return {n: g.nodes[n]["menu"][k] for n, k in (selective or {}).items()}
+
+
+def window_bytes(g: nx.DiGraph, checkpointed: Iterable[str], *, calibrated: bool = True,
+                 selective: Mapping[str, int] | None = None) -> dict[str, int]:
     """The model's bytes at every probe of the NOTE, by name ('forward of h.0', 'optimizer step', ...).
 
     ``calibrated=False`` leaves out the temporaries T: what is live at the end of each window.
     ``verify`` and the validation step compare these with measurements, window by window.
     """
     model = CostModel.of(g) if calibrated else CostModel.build(g, calibrated=False)
-    return {name: total for name, total, _, _ in model.probes(check_checkpoint_set(g, checkpointed))}
+    regions = check_checkpoint_set(g, checkpointed, selective)
+    return {name: total for name, total, _, _ in model.probes(regions, policies_of(g, selective))}
 
 
-def simulate(g: nx.DiGraph, checkpointed: Iterable[str]) -> Estimate:
+def simulate(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[str, int] | None = None) -> Estimate:
     """Predict peak memory (with breakdown) and recompute time of one training step.
 
-    ``checkpointed`` is a set of graph node ids (an antichain of the module tree).
+    ``checkpointed`` is a set of graph node ids (an antichain of the module tree); ``selective``
+    maps further nodes to an index into their ``menu`` (op-level policies, Rule 9).
     See NOTE [ Peak-memory model ] for the semantics.
     Cost: O(S log S + n * s) for S saves, n leaves and s saves per checkpointed unit.
     """
-    chosen = check_checkpoint_set(g, checkpointed)
+    regions = check_checkpoint_set(g, checkpointed, selective)
+    policies = policies_of(g, selective)
+    full = regions - set(policies)
     model = CostModel.of(g)
-    name, peak, grads, extra = max(model.probes(chosen), key=lambda p: p[1])
+    name, peak, grads, extra = max(model.probes(regions, policies), key=lambda p: p[1])
     params = model.rank.params_bytes + extra  # extra: FSDP's unsharded parameters at that point
     opt = model.rank.optimizer_bytes
-    recompute_ms = g.graph.get("micro_batches", 1) * sum(g.nodes[c]["forward_ms"] for c in chosen)
+    recompute_ms = g.graph.get("micro_batches", 1) * (sum(g.nodes[c]["forward_ms"] for c in full)
+                                                       + sum(pol.recompute_ms for pol in policies.values()))
     return Estimate(
-        checkpointed=sorted(chosen, key=lambda n: g.nodes[n]["order"]),
+        checkpointed=sorted(full, key=lambda n: g.nodes[n]["order"]),
+        selective={n: int(k) for n, k in sorted((selective or {}).items(), key=lambda kv: g.nodes[kv[0]]["order"])},
         peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
         activations_bytes=peak - params - grads - opt, peak_at=name,
         recompute_ms=recompute_ms, step_ms=g.graph["step_ms"] + recompute_ms,
@@ -572,21 +621,32 @@ def calibrate(g: nx.DiGraph) -> None:
 class ChainTerms:
     """The model of NOTE [ Peak-memory model ] on a graph without nesting, as a chain recurrence.
 
-    With c_i in {0, 1} (leaf i checkpointed) and H_i = sum_{j<=i} delta[j][c_{j-1}][c_i]
-    (c_{-1} = 0), the peak is max(const_bytes, max_i H_i + k[i][c_i],
-    H_{n-1} + tail_delta[c_{n-1}] + tail_k). Exact when ``exact``; otherwise every term
-    over-counts (a tensor held by two non-adjacent leaves is counted twice), so a plan that
-    fits under the recurrence fits under ``simulate``.
+    Each leaf i takes a choice c_i: 0 = not checkpointed, 1 = checkpointed, 2 + j = selective
+    with policy j of its ``menu`` (Rule 9; ``choices(i)`` in all). With
+    H_i = sum_{j<=i} delta[j][c_{j-1}][c_i] (c_{-1} = 0), the peak is max(const_bytes,
+    max_i H_i + k[i][c_i], H_{n-1} + tail_delta[c_{n-1}] + tail_k); the recompute is
+    sum_i cost_ms[i][c_i]. Exact when ``exact``; otherwise every term over-counts (a tensor
+    held by two non-adjacent leaves is counted twice), so a plan that fits under the
+    recurrence fits under ``simulate``.
     """
 
     leaves: tuple[str, ...]
     forward_ms: tuple[float, ...]
-    delta: tuple[tuple[tuple[int, int], tuple[int, int]], ...]  # delta[i][prev][cur]
-    k: tuple[tuple[int, int], ...]  # k[i][cur]
-    tail_delta: tuple[int, int]
+    delta: tuple[tuple[tuple[int, ...], ...], ...]  # delta[i][prev][cur]
+    k: tuple[tuple[int, ...], ...]  # k[i][cur]
+    tail_delta: tuple[int, ...]
     tail_k: int
     const_bytes: int
     exact: bool
+    cost_ms: tuple[tuple[float, ...], ...]  # cost_ms[i][cur]: the recompute of that choice (one micro-batch)
+
+    def choices(self, i: int) -> int:
+        return len(self.k[i])
+
+    def plan(self, picks: list[int]) -> tuple[list[str], dict[str, int]]:
+        """(checkpointed leaves, selective {leaf: policy}) of one choice per leaf."""
+        full = [x for x, c in zip(self.leaves, picks) if c == 1]
+        return full, {x: c - 2 for x, c in zip(self.leaves, picks) if c >= 2}
 
 
 def chain_terms(g: nx.DiGraph) -> ChainTerms:
@@ -599,7 +659,7 @@ def chain_terms(g: nx.DiGraph) -> ChainTerms:
 
 # A holding of a tensor, for the chain recurrence: (window, leaf index or None, kind). kind 0 is a
 # save (None: glue code outside every leaf, or autocast's cast kept as if held), dropped when its
-# leaf is checkpointed; kind 1 is the input a checkpointed leaf keeps.
+# leaf is a region; kind 1 is the input a region keeps; kind 2 + j an output policy j keeps.
 _Holding = tuple[int, "int | None", int]
 
 
@@ -611,20 +671,30 @@ def _chain_terms(model: CostModel) -> ChainTerms:
     delta, tail_delta, exact_deltas = _chain_deltas(model, hold)
     # autocast's casts no one holds stay alive to the forward's end (NOTE [ Peak-memory model ], Rule 8)
     unsaved_casts = [(c, model.tensor_bytes[t]) for c, t in model.casts if t not in hold]
+    menus = [_menu(g, x) for x in model.leaves]
     return ChainTerms(
         leaves=model.leaves,
         forward_ms=tuple(g.nodes[x]["forward_ms"] for x in model.leaves),
-        delta=tuple(((d[0][0], d[0][1]), (d[1][0], d[1][1])) for d in delta),
-        k=_chain_peaks(model, hold, unsaved_casts), tail_delta=(tail_delta[0], tail_delta[1]),
+        delta=tuple(tuple(tuple(row) for row in d) for d in delta),
+        k=_chain_peaks(model, hold, unsaved_casts), tail_delta=tuple(tail_delta),
         tail_k=max(model.tail_forward_base_bytes + sum(b for _, b in unsaved_casts), model.tail_backward_base_bytes),
         const_bytes=model.rank.opt_static_bytes, exact=exact_holdings and exact_deltas,
+        cost_ms=tuple((0.0, g.nodes[x]["forward_ms"], *(p.recompute_ms for p in m))
+                      for x, m in zip(model.leaves, menus)),
     )
 
 
+def _menu(g: nx.DiGraph, node: str) -> tuple[Any, ...]:
+    """The node's selective policies (``solvers.selective.Policy``), empty without op records."""
+    return tuple(g.nodes[node].get("menu", ()))
+
+
 def _in_force(h: _Holding, c: int) -> bool:
-    """Whether holding ``h`` holds its tensor when its leaf's bit is ``c`` (1: checkpointed)."""
+    """Whether holding ``h`` holds its tensor when its leaf's choice is ``c`` (ChainTerms)."""
     _, leaf, kind = h
-    return True if leaf is None else (c == 1) == (kind == 1)
+    if leaf is None:
+        return True
+    return c == 0 if kind == 0 else c >= 1 if kind == 1 else c == kind
 
 
 def _chain_holdings(model: CostModel) -> tuple[dict[int, list[_Holding]], bool]:
@@ -642,15 +712,19 @@ def _chain_holdings(model: CostModel) -> tuple[dict[int, list[_Holding]], bool]:
     for i, x in enumerate(model.leaves):
         for t in model.graph.nodes[x]["input_ids"]:
             hold.setdefault(t, []).append((i, i, 1))
+        for j, pol in enumerate(_menu(model.graph, x)):
+            for seq, t in pol.cached:
+                hold.setdefault(t, []).append((window(seq), i, 2 + j))
     return hold, exact
 
 
 def _chain_deltas(model: CostModel, hold: dict[int, list[_Holding]]) -> tuple[list, list[int], bool]:
-    """The held bytes each window adds, delta[w][previous bit][bit], and the tail's; exact unless a
-    tensor is held by two non-adjacent leaves (then it is counted twice: an over-count)."""
+    """The held bytes each window adds, delta[w][previous choice][choice], and the tail's; exact unless
+    a tensor is held by two non-adjacent leaves (then it is counted twice: an over-count)."""
     n = len(model.leaves)
-    delta = [[[0, 0], [0, 0]] for _ in range(n)]
-    tail_delta = [0, 0]
+    nch = [2 + len(_menu(model.graph, x)) for x in model.leaves]
+    delta = [[[0] * nch[w] for _ in range(nch[w - 1] if w else 2)] for w in range(n)]
+    tail_delta = [0] * (nch[n - 1] if n else 2)
     exact = True
     for t, hs in hold.items():
         b = model.tensor_bytes[t]
@@ -661,34 +735,35 @@ def _chain_deltas(model: CostModel, hold: dict[int, list[_Holding]]) -> tuple[li
                 continue  # a glue holding earlier is always in force: counted there
             far = [h for h in before if h[1] is not None and h[1] < w - 1]
             prev = [h for h in before if h[1] == w - 1]
-            for a_prev in (0, 1):
+            for a_prev in range(nch[w - 1] if w else 2):  # before leaf 0 the choice is 0: rows equal
                 exact = exact and not far  # counted again although a far leaf may hold it
                 if any(_in_force(h, a_prev) for h in prev):
                     continue
                 if w == n:  # the tail window holds glue holdings only: always in force
                     tail_delta[a_prev] += b
                     continue
-                for cur in (0, 1):
+                for cur in range(nch[w]):
                     if any(_in_force(h, cur) for h in here):
                         delta[w][a_prev][cur] += b
     return delta, tail_delta, exact
 
 
 def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
-                 unsaved_casts: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """k[i][bit]: window i's largest probe on top of the held bytes (forward with its in-flight
-    tensors and the unheld casts made so far, backward, and with bit 1 the leaf's recompute)."""
+                 unsaved_casts: list[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+    """k[i][choice]: window i's largest probe on top of the held bytes (forward with its in-flight
+    tensors and the unheld casts made so far, backward, and for a region the leaf's recompute)."""
     k = []
     for i, (x, end) in enumerate(zip(model.leaves, model.leaf_end_seq)):
-        rec = model.recomputed_bytes(x, end)
+        recs = [0, model.recomputed_bytes(x, end)] + [model.recomputed_bytes(x, end, pol.cached_ids)
+                                                       for pol in _menu(model.graph, x)]
         terms = []
-        for cur in (0, 1):
+        for cur, rec in enumerate(recs):
             out_extra = sum(model.tensor_bytes[t] for t in model.graph.nodes[x]["in_flight_ids"]
                             if not any(h[0] <= i and _in_force(h, cur) for h in hold.get(t, ())))
             fwd = model.forward_base_bytes[i] + out_extra + sum(b for c, b in unsaved_casts if c <= end)
-            bwd = model.backward_base_bytes[i] + (rec if cur else 0)
+            bwd = model.backward_base_bytes[i] + rec
             rcp = (model.recompute_static_bytes(x) + rec + model.replay_in_flight(x)
                    + model.forward_base_bytes[i] - model.rank.fwd_static_bytes) if cur else 0
             terms.append(max(fwd, bwd, rcp))
-        k.append((terms[0], terms[1]))
+        k.append(tuple(terms))
     return tuple(k)

@@ -59,7 +59,7 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, max_states: int = 1 << 16, **_: o
         sol = judged("dp", g, [], budget_bytes, seconds)
         return Solution(**{**sol.__dict__, "status": "infeasible", "min_feasible_bytes": min_peak,
                            "detail": f"no plan fits; the minimum feasible budget is {min_peak} bytes"})
-    chosen = [leaf for leaf, b in zip(terms.leaves, best[1]) if b]
+    chosen, selective = terms.plan(best[1])
     proven = terms.exact and not approx
     detail = "exact chain recurrence" if proven else (
         "graph is not a chain: recurrence over-counts shared tensors" if not terms.exact
@@ -67,7 +67,7 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, max_states: int = 1 << 16, **_: o
     if len(runs) > 1:
         detail += f"; {len(runs)} runs, one per choice for the modules called more than once"
     sol = judged("dp", g, chosen, budget_bytes, seconds, status_if_fits="optimal" if proven else "feasible",
-                 detail=detail)
+                 detail=detail, selective=selective)
     return Solution(**{**sol.__dict__, "min_feasible_bytes": min_peak})
 
 
@@ -147,13 +147,12 @@ def _backtrack(history: list[dict[int, _Front]], bit: int, idx: int) -> list[int
 
 def _run(t: ChainTerms, value_fn, keep_fn, start_value: float, max_states: int, grid_scale: int,
          fixed: dict[int, int]):
-    """The fronts after every leaf; a leaf in ``fixed`` takes only its fixed bit."""
-    fronts = {0: _Front.start(start_value), 1: _Front.start(start_value)}
-    fronts[1] = _Front(fronts[1].h[:0], fronts[1].v[:0], fronts[1].prev_bit[:0], fronts[1].prev_idx[:0])
+    """The fronts after every leaf; a leaf in ``fixed`` takes only its fixed choice."""
+    fronts = {0: _Front.start(start_value)}
     history, approx = [], False
     for i in range(len(t.leaves)):
         new = {}
-        for c in (0, 1):
+        for c in range(t.choices(i)):
             allowed = fixed.get(i, c) == c
             f = _step(fronts, t, i, c, lambda v, h, c=c, i=i: value_fn(v, h, i, c),
                       keep_fn(i, c) if allowed else (lambda h2, v2: np.zeros(len(h2), dtype=bool)))
@@ -172,7 +171,7 @@ def _min_recompute(t: ChainTerms, budget: int, max_states: int,
     if t.const_bytes > budget:
         return None, False, math.inf
     fronts, history, approx = _run(
-        t, lambda v, h, i, c: v + c * t.forward_ms[i],
+        t, lambda v, h, i, c: v + t.cost_ms[i][c],
         lambda i, c: (lambda h2, v2: h2 + t.k[i][c] <= budget), 0.0, max_states, lambda f: budget, fixed)
     best = None
     for a, f in fronts.items():

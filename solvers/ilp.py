@@ -44,12 +44,12 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Iterable, Literal
 
 import networkx as nx
 import pulp
 
-from solvers.cost_model import ALIVE_SEQ, CostModel, close_ties, is_tied, simulate, tie_groups
+from solvers.cost_model import ALIVE_SEQ, CostModel, Estimate, close_ties, is_tied, simulate, tie_groups
 from solvers.base import Solution, Status, judged
 from solvers.ilp_bound import Bound, sequential_bound
 
@@ -96,6 +96,8 @@ class Program:
     scale_bytes: int  # a power of two (``_scale_bytes``)
     stats: dict = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()  # calls of one module: x equal (NOTE [ Tied calls ])
+    alternatives: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Candidate -> its selective policies' variables (their ``parent`` is the candidate; Rule 7)."""
 
 
 def _lin_add(acc: Lin, form: Lin, scale: float = 1.0) -> None:
@@ -156,6 +158,66 @@ def _ancestors(g: nx.DiGraph) -> dict[str, frozenset[str]]:
             p = g.nodes[p]["parent"]
         out[v] = frozenset(acc)
     return out
+
+
+_POLICY_MARK = "@sac"
+"""Variable id of policy j of candidate v: f"{v}@sac{j}" (NOTE [ ILP formulation ], Rule 7)."""
+
+
+def policy_var(v: str, j: int) -> str:
+    return f"{v}{_POLICY_MARK}{j}"
+
+
+def split_vars(chosen: Iterable[str]) -> tuple[list[str], dict[str, int]]:
+    """Chosen variables -> (checkpointed candidates, selective {candidate: policy index})."""
+    full, sel = [], {}
+    for var in chosen:
+        base, mark, j = var.rpartition(_POLICY_MARK)
+        if mark and j.isdigit():
+            sel[base] = int(j)
+        else:
+            full.append(var)
+    return full, sel
+
+
+def simulate_vars(g: nx.DiGraph, chosen: Iterable[str]) -> Estimate:
+    """``simulate`` of a set of chosen variables (candidates and policies)."""
+    full, sel = split_vars(chosen)
+    return simulate(g, full, sel)
+
+
+@dataclass(frozen=True)
+class _Vars:
+    """The program's 0/1 variables (NOTE [ ILP formulation ], Rules 1 and 7): one per candidate and
+    one per selective policy of a candidate, each with the candidate it stands for."""
+
+    cands: list[str]  # candidates, forward order
+    alts: dict[str, tuple[str, ...]]  # candidate -> its policy variables
+    names: list[str]  # every variable: each candidate followed by its policies
+    base: dict[str, str]  # variable -> its candidate
+    kept: dict[str, frozenset[int]]  # policy variable -> the tensors it keeps
+
+    @staticmethod
+    def of(g: nx.DiGraph) -> _Vars:
+        cands = sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
+        alts = {v: tuple(policy_var(v, j) for j in range(len(g.nodes[v].get("menu", ())))) for v in cands}
+        base = {pv: v for v in cands for pv in alts[v]} | {v: v for v in cands}
+        kept = {pv: g.nodes[v]["menu"][j].cached_ids for v in cands for j, pv in enumerate(alts[v])}
+        return _Vars(cands, alts, [var for v in cands for var in (v, *alts[v])], base, kept)
+
+    def ancestors(self, anc: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+        """``anc`` over variables: a policy conflicts with its candidate, the candidate's other
+        policies, and everything the candidate conflicts with."""
+        out = {v: a | {pv for u in a for pv in self.alts[u]} for v, a in anc.items()}
+        for v, pvs in self.alts.items():
+            for j, pv in enumerate(pvs):
+                out[pv] = out[v] | {v} | set(pvs[:j])
+        return out
+
+    def forward_ms(self, g: nx.DiGraph) -> dict[str, float]:
+        """Each variable's recompute: the candidate's forward, or the policy's ``recompute_ms``."""
+        return {v: g.nodes[v]["forward_ms"] for v in self.cands} | {
+            pv: g.nodes[v]["menu"][j].recompute_ms for v in self.cands for j, pv in enumerate(self.alts[v])}
 
 
 def _term_affine(term: _Term) -> _Affine:
@@ -288,6 +350,14 @@ def _tensor_steps(groups: list[tuple[int, set[_Term]]], anc: dict[str, frozenset
 # Rule 5. Tied calls.
 # x_v = x_w for the calls v, w of one module ("tied ..."; NOTE [ Tied calls ]).
 #
+# Rule 7. Selective policies (NOTE [ Peak-memory model ], Rule 9).
+# Policy j of candidate v is one more variable p = x_{v,j} that stands for v as a region: it
+# joins every antichain row v is in (so v, its policies and its relatives are at most one), a
+# save inside v is dropped when any of v's variables is 1, v's inputs are held by each, and
+# the outputs p keeps are held by p alone, positioned as ``Policy.cached`` says. Its backward
+# and recompute rows count recomputed(v) less what p keeps; its objective coefficient is p's
+# recompute_ms. Tied calls have no menu (planner/model/graph.py), so Rule 5 is unchanged.
+#
 # Rule 6. Objectives.
 # Recompute model: min sum_v forward_ms(v) x_v with P <= budget + 1/2 (probes are whole bytes,
 # so "<= budget + 1/2" is "<= budget" with half a byte of slack against solver tolerances).
@@ -302,21 +372,23 @@ def build_program(g: nx.DiGraph) -> Program:
     tensor's holdings as steps of prefix ORs, the running sums H_b, and the probe rows."""
     model = CostModel.of(g)
     scale = _scale_bytes(model)
-    nodes = sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
-    anc = _ancestors(g)
+    var = _Vars.of(g)
+    anc = var.ancestors(_ancestors(g))
     buckets = _Buckets.of(g, model)
-    groups, n_tensors = _tensor_groups(g, model, nodes, anc, buckets)
+    groups, n_tensors = _tensor_groups(g, model, var, anc, buckets)
     ors, delta, in_flight = _running_sums(groups, buckets, scale)
-    probes, big_m = _probe_rows(g, model, nodes, buckets, in_flight, scale)
-    paths = [p for p in ((leaf, *anc[leaf]) for leaf in model.leaves) if len(p) > 1]
-    stats = {"scale_bytes": scale, "candidates": len(nodes), "leaves": len(model.leaves),
+    probes, big_m = _probe_rows(g, model, var, buckets, in_flight, scale)
+    paths = [p for p in ((leaf, *var.alts[leaf], *sorted(anc[leaf])) for leaf in model.leaves) if len(p) > 1]
+    stats = {"scale_bytes": scale, "candidates": len(var.cands), "policies": len(var.names) - len(var.cands),
+             "leaves": len(model.leaves),
              "tensors": n_tensors, "tensor_groups": len(groups), "or_variables": len(ors), "or_rows": sum(map(len, ors)),
              "buckets": buckets.last + 1, "probe_rows": len(probes), "antichain_rows": len(paths),
              "big_m_rows": big_m}
     ties = tie_groups(g)
     stats["tie_rows"] = sum(len(group) - 1 for group in ties)
-    return Program(nodes, {v: g.nodes[v]["forward_ms"] for v in nodes},
-                   {v: g.nodes[v]["parent"] for v in nodes}, paths, ors, delta, probes, scale, stats, ties)
+    parent = {v: g.nodes[v]["parent"] for v in var.cands} | {pv: var.base[pv] for pv in var.kept}
+    return Program(var.names, var.forward_ms(g), parent, paths, ors, delta, probes, scale, stats, ties,
+                   {v: a for v, a in var.alts.items() if a})
 
 
 def _scale_bytes(model: CostModel) -> int:
@@ -347,16 +419,22 @@ class _Buckets:
         return bisect.bisect_left(self.thresholds, pos)
 
 
-def _tensor_groups(g: nx.DiGraph, model: CostModel, nodes: list[str], anc: dict[str, frozenset[str]],
+def _tensor_groups(g: nx.DiGraph, model: CostModel, var: _Vars, anc: dict[str, frozenset[str]],
                    bucket: _Buckets) -> tuple[dict[tuple, int], int]:
     """Each held tensor's steps of prefix ORs; tensors with the same steps (and the same leaf
     they are in flight in, where that matters) are one group with their summed bytes."""
     holds: dict[int, dict[int, set[_Term]]] = {}
     for seq, t, containers in model.saves:
-        holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("save", frozenset(containers)))
-    for v in nodes:
-        for t in g.nodes[v]["input_ids"]:
-            holds.setdefault(t, {}).setdefault(bucket(g.nodes[v]["fwd_start_seq"]), set()).add(("input", v))
+        regions = frozenset(containers) | {pv for c in containers for pv in var.alts[c]}
+        holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("save", regions))
+    for v in var.names:
+        a = g.nodes[var.base[v]]
+        for t in a["input_ids"]:
+            holds.setdefault(t, {}).setdefault(bucket(a["fwd_start_seq"]), set()).add(("input", v))
+    for v in var.cands:  # an output a policy keeps is held iff that policy is chosen: like an input
+        for j, pv in enumerate(var.alts[v]):
+            for seq, t in g.nodes[v]["menu"][j].cached:
+                holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("input", pv))
     out_leaf = {t: i for i, leaf in enumerate(model.leaves) for t in g.nodes[leaf]["in_flight_ids"]}
     step_cache: dict[tuple, tuple] = {}
     groups: dict[tuple, int] = {}
@@ -408,13 +486,14 @@ def _affine_form(a: _Affine) -> Lin:
     return {None: float(a[0]), **{v: float(c) for v, c in a[1]}}
 
 
-def _probe_rows(g: nx.DiGraph, model: CostModel, nodes: list[str], bucket: _Buckets,
+def _probe_rows(g: nx.DiGraph, model: CostModel, var: _Vars, bucket: _Buckets,
                 in_flight: dict[int, Lin], scale: int) -> tuple[list[Probe], int]:
     """The probes of NOTE [ Peak-memory model ], named as simulate names them, on the cost model's
     bases; and how many recompute rows need a big-M term."""
     probes: list[Probe] = []
-    contains = {i: [c for c in nodes if i in model.node_leaves[c]] for i in range(len(model.leaves))}
-    casts = _cast_terms(g, model, nodes, scale)
+    base, kept = var.base, var.kept
+    contains = {i: [c for c in var.names if i in model.node_leaves[base[c]]] for i in range(len(model.leaves))}
+    casts = _cast_terms(g, model, var, scale)
     for i, (leaf, e) in enumerate(zip(model.leaves, model.leaf_end_seq)):
         in_flight_ids = g.nodes[leaf]["in_flight_ids"]
         cast_form, cast_bytes = casts(e, in_flight_ids)
@@ -423,19 +502,20 @@ def _probe_rows(g: nx.DiGraph, model: CostModel, nodes: list[str], bucket: _Buck
         out_bytes = sum(model.tensor_bytes[t] for t in in_flight_ids)
         probes.append(Probe(f"forward of {leaf}", bucket.leaf[i], fwd_extra,
                             model.forward_base_bytes[i] + out_bytes + cast_bytes))
-        rec = {c: model.recomputed_bytes(c, e) / scale for c in contains[i]}
+        rec = {c: model.recomputed_bytes(base[c], e, kept.get(c, frozenset())) / scale for c in contains[i]}
         probes.append(Probe(f"backward of {leaf}", bucket.leaf[i], {c: r for c, r in rec.items() if r},
                             model.backward_base_bytes[i]))
     big_m = 0
-    for c in nodes:
-        end = g.nodes[c]["fwd_end_seq"]
-        const = model.recompute_static_bytes(c)
+    for c in var.names:
+        v = base[c]
+        end = g.nodes[v]["fwd_end_seq"]
+        const = model.recompute_static_bytes(v)
         later = bisect.bisect_left(model.leaf_end_seq, end)
         m = max(0, const - (model.backward_base_bytes[later] if later < len(model.leaves)
                             else model.tail_backward_base_bytes))
         big_m += m > 0
-        coef = (model.recomputed_bytes(c, end) + model.replay_in_flight(c) + model.recompute_transient_bytes(c)
-                + m) / scale
+        coef = (model.recomputed_bytes(v, end, kept.get(c, frozenset())) + model.replay_in_flight(v)
+                + model.recompute_transient_bytes(v) + m) / scale
         extra = {**({c: coef} if coef else {}), **({None: -m / scale} if m else {})}
         probes.append(Probe(f"recompute of {c}", bucket(end), extra, const))
     cast_form, cast_bytes = casts(ALIVE_SEQ)
@@ -445,18 +525,19 @@ def _probe_rows(g: nx.DiGraph, model: CostModel, nodes: list[str], bucket: _Buck
     return probes, big_m
 
 
-def _cast_terms(g: nx.DiGraph, model: CostModel, nodes: list[str],
+def _cast_terms(g: nx.DiGraph, model: CostModel, var: _Vars,
                 scale: int) -> Callable[..., tuple[Lin, int]]:
     """seq -> (form in multiples of ``scale``, constant bytes) of autocast's cached casts made by
     ``seq``, not held then and not in ``in_flight`` (counted as such) (NOTE [ Peak-memory model ],
     Rule 8). A cast saved before ``seq`` is unheld when a candidate containing all its saves is
-    checkpointed: x_c for each such c (an antichain picks at most one); a cast saved only later,
-    or never, is alive through the cache whatever is checkpointed."""
+    checkpointed: x_c for each such c (an antichain picks at most one; a policy that keeps the
+    cast holds it instead); a cast saved only later, or never, is alive through the cache
+    whatever is checkpointed."""
     saves: dict[int, list[int]] = {}
     for seq, t, _ in model.saves:
         saves.setdefault(t, []).append(seq)
-    span = {v: (g.nodes[v]["fwd_start_seq"], g.nodes[v]["fwd_end_seq"]) for v in nodes}
-    inputs = {t for v in nodes for t in g.nodes[v]["input_ids"]}  # casts are not, in models we know
+    span = {v: (g.nodes[var.base[v]]["fwd_start_seq"], g.nodes[var.base[v]]["fwd_end_seq"]) for v in var.names}
+    inputs = {t for v in var.cands for t in g.nodes[v]["input_ids"]}  # casts are not, in models we know
 
     def at(seq: int, in_flight: frozenset[int] = frozenset()) -> tuple[Lin, int]:
         form: Lin = {}
@@ -469,7 +550,7 @@ def _cast_terms(g: nx.DiGraph, model: CostModel, nodes: list[str],
                 const += model.tensor_bytes[t]
                 continue
             for v, (lo, hi) in span.items():
-                if lo <= min(seqs) and max(seqs) <= hi:
+                if lo <= min(seqs) and max(seqs) <= hi and t not in var.kept.get(v, ()):
                     form[v] = form.get(v, 0.0) + model.tensor_bytes[t] / scale
         return form, const
 
@@ -753,7 +834,7 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
         run.notes.append("the sequential relaxation admits no plan (NOTE [ Sequential relaxation ])")
         return run.infeasible()
     # the relaxation ignores ties (a relaxation still): its plan proves optimality only if tied
-    if bound is not None and is_tied(g, bound.plan) and simulate(g, bound.plan).peak_bytes <= budget_bytes:
+    if bound is not None and is_tied(g, bound.plan) and simulate_vars(g, bound.plan).peak_bytes <= budget_bytes:
         run.notes.append("proven by the sequential relaxation: its plan fits, and no plan has less recompute "
                          "(NOTE [ Sequential relaxation ])")
         chosen = run.lower_peak(frozenset(bound.plan)) if prefer_low_peak else bound.plan
@@ -835,7 +916,7 @@ class _Run:
                 self.notes.append(out.note)
             if out.state in ("infeasible", "none") or cap_bytes is None:
                 return out
-            over = simulate(self.g, out.chosen).peak_bytes - cap_bytes
+            over = simulate_vars(self.g, out.chosen).peak_bytes - cap_bytes
             if over <= 0:
                 return out
             self.n_cuts += 1
@@ -864,7 +945,7 @@ class _Run:
         Gets a quarter of the time spent so far (at least 0.2 s): the recompute is already
         optimal, this only picks among equals.
         """
-        first = simulate(self.g, chosen)
+        first = simulate_vars(self.g, chosen)
         spent = time.perf_counter() - self.t0
         limit = max(0.2, 0.25 * spent)
         spare = self.left()
@@ -884,7 +965,7 @@ class _Run:
             self.objective("recompute")
         if second.state not in ("optimal", "feasible"):
             return chosen
-        est = simulate(self.g, second.chosen)
+        est = simulate_vars(self.g, second.chosen)
         if est.recompute_ms <= bound and est.peak_bytes < first.peak_bytes:
             self.notes.append(f"peak tie-break: {first.peak_bytes} -> {est.peak_bytes} bytes at equal recompute")
             return second.chosen
@@ -918,7 +999,7 @@ class _Run:
                 proven = out.state == "optimal"
             # the solver's optimum may sit a byte or so under the rounded plan's peak (see
             # ``fitting``): unless its bound rules it out, ask for a plan one byte lower
-            peak = simulate(g, best).peak_bytes
+            peak = simulate_vars(g, best).peak_bytes
             scale = self.model.program.scale_bytes
             while proven and not (out.bound is not None and out.bound * scale > peak - 1 + 1e-6 * scale):
                 out = self.fitting(peak - 1)
@@ -927,13 +1008,14 @@ class _Run:
                 if out.state != "optimal" and out.state != "feasible":
                     proven = False
                     break
-                best, peak = out.chosen, simulate(g, out.chosen).peak_bytes
+                best, peak = out.chosen, simulate_vars(g, out.chosen).peak_bytes
             self.objective("recompute")
-        est = simulate(g, best)
+        est = simulate_vars(g, best)
         if not proven:
             self.notes.append("min_feasible_bytes is the best peak found in time, not proven minimal")
         self.notes.append(f"no plan fits; the minimum feasible budget is {est.peak_bytes} bytes")
-        sol = judged("ilp", g, best, self.budget, time.perf_counter() - self.t0)
+        full, sel = split_vars(best)
+        sol = judged("ilp", g, full, self.budget, time.perf_counter() - self.t0, selective=sel)
         if search and sol.status != "infeasible":
             _loud(f"ILP found budget {self.budget} infeasible, but simulate fits {sorted(best)} "
                   f"at {est.peak_bytes} bytes (the program and simulate disagree: a bug)")
@@ -952,7 +1034,9 @@ class _Run:
     def finish(self, chosen, status: Status, note: str | None = None, *, gap: float | None = None) -> Solution:
         if note:
             self.notes.append(note)
-        sol = judged("ilp", self.g, chosen, self.budget, time.perf_counter() - self.t0, status_if_fits=status)
+        full, sel = split_vars(chosen)
+        sol = judged("ilp", self.g, full, self.budget, time.perf_counter() - self.t0, status_if_fits=status,
+                     selective=sel)
         if sol.status == "infeasible":
             _loud(f"ILP plan {sorted(chosen)} is over budget under simulate: {sol.peak_bytes} > {self.budget} "
                   "bytes (the program and simulate disagree: a bug)")

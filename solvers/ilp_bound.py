@@ -152,8 +152,10 @@ def _blocks(pg: Program) -> tuple[list[list[str]], dict[str, int]]:
 def _options(pg: Program, members: list[str], cap: int) -> list[tuple[str, ...]] | None:
     """Antichains of one top-level subtree (the empty one first), or None past ``cap``."""
     kids: dict[str | None, list[str]] = {}
+    policy_vars = {pv for a in pg.alternatives.values() for pv in a}
     for v in members:
-        kids.setdefault(pg.parent[v] if pg.parent[v] in members else None, []).append(v)
+        if v not in policy_vars:  # a policy is an alternative to its candidate, not a child
+            kids.setdefault(pg.parent[v] if pg.parent[v] in members else None, []).append(v)
 
     def of(v: str) -> list[tuple[str, ...]] | None:
         below: list[tuple[str, ...]] = [()]
@@ -162,7 +164,7 @@ def _options(pg: Program, members: list[str], cap: int) -> list[tuple[str, ...]]
             if sub is None or len(below) * len(sub) > cap:
                 return None
             below = [a + b for a in below for b in sub]
-        return below + [(v,)]
+        return below + [(v,)] + [(pv,) for pv in pg.alternatives.get(v, ())]
 
     out: list[tuple[str, ...]] = [()]
     for root in kids[None]:

@@ -28,7 +28,7 @@ import planner
 from planner.act.api import check_ranks, plan_from_profile
 from planner.act.applier import apply_plan
 from planner.errors import BadInput
-from planner.model.schema import Plan
+from planner.model.schema import OpRef, Plan, SelectiveRegion
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_distributed.py"
@@ -231,6 +231,36 @@ def _fsdp_param_group_class():
     if not hasattr(FSDPParamGroup, "_to_unsharded"):
         pytest.skip("FSDPParamGroup._to_unsharded is gone from this PyTorch; count all-gathers another way")
     return FSDPParamGroup
+
+
+@pytest.fixture(scope="module")
+def selective_plan(plan_file) -> Plan:
+    """``plan_file`` with its blocks checkpointed op by op (two matmul outputs kept in each)."""
+    plan = Plan.load(plan_file)
+    blocks = [n for n in plan.checkpoints if n.startswith("blocks.")]
+    save = [OpRef(op="aten.addmm.default", index=0), OpRef(op="aten.addmm.default", index=2)]
+    return plan.model_copy(update={"checkpoints": [n for n in plan.checkpoints if n not in blocks],
+                                   "selective": [SelectiveRegion(fqn=n, unit=n, save=save) for n in blocks]})
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_selective_regions_under_fsdp2_and_ddp(wrapper, one_rank_group, small, rank_batch, selective_plan):
+    from torch.distributed.fsdp import fully_shard
+
+    model = small.build_model()
+    handle = apply_plan(model, selective_plan)
+    if wrapper == "fsdp":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    loss, grads = _step(model, rank_batch)
+    plain_loss, plain_grads = _step(small.build_model(), rank_batch)
+    assert handle.selective == [r.fqn for r in selective_plan.selective] and handle.recompute_count > 0
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7)
 
 
 def test_ddp_wrapper_is_looked_through(one_rank_group, small, rank_batch, plan_file):

@@ -176,7 +176,7 @@ def test_over_budget_plan_is_loud(monkeypatch):
     budget = (lo + hi) // 2
     real = ilp_mod.simulate
     # only the final judgement (solvers.base.judged) sees 1 GiB more: the found plan is "over"
-    monkeypatch.setattr("solvers.base.simulate", lambda g_, c: _shifted(real(g_, c)))
+    monkeypatch.setattr("solvers.base.simulate", lambda g_, c, sel=None: _shifted(real(g_, c, sel)))
     with pytest.warns(RuntimeWarning, match="over budget under simulate"):
         sol = ilp_mod.solve(g, budget)
     assert sol.status == "infeasible" and "BUG" in sol.detail

@@ -20,7 +20,7 @@ import networkx as nx
 from solvers.cost_model import chain_terms, simulate, window_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
-from planner.model.schema import Plan, Predicted, Profile, Recipe, RunStamp, SolverInfo, now_iso
+from planner.model.schema import OpRef, Plan, Predicted, Profile, Recipe, RunStamp, SelectiveRegion, SolverInfo, now_iso
 from planner.options import parse_sharding
 from planner.sizes import format_bytes, parse_bytes
 
@@ -59,12 +59,13 @@ NESTING_SOLVERS = ("ilp", "auto")
 
 
 def graph_for(profile: Profile, *, solver: str = "auto", granularity: int = 0, world_size: int = 1,
-              sharding: str = "none") -> nx.DiGraph:
-    """The candidate graph a solver works on: nested levels for the ILP, one level otherwise."""
+              sharding: str = "none", selective: bool = True) -> nx.DiGraph:
+    """The candidate graph a solver works on: nested levels for the ILP, one level otherwise;
+    with op-level menus (``selective``) where the profile has op records."""
     check_ranks(world_size, sharding)
     nested = granularity > 0 and solver in NESTING_SOLVERS
     return build_graph(profile, granularity=granularity, nested=nested, world_size=world_size,
-                       sharding=sharding)
+                       sharding=sharding, selective=selective)
 
 
 def check_ranks(world_size: int, sharding: str) -> None:
@@ -121,7 +122,8 @@ def min_feasible_bytes(g: nx.DiGraph) -> int:
 
 def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "auto", granularity: int = 0,
                       time_limit_s: float | None = 60.0, world_size: int = 1, sharding: str = "none",
-                      headroom: float | None = None, graph: nx.DiGraph | None = None) -> Plan:
+                      headroom: float | None = None, graph: nx.DiGraph | None = None,
+                      selective: bool = True) -> Plan:
     """Plan on a measured profile. Raises ``BudgetInfeasible`` when nothing fits ``budget``.
 
     ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]).
@@ -136,7 +138,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
     headroom_bytes = int(budget_bytes * headroom)
     usable = budget_bytes - headroom_bytes
     g = graph if graph is not None else graph_for(profile, solver=solver, granularity=granularity,
-                                                  world_size=world_size, sharding=sharding)
+                                                  world_size=world_size, sharding=sharding, selective=selective)
     t0 = time.perf_counter()
     sol = solve_graph(g, usable, solver=solver, time_limit_s=time_limit_s)
     seconds = time.perf_counter() - t0
@@ -155,7 +157,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
             f"use a finer {{granularity}}, or reduce the batch",
             budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget", "granularity"),
         )
-    est = simulate(g, sol.checkpointed)  # every call of a module, or none (NOTE [ Tied calls ])
+    est = simulate(g, sol.checkpointed, sol.selective)  # every call of a module, or none (NOTE [ Tied calls ])
     if est.peak_bytes > usable:
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
@@ -164,6 +166,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         fingerprint=profile.fingerprint, fingerprint_digest=profile.fingerprint.digest(),
         budget_bytes=budget_bytes, headroom_bytes=headroom_bytes,
         checkpoints=_fqns(g, est.checkpointed), checkpoint_units=list(est.checkpointed),
+        selective=selective_regions(g, est.selective),
         solver=SolverInfo(name=sol.solver, status=sol.status, gap=sol.gap, detail=sol.detail),
         predicted=Predicted(
             peak_bytes=est.peak_bytes, params_bytes=est.params_bytes, grads_bytes=est.grads_bytes,
@@ -201,7 +204,7 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
          optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
          steps: int = 3, world_size: int = 1, sharding: str = "none",
          headroom: float | None = None, amp: str | None = None, target: str | None = None,
-         threads: int | None = None, recipe: Recipe | None = None) -> Plan:
+         threads: int | None = None, recipe: Recipe | None = None, selective: bool = True) -> Plan:
     """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
 
     Args:
@@ -218,6 +221,8 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
         granularity: extra depth below the default candidates (repeated blocks and their neighbours).
         threads: torch intra-op threads while profiling (None: as set); on the CPU, 1 times units by
             the thread's CPU time, which load from other processes does not change.
+        selective: let the solver checkpoint units op by op too (``plan.selective``); False: whole
+            modules only.
     Returns:
         The ``Plan``; ``plan.save(path)`` writes it atomically.
     Raises:
@@ -240,7 +245,20 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
         prof = run_profile(model_or_profile, inputs, loss_fn=loss_fn, device=device, optimizer=optimizer,
                            steps=steps, amp=amp, recipe=recipe, target=target if meta else None, threads=threads)
     return plan_from_profile(prof, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
-                             world_size=world_size, sharding=sharding, headroom=headroom)
+                             world_size=world_size, sharding=sharding, headroom=headroom, selective=selective)
+
+
+def selective_regions(g: nx.DiGraph, selective: dict[str, int]) -> list[SelectiveRegion]:
+    """The plan's ``selective`` entries for the solver's {node: menu index}."""
+    from solvers.selective import describe
+
+    out = []
+    for n, k in selective.items():
+        pol = g.nodes[n]["menu"][k]
+        out.append(SelectiveRegion(fqn=g.nodes[n]["fqn"], unit=n, save=[OpRef(op=o, index=i) for o, i in pol.saved],
+                                   summary=describe(pol), recompute_ms=round(pol.recompute_ms, 6),
+                                   kept_bytes=pol.kept_bytes, keeps_written=pol.keeps_written))
+    return out
 
 
 def _fqns(g: nx.DiGraph, chosen) -> list[str]:

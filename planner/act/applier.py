@@ -54,6 +54,18 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 # undone: the profiler's validation step keeps such modules out of plans (NOTE [ Validation
 # step ]), and a Hugging Face cache is turned off while training (NOTE [ Step changes ]).
 #
+# NOTE [ Selective regions ]
+#
+# A plan's ``selective`` modules are checkpointed the same way, with one more argument:
+# ``checkpoint(..., context_fn=...)`` builds torch's selective-checkpointing modes
+# (``create_selective_checkpoint_contexts``) around a fresh ``_KeepListed`` policy per call.
+# The policy marks MUST_SAVE the op calls the plan lists, by overload name and index among
+# that overload's calls in the module's forward (the profiler counts the same way, NOTE [ Op
+# records ]), and PREFER_RECOMPUTE everything else. Dropout replays its RNG state as in full
+# checkpointing (or is kept, if listed). Under ``torch.compile`` the marks become hints for
+# the partitioner on the traced graph, whose op calls may be numbered differently (fused,
+# decomposed): the gradients stay exact, the memory is what the compiler makes of the hints.
+#
 # NOTE [ Plans under FSDP2 and DDP ]
 #
 # A plan applies to the model before or after it is wrapped for data parallelism, by the same
@@ -146,8 +158,11 @@ class CheckpointedForward:
     """Extra keyword arguments for ``checkpoint`` (the memory-safe profile's hooks, planner/profiling/memsafe.py)."""
 
     def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts,
-                 norms: list[nn.Module] | None = None):
+                 norms: list[nn.Module] | None = None, saved: frozenset[tuple[str, int]] | None = None,
+                 keeps_written: bool = False):
         self.module = module
+        self.saved = saved  # None: full checkpoint; else the op calls to keep (NOTE [ Selective regions ])
+        self.keeps_written = keeps_written
         self.previous = previous  # the instance forward we replaced, or None
         # Bound here rather than read as ``module.forward``: when deepcopy or pickle rebuilds
         # this object, the module is only half restored and ``module.forward`` may be us.
@@ -159,16 +174,20 @@ class CheckpointedForward:
         self.__wrapped__ = self.inner  # inspect.signature(module.forward) shows the real parameters
 
     def __reduce__(self) -> tuple:
-        return type(self), (self.module, self.previous, self.counts, self.norms)
+        return type(self), (self.module, self.previous, self.counts, self.norms, self.saved, self.keeps_written)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)  # no backward, nothing to recompute
+        extra = {} if self.saved is None else {
+            "context_fn": functools.partial(_selective_contexts, self.saved, self.keeps_written)}
         if torch.compiler.is_compiling():
-            return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
         self.counts.calls += 1
         return checkpoint(self._replayable(len(args), tuple(kwargs)), *args, *kwargs.values(),
-                          use_reentrant=False, preserve_rng_state=True, **self.options)
+                          use_reentrant=False, preserve_rng_state=True, **self.options, **extra)
+
+
 
     def _replayable(self, n_args: int, keys: tuple[str, ...]):
         first_run = True
@@ -186,20 +205,62 @@ class CheckpointedForward:
         return run
 
 
+def _selective_contexts(saved: frozenset[tuple[str, int]], keeps_written: bool) -> tuple[Any, Any]:
+    """``context_fn`` of a selective region: torch's modes around a fresh ``_KeepListed``.
+
+    ``keeps_written``: the plan keeps an output written in place together with all its writers
+    (NOTE [ Op records ]), so the cache entry's version changes by design; torch's check
+    against mutated entries is relaxed for such regions only.
+    """
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_KeepListed(saved), allow_cache_entry_mutation=keeps_written)
+
+
+class _KeepListed:
+    """Selective checkpointing policy: keep the listed op calls, recompute the rest.
+
+    See NOTE [ Selective regions ]. One per region call: it counts each op overload's calls
+    in this forward (and, for torch versions that also ask during the recompute, there
+    separately), so "the k-th aten.mm.default" is the profiler's k-th (NOTE [ Op records ]).
+    """
+
+    def __init__(self, saved: frozenset[tuple[str, int]]):
+        self.saved = saved
+        self.seen: dict[bool, dict[str, int]] = {False: {}, True: {}}
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        name = str(func)
+        seen = self.seen[bool(getattr(ctx, "is_recompute", False))]
+        k = seen.get(name, 0)
+        seen[name] = k + 1
+        return CheckpointPolicy.MUST_SAVE if (name, k) in self.saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class _running_stats_kept:
     """Restore the running statistics of ``norms`` on exit; see NOTE [ BatchNorm under recomputation ]."""
 
     def __init__(self, norms: list[nn.Module]):
-        self.saved = [(buf, buf.clone()) for m in norms if m.training and m.track_running_stats
-                      for buf in (m.running_mean, m.running_var, m.num_batches_tracked) if buf is not None]
+        with _outside_modes():  # not ops of the region: selective checkpointing must not count them
+            self.saved = [(buf, buf.clone()) for m in norms if m.training and m.track_running_stats
+                          for buf in (m.running_mean, m.running_var, m.num_batches_tracked) if buf is not None]
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), _outside_modes():
             for buf, value in self.saved:
                 buf.copy_(value)
+
+
+def _outside_modes():
+    """Run without the dispatch modes in force (a selective region's caching modes)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 # ----------------------------------------------------------------------------- the shape guard
@@ -269,6 +330,8 @@ class AppliedPlan:
 
     checkpointed: list[str]
     """FQNs of the modules now checkpointed, in plan order."""
+    selective: list[str] = field(default_factory=list)
+    """FQNs of the modules now checkpointed op by op (the plan's ``selective`` regions)."""
     skipped: dict[str, str] = field(default_factory=dict)
     """Plan FQNs left alone, with the reason (already checkpointed by the user, not in the model)."""
     step_changes: list[StepChange] = field(default_factory=list)
@@ -377,7 +440,9 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
     model = _unwrap_ddp(model)
     _check_model(model)
-    wanted = _check_antichain(list(dict.fromkeys(plan.checkpoints)))
+    policies = {r.fqn: frozenset((o.op, o.index) for o in r.save) for r in plan.selective}
+    mutable = {r.fqn for r in plan.selective if r.keeps_written}
+    wanted = _check_antichain(list(dict.fromkeys([*plan.checkpoints, *policies])))
     modules = _modules_by_plain_name(model)
     _check_fingerprint(plan, model, inputs, [n for n in wanted if n not in modules], strict=strict)
     check_fsdp_options(model, plan)
@@ -401,10 +466,11 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
             continue
         seen.add(id(module))
         previous = module.__dict__.get("forward")
-        fwd = CheckpointedForward(module, previous, RegionCounts())
+        fwd = CheckpointedForward(module, previous, RegionCounts(), saved=policies.get(name),
+                                  keeps_written=name in mutable)
         module.forward = fwd
         handle._forwards[name] = fwd
-        handle.checkpointed.append(name)
+        (handle.selective if name in policies else handle.checkpointed).append(name)
 
     if guard != "off" and plan.fingerprint.inputs:
         shape_guard = ShapeGuard(plan.fingerprint.inputs, guard, plan.predicted.peak_bytes)
@@ -560,8 +626,9 @@ def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
                     ", ".join(sorted(already)))
     p = plan.predicted
     logger.info(
-        "checkpointed %d/%d planned modules%s; predicted peak %s (budget %s), recompute +%.1f ms/step",
-        len(handle.checkpointed), len(plan.checkpoints),
+        "checkpointed %d/%d planned modules (%d op by op)%s; predicted peak %s (budget %s), recompute +%.1f ms/step",
+        len(handle.checkpointed) + len(handle.selective), len(plan.checkpoints) + len(plan.selective),
+        len(handle.selective),
         f", skipped {len(handle.skipped)}: {', '.join(handle.skipped)}" if handle.skipped else "",
         format_bytes(p.peak_bytes), format_bytes(plan.budget_bytes), p.recompute_ms,
     )

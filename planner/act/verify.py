@@ -290,8 +290,8 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
         leaves = [k[len("forward of "):] for k in plan.predicted.windows if k.startswith("forward of ")]
         windows = window_peaks(memory_step(model, step, batch, opt, dev, recipe=plan.recipe).recorder.timeline(), leaves)
     run = _Run(losses[0], grads, buffers, statistics.median(times), statistics.median(walls), peak,
-               list(handle.checkpointed) if handle else [], dict(handle.skipped) if handle else {}, recomputes,
-               windows)
+               [*handle.checkpointed, *handle.selective] if handle else [], dict(handle.skipped) if handle else {},
+               recomputes, windows)
     if handle:
         handle.remove()
     if changes:
@@ -341,9 +341,10 @@ def max_abs_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | 
 
 def _planned_recomputes(plan: Plan, applied: list[str]) -> int:
     """Checkpointed calls per step: the plan's unit ids (one per call) of the applied FQNs."""
-    if not plan.checkpoint_units:
+    units = [*plan.checkpoint_units, *(r.unit for r in plan.selective)]
+    if not units:
         return len(applied) * plan.recipe.grad_accum
-    calls = sum(1 for u in plan.checkpoint_units if u.split("#", 1)[0] in applied)
+    calls = sum(1 for u in units if u.split("#", 1)[0] in applied)
     return calls * plan.recipe.grad_accum
 
 

@@ -235,6 +235,8 @@ def plan_cmd(
         "--granularity", min=0, help="Candidate levels below the repeated blocks (0 = blocks).")] = 0,
     time_limit: Annotated[float, typer.Option(
         "--time-limit", min=0.001, help="Seconds the ILP may search; then its best plan is kept.")] = 60.0,
+    no_selective: Annotated[bool, typer.Option(
+        "--no-selective", help="Whole modules only: no op-level (selective) checkpointing policies.")] = False,
     steps: Steps = 3,
     threads: Threads = None,
     headroom: Annotated[str, typer.Option(
@@ -273,7 +275,8 @@ def plan_cmd(
     source = _model_source(model, hf=hf, batch=batch, seq_len=seq_len, task=task)
     prof = _profile_source(source, profile, device=device, optimizer=optimizer, steps=steps, log=log,
                            target=target, recipe=recipe, threads=threads, device_memory=device_memory)
-    graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding)
+    graph = graph_for(prof, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding,
+                      selective=not no_selective)
     render.plain(log, f"solving with {solver} over {graph.number_of_nodes()} candidates ...")
     plan = plan_from_profile(prof, budget_bytes, solver=solver, granularity=granularity,
                              time_limit_s=time_limit, headroom=_headroom(headroom), graph=graph)

@@ -121,12 +121,12 @@ def budget_line(text: str, budget_bytes: int) -> str:
     return f"budget {text.strip()} = {budget_bytes} bytes ({format_bytes(budget_bytes)})"
 
 
-def units_table(g: nx.DiGraph, checkpointed: Iterable[str] = ()) -> Table:
+def units_table(g: nx.DiGraph, checkpointed: Iterable[str] = (), selective: Iterable[str] = ()) -> Table:
     """The candidate units in forward order: name, type, forward ms, saved MiB, checkpointed.
 
     A unit inside a checkpointed one is marked ``inside <id>``: it is recomputed with it.
     """
-    chosen = set(checkpointed)
+    chosen, ops = set(checkpointed), set(selective)
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("#", justify="right", style="dim")
     table.add_column("unit", overflow="fold")
@@ -137,7 +137,8 @@ def units_table(g: nx.DiGraph, checkpointed: Iterable[str] = ()) -> Table:
     for i, n in enumerate(sorted(g.nodes, key=lambda n: g.nodes[n]["order"])):
         a = g.nodes[n]
         depth = _graph_depth(g, n)
-        mark = Text("yes", style="bold green") if n in chosen else Text(_inside(g, n, chosen), style="dim")
+        mark = (Text("yes", style="bold green") if n in chosen else Text("op by op", style="bold cyan")
+                if n in ops else Text(_inside(g, n, chosen | ops), style="dim"))
         table.add_row(str(i), Text("  " * depth + n), Text(a["module_type"]), f"{a['forward_ms']:.3f}",
                       f"{a['saved_bytes'] / MIB:.2f}", mark)
     return table
@@ -151,7 +152,22 @@ def checkpoints_table(plan: Plan) -> Table:
     for i, fqn in enumerate(plan.checkpoints):
         table.add_row(str(i), Text(fqn or "<root>"))
     if not plan.checkpoints:
-        table.add_row("-", Text("(none: the model fits without checkpointing)"))
+        table.add_row("-", Text("(no whole module)" if plan.selective else
+                                "(none: the model fits without checkpointing)"))
+    return table
+
+
+def selective_table(plan: Plan) -> Table:
+    """The plan's op-level regions: each module's policy in words."""
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("#", justify="right", style="dim")
+    table.add_column("checkpointed op by op", overflow="fold")
+    table.add_column("policy", overflow="fold")
+    table.add_column("kept MiB", justify="right")
+    table.add_column("recompute ms", justify="right")
+    for i, r in enumerate(plan.selective):
+        table.add_row(str(i), Text(r.fqn or "<root>"), Text(r.summary), f"{r.kept_bytes / MIB:.2f}",
+                      f"{r.recompute_ms:.3f}")
     return table
 
 
@@ -228,7 +244,10 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
     if plan.world_size > 1 or plan.sharding != "none":
         plain(out, f"per rank: {plan.world_size} rank(s) with {plan.sharding} (budget and peak are one rank's)")
     plain(out, recipe_line(plan.recipe, plan.optimizer))
-    out.print(units_table(graph, plan.checkpoint_units) if graph is not None else checkpoints_table(plan))
+    out.print(units_table(graph, plan.checkpoint_units, [r.unit for r in plan.selective]) if graph is not None
+              else checkpoints_table(plan))
+    if plan.selective:
+        out.print(selective_table(plan))
     for line in peak_lines(plan.predicted, plan.budget_bytes):
         plain(out, line)
     plain(out, recompute_line(plan.predicted))

@@ -27,6 +27,7 @@ node attribute            meaning
 ``bwd_window_peak_bytes``  (leaves) measured peak of the backward window, or None
 ``fwd_transient_bytes``   (leaves) calibrated temporaries, see NOTE [ Peak-memory model ]
 ``bwd_transient_bytes``
+``menu``                  tuple of ``solvers.selective.Policy``: op-level policies (may be empty)
 ========================  ==================================================================
 
 Edges ``u -> v`` carry ``bytes``: tensors produced inside ``u`` and passed into ``v``.
@@ -48,7 +49,7 @@ among nested candidates (a block, or any set of its children, never both).
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Iterable
 
 import networkx as nx
@@ -60,11 +61,13 @@ from solvers.cost_model import calibrate
 
 
 def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False, world_size: int = 1,
-                sharding: str = "none") -> nx.DiGraph:
+                sharding: str = "none", selective: bool = True) -> nx.DiGraph:
     """Build the candidate graph of ``profile`` (see module docstring for its attributes).
 
     ``world_size`` and ``sharding`` (``none``, ``ddp``, ``fsdp``) make the cost model count
-    memory per rank (see NOTE [ Per-rank memory ]).
+    memory per rank (see NOTE [ Per-rank memory ]). ``selective`` gives each
+    candidate a ``menu`` of op-level policies (``solvers.selective``) when the profile has op
+    records; False (or an older profile) leaves every menu empty: whole modules only.
     """
     if granularity < 0:
         raise BadInput(f"granularity must be >= 0, got {granularity}")
@@ -91,6 +94,8 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     leaves = [n for n in chosen if g.nodes[n]["leaf"]]
     g.graph["leaves"] = leaves
     _add_windows(g, profile, leaves, units)
+    if selective:
+        _add_menus(g, profile, chosen, units)
     calibrate(g)
     return g
 
@@ -239,8 +244,47 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
         output_bytes=u.output_bytes,
         saved_ids=saved, input_ids=inputs, output_ids=frozenset(u.output_ids), in_flight_ids=frozenset(),
         fwd_window_peak_bytes=None, bwd_window_peak_bytes=None,
-        fwd_transient_bytes=0, bwd_transient_bytes=0,
+        fwd_transient_bytes=0, bwd_transient_bytes=0, menu=(),
     )
+
+
+def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, UnitRecord]) -> None:
+    """Each candidate's menu of selective policies (NOTE [ Selective menus ]). Modules called
+    more than once get none: the applier applies one policy to every call of a module."""
+    import bisect
+
+    from solvers.selective import OpCall, build_menu
+
+    if not p.ops:
+        return
+    calls = Counter(u.fqn for u in p.units)
+    ops = sorted(p.ops, key=lambda o: o.seq)
+    op_seqs = [o.seq for o in ops]
+    saves = sorted((s.seq, s.tensor_id) for s in p.saves)
+    tb = g.graph["tensor_bytes"]
+    writers = Counter(o.writes for o in ops if o.writes is not None)
+    for n in chosen:
+        a = g.nodes[n]
+        if calls[a["fqn"]] > 1 or n in (ROOT_ID, LOSS_ID):
+            continue
+        lo, hi = a["fwd_start_seq"], a["fwd_end_seq"]
+        inside = ops[bisect.bisect_left(op_seqs, lo):bisect.bisect_right(op_seqs, hi)]
+        if any(o.data_dependent for o in inside):
+            # selective checkpointing needs the recompute to run the same op calls as the
+            # forward; data-dependent shapes (MoE routing) are where they may differ
+            continue
+        first_inside: dict[int, int] = {}
+        outside: set[int] = set()
+        for seq, t in saves:
+            if lo <= seq <= hi:
+                first_inside.setdefault(t, seq)
+            else:
+                outside.add(t)
+        a["menu"] = build_menu(
+            [OpCall(o.seq, o.name, tuple(o.output_ids), o.forward_ms, o.random, o.inplace, o.view, o.mutated,
+                    o.writes, o.read_between_writes) for o in inside],
+            forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], tensor_bytes=tb,
+            first_save_inside=first_inside, saved_outside=outside, writers=writers)
 
 
 def _link_tree(g: nx.DiGraph, chosen: list[str], units: dict[str, UnitRecord]) -> None:

@@ -24,9 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from planner.errors import BadInput, PlanFileError
 
-PROFILE_SCHEMA_VERSION = 2
-PLAN_SCHEMA_VERSION = 2
-"""Version 2 added ``recipe`` (``Recipe``); version-1 files load as the default recipe (their ``amp`` kept)."""
+PROFILE_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 3
+"""2 added ``recipe`` (``Recipe``); version-1 files load as the default recipe (their ``amp`` kept).
+3 added op records (``Profile.ops``) and ``Plan.selective`` (op-level checkpointing); older files
+load with none."""
 
 ROOT_ID = "<root>"
 """Unit id of the model's root module call."""
@@ -252,6 +254,31 @@ class SaveRecord(_Model):
     unit: str
 
 
+class OpRecord(_Model):
+    """One aten op run inside a unit's forward, as a dispatch mode sees it (and as
+    ``torch.utils.checkpoint``'s selective checkpointing counts it: its ignored ops, such as
+    ``aten.detach``, are left out). In forward order; see NOTE [ Op records ] in the profiler."""
+
+    seq: int
+    unit: str = Field(description="Innermost unit running the op.")
+    name: str = Field(description="Op overload, e.g. 'aten.mm.default'.")
+    output_ids: list[int] = Field(default_factory=list,
+                                  description="Tensors (ids into Profile.tensors) whose storage the op allocated.")
+    output_bytes: int = Field(0, description="Bytes of the storages the op allocated.")
+    forward_ms: float = Field(0.0, description="Time of the op (measured on real devices, roofline on meta).")
+    flops: float = Field(0.0, description="FLOPs of the op, where torch's flop counter knows it.")
+    random: bool = Field(False, description="Draws random numbers (dropout): tagged nondeterministic_seeded.")
+    inplace: bool = Field(False, description="Writes one of its inputs (mutable schema: add_, copy_, out=).")
+    view: bool = Field(False, description="Returns a view of an input (no new storage).")
+    mutated: bool = Field(False, description="A storage it allocated is written in place later in the forward: "
+                                             "it can be kept only together with its writers.")
+    writes: int | None = Field(None, description="In-place ops: seq of the op that allocated what it writes.")
+    read_between_writes: bool = Field(False, description="Mutated outputs: another op read it before a write, "
+                                                         "so it cannot be kept even with its writers.")
+    data_dependent: bool = Field(False, description="Its output shape depends on tensor values (nonzero: MoE "
+                                                    "routing); its unit gets no selective policies.")
+
+
 class ParamRecord(_Model):
     name: str
     nbytes: int
@@ -312,6 +339,8 @@ class Profile(_Model):
     tensors: list[TensorRecord]
     saves: list[SaveRecord]
     params: list[ParamRecord]
+    ops: list[OpRecord] = Field(default_factory=list,
+                                description="Ops run inside units during the forward (empty in older profiles).")
     timeline: list[MemoryEvent] = Field(default_factory=list)
     step: StepRecord
     measured_with_checkpoints: list[str] = Field(
@@ -383,6 +412,26 @@ class Predicted(_Model):
                                                 "verify compares them with the measured windows.")
 
 
+class OpRef(_Model):
+    """One op call in a unit's forward: the ``index``-th call of overload ``op`` (0 = first)."""
+
+    op: str = Field(description="Op overload as torch names it, e.g. 'aten.mm.default'.")
+    index: int
+
+
+class SelectiveRegion(_Model):
+    """A module checkpointed op by op: the listed op calls' outputs are kept, the rest recomputed."""
+
+    fqn: str = Field(description="Module FQN; every call of it runs under the policy.")
+    unit: str = Field(description="Unit id the solver chose (FQN, '#k' for the k-th call).")
+    save: list[OpRef] = Field(description="Op calls whose outputs are kept (MUST_SAVE); all others recomputed.")
+    summary: str = Field("", description="The policy in words, e.g. 'saves 2 matmuls; recomputes 7 pointwise'.")
+    recompute_ms: float = Field(0.0, description="Predicted recompute time of one call.")
+    kept_bytes: int = Field(0, description="Bytes of the kept outputs.")
+    keeps_written: bool = Field(False, description="Keeps outputs written in place together with their writers "
+                                                   "(allow_cache_entry_mutation).")
+
+
 class Plan(_Model):
     """A checkpoint plan: which module calls to checkpoint, for which model, and what it costs."""
 
@@ -396,6 +445,8 @@ class Plan(_Model):
     checkpoints: list[str] = Field(description="Module FQNs, each checkpointed as one region (every call).")
     checkpoint_units: list[str] = Field(default_factory=list,
                                         description="Unit ids (FQN, '#k' for k-th call) the solver chose.")
+    selective: list[SelectiveRegion] = Field(default_factory=list,
+                                             description="Modules checkpointed op by op (schema version 2).")
     solver: SolverInfo
     predicted: Predicted
     granularity: int = 0

@@ -566,7 +566,13 @@ class _RooflineRecorder(MemoryRecorder):
                  stamps: dict[int, tuple[float, float]]):
         self.roofline = roofline
         self.stamps = stamps
+        self._last_roofline = (0.0, 0.0)
         super().__init__(model, tracker)
+
+    def _op_cost(self) -> tuple[float, float]:
+        now = (self.roofline.ms, self.roofline.flops)
+        last, self._last_roofline = self._last_roofline, now
+        return now[0] - last[0], now[1] - last[1]
 
     def _note(self, kind: str, unit: Any) -> int:
         seq = super()._note(kind, unit)

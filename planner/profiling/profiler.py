@@ -38,7 +38,7 @@ from planner.model import schema
 from planner.profiling.measure import make_optimizer, make_step, measure_step, resolve_recipe, to_device
 from planner.profiling.model_file import Inputs, check_devices
 from planner.profiling.recording import (
-    Progress, assemble_profile, memory_step, Recorder, release_grads, StepTimes, UnitCall,
+    OP_TIMING_STEPS, op_timing_steps, Progress, assemble_profile, memory_step, Recorder, release_grads, StepTimes, UnitCall,
 )
 from planner.profiling.timing import num_threads, pick_clock, robust_ms, unit_costs
 
@@ -85,6 +85,9 @@ def measure_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *
     times = _timing_steps(model, step, clock, steps, say, recorder=timing_recorder)
     say("memory step")
     mem = memory_step(model, step, inputs, opt, dev, recipe=recipe, recorder=memory_recorder)
+    say("op timing steps")
+    if not mem.recorder.use_op_times(op_timing_steps(step, dev, OP_TIMING_STEPS)):
+        mem.recorder.op_time_note = "op times from the memory step only: the op timing steps ran other ops"
     say("measuring the step's peak")
     release_grads(model, dev, recipe)
     measured = measure_step(step, dev, static_bytes=mem.static_bytes)

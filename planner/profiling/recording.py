@@ -25,13 +25,16 @@ import contextlib
 import functools
 import gc
 import platform
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import Self
 
 from planner.model import schema
@@ -46,6 +49,8 @@ Progress = Callable[[str], None]
 
 _TO_COPY = torch.ops.aten._to_copy.default
 """What autocast's ``cached_cast`` runs to cast a parameter (below autocast, so the tracker sees it)."""
+OP_TIMING_STEPS = 2
+"""Extra steps timing each forward op (NOTE [ Op records ]); each op keeps its least time."""
 
 _ROUND_TO = {"cuda": 512}
 """Allocation granularity per device type: the CUDA caching allocator rounds to 512 bytes."""
@@ -311,6 +316,77 @@ class _Tensor:
     producer: str | None
 
 
+@dataclass
+class _OpCall:
+    seq: int
+    unit: str
+    name: str
+    new: list[StorageEntry]
+    ms: float
+    flops: float
+    random: bool
+    inplace: bool
+    view: bool
+    ordinal: int
+    """Position among all counted forward ops of the step (``counted_op``), units or not."""
+    data_dependent: bool = False
+    writes: int | None = None
+    """Seq of the op that allocated the storage this in-place op writes."""
+    mutated: bool = False
+    read_since_alloc: bool = False
+    writes_after_read: bool = False
+    """An op other than its writers read the output before a write (NOTE [ Op records ])."""
+
+
+_SAC_IGNORED_OPS = getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+"""Ops selective checkpointing neither counts nor caches (see NOTE [ Op records ])."""
+
+
+def counted_op(func: Any) -> bool:
+    """An op selective checkpointing counts; the profiler's own markers (``record_function``,
+    which only the measuring steps run) are not ops of the model."""
+    return func not in _SAC_IGNORED_OPS and getattr(func, "namespace", "") != "profiler"
+
+
+class _OpTimer(TorchDispatchMode):
+    """Wall time of every counted op of the forward, in order (NOTE [ Op records ]): a few
+    extra steps give each op the least of its times, which noise on a shared machine only raises."""
+
+    def __init__(self, sync: Callable[[], None] | None):
+        super().__init__()
+        self.sync = sync
+        self.ms: list[float] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.sync is not None:
+            self.sync()
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if self.sync is not None:
+            self.sync()
+        if counted_op(func):
+            self.ms.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+def op_timing_steps(step: Callable, dev: torch.device, steps: int) -> list[list[float]]:
+    """Per step, the forward's counted op times (``_OpTimer``)."""
+    sync = functools.partial(torch.cuda.synchronize, dev) if dev.type == "cuda" else None
+    runs = []
+    for _ in range(steps):
+        timer = _OpTimer(sync)
+
+        def mark(name: str, _value: Any = None, timer: _OpTimer = timer) -> None:
+            if name == "step_start":
+                timer.__enter__()
+            elif name == "forward_end":
+                timer.__exit__(None, None, None)
+
+        step(mark)
+        runs.append(timer.ms)
+    return runs
+
+
 class MemoryRecorder(Recorder):
     """Sequence numbers, tensors, saves, parameter uses and the timeline of one step."""
 
@@ -332,6 +408,13 @@ class MemoryRecorder(Recorder):
         """The step runs its forward under autocast (``torch.is_autocast_enabled`` reads False down here)."""
         self.autocast_cached: set[int] = set()
         """Tensor ids of the casts of parameters autocast made (and cached) in the forward."""
+        self.op_calls: list[_OpCall] = []
+        """Ops run inside units during the forward (NOTE [ Op records ])."""
+        self.forward_ops = 0
+        """Counted forward ops so far, inside units or not (``_OpCall.ordinal``)."""
+        self.op_of_serial: dict[int, int] = {}
+        """Storage serial -> index in ``op_calls`` of the op that allocated it."""
+        self.op_time_note = ""
         self.on_event: Callable[[int], None] | None = None
         """Called with each event's seq, so the device's allocator view can mark the moment."""
         self.ops: list[Any] = []
@@ -361,10 +444,15 @@ class MemoryRecorder(Recorder):
         return seq
 
     def _on_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry]) -> None:
+        ms, flops = self._op_cost()
         if not self.in_forward:
             return
         self.ops.append(func)
         producer = self.stack[-1].id if self.stack else None
+        if counted_op(func):
+            if producer is not None:
+                self._record_op(func, inputs, new, ms, flops)
+            self.forward_ops += 1
         for e in new:
             self.created[e.serial] = (self._next(), producer)
         if self.autocast and func is _TO_COPY and len(new) == 1 and inputs and inputs[0].serial in self.param_last_use:
@@ -374,6 +462,70 @@ class MemoryRecorder(Recorder):
         for e in inputs:
             if e.serial in self.param_last_use:
                 self.param_last_use[e.serial] = self.seq
+
+    # NOTE [ Op records ]
+    # Every aten op that runs inside a unit during the forward is recorded, in order, as
+    # ``torch.utils.checkpoint``'s selective checkpointing sees it (a dispatch mode below
+    # autograd; its ignored ops, such as ``aten.detach``, left out), so that "the k-th
+    # ``aten.mm.default`` in the forward of unit u" names the same op call here and in the
+    # applier's policy (planner/act/applier.py). Per op: the storages it allocated (its outputs:
+    # what keeping it costs), its time (the kernel's wall time in the memory step, synchronised
+    # on CUDA; the roofline on meta), whether it draws random numbers, writes an input in
+    # place, returns a view, or has an output written in place later: such an output can be
+    # kept only together with every op that writes it (then none of them reruns, and the kept
+    # storage holds the final values), and only if no other op reads it between its allocation
+    # and a write (that reader, recomputed, would see the final values instead). The CPU's
+    # dropout is such a group: ``empty_like``, ``bernoulli_``, ``div_``, read by ``mul``. Which tensors backward needs is
+    # known per storage from the saves, as for units; attributing a save to one op would be a
+    # guess, since autograd packs an op's inputs before the op runs and its outputs after.
+
+    def _op_cost(self) -> tuple[float, float]:
+        """(ms, FLOPs) of the op the tracker just ran; the meta recorder reads its roofline."""
+        return self.tracker.last_op_ms, 0.0
+
+    def _record_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry], ms: float,
+                   flops: float) -> None:
+        written = {e.serial for e in self.tracker.last_written}
+        writes = None
+        for serial in written:
+            k = self.op_of_serial.get(serial)
+            if k is not None:
+                alloc = self.op_calls[k]
+                alloc.mutated = True
+                alloc.writes_after_read |= alloc.read_since_alloc
+                writes = alloc.seq if writes is None else writes
+        for e in inputs:
+            k = self.op_of_serial.get(e.serial)
+            if k is not None and e.serial not in written:
+                self.op_calls[k].read_since_alloc = True
+        for e in new:
+            self.op_of_serial[e.serial] = len(self.op_calls)
+        tags = getattr(func, "tags", ())
+        self.op_calls.append(_OpCall(self._next(), self.stack[-1].id, str(func), list(new), ms, flops,
+                                torch.Tag.nondeterministic_seeded in tags, func._schema.is_mutable, func.is_view,
+                                self.forward_ops, torch.Tag.dynamic_output_shape in tags, writes))
+
+    def use_op_times(self, runs: list[list[float]]) -> bool:
+        """Each op's least time over the memory step and ``runs`` (when they ran the same ops)."""
+        runs = [r for r in runs if len(r) == self.forward_ops]
+        for op in self.op_calls:
+            op.ms = min([op.ms, *(r[op.ordinal] for r in runs)])
+        return len(runs) > 0
+
+    def op_records(self, remap: dict[int, int]) -> list[schema.OpRecord]:
+        return [schema.OpRecord(seq=op.seq, unit=op.unit, name=op.name,
+                                output_ids=[remap[self.tensors[e.serial].id] for e in op.new],
+                                output_bytes=sum(e.nbytes for e in op.new), forward_ms=op.ms, flops=op.flops,
+                                random=op.random, inplace=op.inplace, view=op.view, mutated=op.mutated,
+                                data_dependent=op.data_dependent, writes=op.writes,
+                                read_between_writes=op.writes_after_read)
+                for op in self.op_calls]
+
+    def register_op_outputs(self) -> None:
+        """Give every op output a tensor record (before the ids are numbered)."""
+        for op in self.op_calls:
+            for e in op.new:
+                self._tensor_id(e)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """``saved_tensors_hooks`` pack hook: note the save, keep the tensor as it is."""
@@ -646,6 +798,7 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
     notes: list[str] = []
     if opt_note := _OPTIMIZER_NOTE.get(optimizer.lower()):
         notes.append(opt_note)
+    rec.register_op_outputs()
     # Ids in creation order, so reading the list follows the step.
     order = sorted(rec.tensors.values(), key=lambda t: (t.created_seq, t.id))
     remap = {t.id: i for i, t in enumerate(order)}
@@ -664,6 +817,8 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
                      f"globals) were live before the step; counted in buffers_bytes")
     if mem.unused_params:
         notes.append(f"{mem.unused_params} trainable parameter(s) got no gradient (not used in the forward)")
+    if rec.op_time_note:
+        notes.append(rec.op_time_note)
     if rec.unattributed_saves:
         notes.append(f"{rec.unattributed_saves} tensor(s) saved for backward outside any module call were ignored")
     tracker_peak = max((e.peak_bytes for e in rec.events), default=0)
@@ -701,6 +856,7 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
         tensors=tensors,
         saves=saves,
         params=mem.param_records,
+        ops=rec.op_records(remap),
         timeline=rec.timeline(),
         step=step,
         notes=notes,

@@ -32,6 +32,7 @@ fake tensors and not the meta tensors the fake mode computes with.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -102,6 +103,11 @@ class LiveBytesTracker(TorchDispatchMode):
         self._entries: dict[int, StorageEntry] = {}
         self._serials = itertools.count()
         self._closed = False
+        self.last_op_ms = 0.0
+        self.last_written: tuple[StorageEntry, ...] = ()
+        """Entries of the tensors the last op wrote in place, for the observer."""
+        """Wall time of the last op's kernel call (synchronised on CUDA), for the observer."""
+        self._sync = torch.cuda.synchronize if device_type == "cuda" and torch.cuda.is_available() else None
 
     # ----------------------------------------------------------------- public
 
@@ -158,7 +164,14 @@ class LiveBytesTracker(TorchDispatchMode):
                     entry = self._add(t, static=True, found=True)
                 if entry is not None:
                     inputs.append(entry)
+        sync = self._sync
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
         out = func(*args, **kwargs)
+        if sync is not None:
+            sync()
+        self.last_op_ms = (time.perf_counter() - t0) * 1e3
         new: list[StorageEntry] = []
         for t in iter_tensors(out):
             st = _storage(t)
@@ -171,11 +184,25 @@ class LiveBytesTracker(TorchDispatchMode):
             elif entry.nbytes != self.round_bytes(st.nbytes()):  # resize_ through the dispatcher
                 self._resize(entry, self.round_bytes(st.nbytes()))
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.last_written = self._written(func, args, kwargs) if func._schema.is_mutable else ()
         if self.observer is not None:
             self.observer(func, inputs, new)
         return out
 
     # ----------------------------------------------------------------- internals
+
+    def _written(self, func: Any, args: tuple, kwargs: dict) -> tuple[StorageEntry, ...]:
+        """Entries of the arguments a mutable op writes (``add_``'s self, ``out=``)."""
+        out = []
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only else None)
+            for t in iter_tensors(value):
+                e = self.entry(t)
+                if e is not None:
+                    out.append(e)
+        return tuple(out)
 
     def round_bytes(self, n: int) -> int:
         """``n`` rounded up to the tracker's allocation granularity."""

@@ -1,0 +1,245 @@
+"""Selective (op-level) checkpointing: each candidate unit's menu of policies. No torch import.
+
+A *policy* for a unit is the set of op calls inside its forward whose outputs are kept; every
+other op is recomputed during backward from the unit's inputs and the kept outputs. These are
+the semantics of ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with the kept
+ops marked MUST_SAVE and the others PREFER_RECOMPUTE (the applier, ``planner/act/applier.py``,
+enforces exactly that). Random ops (dropout) may be kept or recomputed: the recompute replays
+the RNG state, as full checkpointing does. "Keep nothing" is full checkpointing; "none" (no
+checkpoint) is the other end.
+
+# NOTE [ Selective menus ]
+#
+# Which ops can be kept: op calls that allocate a new storage (views and in-place ops return
+# an input's storage: nothing to keep), whose outputs are not written in place later in the
+# forward (selective checkpointing refuses a mutated cache entry), or, if they are, together
+# with every op that writes them, all inside the unit, when nothing else reads them between
+# the allocation and the last write (NOTE [ Op records ]): none of the group reruns, so the
+# kept storage holds the final values every later reader saw. The CPU's dropout (its mask
+# made by empty_like, bernoulli_ and div_) is kept that way; its random draw, 10 ms and more
+# per attention-sized mask on one CPU thread, is then not replayed.
+#
+# What keeping op o costs and saves, alone: its output storages are held from the forward
+# until backward passes the first save of them inside the unit (or the unit's end, if backward
+# does not need them: the recompute consumes them there), so it costs their bytes, except
+# storages that something outside the unit saves (held anyway, e.g. a block's output that the
+# next block's norm saves), which cost nothing; it saves the op's time from the recompute.
+# The recompute of a policy costs the unit's forward_ms times the share of the unit's op time
+# that is not kept. Op times are least-of-a-few-steps kernel times (NOTE [ Op records ]) and
+# the unit's forward time is the profiler's (or the timing model's) figure for the whole
+# call: on a loaded machine the two differ by a factor, not by an offset, and on the CPU the
+# kernels are nearly all of a forward (torch.profiler: 99% of HF Llama's forward is aten
+# self time), so shares transfer and differences would not.
+#
+# The whole-step cost model (NOTE [ Peak-memory model ], "Selective regions") then prices
+# every policy exactly, positions included; this per-unit pricing only picks the menu.
+#
+# The menu: the Pareto front of (bytes kept, op time recomputed) over subsets of keepable ops
+# is a 0/1 knapsack; it is computed exactly (held bytes rounded up to 1/1024 of the unit's
+# saved bytes, so fronts stay small), and the menu takes, for each of MENU_STEPS byte levels
+# spread evenly below the bytes the unit holds when not checkpointed, the point of the front
+# that saves the most time within that level. Policies that keep as much as not checkpointing
+# at all are never useful and are left out. The solvers choose per unit among none, full and
+# the menu, so their optimality is proven over this menu.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+MENU_STEPS = 8
+"""Byte levels per unit menu: at most MENU_STEPS - 1 policies (NOTE [ Selective menus ])."""
+
+_GRID = 1024
+"""Held bytes on the knapsack front are rounded up to saved_bytes / _GRID."""
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """What the menu needs of one op call (``planner.model.schema.OpRecord``, flattened)."""
+
+    seq: int
+    name: str
+    output_ids: tuple[int, ...]
+    forward_ms: float
+    random: bool = False
+    inplace: bool = False
+    view: bool = False
+    mutated: bool = False
+    writes: int | None = None
+    read_between_writes: bool = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One selective policy of one unit (see the module docstring)."""
+
+    saved: tuple[tuple[str, int], ...]
+    """Kept op calls: (op overload, index among that overload's calls in the unit's forward)."""
+    cached: tuple[tuple[int, int], ...]
+    """(holding position seq, tensor id) of each kept output storage (NOTE [ Selective menus ])."""
+    saved_ms: float
+    """Op time the recompute skips, as measured op by op."""
+    recompute_ms: float
+    """What its recompute costs: the unit's forward time times the share of its op time that
+    is recomputed (NOTE [ Selective menus ])."""
+    kept_bytes: int
+    """Bytes of the kept outputs (counted once per storage)."""
+    counts: tuple[tuple[str, int, int], ...]
+    """Per op category: (category, kept, recomputed), for ``describe``."""
+    keeps_written: bool = False
+    """Keeps an output written in place, with its writers (``allow_cache_entry_mutation``)."""
+
+    @property
+    def cached_ids(self) -> frozenset[int]:
+        return frozenset(t for _, t in self.cached)
+
+
+# ----------------------------------------------------------------------------- op categories
+
+_CATEGORIES = (
+    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")),
+    ("matmul", ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.linear.",
+                "aten._scaled_mm.", "aten.convolution.", "aten._convolution.", "aten.cudnn_convolution.",
+                "aten.mkldnn_convolution.")),
+    ("softmax", ("softmax",)),
+    ("norm", ("layer_norm", "batch_norm", "group_norm", "rms_norm")),
+    ("dropout", ("dropout", "bernoulli")),
+)
+
+_PLURAL = {"matmul": "matmuls", "attention": "attention", "softmax": "softmax", "norm": "norms",
+           "dropout": "dropout", "pointwise": "pointwise"}
+
+
+def category(name: str, *, random: bool = False) -> str:
+    """'matmul', 'attention', 'softmax', 'norm', 'dropout' or 'pointwise' (everything else)."""
+    for cat, keys in _CATEGORIES:
+        if any(k in name for k in keys):
+            return cat
+    return "dropout" if random else "pointwise"
+
+
+def describe(policy: Policy) -> str:
+    """In words, e.g. 'saves 2 matmuls, 1 attention; recomputes 7 pointwise'."""
+    kept = [f"{k} {_PLURAL[c] if k != 1 else c}" for c, k, _ in policy.counts if k]
+    redo = [f"{r} {_PLURAL[c] if r != 1 else c}" for c, _, r in policy.counts if r]
+    return f"saves {', '.join(kept) or 'nothing'}; recomputes {', '.join(redo) or 'nothing'}"
+
+
+# ----------------------------------------------------------------------------- menus
+
+
+def keepable(op: OpCall) -> bool:
+    """An op call a policy may keep (NOTE [ Selective menus ])."""
+    return bool(op.output_ids) and not (op.inplace or op.view or op.mutated)
+
+
+def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
+    """Each op with its index among the calls of the same overload, in order."""
+    seen: Counter[str] = Counter()
+    out = []
+    for op in ops:
+        out.append((op, seen[op.name]))
+        seen[op.name] += 1
+    return out
+
+
+def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_bytes: int,
+               tensor_bytes: dict[int, int], first_save_inside: dict[int, int],
+               saved_outside: Iterable[int], writers: dict[int, int] | None = None,
+               steps: int = MENU_STEPS) -> tuple[Policy, ...]:
+    """The menu of one unit (NOTE [ Selective menus ]), cheapest in bytes first.
+
+    Args:
+        ops: the op calls of the unit's forward, in order (children's included).
+        forward_ms: the unit's forward time (its full recompute).
+        end_seq: the unit's ``fwd_end_seq``.
+        saved_bytes: bytes the unit holds for backward when not checkpointed.
+        tensor_bytes: tensor id -> bytes.
+        first_save_inside: tensor id -> seq of its first save inside the unit.
+        saved_outside: tensors that something outside the unit saves.
+        writers: allocating op's seq -> how many in-place ops write its output, in the whole
+            step (a group is kept only when all of them are inside the unit).
+        steps: byte levels (at most ``steps - 1`` policies).
+    """
+    outside = frozenset(saved_outside)
+    calls = indexed(ops)
+    total_ms = sum(op.forward_ms for op in ops)
+    items = []
+    for group in _groups(calls, writers or {}):
+        op = group[0][0]
+        cost = sum(tensor_bytes[t] for t in op.output_ids if t not in outside)
+        items.append((cost, sum(o.forward_ms for o, _ in group), group))
+    if not items or saved_bytes <= 0:
+        return ()
+    front = _knapsack_front([(c, ms) for c, ms, _ in items], max(1, math.ceil(saved_bytes / _GRID)))
+    menu: dict[frozenset[int], Policy] = {}
+    for j in range(1, steps):
+        level = saved_bytes * j / steps
+        best = max(((ms, b, chosen) for b, ms, chosen in front if b <= level and chosen), default=None,
+                   key=lambda p: (p[0], -p[1]))
+        if best is None or best[2] in menu:
+            continue
+        chosen = best[2]
+        menu[chosen] = _policy([items[i] for i in sorted(chosen)], calls, forward_ms, total_ms, end_seq,
+                               tensor_bytes, first_save_inside)
+    return tuple(sorted(menu.values(), key=lambda p: (p.kept_bytes, p.recompute_ms)))
+
+
+def _groups(calls: list[tuple[OpCall, int]], writers: dict[int, int]) -> list[list[tuple[OpCall, int]]]:
+    """What can be kept: single ops, and mutated outputs with all their writers (first the allocator)."""
+    written: dict[int, list[tuple[OpCall, int]]] = {}
+    for op, k in calls:
+        if op.inplace and op.writes is not None:
+            written.setdefault(op.writes, []).append((op, k))
+    out = []
+    for op, k in calls:
+        if keepable(op):
+            out.append([(op, k)])
+        elif (op.mutated and op.output_ids and not (op.inplace or op.view or op.read_between_writes)
+              and op.seq in written and len(written[op.seq]) == writers.get(op.seq, -1)):
+            out.append([(op, k), *written[op.seq]])
+    return out
+
+
+def _knapsack_front(items: list[tuple[int, float]], grid: int) -> list[tuple[int, float, frozenset[int]]]:
+    """Pareto front of (bytes, ms saved) over subsets of ``items``; bytes rounded up to ``grid``."""
+    front: list[tuple[int, float, frozenset[int]]] = [(0, 0.0, frozenset())]
+    for i, (cost, ms) in enumerate(items):
+        c = -(-cost // grid) * grid
+        merged = front + [(b + c, v + ms, s | {i}) for b, v, s in front]
+        merged.sort(key=lambda p: (p[0], -p[1]))
+        front = []
+        for p in merged:
+            if not front or p[1] > front[-1][1]:
+                front.append(p)
+    return front
+
+
+def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list[tuple[OpCall, int]],
+            forward_ms: float, total_ms: float, end_seq: int, tensor_bytes: dict[int, int],
+            first_save_inside: dict[int, int]) -> Policy:
+    saved_ms = sum(ms for _, ms, _ in kept)
+    members = [m for _, _, group in kept for m in group]
+    ids = {t for op, _ in members for t in op.output_ids}
+    kept_keys = {(op.name, k) for op, k in members}
+    drawn = {op.writes for op, _ in calls if op.random and op.writes is not None}  # dropout masks
+    tally: dict[str, list[int]] = {}
+    for op, k in calls:
+        if not op.output_ids or op.view or op.inplace:
+            continue
+        row = tally.setdefault(category(op.name, random=op.random or op.seq in drawn), [0, 0])
+        row[0 if (op.name, k) in kept_keys else 1] += 1
+    order = ["matmul", "attention", "softmax", "norm", "dropout", "pointwise"]
+    return Policy(
+        saved=tuple(sorted(kept_keys, key=lambda nk: (nk[0], nk[1]))),
+        cached=tuple(sorted((first_save_inside.get(t, end_seq), t) for t in ids)),
+        saved_ms=saved_ms,
+        recompute_ms=forward_ms * max(0.0, 1.0 - saved_ms / total_ms) if total_ms > 0 else forward_ms,
+        kept_bytes=sum(tensor_bytes[t] for t in ids),
+        counts=tuple((c, *tally[c]) for c in order if c in tally),
+        keeps_written=any(op.inplace for op, _ in members),
+    )
