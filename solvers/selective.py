@@ -19,6 +19,13 @@ checkpoint) is the other end.
 # made by empty_like, bernoulli_ and div_) is kept that way; its random draw, 10 ms and more
 # per attention-sized mask on one CPU thread, is then not replayed.
 #
+# Random ops are kept all together or not at all. The recompute restores the RNG state of the
+# region's start and reruns only what is not kept: a random op that reruns after a kept one
+# would draw from the state the kept op consumed in the forward, a different mask, and the
+# gradients would be wrong (seen on T5 and BERT, whose blocks hold several dropouts: up to
+# 0.009 off). So all random ops of a unit are one item of the knapsack when each of them can be
+# kept, and none is kept otherwise.
+#
 # What keeping op o costs and saves, alone: its output storages are held from the forward
 # until backward passes the first save of them inside the unit (or the unit's end, if backward
 # does not need them: the recompute consumes them there), so it costs their bytes, except
@@ -169,9 +176,9 @@ def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_
     calls = indexed(ops)
     total_ms = sum(op.forward_ms for op in ops)
     items = []
-    for group in _groups(calls, writers or {}):
-        op = group[0][0]
-        cost = sum(tensor_bytes[t] for t in op.output_ids if t not in outside)
+    for group in _random_together(calls, _groups(calls, writers or {})):
+        ids = {t for op, _ in group if not (op.inplace or op.view) for t in op.output_ids}
+        cost = sum(tensor_bytes[t] for t in ids if t not in outside)
         items.append((cost, sum(o.forward_ms for o, _ in group), group))
     if not items or saved_bytes <= 0:
         return ()
@@ -203,6 +210,20 @@ def _groups(calls: list[tuple[OpCall, int]], writers: dict[int, int]) -> list[li
               and op.seq in written and len(written[op.seq]) == writers.get(op.seq, -1)):
             out.append([(op, k), *written[op.seq]])
     return out
+
+
+def _random_together(calls: list[tuple[OpCall, int]],
+                     groups: list[list[tuple[OpCall, int]]]) -> list[list[tuple[OpCall, int]]]:
+    """The groups with every group holding a random op merged into one, or dropped when some
+    random op of the unit is in no group (NOTE [ Selective menus ]: random ops all or none)."""
+    random = [g for g in groups if any(op.random for op, _ in g)]
+    if not random:
+        return groups
+    rest = [g for g in groups if not any(op.random for op, _ in g)]
+    in_groups = {op.seq for g in random for op, _ in g}
+    if any(op.random and op.seq not in in_groups for op, _ in calls):
+        return rest
+    return [*rest, [m for g in random for m in g]]
 
 
 def _knapsack_front(items: list[tuple[int, float]], grid: int) -> list[tuple[int, float, frozenset[int]]]:

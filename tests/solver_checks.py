@@ -14,8 +14,8 @@ def check_solution(g: nx.DiGraph, sol: Solution, budget_bytes: int) -> None:
     """Contract of ``solvers/__init__.py``; the message names the solver that broke it."""
     who = f"solver {sol.solver!r}"
     assert sol.status in ("optimal", "feasible", "infeasible"), f"{who}: bad status {sol.status}"
-    check_checkpoint_set(g, sol.checkpointed)
-    est = simulate(g, sol.checkpointed)
+    check_checkpoint_set(g, sol.checkpointed, sol.selective)
+    est = simulate(g, sol.checkpointed, sol.selective)
     assert est.peak_bytes == sol.peak_bytes, f"{who}: reports peak {sol.peak_bytes}, simulate says {est.peak_bytes}"
     assert abs(est.recompute_ms - sol.recompute_ms) <= 1e-9 * max(1.0, est.recompute_ms), f"{who}: recompute"
     if sol.status != "infeasible":

@@ -63,7 +63,7 @@ def test_default_config_plans_apply_train_and_verify(name, caplog):
     assert model.config.use_cache and model.training  # the library defaults this test is about
     with caplog.at_level(logging.WARNING, logger="remat"):
         plan = _mid_budget_plan(model, inputs)
-    assert plan.checkpoints, "a mid budget needs checkpoints"
+    assert plan.checkpoints or plan.selective, "a mid budget needs checkpoints"
     assert [c.kind for c in plan.step_changes] == ["hf_use_cache_off"]
     assert sum("use_cache=False" in r.getMessage() for r in caplog.records) == 1  # said once
 

@@ -483,7 +483,7 @@ def _step_changes(model: nn.Module, plan: Plan) -> list[StepChange]:
     """The plan's step changes, and those the model needs that the plan lacks (a plan file written before
     remat made them, or one made by hand): checkpointing a layer that appends to a cache breaks its replay
     whatever the plan predicted, so they are made anyway, and the prediction is said to be for another step."""
-    if not plan.checkpoints:
+    if not plan.checkpoints and not plan.selective:
         return list(plan.step_changes)
     have = {(c.kind, c.module) for c in plan.step_changes}
     missing = [c for c in find_step_changes(model) if (c.kind, c.module) not in have]
