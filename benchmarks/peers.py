@@ -85,6 +85,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # one model class compiled for several variants
+    # Each compiled variant must get its own graph, compiled under its own memory budget: with
+    # nn.Module inlining, dynamo's guards pass for another instance of the same class and it reuses
+    # the first variant's graph (every budget then measured the same peak, to the byte); the AOT
+    # autograd and FX graph caches could likewise return a graph partitioned under another budget.
+    torch._dynamo.config.inline_inbuilt_nn_modules = False
     dev = resolve_device(args.device)
     mf = load_model_file(args.model)
     print(f"profiling {args.model} on {dev} ...", file=sys.stderr)
@@ -173,7 +178,8 @@ def _build(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> tuple[Any,
     run = model if v.compile_budget is False else torch.compile(model)
     step = make_step(run, batch, loss_fn=mf.loss_fn, optimizer=opt)
     budget = 1.0 if v.compile_budget in (False, None) else float(v.compile_budget)
-    with torch._functorch.config.patch(activation_memory_budget=budget):
+    with torch._functorch.config.patch(activation_memory_budget=budget, enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
         step()  # creates the optimizer state: what follows is the steady state
     return model, opt, step, batch
 
