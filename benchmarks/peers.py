@@ -66,6 +66,8 @@ class Variant:
     """Checkpoints the model in place; returns what it checkpointed, for the table."""
     predicted_peak_bytes: int | None
     what: str = ""
+    predicted_recompute_ms: float | None = None
+    """The cost model's recompute (one step), next to the measured one."""
     compile_budget: float | None | bool = False
     """False: eager; None: torch.compile without a memory budget; a float: its activation_memory_budget."""
     times_ms: list[float] = field(default_factory=list)
@@ -101,16 +103,20 @@ def main() -> None:
     modules = plan_from_profile(prof, budget, selective=False)
     ops = plan_from_profile(prof, budget)
     every_2 = plan_from_profile(prof, nothing.peak_bytes, solver="every-2")
+    every_1 = run_solver(g, "every-1", budget)
     variants = [
-        Variant("no checkpointing", lambda m, b: "-", nothing.peak_bytes),
-        Variant("every layer (HF gradient_checkpointing_enable)", _hf_every_layer,
-                run_solver(g, "every-1", budget).peak_bytes),
-        Variant("every 2nd block (apply_plan)", _applier(every_2), every_2.predicted.peak_bytes),
+        Variant("no checkpointing", lambda m, b: "-", nothing.peak_bytes, predicted_recompute_ms=0.0),
+        Variant("every layer (HF gradient_checkpointing_enable)", _hf_every_layer, every_1.peak_bytes,
+                predicted_recompute_ms=every_1.recompute_ms),
+        Variant("every 2nd block (apply_plan)", _applier(every_2), every_2.predicted.peak_bytes,
+                predicted_recompute_ms=every_2.predicted.recompute_ms),
         Variant(f"remat, whole modules ({modules.solver.name}, {modules.solver.status})", _applier(modules),
-                modules.predicted.peak_bytes),
+                modules.predicted.peak_bytes, predicted_recompute_ms=modules.predicted.recompute_ms),
         Variant(f"remat, op-level ({ops.solver.name}, {ops.solver.status})", _applier(ops),
-                ops.predicted.peak_bytes),
+                ops.predicted.peak_bytes, predicted_recompute_ms=ops.predicted.recompute_ms),
     ]
+    dispatch = (f"selective checkpointing's dispatch, measured by the profile: {prof.sac_recomputed_op_ms * 1e3:.0f} us "
+                f"per recomputed op call, {prof.sac_kept_op_ms * 1e3:.0f} us per kept one")
     if args.compile_budgets is not None:
         variants.append(Variant("torch.compile", lambda m, b: "-", None, compile_budget=None))
         for b in args.compile_budgets:
@@ -123,6 +129,7 @@ def main() -> None:
     kept = [_measure_peak(v, mf, dev, args.optimizer) for v in variants]
     _time_round_robin(variants, kept, mf, dev, args.optimizer, args.repeats)
     _print_table(args, dev, budget, variants)
+    print(f"\n{dispatch}")
 
 
 def _args() -> argparse.Namespace:
@@ -237,11 +244,12 @@ def _print_table(args: argparse.Namespace, dev: torch.device, budget: int, varia
     none = next((v for v in variants if v.name == "no checkpointing" and v.cpu_ms), None)
     t0, t1 = (min(none.cpu_ms), min(base.cpu_ms)) if none and base else (None, None)
     print("| variant | checkpointed | step ms | vs every layer | CPU ms | vs every layer (CPU) "
-          "| recompute vs every layer (min CPU) | peak bytes (measured) | peak / budget | predicted peak bytes |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| recompute vs every layer (min CPU) | recompute ms, min CPU (predicted) "
+          "| peak bytes (measured) | peak / budget | predicted peak bytes |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for v in variants:
         if v.error:
-            print(f"| {v.name} | {v.error} | | | | | | | | |")
+            print(f"| {v.name} | {v.error} | | | | | | | | | |")
             continue
         ms, cpu = statistics.median(v.times_ms), statistics.median(v.cpu_ms)
         ratio = f"{ms / base_ms:.2f}x" if base_ms else "n/a"
@@ -251,9 +259,12 @@ def _print_table(args: argparse.Namespace, dev: torch.device, budget: int, varia
         over = f" (over by {v.peak_bytes - budget} B)" if v.peak_bytes is not None and v.peak_bytes > budget else ""
         predicted = str(v.predicted_peak_bytes) if v.predicted_peak_bytes is not None else "n/a"
         overhead = f"{(min(v.cpu_ms) - t0) / (t1 - t0):.2f}" if t0 is not None and t1 > t0 else "n/a"
-        print(f"| {v.name} | {v.what} | {ms:.1f} | {ratio} | {cpu:.1f} | {cpu_ratio} | {overhead} | {peak} "
+        rec = f"{min(v.cpu_ms) - t0:.1f}" if t0 is not None else "n/a"
+        if v.predicted_recompute_ms is not None:
+            rec += f" ({v.predicted_recompute_ms:.1f})"
+        print(f"| {v.name} | {v.what} | {ms:.1f} | {ratio} | {cpu:.1f} | {cpu_ratio} | {overhead} | {rec} | {peak} "
               f"| {share}{over} | {predicted} |")
-    print(f"| sac_milp (torch.distributed._tools) | {SAC_MILP_NOTE} | | | | | | | | |")
+    print(f"| sac_milp (torch.distributed._tools) | {SAC_MILP_NOTE} | | | | | | | | | |")
     spread = {v.name: f"{min(v.times_ms):.0f}-{max(v.times_ms):.0f}" for v in variants if v.times_ms}
     print("\nstep ms range (min-max) per variant: " + "; ".join(f"{k}: {r}" for k, r in spread.items()))
     _closest_budget(variants)

@@ -221,7 +221,8 @@ used there, and a tensor never held is held from there."""
 #   - each kept output storage t is held too, positioned at its first save inside c (backward
 #     needs it there), or at end(c) when backward does not need it (the recompute consumes it);
 #   - recomputed(c) leaves out the kept storages: they are held, not re-created;
-#   - its recompute costs pi's recompute_ms: forward_ms(c) less the kept ops' share.
+#   - its recompute costs pi's recompute_ms: forward_ms(c) less the kept ops' share, plus the
+#     dispatch cost of selective checkpointing (NOTE [ Selective dispatch cost ]).
 # Full checkpointing is the policy that keeps nothing. A checkpoint set with policies is a pair
 # (C, P): P maps some members of C to an index into their ``menu``.
 #

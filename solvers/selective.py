@@ -32,7 +32,9 @@ checkpoint) is the other end.
 # storages that something outside the unit saves (held anyway, e.g. a block's output that the
 # next block's norm saves), which cost nothing; it saves the op's time from the recompute.
 # The recompute of a policy costs the unit's forward_ms times the share of the unit's op time
-# that is not kept. Op times are least-of-a-few-steps kernel times (NOTE [ Op records ]) and
+# that is not kept, plus what torch's selective checkpointing adds per op call it recomputes and
+# per op call it keeps (measured on the model: NOTE [ Selective dispatch cost ] in
+# planner/profiling/sac_cost.py). Op times are least-of-a-few-steps kernel times (NOTE [ Op records ]) and
 # the unit's forward time is the profiler's (or the timing model's) figure for the whole
 # call: on a loaded machine the two differ by a factor, not by an offset, and on the CPU the
 # kernels are nearly all of a forward (torch.profiler: 99% of HF Llama's forward is aten
@@ -46,7 +48,7 @@ checkpoint) is the other end.
 # saved bytes, so fronts stay small), and the menu takes, for each of MENU_STEPS byte levels
 # spread evenly below the bytes the unit holds when not checkpointed, the point of the front
 # that saves the most time within that level. Policies that keep as much as not checkpointing
-# at all are never useful and are left out. The solvers choose per unit among none, full and
+# at all, or cost as much time as full checkpointing, are never useful and are left out. The solvers choose per unit among none, full and
 # the menu, so their optimality is proven over this menu.
 """
 
@@ -91,8 +93,9 @@ class Policy:
     saved_ms: float
     """Op time the recompute skips, as measured op by op."""
     recompute_ms: float
-    """What its recompute costs: the unit's forward time times the share of its op time that
-    is recomputed (NOTE [ Selective menus ])."""
+    """What it adds to the step: the unit's forward time times the share of its op time that is
+    recomputed, plus selective checkpointing's dispatch of every op call of the unit (NOTE
+    [ Selective menus ])."""
     kept_bytes: int
     """Bytes of the kept outputs (counted once per storage)."""
     counts: tuple[tuple[str, int, int], ...]
@@ -157,7 +160,7 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_bytes: int,
                tensor_bytes: dict[int, int], first_save_inside: dict[int, int],
                saved_outside: Iterable[int], writers: dict[int, int] | None = None,
-               steps: int = MENU_STEPS) -> tuple[Policy, ...]:
+               op_cost_ms: tuple[float, float] = (0.0, 0.0), steps: int = MENU_STEPS) -> tuple[Policy, ...]:
     """The menu of one unit (NOTE [ Selective menus ]), cheapest in bytes first.
 
     Args:
@@ -170,6 +173,9 @@ def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_
         saved_outside: tensors that something outside the unit saves.
         writers: allocating op's seq -> how many in-place ops write its output, in the whole
             step (a group is kept only when all of them are inside the unit).
+        op_cost_ms: what selective checkpointing adds per op call it recomputes and per op call
+            it keeps (``Profile.sac_recomputed_op_ms``, ``sac_kept_op_ms``; NOTE [ Selective
+            dispatch cost ] in planner/profiling/sac_cost.py).
         steps: byte levels (at most ``steps - 1`` policies).
     """
     outside = frozenset(saved_outside)
@@ -179,7 +185,12 @@ def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_
     for group in _random_together(calls, _groups(calls, writers or {})):
         ids = {t for op, _ in group if not (op.inplace or op.view) for t in op.output_ids}
         cost = sum(tensor_bytes[t] for t in ids if t not in outside)
-        items.append((cost, sum(o.forward_ms for o, _ in group), group))
+        # what keeping the group saves: its kernels' share of the forward, less the dispatch a
+        # kept call costs beyond a recomputed one; a group that saves nothing is never kept
+        value = (forward_ms * sum(o.forward_ms for o, _ in group) / total_ms if total_ms > 0 else 0.0) \
+            - (op_cost_ms[1] - op_cost_ms[0]) * len(group)
+        if value > 0:
+            items.append((cost, value, group))
     if not items or saved_bytes <= 0:
         return ()
     front = _knapsack_front([(c, ms) for c, ms, _ in items], max(1, math.ceil(saved_bytes / _GRID)))
@@ -192,8 +203,10 @@ def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_
             continue
         chosen = best[2]
         menu[chosen] = _policy([items[i] for i in sorted(chosen)], calls, forward_ms, total_ms, end_seq,
-                               tensor_bytes, first_save_inside)
-    return tuple(sorted(menu.values(), key=lambda p: (p.kept_bytes, p.recompute_ms)))
+                               tensor_bytes, first_save_inside, op_cost_ms)
+    # a policy no faster than full checkpointing keeps bytes for nothing: never useful
+    return tuple(sorted((p for p in menu.values() if p.recompute_ms < forward_ms),
+                        key=lambda p: (p.kept_bytes, p.recompute_ms)))
 
 
 def _groups(calls: list[tuple[OpCall, int]], writers: dict[int, int]) -> list[list[tuple[OpCall, int]]]:
@@ -242,9 +255,10 @@ def _knapsack_front(items: list[tuple[int, float]], grid: int) -> list[tuple[int
 
 def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list[tuple[OpCall, int]],
             forward_ms: float, total_ms: float, end_seq: int, tensor_bytes: dict[int, int],
-            first_save_inside: dict[int, int]) -> Policy:
-    saved_ms = sum(ms for _, ms, _ in kept)
+            first_save_inside: dict[int, int], op_cost_ms: tuple[float, float]) -> Policy:
     members = [m for _, _, group in kept for m in group]
+    saved_ms = sum(op.forward_ms for op, _ in members)
+    dispatch_ms = op_cost_ms[0] * (len(calls) - len(members)) + op_cost_ms[1] * len(members)
     ids = {t for op, _ in members for t in op.output_ids}
     kept_keys = {(op.name, k) for op, k in members}
     drawn = {op.writes for op, _ in calls if op.random and op.writes is not None}  # dropout masks
@@ -259,7 +273,7 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
         saved=tuple(sorted(kept_keys, key=lambda nk: (nk[0], nk[1]))),
         cached=tuple(sorted((first_save_inside.get(t, end_seq), t) for t in ids)),
         saved_ms=saved_ms,
-        recompute_ms=forward_ms * max(0.0, 1.0 - saved_ms / total_ms) if total_ms > 0 else forward_ms,
+        recompute_ms=dispatch_ms + (forward_ms * max(0.0, 1.0 - saved_ms / total_ms) if total_ms > 0 else forward_ms),
         kept_bytes=sum(tensor_bytes[t] for t in ids),
         counts=tuple((c, *tally[c]) for c in order if c in tally),
         keeps_written=any(op.inplace for op, _ in members),

@@ -284,7 +284,8 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
             [OpCall(o.seq, o.name, tuple(o.output_ids), o.forward_ms, o.random, o.inplace, o.view, o.mutated,
                     o.writes, o.read_between_writes) for o in inside],
             forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], tensor_bytes=tb,
-            first_save_inside=first_inside, saved_outside=outside, writers=writers)
+            first_save_inside=first_inside, saved_outside=outside, writers=writers,
+            op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms))
 
 
 def _link_tree(g: nx.DiGraph, chosen: list[str], units: dict[str, UnitRecord]) -> None:

@@ -359,6 +359,12 @@ class Profile(_Model):
     region_state_bytes: int = Field(0, description="Device bytes every checkpointed region keeps until its "
                                                    "backward for its replay (the CPU RNG state on a CPU run), "
                                                    "measured by the validation step; 0 when not measured.")
+    sac_recomputed_op_ms: float = Field(0.0, description="Milliseconds torch's selective checkpointing adds per "
+                                                          "op call a region recomputes, beyond its kernel (NOTE "
+                                                          "[ Selective dispatch cost ] in "
+                                                          "planner/profiling/sac_cost.py); 0 when not measured.")
+    sac_kept_op_ms: float = Field(0.0, description="Milliseconds torch's selective checkpointing adds per op call "
+                                                   "a region keeps (the same NOTE); 0 when not measured.")
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")

@@ -85,6 +85,9 @@ def profile(
     from planner.profiling.profiler import profile_real, resolve_device
     from planner.profiling.step_changes import profiled_with_step_changes
     from planner.profiling.validate import validate
+    from planner.profiling.sac_cost import measure_sac_cost
+    from planner.profiling.timing import num_threads, pick_clock
+    import torch
 
     dev = resolve_device(device)
     parse_optimizer(optimizer)
@@ -108,6 +111,12 @@ def profile(
             (progress or (lambda _msg: None))("validation step: what checkpointing frees")
             found = validate(model, to_device(inputs, dev), result, loss_fn=loss_fn, amp=recipe.amp, dev=dev)
             result.retained, result.excluded, result.region_state_bytes = found
+            if result.ops:
+                (progress or (lambda _msg: None))("timing selective checkpointing's dispatch")
+                with num_threads(threads):
+                    cost = measure_sac_cost(model, to_device(inputs, dev), result, loss_fn=loss_fn, amp=recipe.amp,
+                                            dev=dev, clock=pick_clock(dev, torch.get_num_threads()))
+                result.sac_recomputed_op_ms, result.sac_kept_op_ms = cost
     result.step_changes = changes
     return result
 

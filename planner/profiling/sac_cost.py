@@ -1,0 +1,118 @@
+"""What torch's selective checkpointing costs per op call, beyond the recomputed kernels.
+
+# NOTE [ Selective dispatch cost ]
+#
+# Rule 1. A selective region runs its forward under torch's caching dispatch mode and its
+# replay under the cached mode (``create_selective_checkpoint_contexts``): every op call of
+# the unit passes through Python twice, whatever the policy keeps. On one CPU thread that is
+# tens of microseconds per call (examples/llama.py, 420 op calls in its 4 blocks: the
+# policy that keeps nothing cost 25.7 ms a step more than full checkpointing of the same
+# blocks; docs/benchmarks.md), as much as a third of the blocks' recompute. A menu that
+# priced only the recomputed kernels would under-price every policy by that much.
+#
+# Rule 2. So the profiler measures it on the model it profiles (``measure_sac_cost``), on the
+# same device and threads, in interleaved rounds (least times): the step as it is, and with the
+# top-level candidates (N op calls, forward time F) under selective checkpointing that
+# recomputes every op and that keeps every op. A policy of a unit costs
+#     forward_ms * (recomputed kernel time / kernel time) + n_recomputed * r + n_kept * k
+# with r = (t_recompute_all - t - F) / N and k = (t_keep_all - t) / N, so the two ends of every
+# menu are priced as measured. On examples/llama.py (one CPU thread) a chain of small ops gave
+# 11 us per call, the model's own ops r = 40 us and k = 171 us: keeping every op cost as much as
+# recomputing the blocks fully (docs/benchmarks.md). The cost depends on the ops, so it is
+# measured on them. ``Profile.sac_recomputed_op_ms`` and ``Profile.sac_kept_op_ms`` record it
+# (NOTE [ Selective menus ] in solvers/selective.py).
+#
+# Rule 3. On CUDA the Python work overlaps the kernels of earlier ops as long as the GPU is
+# busy: the profile's CUDA-event clock sees only what is not hidden. Meta profiles (no device
+# to run on) and profiles without op records leave it at 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import functools
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from planner.model.schema import LOSS_ID, ROOT_ID, Profile
+
+SAC_ROUNDS = 2
+"""Interleaved rounds of the three steps; each keeps its least time (noise only raises times)."""
+
+
+class SacCost(NamedTuple):
+    """What selective checkpointing adds per op call of a region, beyond recomputed kernels."""
+
+    recomputed_op_ms: float
+    kept_op_ms: float
+
+
+def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
+                     amp: str | None, dev: torch.device, clock: Any, rounds: int = SAC_ROUNDS) -> SacCost:
+    """The two per-op figures of NOTE [ Selective dispatch cost ], Rule 2, measured on ``model``."""
+    from planner.model.graph import build_graph
+    from planner.profiling.measure import make_step
+    from planner.profiling.profiler import restoring_model
+
+    g = build_graph(prof, selective=False)  # the candidates validate checkpoints, excluded ones left out
+    calls = Counter(u.fqn for u in prof.units)
+    modules = dict(model.named_modules())
+    top = [a for n, a in g.nodes(data=True) if a["parent"] is None and n not in (ROOT_ID, LOSS_ID)
+           and calls[a["fqn"]] == 1 and "forward" not in modules[a["fqn"]].__dict__]  # another wrapper: leave it
+    seqs = sorted(o.seq for o in prof.ops)
+    n_ops = sum(bisect.bisect_right(seqs, a["fwd_end_seq"]) - bisect.bisect_left(seqs, a["fwd_start_seq"])
+                for a in top)
+    if not top or n_ops == 0:
+        return SacCost(0.0, 0.0)
+    step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
+    best = {policy: math.inf for policy in (None, CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE)}
+    with restoring_model(model, dev):
+        for _ in range(rounds):
+            for policy in best:
+                with _selective_regions([modules[a["fqn"]] for a in top], policy):
+                    model.zero_grad(set_to_none=True)
+                    clock.sync()
+                    t0 = clock.stamp()
+                    step()
+                    t1 = clock.stamp()
+                    clock.sync()
+                best[policy] = min(best[policy], clock.ms(t0, t1))
+    plain = best[None]
+    forward_ms = sum(a["forward_ms"] for a in top) * g.graph.get("micro_batches", 1)
+    return SacCost(max(0.0, (best[CheckpointPolicy.PREFER_RECOMPUTE] - plain - forward_ms) / n_ops),
+                   max(0.0, (best[CheckpointPolicy.MUST_SAVE] - plain) / n_ops))
+
+
+@contextlib.contextmanager
+def _selective_regions(modules: list[nn.Module], policy: CheckpointPolicy | None) -> Iterator[None]:
+    """``modules`` under selective checkpointing with every op call given ``policy`` (None: as they are)."""
+    if policy is None:
+        yield
+        return
+
+    def each_op(_ctx: Any, _func: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        return policy
+
+    # keeping every op output keeps some that the forward writes in place later: allowed here
+    contexts = functools.partial(create_selective_checkpoint_contexts, each_op, allow_cache_entry_mutation=True)
+    for m in modules:
+        inner = type(m).forward.__get__(m, type(m))
+        m.forward = functools.partial(_region, inner, contexts)
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.forward
+
+
+def _region(inner: Callable[..., Any], contexts: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
