@@ -367,11 +367,12 @@ def _tensor_steps(groups: list[tuple[int, set[_Term]]], anc: dict[str, frozenset
 # buy a lower peak with more recompute; a separate, time-boxed solve cannot.
 
 
-def build_program(g: nx.DiGraph) -> Program:
+def build_program(g: nx.DiGraph, *, term_bits: int = 24) -> Program:
     """The program of NOTE [ ILP formulation ] for ``g``, in four steps: the buckets, each
-    tensor's holdings as steps of prefix ORs, the running sums H_b, and the probe rows."""
+    tensor's holdings as steps of prefix ORs, the running sums H_b, and the probe rows. Memory is
+    counted in multiples of ``scale_bytes`` that keep every term below 2^``term_bits`` of them."""
     model = CostModel.of(g)
-    scale = _scale_bytes(model)
+    scale = _scale_bytes(model, term_bits)
     var = _Vars.of(g)
     anc = var.ancestors(_ancestors(g))
     buckets = _Buckets.of(g, model)
@@ -391,13 +392,14 @@ def build_program(g: nx.DiGraph) -> Program:
                    {v: a for v, a in var.alts.items() if a})
 
 
-def _scale_bytes(model: CostModel) -> int:
+def _scale_bytes(model: CostModel, term_bits: int) -> int:
     """Memory is counted in multiples of 2^k bytes, k chosen so that the largest term is below
-    2^24 of them: CBC's preprocessing loses feasibility with raw byte counts of 1e10 ("possible
-    tolerance issue"). Powers of two keep every byte count exactly representable."""
+    2^term_bits of them: CBC's preprocessing loses feasibility with raw byte counts of 1e10 ("possible
+    tolerance issue"), and its branch and bound with terms up to 2^24 (see ``CBC_TERM_BITS``).
+    Powers of two keep every byte count exactly representable."""
     rk = model.rank
     magnitude = max(rk.opt_static_bytes, rk.bwd_static_bytes + sum(model.tensor_bytes.values()), 1)
-    return 2 ** max(0, magnitude.bit_length() - 24)
+    return 2 ** max(0, magnitude.bit_length() - term_bits)
 
 
 @dataclass(frozen=True)
@@ -675,6 +677,21 @@ def _swallow_highs_banner() -> None:
         os.close(saved)
 
 
+CBC_TERM_BITS = 16
+"""CBC's program counts memory in units that keep every term below 2^16 (HiGHS's: 2^24, as the
+plans on file were made). With terms up to 2^24 (whole bytes on a 10 MB step), CBC 2.10.3 called a
+worse plan optimal in 5 of 7,225 programs of tests/test_ilp.py's nested DAGs, under each set of
+options tried (default, heuristics and cuts off, strong branching off too); in nested_dag(220) its
+branch and bound dropped nodes holding the optimum whose LPs, solved afresh, are feasible. With
+terms below 2^16: none. Half a byte stays above CBC's primal tolerance (1e-9) for steps up to 2^44
+bytes: plans stay byte-exact. ``python benchmarks/cbc_check.py`` (docs/benchmarks.md)."""
+
+CBC_PROOF_OPTIONS = ["heur off", "cuts off"]
+"""CBC options of the re-solve that checks an answer ``_cbc_distrust`` rejects: heuristics and cuts
+off avoided both bugs it names on every case seen; "heur off" alone once called a feasible model
+infeasible."""
+
+
 def _solve(model: IlpModel, backend: Backend, time_limit_s: float | None, mip_gap: float,
            threads: int | None) -> _Outcome:
     t0 = time.perf_counter()
@@ -686,20 +703,19 @@ def _solve(model: IlpModel, backend: Backend, time_limit_s: float | None, mip_ga
     chosen = _chosen(model, state)
     if not note:
         return _Outcome(state, chosen, objective, bound, time.perf_counter() - t0, note)
-    # See _cbc_distrust: the answer is a plan (when there is one) but no proof. Heuristics and cuts
-    # off avoided both bugs on every case seen; "heur off" alone once called a feasible model infeasible.
+    # See _cbc_distrust: the answer is a plan (when there is one) but no proof; CBC_PROOF_OPTIONS re-solves.
     first = (state if state in ("optimal", "feasible") else "none", chosen, objective)
     left = None if limit is None else limit - (time.perf_counter() - t0)
     if left is not None and left <= 0.05:
         state, bound = ("feasible", None) if first[0] != "none" else ("none", None)
         return _Outcome(state, chosen, objective, bound, time.perf_counter() - t0, note)
-    state, objective, bound, again = _run_cbc(model.prob, left, mip_gap, threads, ["heur off", "cuts off"])
+    state, objective, bound, again = _run_cbc(model.prob, left, mip_gap, threads, CBC_PROOF_OPTIONS)
     chosen = _chosen(model, state)
     note += "; re-solved with CBC's heuristics and cuts off"
     if again and state == "optimal":  # still untrusted: a plan, but no proof
         state, bound = "feasible", None
         note += f", which was untrusted too ({again})"
-    if first[0] != "none" and (state not in ("optimal", "feasible") or first[2] < objective):
+    if first[0] != "none" and (state not in ("optimal", "feasible") or first[2] < objective - _tolerance(objective)):
         note += f"; kept the first plan ({first[2]:.6g}), the re-solve said {state} ({objective})"
         state, chosen, objective, bound = "feasible", first[1], first[2], None
     return _Outcome(state, chosen, objective, bound, time.perf_counter() - t0, note)
@@ -782,6 +798,11 @@ def _cbc_distrust(log: str, objective: float | None) -> str:
     return ""
 
 
+def _tolerance(ms: float) -> float:
+    """Two sums of the same recompute times in another order differ by about this much."""
+    return 1e-9 * max(1.0, abs(ms))
+
+
 def _cbc_bound(log: str, objective: float | None) -> float | None:
     """Best bound from CBC's log ("Lower bound: ..." or "best possible ...")."""
     for pat in (r"Lower bound:\s*([-+0-9.eE]+)", r"best possible\s*([-+0-9.eE]+)"):
@@ -827,7 +848,7 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
     run = _Run(g, budget_bytes, time_limit_s, *_pick_backend(backend), mip_gap, threads)
     if simulate(g, []).peak_bytes <= budget_bytes:
         return run.finish([], "optimal", "checkpointing nothing fits")
-    run.program = build_program(g)
+    run.program = build_program(g, term_bits=CBC_TERM_BITS if run.backend == "cbc" else 24)
     bound = sequential_bound(run.program, budget_bytes) if use_relaxation else None
     run.bound = bound
     if bound is not None and bound.recompute_ms == math.inf:

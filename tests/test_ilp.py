@@ -31,11 +31,16 @@ BACKENDS = [pytest.param("cbc", id="cbc"),
                 not ilp_mod._highs_available(), reason="highspy is not installed"))]
 
 
-def nested_dag(seed: int):
+def nested_graph(seed: int):
     """A random DAG of 2-7 blocks, some split into 2-3 parts, built with nested candidates."""
     rng = random.Random(seed)
-    g = build_graph(synthetic_profile(random_dag(rng, rng.randint(2, 7), p_nested=0.4)),
-                    granularity=1, nested=True)
+    return build_graph(synthetic_profile(random_dag(rng, rng.randint(2, 7), p_nested=0.4)),
+                       granularity=1, nested=True)
+
+
+def nested_dag(seed: int):
+    """``nested_graph(seed)``, for hypothesis: small enough to enumerate."""
+    g = nested_graph(seed)
     assume(g.number_of_nodes() <= MAX_CANDIDATES)
     return g
 
@@ -109,6 +114,17 @@ class TestBackend:
         at = ilp_mod.solve(g, lowest.min_feasible_bytes, backend=backend)
         check_solution(g, at, lowest.min_feasible_bytes)
         assert at.status == "optimal" and at.peak_bytes == lowest.min_feasible_bytes
+
+
+@pytest.mark.parametrize("seed, budget", [(220, 9_700_231), (670, 7_881_710), (1046, 7_268_016)])
+def test_cbc_proves_the_optimum(seed, budget):
+    """Programs where CBC 2.10.3, with memory terms up to 2^24, called a worse plan optimal (its
+    first answer, or the re-solve with heuristics and cuts off); see ilp.CBC_TERM_BITS."""
+    g = nested_graph(seed)
+    best = best_recompute(brute_force(g), budget)
+    sol = ilp_mod.solve(g, budget, backend="cbc", use_relaxation=False)
+    check_solution(g, sol, budget)
+    assert sol.status == "optimal" and sol.recompute_ms == pytest.approx(best, rel=1e-9), sol
 
 
 # ----------------------------------------------------------------------------- backend-free
