@@ -845,37 +845,12 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
         stopped the search, "infeasible" with ``min_feasible_bytes`` (the lowest peak any plan
         reaches; proven unless ``detail`` says otherwise).
     """
-    run = _Run(g, budget_bytes, time_limit_s, *_pick_backend(backend), mip_gap, threads)
-    if simulate(g, []).peak_bytes <= budget_bytes:
+    run = _Run(g, budget_bytes, time_limit_s, *_pick_backend(backend), mip_gap, threads, prefer_low_peak)
+    if simulate(g, []).peak_bytes <= budget_bytes:  # step 1 of the module docstring
         return run.finish([], "optimal", "checkpointing nothing fits")
     run.program = build_program(g, term_bits=CBC_TERM_BITS if run.backend == "cbc" else 24)
-    bound = sequential_bound(run.program, budget_bytes) if use_relaxation else None
-    run.bound = bound
-    if bound is not None and bound.recompute_ms == math.inf:
-        run.notes.append("the sequential relaxation admits no plan (NOTE [ Sequential relaxation ])")
-        return run.infeasible()
-    # the relaxation ignores ties (a relaxation still): its plan proves optimality only if tied
-    if bound is not None and is_tied(g, bound.plan) and simulate_vars(g, bound.plan).peak_bytes <= budget_bytes:
-        run.notes.append("proven by the sequential relaxation: its plan fits, and no plan has less recompute "
-                         "(NOTE [ Sequential relaxation ])")
-        chosen = run.lower_peak(frozenset(bound.plan)) if prefer_low_peak else bound.plan
-        return run.finish(chosen, "optimal")
-    run.build()
-    if bound is not None and run.backend == "highs":
-        run.notes.append(f"sequential relaxation bound {bound.recompute_ms:.6g} ms used as a cut")
-        run.model.recompute_row("recompute_lower_bound", pulp.LpConstraintGE, _below(bound.recompute_ms))
-    # not for CBC 2.10.3: with that row (parallel to the objective) its restart after reduced-cost
-    # fixing "found" a 552.1 ms plan below the root bound and stopped at a wrong "optimal"
-    out = run.fitting(budget_bytes)
-    if out.state == "infeasible":
-        return run.infeasible()
-    if out.state == "none":
-        return run.no_plan_in_time(time_limit_s)
-    chosen = run.lower_peak(out.chosen) if prefer_low_peak else out.chosen
-    if out.state == "optimal":
-        return run.finish(chosen, "optimal")
-    return run.finish(chosen, "feasible", "time limit reached: best plan found, optimality not proven",
-                      gap=_gap(out.objective, out.bound))
+    decided = run.by_relaxation() if use_relaxation else None
+    return decided if decided is not None else run.branch_and_bound()
 
 
 def _below(ms: float) -> float:
@@ -898,11 +873,13 @@ def _stats_line(model: IlpModel) -> str:
 
 
 class _Run:
-    """One call of ``solve``: the model, the clock, the notes for ``detail``."""
+    """One call of ``solve``, as the steps of the module docstring: the model, the clock, the
+    notes for ``detail``. Each step returns the ``Solution`` when it decides the call."""
 
     def __init__(self, g: nx.DiGraph, budget_bytes: int, time_limit_s: float | None, backend: Backend,
-                 notes: list[str], mip_gap: float, threads: int | None) -> None:
+                 notes: list[str], mip_gap: float, threads: int | None, prefer_low_peak: bool = True) -> None:
         self.g, self.budget, self.backend, self.mip_gap, self.threads = g, budget_bytes, backend, mip_gap, threads
+        self.time_limit_s, self.prefer_low_peak = time_limit_s, prefer_low_peak
         self.t0 = time.perf_counter()
         self.deadline = None if time_limit_s is None else self.t0 + time_limit_s
         self.notes = [f"backend {backend}", *notes]
@@ -911,8 +888,19 @@ class _Run:
         self.bound: Bound | None = None
         self.n_cuts = 0
 
+    # --- the model and the clock
+
     def left(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+
+    def build(self) -> None:
+        if self.model is None:
+            self.model = build_model(self.g, self.budget, self.program)
+            self.notes.append(_stats_line(self.model))
+
+    def tops(self) -> frozenset[str]:
+        """Every top-level candidate (with its tied calls): the plan of last resort."""
+        return frozenset(close_ties(self.g, (n for n, a in self.g.nodes(data=True) if a["parent"] is None)))
 
     def objective(self, kind: Literal["recompute", "peak"]) -> None:
         m = self.model
@@ -920,6 +908,44 @@ class _Run:
             m.prob.setObjective(m.recompute)
         else:  # every x listed (at 0): PuLP's MPS writer needs each known column somewhere
             m.prob.setObjective(pulp.LpAffineExpression([(m.peak, 1), *((v, 0) for v in m.x.values())]))
+
+    # --- step 2: the sequential relaxation decides, or bounds
+
+    def by_relaxation(self) -> Solution | None:
+        """The Solution when NOTE [ Sequential relaxation ] decides the budget; else keeps its bound."""
+        bound = self.bound = sequential_bound(self.program, self.budget)
+        if bound is not None and bound.recompute_ms == math.inf:
+            self.notes.append("the sequential relaxation admits no plan (NOTE [ Sequential relaxation ])")
+            return self.infeasible()
+        if bound is None or not is_tied(self.g, bound.plan):  # it ignores ties (a relaxation still)
+            return None
+        if simulate_vars(self.g, bound.plan).peak_bytes <= self.budget:
+            self.notes.append("proven by the sequential relaxation: its plan fits, and no plan has less recompute "
+                              "(NOTE [ Sequential relaxation ])")
+            chosen = self.lower_peak(frozenset(bound.plan)) if self.prefer_low_peak else bound.plan
+            return self.finish(chosen, "optimal")
+        return None
+
+    # --- step 3: branch and bound, plans over budget under simulate cut off
+
+    def branch_and_bound(self) -> Solution:
+        self.build()
+        bound = self.bound
+        if bound is not None and self.backend == "highs":
+            self.notes.append(f"sequential relaxation bound {bound.recompute_ms:.6g} ms used as a cut")
+            self.model.recompute_row("recompute_lower_bound", pulp.LpConstraintGE, _below(bound.recompute_ms))
+        # not for CBC 2.10.3: with that row (parallel to the objective) its restart after reduced-cost
+        # fixing "found" a 552.1 ms plan below the root bound and stopped at a wrong "optimal"
+        out = self.fitting(self.budget)
+        if out.state == "infeasible":
+            return self.infeasible()
+        if out.state == "none":
+            return self.no_plan_in_time()
+        chosen = self.lower_peak(out.chosen) if self.prefer_low_peak else out.chosen
+        if out.state == "optimal":
+            return self.finish(chosen, "optimal")
+        return self.finish(chosen, "feasible", "time limit reached: best plan found, optimality not proven",
+                           gap=_gap(out.objective, out.bound))
 
     def fitting(self, cap_bytes: int | None, limit: float | None = None, gap: float | None = None) -> _Outcome:
         """Solve with P <= cap; a plan simulate puts over the cap is cut off and the solve repeated.
@@ -949,88 +975,25 @@ class _Run:
         _loud(f"ILP: {_MAX_REPAIRS} plans in a row were over budget under simulate")
         return out
 
-    def drop_cuts(self) -> None:
-        """Switch the no-good cuts off: a plan over one cap may fit under another."""
-        for k in range(1, self.n_cuts + 1):
-            # the row is (terms) + constant >= 0 and the terms are >= -len(x): never binding
-            _row(self.model.prob, f"exclude_{k}").constant = float(len(self.model.x) + 1)
-
-    def build(self) -> None:
-        if self.model is None:
-            self.model = build_model(self.g, self.budget, self.program)
-            self.notes.append(_stats_line(self.model))
-
-    def lower_peak(self, chosen: frozenset[str]) -> frozenset[str]:
-        """Tie-break: the lowest peak among plans no slower than ``chosen`` (kept only if so).
-
-        Gets a quarter of the time spent so far (at least 0.2 s): the recompute is already
-        optimal, this only picks among equals.
-        """
-        first = simulate_vars(self.g, chosen)
-        spent = time.perf_counter() - self.t0
-        limit = max(0.2, 0.25 * spent)
-        spare = self.left()
-        if spare is not None:
-            limit = min(limit, spare)
-        if limit < 0.1 or first.recompute_ms == 0:
-            return chosen
-        self.build()
-        m = self.model
-        bound = first.recompute_ms
-        m.recompute_row("tie_break_recompute", pulp.LpConstraintLE, bound + 1e-12 * max(1.0, bound))
-        self.objective("peak")
-        try:
-            second = self.fitting(self.budget, limit=limit, gap=0.0)
-        finally:
-            m.recompute_row("tie_break_recompute", pulp.LpConstraintLE, None)
-            self.objective("recompute")
-        if second.state not in ("optimal", "feasible"):
-            return chosen
-        est = simulate_vars(self.g, second.chosen)
-        if est.recompute_ms <= bound and est.peak_bytes < first.peak_bytes:
-            self.notes.append(f"peak tie-break: {first.peak_bytes} -> {est.peak_bytes} bytes at equal recompute")
-            return second.chosen
-        return chosen
-
-    def no_plan_in_time(self, time_limit_s: float | None) -> Solution:
+    def no_plan_in_time(self) -> Solution:
         """The solver stopped before its first plan: checkpointing every top-level candidate, if
         that fits ("feasible", gap against the relaxation's bound, or 100 % without one)."""
-        tops = close_ties(self.g, [n for n, a in self.g.nodes(data=True) if a["parent"] is None])
+        tops = sorted(self.tops(), key=lambda n: self.g.nodes[n]["order"])
         est = simulate(self.g, tops)
         if est.peak_bytes > self.budget:
-            self.notes.append(f"time limit ({time_limit_s} s) reached before any plan was found")
+            self.notes.append(f"time limit ({self.time_limit_s} s) reached before any plan was found")
             return self.infeasible(search=False)
         lower = self.bound.recompute_ms if self.bound is not None else 0.0
-        return self.finish(tops, "feasible", f"time limit ({time_limit_s} s) reached before the solver found a "
-                           "plan: checkpointing every top-level candidate fits (optimality not proven)",
+        return self.finish(tops, "feasible", f"time limit ({self.time_limit_s} s) reached before the solver found "
+                           "a plan: checkpointing every top-level candidate fits (optimality not proven)",
                            gap=_gap(est.recompute_ms, lower))
+
+    # --- step 4: no plan fits: the lowest peak
 
     def infeasible(self, *, search: bool = True) -> Solution:
         """No plan fits: the lowest peak any plan reaches is ``min_feasible_bytes``."""
         g = self.g
-        best, proven = frozenset(close_ties(g, (n for n, a in g.nodes(data=True) if a["parent"] is None))), False
-        if search:
-            self.build()
-            self.drop_cuts()
-            self.model.recompute_row("recompute_lower_bound", pulp.LpConstraintGE, None)
-            self.objective("peak")
-            out = self.fitting(None)
-            if out.state in ("optimal", "feasible"):
-                best = out.chosen
-                proven = out.state == "optimal"
-            # the solver's optimum may sit a byte or so under the rounded plan's peak (see
-            # ``fitting``): unless its bound rules it out, ask for a plan one byte lower
-            peak = simulate_vars(g, best).peak_bytes
-            scale = self.model.program.scale_bytes
-            while proven and not (out.bound is not None and out.bound * scale > peak - 1 + 1e-6 * scale):
-                out = self.fitting(peak - 1)
-                if out.state == "infeasible":
-                    break
-                if out.state != "optimal" and out.state != "feasible":
-                    proven = False
-                    break
-                best, peak = out.chosen, simulate_vars(g, out.chosen).peak_bytes
-            self.objective("recompute")
+        best, proven = self.lowest_peak() if search else (self.tops(), False)
         est = simulate_vars(g, best)
         if not proven:
             self.notes.append("min_feasible_bytes is the best peak found in time, not proven minimal")
@@ -1043,14 +1006,74 @@ class _Run:
         return Solution(**{**sol.__dict__, "status": "infeasible", "min_feasible_bytes": est.peak_bytes,
                            "detail": "; ".join(self.notes), "extra": self.extra()})
 
-    def extra(self) -> dict:
-        stats = dict(self.model.stats if self.model is not None else
-                     self.program.stats if self.program is not None else {})
-        if self.bound is not None:
-            b = self.bound
-            stats.update(bound_ms=b.recompute_ms, bound_seconds=b.seconds, bound_states=b.states,
-                         bound_relaxed_ors=b.relaxed_ors, bound_coarsened=b.coarsened)
-        return {**stats, "backend": self.backend, "repairs": self.n_cuts}
+    def lowest_peak(self) -> tuple[frozenset[str], bool]:
+        """The plan of least peak (every top-level candidate if none is found), and whether proven."""
+        g, best = self.g, self.tops()
+        self.build()
+        self.drop_cuts()
+        self.model.recompute_row("recompute_lower_bound", pulp.LpConstraintGE, None)
+        self.objective("peak")
+        out = self.fitting(None)
+        proven = out.state == "optimal"
+        if out.state in ("optimal", "feasible"):
+            best = out.chosen
+        # the solver's optimum may sit a byte or so under the rounded plan's peak (see
+        # ``fitting``): unless its bound rules it out, ask for a plan one byte lower
+        peak = simulate_vars(g, best).peak_bytes
+        scale = self.model.program.scale_bytes
+        while proven and not (out.bound is not None and out.bound * scale > peak - 1 + 1e-6 * scale):
+            out = self.fitting(peak - 1)
+            if out.state == "infeasible":
+                break
+            if out.state != "optimal" and out.state != "feasible":
+                proven = False
+                break
+            best, peak = out.chosen, simulate_vars(g, out.chosen).peak_bytes
+        self.objective("recompute")
+        return best, proven
+
+    def drop_cuts(self) -> None:
+        """Switch the no-good cuts off: a plan over one cap may fit under another."""
+        for k in range(1, self.n_cuts + 1):
+            # the row is (terms) + constant >= 0 and the terms are >= -len(x): never binding
+            _row(self.model.prob, f"exclude_{k}").constant = float(len(self.model.x) + 1)
+
+    # --- step 5: among plans of least recompute, a lower peak
+
+    def lower_peak(self, chosen: frozenset[str]) -> frozenset[str]:
+        """Tie-break: the lowest peak among plans no slower than ``chosen`` (kept only if so).
+
+        Gets a quarter of the time spent so far (at least 0.2 s): the recompute is already
+        optimal, this only picks among equals.
+        """
+        first = simulate_vars(self.g, chosen)
+        limit = self.tie_break_seconds()
+        if limit < 0.1 or first.recompute_ms == 0:
+            return chosen
+        self.build()
+        bound = first.recompute_ms
+        self.model.recompute_row("tie_break_recompute", pulp.LpConstraintLE, bound + 1e-12 * max(1.0, bound))
+        self.objective("peak")
+        try:
+            second = self.fitting(self.budget, limit=limit, gap=0.0)
+        finally:
+            self.model.recompute_row("tie_break_recompute", pulp.LpConstraintLE, None)
+            self.objective("recompute")
+        if second.state not in ("optimal", "feasible"):
+            return chosen
+        est = simulate_vars(self.g, second.chosen)
+        if est.recompute_ms <= bound and est.peak_bytes < first.peak_bytes:
+            self.notes.append(f"peak tie-break: {first.peak_bytes} -> {est.peak_bytes} bytes at equal recompute")
+            return second.chosen
+        return chosen
+
+    def tie_break_seconds(self) -> float:
+        """A quarter of the time spent so far, at least 0.2 s, within the time left."""
+        limit = max(0.2, 0.25 * (time.perf_counter() - self.t0))
+        spare = self.left()
+        return limit if spare is None else min(limit, spare)
+
+    # --- step 6: the Solution, judged by simulate
 
     def finish(self, chosen, status: Status, note: str | None = None, *, gap: float | None = None) -> Solution:
         if note:
@@ -1063,6 +1086,15 @@ class _Run:
                   "bytes (the program and simulate disagree: a bug)")
             self.notes.append("BUG: the program's plan is over budget under simulate")
         return Solution(**{**sol.__dict__, "gap": gap, "detail": "; ".join(self.notes), "extra": self.extra()})
+
+    def extra(self) -> dict:
+        stats = dict(self.model.stats if self.model is not None else
+                     self.program.stats if self.program is not None else {})
+        if self.bound is not None:
+            b = self.bound
+            stats.update(bound_ms=b.recompute_ms, bound_seconds=b.seconds, bound_states=b.states,
+                         bound_relaxed_ors=b.relaxed_ors, bound_coarsened=b.coarsened)
+        return {**stats, "backend": self.backend, "repairs": self.n_cuts}
 
 
 def _loud(message: str) -> None:
