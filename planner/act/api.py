@@ -161,7 +161,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
     if est.peak_bytes > usable:
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
-            f"{budget_bytes}; please report this with the profile (--debug)")
+            f"{budget_bytes}; please report this with the profile and the traceback")
     return Plan(
         fingerprint=profile.fingerprint, fingerprint_digest=profile.fingerprint.digest(),
         budget_bytes=budget_bytes, headroom_bytes=headroom_bytes,
@@ -199,6 +199,38 @@ def budget_with_headroom(peak_bytes: int, headroom: float = DEFAULT_HEADROOM) ->
     return b
 
 
+def resolve_budget(budget: int | str | None, target: str | None = None) -> tuple[int, str]:
+    """The budget in bytes and how to say it: ``budget`` parsed, or without it the usable memory
+    of the device spec ``target`` (``usable_bytes``). An unknown ``target`` fails even with a
+    budget, before any profiling."""
+    from planner.profiling.devices import get_device, usable_bytes
+
+    spec = get_device(target) if target is not None else None
+    if budget is not None:
+        try:
+            return parse_bytes(budget), str(budget)
+        except BadInput as e:
+            raise BadInput(f"{{budget}}: {e}", options=("budget",)) from None
+    if spec is None:
+        raise BadInput("the plan needs a budget: give {budget} SIZE (e.g. 12GB), or {target} NAME to plan for a "
+                       "device's usable memory (remat devices lists them)", options=("budget", "target"))
+    return usable_bytes(spec), f"{spec.name} usable memory"
+
+
+def check_profile_matches(profile: Profile, model_file: Any) -> None:
+    """``PlanMismatch`` unless ``profile`` was made for the model and inputs of ``model_file`` (a
+    ``ModelFile``). The model is built on the meta device: nothing runs, a 7B model costs nothing."""
+    from planner.act.applier import model_differences
+    from planner.errors import PlanMismatch
+    from planner.profiling.meta import build_on_meta
+
+    diffs = model_differences(profile.fingerprint, build_on_meta(model_file.build_model), model_file.example_inputs())
+    if diffs:
+        listing = "\n  ".join(diffs)
+        raise PlanMismatch(f"the profile was made for another model or input shapes:\n  {listing}\nre-profile it",
+                           diffs)
+
+
 def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
          loss_fn: Callable[[Any], Any] | None = None, solver: str = "auto", device: str = "auto",
          optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
@@ -228,12 +260,7 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
     Raises:
         BudgetInfeasible: nothing fits; ``.min_feasible_bytes`` says what would.
     """
-    if budget is None:  # before minutes of profiling, not after
-        if target is None:
-            raise BadInput("plan() needs a budget, or target=<device name> to plan for its usable memory")
-        from planner.profiling.devices import get_device, usable_bytes
-
-        budget = usable_bytes(get_device(target))
+    budget, _ = resolve_budget(budget, target)  # before minutes of profiling, not after
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile
     else:

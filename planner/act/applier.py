@@ -528,12 +528,18 @@ def _check_antichain(names: list[str]) -> list[str]:
     return names
 
 
-def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[str], *, strict: bool) -> None:
+def model_differences(expected: Fingerprint, model: nn.Module, inputs: Any) -> list[str]:
+    """How ``model`` on ``inputs`` differs from the fingerprint a plan or profile was made for
+    (checkpoint wrappers and FSDP's class swap ignored; input shapes only when ``inputs`` is given)."""
     mine = _plain_fingerprint(fingerprint(model, inputs)).model_copy(update={"model_class": _plain_class(model)})
     if inputs is None:  # nothing to compare the plan's input shapes with
-        mine = mine.model_copy(update={"inputs": plan.fingerprint.inputs})
+        mine = mine.model_copy(update={"inputs": expected.inputs})
+    return expected.differences(mine)
+
+
+def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[str], *, strict: bool) -> None:
     diffs = [f"checkpoint {name!r} is not a module of the model" for name in missing]
-    diffs += plan.fingerprint.differences(mine)
+    diffs += model_differences(plan.fingerprint, model, inputs)
     if not diffs:
         return
     listing = "\n  ".join(diffs)

@@ -12,7 +12,9 @@ from typing import Callable, Iterable, Literal
 import networkx as nx
 from pydantic import BaseModel, Field
 
-from planner.act.api import min_feasible_bytes
+from planner.act.api import graph_for, min_feasible_bytes
+from planner.errors import BadInput
+from planner.model.schema import Profile
 from solvers.cost_model import simulate
 
 BASELINES = ("none", "all", "every-2", "every-3", "every-4")
@@ -64,6 +66,19 @@ def default_solvers() -> list[str]:
 
     optimal = [s for s in OPTIMAL_SOLVERS if s in SOLVERS]
     return optimal[:1] + [s for s in ("sqrt-greedy", "sqrt") if s in SOLVERS]
+
+
+def sweep_graph(profile: Profile, solvers: list[str] | None = None, *, granularity: int = 0, world_size: int = 1,
+                sharding: str = "none") -> nx.DiGraph:
+    """One candidate graph for all ``solvers`` of a sweep (None: ``default_solvers()``): nested
+    only when every solver handles it. ``BadInput`` when the DP is asked to plan nested candidates."""
+    names = solvers if solvers is not None else default_solvers()
+    optimal = next((n for n in names if n in OPTIMAL_SOLVERS), "dp")
+    graph = graph_for(profile, solver=optimal, granularity=granularity, world_size=world_size, sharding=sharding)
+    if "dp" in names and any(not a["leaf"] for _, a in graph.nodes(data=True)):  # the DP runs on chains
+        raise BadInput(f"{{granularity}} {granularity} with {optimal} gives nested candidates, which dp cannot "
+                       f"plan; drop dp from {{solvers}} or use {{granularity}} 0", options=("granularity", "solvers"))
+    return graph
 
 
 def run_solver(g: nx.DiGraph, name: str, budget_bytes: int, *, time_limit_s: float | None = None) -> FrontierPoint:

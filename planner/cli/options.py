@@ -1,0 +1,417 @@
+"""The remat command's options: one typed model per command, and the typer parameters that fill it.
+
+Each command declares its parameters once, as groups shared between commands (the step to
+measure, the Hugging Face source, the training recipe, the ranks, the output switches), and
+receives them as one frozen options model, validated there once: sharding, amp and optimizer
+are ``Literal`` fields checked by ``planner.options``. A field's error names the field as
+``{name}`` (``RematError.options``); ``FLAGS`` words it as the flag the user typed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from planner.errors import BadInput
+from planner.model.schema import Recipe
+from planner.options import Amp, OptimizerName, Sharding, parse_amp, parse_optimizer, parse_sharding
+
+DEVICES = ("auto", "cpu", "cuda", "meta")
+
+
+def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+
+def _model_arg(help_text: str) -> inspect.Parameter:
+    return _param("model", Annotated[Path | None, typer.Argument(help=help_text, metavar="MODEL.py",
+                                                                 show_default=False)], None)
+
+
+MODEL_HELP = "model.py defining build_model() and example_inputs(); optional with --profile."
+
+OUTPUT_SWITCHES = [
+    _param("as_json", Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout, not tables.")],
+           False),
+    _param("quiet", Annotated[bool, typer.Option("--quiet", "-q", help="Only the result: no logs or progress on "
+                                                                      "stderr.")], False),
+    _param("debug", Annotated[bool, typer.Option("--debug", help="Show the full traceback of any error.")], False),
+]
+
+BUDGET = _param("budget", Annotated[str | None, typer.Option(
+    "--budget", "-b", help="Memory budget: 12GB, 12GiB, 800MiB, 1.5e9 (GB = GiB). Default with --target: the "
+                           "target's usable memory.", show_default=False)], None)
+PROFILE = _param("profile", Annotated[Path | None, typer.Option(
+    "--profile", help="Use a saved profile: nothing is run.")], None)
+GRANULARITY = _param("granularity", Annotated[int, typer.Option(
+    "--granularity", min=0, help="Candidate levels below the repeated blocks (0 = blocks).")], 0)
+SOLVERS = _param("solvers", Annotated[str | None, typer.Option(
+    "--solvers", help="Comma-separated solvers to run (default: the optimal one, sqrt-greedy, sqrt); the "
+                      "baselines none, all, every-2/3/4 always run.", show_default=False)], None)
+STEPS = _param("steps", Annotated[int, typer.Option(
+    "--steps", min=1, help="Training steps measured (after a warm-up step).")], 3)
+THREADS = _param("threads", Annotated[int | None, typer.Option(
+    "--threads", min=1, show_default=False,
+    help="torch intra-op threads for the measured steps (default: torch's). On the CPU, 1 times each "
+         "unit by the thread's CPU time, which other processes on the machine do not change.")], None)
+DEVICE = _param("device", Annotated[str, typer.Option(
+    "--device", help="Where to run the step: auto (cuda if available, else cpu), cpu, cuda[:N], meta.")], "auto")
+
+
+def _time_limit(default: float, help_text: str) -> inspect.Parameter:
+    return _param("time_limit_s", Annotated[float, typer.Option("--time-limit", min=0.001, help=help_text)], default)
+
+
+def _output(help_text: str) -> inspect.Parameter:
+    return _param("output", Annotated[Path | None, typer.Option("--output", "-o", help=help_text)], None)
+
+
+HF_SOURCE = [
+    _param("hf", Annotated[Path | None, typer.Option(
+        "--hf", help="A Hugging Face config.json (or its folder) instead of MODEL.py: the model of its "
+                     "architectures (or --task) with the library's defaults, on a random batch of --batch rows "
+                     "of --seq-len tokens (or images of the config's size).", show_default=False)], None),
+    _param("batch", Annotated[int | None, typer.Option("--batch", min=1, help="With --hf: rows per batch.",
+                                                       show_default=False)], None),
+    _param("seq_len", Annotated[int | None, typer.Option("--seq-len", min=1, help="With --hf: tokens per row "
+                                                         "(text models).", show_default=False)], None),
+    _param("task", Annotated[str | None, typer.Option(
+        "--task", help="With --hf: causal-lm, seq2seq, masked-lm or classification; default: the config's "
+                       "architectures.", show_default=False)], None),
+]
+
+MEASURED_STEP = [
+    DEVICE,
+    _param("device_memory", Annotated[str | None, typer.Option(
+        "--device-memory", envvar="REMAT_DEVICE_MEMORY", show_default=False,
+        help="Memory the device may use (12GB, 150MiB; env REMAT_DEVICE_MEMORY): a step that does not fit is "
+             "profiled with its candidates checkpointed (a memory-safe profile). CUDA: a per-process cap; "
+             "CPU: profiled in a child process whose address space is capped.")], None),
+    _param("target", Annotated[str | None, typer.Option(
+        "--target", show_default=False,
+        help="Device spec (remat devices; aliases, any case): --device meta models times for it; without "
+             "--budget, the budget is its usable memory.")], None),
+    _param("amp", Annotated[str | None, typer.Option(
+        "--amp", show_default=False,
+        help="Mixed precision: bf16 or fp16 (torch.autocast around forward and loss; with --device meta, "
+             "for the target). Default: the model's own dtype.")], None),
+    _param("optimizer", Annotated[str, typer.Option(
+        "--optimizer", help="Optimizer whose state is counted in the peak: adamw, adam, sgd, none.")], "adamw"),
+    STEPS,
+    THREADS,
+]
+
+RECIPE = [
+    _param("grad_accum", Annotated[int, typer.Option(
+        "--grad-accum", min=1, help="Micro-batches per optimizer step (gradient accumulation); the plan is for "
+                                    "the worst one, with the earlier ones' gradients alive.")], 1),
+    _param("zero_grad_set_to_none", Annotated[bool, typer.Option(
+        "--zero-grad-set-to-none/--no-zero-grad-set-to-none",
+        help="optimizer.zero_grad(set_to_none=...): PyTorch's default frees the gradients; --no-... keeps them "
+             "(zeroed) alive all step.")], True),
+    _param("clip_grad_norm", Annotated[float | None, typer.Option(
+        "--clip-grad-norm", show_default=False,
+        help="clip_grad_norm_(max_norm) before the optimizer step; its temporaries count at the step.")], None),
+    _param("fused", Annotated[bool, typer.Option("--fused", help="The optimizer with fused=True.")], False),
+    _param("foreach", Annotated[bool, typer.Option("--foreach", help="The optimizer with foreach=True.")], False),
+]
+
+RANKS = [
+    _param("world_size", Annotated[int, typer.Option(
+        "--world-size", min=1, help="Data-parallel ranks; the budget and the peak are per rank (> 1 needs "
+                                    "--sharding ddp or fsdp). See docs/distributed.md.")], 1),
+    _param("sharding", Annotated[str, typer.Option(
+        "--sharding", help="How the ranks hold the model: none (one process), ddp (a full replica plus gradient "
+                           "buckets), fsdp (FSDP2 on every block and the root: sharded, all-gathered per block).")],
+           "none"),
+]
+
+
+def _flag(p: inspect.Parameter) -> str | None:
+    for meta in getattr(p.annotation, "__metadata__", ()):
+        decls = [d for d in (getattr(meta, "param_decls", None) or ()) if d.startswith("--")]
+        if getattr(meta, "default", ...) not in (..., None) and str(meta.default).startswith("--"):
+            decls.insert(0, str(meta.default))  # typer.Option("--json", ...): the first name is its "default"
+        if decls:
+            return decls[0].split("/")[0]
+    return None
+
+
+def _cli_flags(*groups: list[inspect.Parameter]) -> dict[str, str]:
+    return {p.name: flag for group in groups for p in group if (flag := _flag(p)) is not None}
+
+
+# ----------------------------------------------------------------------------- the models
+
+
+def _fraction(value: Any, field: str) -> float:
+    """'0.5%' or '0.005' -> 0.005; BadInput naming ``field`` otherwise."""
+    t = str(value).strip()
+    try:
+        fraction = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise BadInput(f"{{{field}}} {value!r} is not a fraction; use e.g. 0.5% or 0.005", options=(field,)) from None
+    if not 0 <= fraction < 0.5:
+        raise BadInput(f"{{{field}}} {value!r} must be between 0% and 50%", options=(field,))
+    return fraction
+
+
+def _parse_device(value: Any) -> str:
+    v = str(value).strip().lower()
+    if v in DEVICES or (v.startswith("cuda:") and v[5:].isdigit()):
+        return v
+    raise BadInput(f"{{device}}: unknown device {value!r}; choose one of {', '.join(DEVICES)} or cuda:N "
+                   f"(meta: no memory used, times modelled)", options=("device",))
+
+
+def _naming(field: str, parse: Any) -> Any:
+    """``parse`` with its ``BadInput`` prefixed by the field (worded as the CLI's flag)."""
+
+    def check(value: Any) -> Any:
+        try:
+            return parse(value)
+        except BadInput as e:
+            raise BadInput(f"{{{field}}}: {e.worded({})}", options=(field,)) from None
+
+    return check
+
+
+class Options(BaseModel):
+    """What every command takes: the output switches."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    as_json: bool = False
+    quiet: bool = False
+    debug: bool = False
+
+
+class HfSource(BaseModel):
+    """A Hugging Face config instead of a model file."""
+
+    hf: Path | None = None
+    batch: int | None = None
+    seq_len: int | None = None
+    task: str | None = None
+
+
+class StepOptions(Options, HfSource):
+    """The training step to measure (or to plan on a saved profile's)."""
+
+    model: Path | None = None
+    device: str = "auto"
+    device_memory: str | None = None
+    target: str | None = None
+    amp: Amp | None = None
+    optimizer: OptimizerName = "adamw"
+    steps: int = 3
+    threads: int | None = None
+    grad_accum: int = 1
+    zero_grad_set_to_none: bool = True
+    clip_grad_norm: float | None = None
+    fused: bool = False
+    foreach: bool = False
+
+    @field_validator("amp", mode="before")
+    @classmethod
+    def _amp(cls, value: Any) -> Amp | None:
+        return _naming("amp", parse_amp)(value)
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _optimizer(cls, value: Any) -> OptimizerName:
+        return _naming("optimizer", parse_optimizer)(value)
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> str:
+        return _parse_device(value)
+
+    @model_validator(mode="after")
+    def _step(self) -> StepOptions:
+        if self.fused and self.foreach:
+            raise BadInput("{fused} and {foreach} are two implementations of one optimizer: give one of them",
+                           options=("fused", "foreach"))
+        if (self.fused or self.foreach) and self.optimizer == "none":
+            which = "fused" if self.fused else "foreach"
+            raise BadInput(f"{{{which}}} chooses the optimizer's implementation, but {{optimizer}} is none: drop it "
+                           f"or pick an optimizer", options=(which, "optimizer"))
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise BadInput(f"{{clip_grad_norm}} must be a positive max norm, got {self.clip_grad_norm:g}",
+                           options=("clip_grad_norm",))
+        return self
+
+    @property
+    def recipe(self) -> Recipe:
+        """The training step the options describe."""
+        impl = "fused" if self.fused else "foreach" if self.foreach else "default"
+        return Recipe(grad_accum=self.grad_accum, zero_grad_set_to_none=self.zero_grad_set_to_none, amp=self.amp,
+                      clip_grad_norm=self.clip_grad_norm, optimizer_impl=impl)
+
+
+class ProfileOptions(StepOptions):
+    output: Path | None = None
+
+
+class RankOptions(BaseModel):
+    world_size: int = 1
+    sharding: Sharding = "none"
+
+    @field_validator("sharding", mode="before")
+    @classmethod
+    def _sharding(cls, value: Any) -> Sharding:
+        return _naming("sharding", parse_sharding)(value)
+
+    @model_validator(mode="after")
+    def _ranks(self) -> RankOptions:
+        from planner.act.api import check_ranks
+
+        check_ranks(self.world_size, self.sharding)  # before any profiling
+        return self
+
+
+class PlanOptions(StepOptions, RankOptions):
+    budget: str | None = None
+    output: Path | None = None
+    solver: str = "auto"
+    profile: Path | None = None
+    granularity: int = 0
+    time_limit_s: float = 60.0
+    no_selective: bool = False
+    headroom: float | None = None
+
+    @field_validator("solver")
+    @classmethod
+    def _solver(cls, name: str) -> str:
+        from solvers import available
+
+        if name not in available():
+            raise BadInput(f"unknown solver {name!r}; choose one of: {', '.join(available())}")
+        return name
+
+    @field_validator("headroom", mode="before")
+    @classmethod
+    def _headroom(cls, text: Any) -> float | None:
+        """'auto' (None: ``planner.act.api.headroom_for``) or a fraction."""
+        return None if text is None or str(text).strip().lower() == "auto" else _fraction(text, "headroom")
+
+
+class SweepOptions(StepOptions, RankOptions):
+    profile: Path | None = None
+    granularity: int = 0
+    solvers: list[str] | None = None
+    time_limit_s: float = 30.0
+
+    @field_validator("solvers", mode="before")
+    @classmethod
+    def _solvers(cls, text: Any) -> list[str] | None:
+        """``--solvers a,b``: validated names, baselines dropped (they always run); None: the default set."""
+        from planner.act.frontier import BASELINES
+        from solvers import available
+
+        if text is None or isinstance(text, list):
+            return text
+        names = [n.strip().lower() for n in text.split(",") if n.strip()]
+        if not names:
+            raise BadInput("{solvers}: give at least one solver name, e.g. {solvers} dp,sqrt", options=("solvers",))
+        for n in names:
+            if n not in available() and n not in BASELINES:
+                raise BadInput(f"{{solvers}}: unknown solver {n!r}; choose from: {', '.join(available())}",
+                               options=("solvers",))
+        return [n for n in dict.fromkeys(names) if n not in BASELINES]
+
+
+class FrontierOptions(SweepOptions):
+    points: int = 12
+    plot: Path | None = None
+    output: Path | None = None
+
+
+class CompareOptions(SweepOptions):
+    budget: str | None = None
+    time_limit_s: float = 60.0
+
+
+class VerifyOptions(Options, HfSource):
+    model: Path | None = None
+    plan: Path | None = None
+    steps: int = 3
+    threads: int | None = None
+    device: str = "auto"
+    tolerance: float = 0.02
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> str:
+        return _parse_device(value)
+
+    @field_validator("tolerance", mode="before")
+    @classmethod
+    def _tolerance(cls, value: Any) -> float:
+        return _fraction(value, "tolerance")
+
+
+class ShowOptions(Options):
+    path: Path
+
+
+# ----------------------------------------------------------------------------- each command's parameters
+
+PLAN = [
+    _model_arg(MODEL_HELP), BUDGET,
+    _output("Write the plan here (atomic). Without it nothing is written."),
+    _param("solver", Annotated[str, typer.Option("--solver", help="auto, dp, ilp, sqrt, sqrt-greedy, all, every-2 "
+                                                                  "or none.")], "auto"),
+    *MEASURED_STEP, PROFILE, GRANULARITY,
+    _time_limit(60.0, "Seconds the ILP may search; then its best plan is kept."),
+    _param("no_selective", Annotated[bool, typer.Option(
+        "--no-selective", help="Whole modules only: no op-level (selective) checkpointing policies.")], False),
+    _param("headroom", Annotated[str, typer.Option(
+        "--headroom", help="Part of the budget kept free, for what the cost model cannot see: 0.5%, 2% or a "
+                           "fraction such as 0.01; auto: from the zoo's evidence, by how the profile was made (0.5% "
+                           "measured, 1.5% under autocast, 7% on --device meta).")], "auto"),
+    *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
+]
+PROFILE_CMD = [
+    _model_arg("model.py defining build_model() and example_inputs(); or use --hf."),
+    _output("Write the profile here (atomic). Without it nothing is written."),
+    *MEASURED_STEP, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
+]
+FRONTIER = [
+    _model_arg(MODEL_HELP),
+    _param("points", Annotated[int, typer.Option(
+        "--points", min=1, help="Budgets swept, evenly spaced from the lowest feasible peak to the peak without "
+                                "checkpointing.")], 12),
+    _param("plot", Annotated[Path | None, typer.Option(
+        "--plot", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
+    _output("Write the points as JSON here (atomic)."),
+    PROFILE, *MEASURED_STEP, GRANULARITY, SOLVERS,
+    _time_limit(30.0, "Seconds the ILP may search at each budget."),
+    *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
+]
+COMPARE = [
+    _model_arg(MODEL_HELP), BUDGET, PROFILE, *MEASURED_STEP, GRANULARITY, SOLVERS,
+    _time_limit(60.0, "Seconds the ILP may search at each budget."),
+    *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
+]
+SHOW = [_param("path", Annotated[Path, typer.Argument(help="A plan or profile JSON file.", metavar="FILE")]),
+        *OUTPUT_SWITCHES]
+VERIFY = [
+    _model_arg("model.py the plan was made for (with --hf: the plan)."),
+    _param("plan", Annotated[Path | None, typer.Argument(help="The plan file to check.", metavar="PLAN.json",
+                                                         show_default=False)], None),
+    STEPS, THREADS, DEVICE, *HF_SOURCE,
+    _param("tolerance", Annotated[str, typer.Option(
+        "--tolerance", help="Largest |predicted - measured| / measured peak before verify fails: 2%, 0.5% or a "
+                            "fraction such as 0.02.")], "2%"),
+    *OUTPUT_SWITCHES,
+]
+DEVICES_CMD = [*OUTPUT_SWITCHES]
+
+FLAGS = {**_cli_flags(PLAN, PROFILE_CMD, FRONTIER, COMPARE, VERIFY), "device_memory_bytes": "--device-memory"}
+"""Field (and library parameter) name -> the flag this command line spells it as: how a ``RematError``'s
+``options`` are worded for the user."""
