@@ -371,3 +371,21 @@ def test_ilp_time_limit_returns_the_best_plan_found(tmp_path: Path):
     if plan.solver.status == "feasible":
         assert plan.solver.gap is not None
     assert plan.predicted.peak_bytes <= plan.budget_bytes
+
+
+def test_library_errors_name_parameters_and_the_cli_words_them_as_flags():
+    """A library error names the keyword argument that fixes it; the CLI words it as its flag
+    (``RematError.options``, ``planner.cli.options.FLAGS``), and knows a flag for every such name."""
+    from planner.cli.options import FLAGS
+    from planner.errors import BadInput
+    from planner.profiling.measure import make_optimizer
+
+    with pytest.raises(BadInput) as info:
+        make_optimizer("none", torch.nn.Linear(2, 2), impl="fused")
+    assert "--" not in str(info.value) and "drop fused" in str(info.value)
+    assert "drop --fused" in info.value.worded(FLAGS) and "--optimizer" in info.value.worded(FLAGS)
+    named = set()
+    for path in [*(ROOT / "planner").rglob("*.py"), *(ROOT / "solvers").rglob("*.py")]:
+        for group in re.findall(r"options=\(([^)]*)\)", path.read_text()):
+            named |= set(re.findall(r"\"([a-z_]+)\"", group))
+    assert named and not named - set(FLAGS), sorted(named - set(FLAGS))

@@ -199,8 +199,9 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
     master, inputs, loss_fn, label = _load(model_file_or_model, inputs, loss_fn)
     dev = resolve_device(device)
     if dev.type == "meta":
-        raise BadInput("verify trains the model for real, which fake tensors cannot: use --device cpu or cuda "
-                       "(a plan made with --device meta is verified on the device it was made for)")
+        raise BadInput("verify trains the model for real, which fake tensors cannot: use {device} cpu or cuda "
+                       "(a plan made with {device} meta is verified on the device it was made for)",
+                       options=("device",))
     say = progress or (lambda _msg: None)
     threads = threads or (plan.threads if dev.type == "cpu" else None)
     with num_threads(threads):

@@ -103,7 +103,7 @@ def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int 
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if plan.sharding == "none":
-        raise BadInput("this plan is for one process; verify it without --world-size (planner.act.verify.verify)")
+        raise BadInput("this plan is for one process (sharding none): verify it with planner.act.verify.verify")
     if steps < 1:
         raise BadInput(f"verify needs steps >= 1, got {steps}")
     if not 0 <= peak_tolerance < 1:
@@ -138,7 +138,8 @@ def _device_type(device: str, world_size: int) -> str:
         raise BadInput(f"per-rank verify runs on 'cpu' (gloo) or 'cuda' (NCCL), not {device!r}")
     if kind == "cuda" and torch.cuda.device_count() < world_size:
         raise BadInput(f"the plan is for {world_size} ranks, one GPU each, but {torch.cuda.device_count()} "
-                       f"GPU(s) are visible; verify on --device cpu, or on a machine with {world_size} GPUs")
+                       f"GPU(s) are visible; verify on {{device}} cpu, or on a machine with {world_size} GPUs",
+                       options=("device",))
     return kind
 
 

@@ -128,5 +128,6 @@ def _profile_meta(model: torch.nn.Module, inputs: Inputs, target: Any, **kwargs:
 
     if target is None:
         names = ", ".join(s.name for s in load_devices())
-        raise BadInput(f"device 'meta' models times for a target device: give --target NAME (one of: {names})")
+        raise BadInput(f"device 'meta' models times for a target device: give {{target}} NAME (one of: {names})",
+                       options=("target",))
     return profile_meta(model, inputs, target=target, **kwargs)

@@ -81,7 +81,8 @@ def profile_capped(model_path: str | Path, *, device_memory_bytes: int, optimize
         data = json.loads(out.read_text()) if out.exists() else None
         if rc != 0 or data is None or "error" in data:
             message = (data or {}).get("error") or f"the capped profiling process exited with status {rc}"
-            raise ProfileError(f"profiling within {device_memory_bytes} bytes: {message}")
+            raise ProfileError(f"profiling within {device_memory_bytes} bytes: {message}",
+                               options=tuple((data or {}).get("options", ())))
         return Profile.model_validate(data)
 
 
@@ -136,11 +137,11 @@ def _child(argv: list[str]) -> int:
     try:
         prof = _profile_child(args)
     except RematError as e:
-        out.write_text(json.dumps({"error": str(e)}))
+        out.write_text(json.dumps({"error": e.template, "options": e.options}))  # worded by the caller
         return e.exit_code
     except MemoryError:
         out.write_text(json.dumps({"error": "out of memory outside the step (Python's own allocations); "
-                                            "raise --device-memory"}))
+                                            "raise {device_memory_bytes}", "options": ["device_memory_bytes"]}))
         return ProfileError.exit_code
     out.write_text(prof.model_dump_json())
     return 0

@@ -60,8 +60,8 @@ def make_optimizer(name: str, model: torch.nn.Module, *, lr: float = 0.0,
         raise BadInput(f"unknown optimizer implementation {impl!r}; choose one of {', '.join(_IMPL_KWARGS)}")
     if factory is None:
         if impl != "default":
-            raise BadInput(f"--{impl} chooses the optimizer's implementation, but the optimizer is 'none'; "
-                           f"drop --{impl} or pick an optimizer")
+            raise BadInput(f"{{{impl}}} chooses the optimizer's implementation, but the {{optimizer}} is 'none'; "
+                           f"drop {{{impl}}} or pick an optimizer", options=(impl, "optimizer"))
         return None
     opt = factory([p for p in model.parameters() if p.requires_grad], lr)
     for group in opt.param_groups:

@@ -695,7 +695,8 @@ def _meta_fallback(model: torch.nn.Module, inputs: Inputs, dev: torch.device, wh
     spec = next((sp for sp in specs if name and ({sp.name, *sp.aliases} & words or sp.name in name)), None)
     if spec is None:
         raise ProfileError(f"the step does not fit this device even with its candidates checkpointed ({why}); "
-                           f"plan without running it: --device meta --target NAME (remat devices lists them)")
+                           f"plan without running it: {{device}} meta {{target}} NAME (remat devices lists them)",
+                           options=("device", "target"))
     prof = profile_meta(model, inputs, target=spec, device_type=dev.type, **kw)
     return prof.model_copy(update={"notes": [*prof.notes, f"memory-safe profile fell back to fake tensors: {why}"]})
 

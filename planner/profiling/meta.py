@@ -324,9 +324,10 @@ def _explaining_fake_errors() -> Iterator[None]:
         cause = e.__cause__
         if isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException)):
             raise ProfileError(
-                f"{e}\n--device meta runs the step on fake tensors, which have shapes but no values; "
-                f"this model reads values ({type(cause).__name__}: {cause}). Use --device cpu or cuda, "
-                f"or make the forward shape-only (no .item(), nonzero, boolean masks)") from cause
+                f"{e.template}\n{{device}} meta runs the step on fake tensors, which have shapes but no values; "
+                f"this model reads values ({type(cause).__name__}: {cause}). Use {{device}} cpu or cuda, "
+                f"or make the forward shape-only (no .item(), nonzero, boolean masks)",
+                options=(*e.options, "device")) from cause
         raise
 
 

@@ -118,7 +118,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise BadInput(f"cannot profile on device {dev}; use cpu or cuda")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise BadInput("device 'cuda' asked for, but CUDA is not available to this PyTorch; use --device cpu")
+            raise BadInput("device 'cuda' asked for, but CUDA is not available to this PyTorch; use {device} cpu",
+                           options=("device",))
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if dev.index >= torch.cuda.device_count():
