@@ -11,12 +11,14 @@
 # priced only the recomputed kernels would under-price every policy by that much.
 #
 # Rule 2. So the profiler measures it on the model it profiles (``measure_sac_cost``), on the
-# same device and threads, in interleaved rounds (least times): the step as it is, and with the
-# top-level candidates (N op calls, forward time F) under selective checkpointing that
-# recomputes every op and that keeps every op. A policy of a unit costs
+# same device and threads, in interleaved rounds (least times): the step as it is (t), with the
+# top-level candidates (N op calls) fully checkpointed (t_full), and under selective
+# checkpointing that recomputes every op (t_r) and that keeps every op (t_k). A policy costs
 #     forward_ms * (recomputed kernel time / kernel time) + n_recomputed * r + n_kept * k
-# with r = (t_recompute_all - t - F) / N and k = (t_keep_all - t) / N, so the two ends of every
-# menu are priced as measured. On examples/llama.py (one CPU thread) a chain of small ops gave
+# with r = (t_r - t_full) / N and k = (t_k - t) / N: the two ends of every menu are priced as
+# measured, the recompute-everything end relative to full checkpointing, which the cost model
+# prices at forward_ms as before. (r from t_r - t - F instead, F the candidates' forward_ms,
+# carried F's noise: 0 us on two models of four.) On examples/llama.py (one CPU thread) a chain of small ops gave
 # 11 us per call, the model's own ops r = 40 us and k = 171 us: keeping every op cost as much as
 # recomputing the blocks fully (docs/benchmarks.md). The cost depends on the ops, so it is
 # measured on them. ``Profile.sac_recomputed_op_ms`` and ``Profile.sac_kept_op_ms`` record it
@@ -44,7 +46,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from planner.model.schema import LOSS_ID, ROOT_ID, Profile
 
 SAC_ROUNDS = 2
-"""Interleaved rounds of the three steps; each keeps its least time (noise only raises times)."""
+"""Interleaved rounds of the four steps; each keeps its least time (noise only raises times)."""
 
 
 class SacCost(NamedTuple):
@@ -72,7 +74,7 @@ def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: C
     if not top or n_ops == 0:
         return SacCost(0.0, 0.0)
     step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
-    best = {policy: math.inf for policy in (None, CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE)}
+    best = {policy: math.inf for policy in (None, "full", CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE)}
     with restoring_model(model, dev):
         for _ in range(rounds):
             for policy in best:
@@ -84,15 +86,15 @@ def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: C
                     t1 = clock.stamp()
                     clock.sync()
                 best[policy] = min(best[policy], clock.ms(t0, t1))
-    plain = best[None]
-    forward_ms = sum(a["forward_ms"] for a in top) * g.graph.get("micro_batches", 1)
-    return SacCost(max(0.0, (best[CheckpointPolicy.PREFER_RECOMPUTE] - plain - forward_ms) / n_ops),
-                   max(0.0, (best[CheckpointPolicy.MUST_SAVE] - plain) / n_ops))
+    n_ops *= g.graph.get("micro_batches", 1)
+    return SacCost(max(0.0, (best[CheckpointPolicy.PREFER_RECOMPUTE] - best["full"]) / n_ops),
+                   max(0.0, (best[CheckpointPolicy.MUST_SAVE] - best[None]) / n_ops))
 
 
 @contextlib.contextmanager
-def _selective_regions(modules: list[nn.Module], policy: CheckpointPolicy | None) -> Iterator[None]:
-    """``modules`` under selective checkpointing with every op call given ``policy`` (None: as they are)."""
+def _selective_regions(modules: list[nn.Module], policy: CheckpointPolicy | str | None) -> Iterator[None]:
+    """``modules`` under selective checkpointing with every op call given ``policy`` (None: as they
+    are; "full": full checkpointing)."""
     if policy is None:
         yield
         return
@@ -101,7 +103,8 @@ def _selective_regions(modules: list[nn.Module], policy: CheckpointPolicy | None
         return policy
 
     # keeping every op output keeps some that the forward writes in place later: allowed here
-    contexts = functools.partial(create_selective_checkpoint_contexts, each_op, allow_cache_entry_mutation=True)
+    contexts = None if policy == "full" else functools.partial(
+        create_selective_checkpoint_contexts, each_op, allow_cache_entry_mutation=True)
     for m in modules:
         inner = type(m).forward.__get__(m, type(m))
         m.forward = functools.partial(_region, inner, contexts)
@@ -112,7 +115,8 @@ def _selective_regions(modules: list[nn.Module], policy: CheckpointPolicy | None
             del m.forward
 
 
-def _region(inner: Callable[..., Any], contexts: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+def _region(inner: Callable[..., Any], contexts: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
-    return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    extra = {} if contexts is None else {"context_fn": contexts}
+    return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
