@@ -13,6 +13,8 @@ Variants, each a fresh ``build_model()`` trained with the step of ``planner.prof
 - remat, op-level: the same with selective (op-level) policies allowed (the default);
 - torch.compile (inductor) of the plain model, without and with ``activation_memory_budget``
   (``--compile-budgets``; the partitioner's min-cut over the joint graph), and of both remat plans;
+- remat, op-level, planned at the measured peak of each memory-budget variant: the two compared
+  at an equal peak;
 - PyTorch's ``sac_milp`` (``torch.distributed._tools.sac_ilp``): reported as not run on the CPU
   (its SAC estimator counts CUDA storages only, its runtime estimator times with CUDA events).
 
@@ -87,11 +89,6 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # one model class compiled for several variants
-    # Each compiled variant must get its own graph, compiled under its own memory budget: with
-    # nn.Module inlining, dynamo's guards pass for another instance of the same class and it reuses
-    # the first variant's graph (every budget then measured the same peak, to the byte); the AOT
-    # autograd and FX graph caches could likewise return a graph partitioned under another budget.
-    torch._dynamo.config.inline_inbuilt_nn_modules = False
     dev = resolve_device(args.device)
     mf = load_model_file(args.model)
     print(f"profiling {args.model} on {dev} ...", file=sys.stderr)
@@ -127,6 +124,12 @@ def main() -> None:
     print(f"budget {format_bytes(budget)}: halfway between every layer ({format_bytes(every_layer.peak_bytes)}) "
           f"and no checkpointing ({format_bytes(nothing.peak_bytes)}), predicted", file=sys.stderr)
     kept = [_measure_peak(v, mf, dev, args.optimizer) for v in variants]
+    for v in [v for v in variants if isinstance(v.compile_budget, float) and v.peak_bytes]:
+        # remat planned at the peak torch.compile's memory budget reached: compared at an equal peak
+        at = plan_from_profile(prof, v.peak_bytes)
+        variants.append(Variant(f"remat, op-level at the peak of {v.name}", _applier(at), at.predicted.peak_bytes,
+                                predicted_recompute_ms=at.predicted.recompute_ms))
+        kept.append(_measure_peak(variants[-1], mf, dev, args.optimizer))
     _time_round_robin(variants, kept, mf, dev, args.optimizer, args.repeats)
     _print_table(args, dev, budget, variants)
     print(f"\n{dispatch}")
@@ -182,13 +185,29 @@ def _build(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> tuple[Any,
     batch = to_device(mf.example_inputs(), dev)
     v.what = v.setup(model, batch)
     opt = make_optimizer(optimizer, model)
-    run = model if v.compile_budget is False else torch.compile(model)
+    run = model if v.compile_budget is False else torch.compile(model, backend=_inductor_backend(v.compile_budget))
     step = make_step(run, batch, loss_fn=mf.loss_fn, optimizer=opt)
-    budget = 1.0 if v.compile_budget in (False, None) else float(v.compile_budget)
-    with torch._functorch.config.patch(activation_memory_budget=budget, enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
-        step()  # creates the optimizer state: what follows is the steady state
+    step()  # compiles; creates the optimizer state: what follows is the steady state
     return model, opt, step, batch
+
+
+def _inductor_backend(budget: float | None) -> Callable[..., Any]:
+    """Inductor, partitioning under ``activation_memory_budget`` (None: torch's default, 1.0).
+
+    One backend object per variant: dynamo guards each compiled frame on its backend, so a new
+    instance of the same model class compiles anew instead of reusing another variant's graph
+    (with one shared backend every budget measured the same peak, to the byte). No AOT autograd
+    or FX graph cache either: they could return a graph partitioned under another budget.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget,
+                                           enable_autograd_cache=False), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            return compile_fx(gm, example_inputs)
+
+    return backend
 
 
 def _measure_peak(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> Any:
@@ -272,7 +291,7 @@ def _print_table(args: argparse.Namespace, dev: torch.device, budget: int, varia
 
 def _closest_budget(variants: list[Variant]) -> None:
     """Which torch.compile memory budget's measured peak comes closest to remat op-level's."""
-    ours = next((v for v in variants if v.name.startswith("remat, op-level") and v.peak_bytes), None)
+    ours = next((v for v in variants if v.name.startswith("remat, op-level (") and v.peak_bytes), None)
     theirs = [v for v in variants if isinstance(v.compile_budget, float) and v.peak_bytes and v.cpu_ms]
     if ours is None or not theirs or not ours.cpu_ms:
         return
