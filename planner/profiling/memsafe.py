@@ -139,6 +139,8 @@ def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, 
     ``profile`` measures them: the validation step runs with the candidates checkpointed, so it fits
     where the checkpointed profile did."""
     from planner.profiling.measure import to_device
+    from planner.profiling.sac_cost import measure_sac_cost
+    from planner.profiling.timing import pick_clock
     from planner.profiling.validate import validate
 
     (progress or (lambda _msg: None))("validation step: what checkpointing frees")
@@ -149,7 +151,20 @@ def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, 
             raise
         _free(model, dev)
         return prof.model_copy(update={"notes": [*prof.notes, f"validation step skipped: {_first_line(e)}"]})
-    return prof.model_copy(update=found._asdict())
+    prof = prof.model_copy(update=found._asdict())
+    if not prof.ops:
+        return prof
+    (progress or (lambda _msg: None))("timing selective checkpointing's dispatch")
+    try:  # keeping every op output may not fit where the checkpointed profile did
+        cost = measure_sac_cost(model, to_device(inputs, dev), prof, loss_fn=loss_fn, amp=amp, dev=dev,
+                                clock=pick_clock(dev, torch.get_num_threads()))
+    except (ProfileError, RuntimeError, MemoryError) as e:
+        if not _out_of_memory(e):
+            raise
+        _free(model, dev)
+        return prof.model_copy(update={"notes": [*prof.notes, "selective checkpointing's dispatch cost not "
+                                                                f"measured (0): {_first_line(e)}"]})
+    return prof.model_copy(update={"sac_recomputed_op_ms": cost.recomputed_op_ms, "sac_kept_op_ms": cost.kept_op_ms})
 
 
 def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_bytes: int | None,
