@@ -90,21 +90,21 @@ def prof(measured):
 
 
 def test_dispatch_cost_is_measured_and_priced(measured, prof):
-    """NOTE [ Selective dispatch cost ]: measured on the model, added to every policy, and a
-    policy no faster than full checkpointing is left out of the menu."""
+    """NOTE [ Selective dispatch cost ]: measured on the model, added to every policy per op call it
+    recomputes and per op call it keeps, and a policy no faster than full checkpointing is left out."""
     assert measured.sac_recomputed_op_ms > 0 and measured.sac_kept_op_ms > 0
-    free = graph_for(prof).nodes["blocks.1"]["menu"]
-    assert free
-    n_calls = len([o for o in prof.ops if o.unit.startswith("blocks.1")])
     cost = (0.001, 0.002)
     g = graph_for(prof.model_copy(update={"sac_recomputed_op_ms": cost[0], "sac_kept_op_ms": cost[1]}))
-    priced = g.nodes["blocks.1"]["menu"]
-    for pol in priced:
-        twin = next(p for p in free if p.saved == pol.saved)
+    a = g.nodes["blocks.1"]
+    inside = [o for o in prof.ops if a["fwd_start_seq"] <= o.seq <= a["fwd_end_seq"]]
+    kernels_ms = sum(o.forward_ms for o in inside)
+    assert a["menu"]
+    for pol in a["menu"]:
         kept = len(pol.saved)  # op calls, writers of a kept output included
-        assert pol.recompute_ms == pytest.approx(twin.recompute_ms + cost[0] * (n_calls - kept) + cost[1] * kept)
-    forward_ms = graph_for(measured).nodes["blocks.1"]["forward_ms"]
-    assert all(p.recompute_ms < forward_ms for p in graph_for(measured).nodes["blocks.1"]["menu"])
+        recompute = a["forward_ms"] * (1 - pol.saved_ms / kernels_ms)
+        assert pol.recompute_ms == pytest.approx(recompute + cost[0] * (len(inside) - kept) + cost[1] * kept)
+    full = graph_for(measured).nodes["blocks.1"]
+    assert all(p.recompute_ms < full["forward_ms"] for p in full["menu"])
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@
 # Rule 1. A selective region runs its forward under torch's caching dispatch mode and its
 # replay under the cached mode (``create_selective_checkpoint_contexts``): every op call of
 # the unit passes through Python twice, whatever the policy keeps. On one CPU thread that is
-# tens of microseconds per call (examples/llama.py, 420 op calls in its 4 blocks: the
-# policy that keeps nothing cost 25.7 ms a step more than full checkpointing of the same
-# blocks; docs/benchmarks.md), as much as a third of the blocks' recompute. A menu that
-# priced only the recomputed kernels would under-price every policy by that much.
+# tens of microseconds per call, per call kept more than per call recomputed, as much as the
+# kernels of a small model's ops (figures in docs/benchmarks.md, "What selective
+# checkpointing costs per op call"). A menu that priced only the recomputed kernels would
+# under-price every policy by that much.
 #
 # Rule 2. So the profiler measures it on the model it profiles (``measure_sac_cost``), on the
 # same device and threads, in interleaved rounds (least times): the step as it is (t), with the
@@ -17,12 +17,11 @@
 #     forward_ms * (recomputed kernel time / kernel time) + n_recomputed * r + n_kept * k
 # with r = (t_r - t_full) / N and k = (t_k - t) / N: the two ends of every menu are priced as
 # measured, the recompute-everything end relative to full checkpointing, which the cost model
-# prices at forward_ms as before. (r from t_r - t - F instead, F the candidates' forward_ms,
-# carried F's noise: 0 us on two models of four.) On examples/llama.py (one CPU thread) a chain of small ops gave
-# 11 us per call, the model's own ops r = 40 us and k = 171 us: keeping every op cost as much as
-# recomputing the blocks fully (docs/benchmarks.md). The cost depends on the ops, so it is
-# measured on them. ``Profile.sac_recomputed_op_ms`` and ``Profile.sac_kept_op_ms`` record it
-# (NOTE [ Selective menus ] in solvers/selective.py).
+# prices at forward_ms. A chain of small ops would be cheaper to time, but it under-states the
+# cost of a model's own ops several times over: the cost depends on the ops, so it is measured
+# on them. ``Profile.sac_recomputed_op_ms`` and ``Profile.sac_kept_op_ms`` record it (NOTE
+# [ Selective menus ] in solvers/selective.py). Each is a difference of two step times over N,
+# so on a model whose steps take seconds it is within their noise (it may read 0).
 #
 # Rule 3. On CUDA the Python work overlaps the kernels of earlier ops as long as the GPU is
 # busy: the profile's CUDA-event clock sees only what is not hidden. Meta profiles (no device
