@@ -89,6 +89,37 @@ def prof(measured):
     return measured.model_copy(update={"sac_recomputed_op_ms": 0.0, "sac_kept_op_ms": 0.0})
 
 
+class _StepClock:
+    """A clock whose every timed step lasts the next of ``steps_ms``: the interleaved rounds of
+    ``measure_sac_cost`` (as is, full checkpointing, recompute every op, keep every op)."""
+
+    def __init__(self, steps_ms):
+        self.steps = iter(steps_ms)
+
+    def stamp(self):
+        return 0.0
+
+    def sync(self):
+        pass
+
+    def ms(self, _start, _end):
+        return next(self.steps)
+
+
+def test_dispatch_cost_is_per_op_call_of_one_micro_batch(measured):
+    """Its steps run one micro-batch, and simulate counts a policy once per micro-batch: under
+    gradient accumulation the figures are still the step-time differences over the op calls."""
+    from planner.model.schema import Recipe
+    from planner.profiling.sac_cost import measure_sac_cost
+
+    accum = measured.model_copy(update={"recipe": Recipe(grad_accum=3)})
+    top = [a for _, a in graph_for(accum, selective=False).nodes(data=True) if a["parent"] is None]
+    calls = sum(1 for o in accum.ops for a in top if a["fwd_start_seq"] <= o.seq <= a["fwd_end_seq"])
+    cost = measure_sac_cost(_net(), _inputs(), accum, loss_fn=_loss, amp=None, dev=torch.device("cpu"),
+                            clock=_StepClock([100.0, 150.0, 150.0 + calls * 0.01, 100.0 + calls * 0.03] * 2))
+    assert cost.recomputed_op_ms == pytest.approx(0.01) and cost.kept_op_ms == pytest.approx(0.03)
+
+
 def test_dispatch_cost_is_measured_and_priced(measured, prof):
     """NOTE [ Selective dispatch cost ]: measured on the model, added to every policy per op call it
     recomputes and per op call it keeps, and a policy no faster than full checkpointing is left out."""

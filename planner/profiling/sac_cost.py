@@ -72,6 +72,7 @@ def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: C
                 for a in top)
     if not top or n_ops == 0:
         return SacCost(0.0, 0.0)
+    # one micro-batch: the figures are per op call, and simulate counts a policy once per micro-batch
     step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
     best = {policy: math.inf for policy in (None, "full", CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE)}
     with restoring_model(model, dev):
@@ -85,7 +86,6 @@ def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: C
                     t1 = clock.stamp()
                     clock.sync()
                 best[policy] = min(best[policy], clock.ms(t0, t1))
-    n_ops *= g.graph.get("micro_batches", 1)
     return SacCost(max(0.0, (best[CheckpointPolicy.PREFER_RECOMPUTE] - best["full"]) / n_ops),
                    max(0.0, (best[CheckpointPolicy.MUST_SAVE] - best[None]) / n_ops))
 
