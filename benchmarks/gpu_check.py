@@ -238,7 +238,7 @@ def write_calibration(pairs: list[tuple[Profile, Profile]], gpu: str, models: li
     """Fit the roofline on this GPU's measured units and save it where --device meta finds it."""
     from planner.profiling.devices import calibration_path, get_device
     from planner.profiling.meta import fit_calibration
-    from planner.model.schema import atomic_write_text
+    from planner.files import atomic_write_text
 
     cal = fit_calibration(pairs, measured_on=gpu, models=models)
     text = cal.model_dump_json(indent=2) + "\n"

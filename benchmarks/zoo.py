@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write_between_markers(path: Path, table: str, tag: str) -> None:
     """Replace the table between ``<!-- {tag} begin/end -->`` in ``path`` (appended when absent), atomically."""
-    from planner.model.schema import atomic_write_text
+    from planner.files import atomic_write_text
 
     BEGIN, END = f"<!-- {tag} begin -->", f"<!-- {tag} end -->"
     text = path.read_text() if path.exists() else ""

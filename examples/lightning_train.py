@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
 from planner.integrations.lightning import RematCallback
-from planner.profiling.model_file import call_model, default_loss, load_model_file
+from planner.profiling.model_file import call_model, compute_loss, load_model_file
 
 
 class ModelFileModule(pl.LightningModule):
@@ -35,7 +35,6 @@ class ModelFileModule(pl.LightningModule):
     def __init__(self, model_file: str, lr: float = 1e-3):
         super().__init__()
         self.model_file = load_model_file(model_file)
-        self.loss_fn = self.model_file.loss_fn or default_loss
         self.lr = lr
         self.losses: list[float] = []
 
@@ -44,7 +43,7 @@ class ModelFileModule(pl.LightningModule):
             self.model = self.model_file.build_model()
 
     def training_step(self, batch, batch_idx):
-        loss = self.loss_fn(call_model(self.model, batch))
+        loss = compute_loss(self.model_file.loss_fn, call_model(self.model, batch), batch)
         self.losses.append(loss.item())
         return loss
 
@@ -67,7 +66,8 @@ def train(model_file: str, plan=None, *, steps: int = 3, module_class=ModelFileM
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", help="model file: build_model(), example_inputs(), optional loss_fn(output)")
+    p.add_argument("model", help="model file: build_model(), example_inputs(), optional loss_fn(output) "
+                                 "or loss_fn(output, batch)")
     p.add_argument("--plan", help="plan.json from `remat plan` (omit to train without checkpointing)")
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)

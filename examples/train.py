@@ -19,12 +19,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
 from planner.act.applier import apply_plan
-from planner.profiling.model_file import call_model, default_loss, load_model_file
+from planner.profiling.model_file import call_model, compute_loss, load_model_file
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", help="model file: build_model(), example_inputs(), optional loss_fn(output)")
+    p.add_argument("model", help="model file: build_model(), example_inputs(), optional loss_fn(output) "
+                                 "or loss_fn(output, batch)")
     p.add_argument("--plan", help="plan.json from `remat plan` (omit to train without checkpointing)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)  # AdamW; small models move visibly in 5 steps
@@ -50,7 +51,6 @@ def main(argv=None):
     mf = load_model_file(args.model)
     model = mf.build_model().to(args.device).train()
     batch = to_device(mf.example_inputs(), args.device)
-    loss_fn = mf.loss_fn or default_loss
 
     handle = apply_plan(model, args.plan, inputs=batch) if args.plan else None  # before compile
     if args.compile:
@@ -59,7 +59,7 @@ def main(argv=None):
 
     for step in range(args.steps):
         t0 = time.perf_counter()
-        loss = loss_fn(call_model(model, batch))
+        loss = compute_loss(mf.loss_fn, call_model(model, batch), batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -25,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from planner.act.applier import apply_plan
 from planner.act.sharding import shard_for_plan
-from planner.profiling.model_file import call_model, default_loss, load_model_file
+from planner.profiling.model_file import call_model, compute_loss, load_model_file
 from planner.model.schema import Plan
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", help="model file: build_model(), example_inputs(), optional loss_fn(output)")
+    p.add_argument("model", help="model file: build_model(), example_inputs(), optional loss_fn(output) "
+                                 "or loss_fn(output, batch)")
     p.add_argument("--plan", help="plan.json made per rank (omit to train without checkpointing)")
     p.add_argument("--sharding", choices=("fsdp", "ddp", "none"), default="fsdp",
                    help="fsdp: fully_shard each block, then the root; ddp: DistributedDataParallel")
@@ -116,7 +117,6 @@ def main(argv=None):
     mf = load_model_file(args.model)
     model = mf.build_model().train()
     batch = rank_slice(mf.example_inputs(), rank, world_size)
-    loss_fn = mf.loss_fn or default_loss
 
     plan = Plan.load(args.plan) if args.plan else None
     if plan is not None and rank == 0:
@@ -133,7 +133,7 @@ def main(argv=None):
     losses, grads = [], {}
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(call_model(model, batch))  # the mean over this rank's rows
+        loss = compute_loss(mf.loss_fn, call_model(model, batch), batch)  # the mean over this rank's rows
         loss.backward()  # DDP and FSDP average gradients over ranks: the gradient of the global mean
         if step == args.steps - 1 and args.dump:
             grads = full_grads(model)

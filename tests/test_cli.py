@@ -191,7 +191,9 @@ def test_verify_failure_exits_1(tiny_model: Path, tiny_profile: Path, tmp_path: 
     plan = Plan.model_validate_json(invoke("plan", "--budget", "1GB", "--profile", tiny_profile, "--json",
                                            "-q").stdout)
     out = tmp_path / "plan.json"
-    plan.model_copy(update={"budget_bytes": 1}).save(out)  # no step fits in one byte
+    one_byte = plan.predicted.model_copy(update={"peak_bytes": 1, "params_bytes": 0, "grads_bytes": 0,
+                                                 "optimizer_bytes": 0, "activations_bytes": 1})
+    plan.model_copy(update={"budget_bytes": 1, "headroom_bytes": 0, "predicted": one_byte}).save(out)  # no step fits
     r = invoke("verify", tiny_model, out, "--device", "cpu", "--steps", "1")
     assert r.exit_code == 1, r.output
     assert "verify: FAILED" in r.stdout and "error: the plan failed verification" in r.stderr
@@ -202,7 +204,9 @@ def test_verify_fails_on_a_wrong_prediction(tiny_model: Path, tiny_profile: Path
                                            "--json", "-q").stdout)
     assert plan.predicted.windows  # what verify compares window by window
     out = tmp_path / "plan.json"
-    wrong = plan.predicted.model_copy(update={"peak_bytes": int(plan.predicted.peak_bytes * 1.3)})
+    extra = int(plan.predicted.peak_bytes * 0.3)  # the breakdown must add up (NOTE [ Numbers in files ])
+    wrong = plan.predicted.model_copy(update={"peak_bytes": plan.predicted.peak_bytes + extra,
+                                              "activations_bytes": plan.predicted.activations_bytes + extra})
     plan.model_copy(update={"predicted": wrong}).save(out)  # a prediction 30% off
     r = invoke("verify", tiny_model, out, "--device", "cpu", "--steps", "1")
     assert r.exit_code == 1, r.output

@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from planner.cli import render
-from planner.act.api import graph_for
+from planner.act.api import DEFAULT_HEADROOM, budget_with_headroom, graph_for
 from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers
 from planner.model.synthetic import random_chain, random_dag, synthetic_profile
 from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke
@@ -60,7 +60,8 @@ def test_frontier_json_schema(profile_path: Path, tmp_path: Path):
     assert data["min_feasible_bytes"] <= data["no_checkpoint_peak_bytes"] and data["step_ms"] > 0
     grid = sorted({p["budget_bytes"] for p in data["points"]})
     assert 1 < len(grid) <= 6
-    assert grid[0] == data["min_feasible_bytes"] and grid[-1] == data["no_checkpoint_peak_bytes"]
+    held = [budget_with_headroom(data[k], data["headroom"]) for k in ("min_feasible_bytes", "no_checkpoint_peak_bytes")]
+    assert data["headroom"] == DEFAULT_HEADROOM and [grid[0], grid[-1]] == held
     for p in data["points"]:
         assert set(p) == POINT_KEYS, p
         assert p["status"] in ("optimal", "feasible", "infeasible")
@@ -159,7 +160,8 @@ def test_compare_json(profile_path: Path):
 def test_compare_says_when_nothing_fits(profile_path: Path):
     r = invoke("compare", "--profile", profile_path, "--budget", "1MB")
     assert r.exit_code == 0, r.output
-    assert f"nothing fits; the lowest feasible budget is {CHAIN_MIN_FEASIBLE_BYTES} bytes" in r.stdout
+    lowest = budget_with_headroom(CHAIN_MIN_FEASIBLE_BYTES)  # as remat plan says it
+    assert f"nothing fits; the lowest feasible budget is {lowest} bytes" in r.stdout
 
 
 # ----------------------------------------------------------------------------- plot

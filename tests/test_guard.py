@@ -43,7 +43,7 @@ def planned_model(guard: str = "warn"):
     model = TinyLM()
     fp = fingerprint(model, batch(*PLANNED))
     predicted = Predicted(peak_bytes=1 << 20, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
-                          activations_bytes=0, recompute_ms=0.0, step_ms=0.0)
+                          activations_bytes=1 << 20, recompute_ms=0.0, step_ms=0.0)
     plan = Plan(fingerprint=fp, fingerprint_digest=fp.digest(), budget_bytes=1 << 30, checkpoints=["blocks.0"],
                 solver=SolverInfo(name="manual", status="feasible"), predicted=predicted)
     return model, apply_plan(model, plan, guard=guard)

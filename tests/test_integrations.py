@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from planner.errors import PlanMismatch
+from planner.profiling.model_file import compute_loss
 from tests.fixtures import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +229,8 @@ def test_accelerate_apply_plan_before_prepare(tiny_file):
         model, optimizer = accelerator.prepare(model, optimizer)
         losses = []
         for _ in range(3):
-            loss = mf.loss_fn(model(mf.example_inputs()))
+            batch = mf.example_inputs()
+            loss = compute_loss(mf.loss_fn, model(batch), batch)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()

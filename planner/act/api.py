@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -108,11 +109,17 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
         choices = ", ".join(["auto", *sorted(k for k in SOLVERS if k != "auto")])
         raise SolverError(f"unknown solver {solver!r}; choose one of: {choices}")
     try:
-        return fn(g, budget_bytes, time_limit_s=time_limit_s)
+        sol = fn(g, budget_bytes, time_limit_s=time_limit_s)
     except SolverError:
         raise
     except ValueError as e:  # a solver that cannot handle this graph shape
         raise SolverError(f"solver {name!r} cannot plan this graph: {e}") from None
+    if sol.status != "infeasible" and not (math.isfinite(sol.recompute_ms) and sol.recompute_ms >= 0
+                                           and sol.peak_bytes >= 0):
+        raise SolverError(f"solver {sol.solver!r} found a plan with a recompute of {sol.recompute_ms} ms and a peak "
+                          f"of {sol.peak_bytes} bytes, which cannot be true: the profile's times or sizes are not "
+                          f"finite and positive; re-profile the model")
+    return sol
 
 
 def min_feasible_bytes(g: nx.DiGraph) -> int:
@@ -143,10 +150,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
     budget_bytes = parse_bytes(budget)
     if headroom is None:
         headroom = headroom_for(profile)
-    if not 0 <= headroom < 0.5:
-        raise BadInput(f"headroom must be a fraction in [0, 0.5), got {headroom}; e.g. 0.005 for 0.5%")
-    headroom_bytes = int(budget_bytes * headroom)
-    usable = budget_bytes - headroom_bytes
+    usable, headroom_bytes = usable_budget(budget_bytes, headroom)
     g = graph if graph is not None else graph_for(profile, solver=solver, granularity=granularity,
                                                   world_size=world_size, sharding=sharding, selective=selective)
     t0 = time.perf_counter()
@@ -199,6 +203,16 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
 
 _WINDOWS = ("forward of ", "backward of ", "end of forward", "start of backward")
 """The probes of NOTE [ Peak-memory model ] that are measured windows of the step (``graph.window_peaks``)."""
+
+
+def usable_budget(budget_bytes: int, headroom: float) -> tuple[int, int]:
+    """``(usable bytes, headroom bytes)`` of a budget: a plan fits ``budget_bytes`` when its predicted peak is
+    at most the usable bytes. The one place that decides what fits, for ``plan``, ``compare`` and
+    ``frontier`` alike (NOTE [ Headroom from evidence ])."""
+    if not 0 <= headroom < 0.5:
+        raise BadInput(f"headroom must be a fraction in [0, 0.5), got {headroom}; e.g. 0.005 for 0.5%")
+    headroom_bytes = int(budget_bytes * headroom)
+    return budget_bytes - headroom_bytes, headroom_bytes
 
 
 def budget_with_headroom(peak_bytes: int, headroom: float = DEFAULT_HEADROOM) -> int:
@@ -273,6 +287,16 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
     budget, _ = resolve_budget(budget, target)  # before minutes of profiling, not after
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile
+        ignored = [name for name, value, default in (
+            ("inputs", inputs, None), ("loss_fn", loss_fn, None), ("device", device, "auto"), ("steps", steps, 3),
+            ("threads", threads, None)) if value is not default and value != default]
+        if optimizer not in ("adamw", prof.optimizer):
+            ignored.append(f"optimizer ({prof.optimizer} in the profile)")
+        if (amp is not None and amp != prof.recipe.amp) or (recipe is not None and recipe != prof.recipe):
+            ignored.append(f"amp/recipe (the profile's: {prof.recipe.describe()})")
+        if ignored:
+            raise BadInput(f"plan(profile, ...) plans the step the profile measured; these arguments would change "
+                           f"what is measured, and nothing is: {', '.join(ignored)}. Drop them, or profile again")
     else:
         if inputs is None:
             raise BadInput("plan(model, ...) needs inputs=<one training batch>; or pass a Profile")

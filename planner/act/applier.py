@@ -93,8 +93,9 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 # dynamically, so a batch can be longer or wider than the planned one, and activations grow
 # with it: the planned peak no longer holds and the step may run out of memory.
 # ``apply_plan(..., guard=...)`` puts a forward pre-hook on the planned model that compares
-# each training forward's tensor inputs (named as the fingerprint names them: positional
-# arguments '0', '1', ..., keyword arguments by key) with ``plan.fingerprint.inputs``:
+# each training forward's tensor inputs with ``plan.fingerprint.inputs``. The call is first bound
+# to forward's signature, so an input is found whether the plan named it by position ('0', '1',
+# ...) or by key ('images') and whether the job passes it positionally or by keyword:
 #   - an input larger than planned in any dimension (more tokens, a bigger batch) is reported
 #     once per handle, with the planned and the actual shapes: a warning under "warn" (the
 #     default), ``PlanMismatch`` under "error";
@@ -107,6 +108,7 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -269,11 +271,39 @@ def _outside_modes():
 class ShapeGuard:
     """A forward pre-hook comparing input shapes with the plan's; see NOTE [ Runtime shape guard ]."""
 
-    def __init__(self, planned: list[TensorSig], mode: str, peak_bytes: int):
+    def __init__(self, planned: list[TensorSig], mode: str, peak_bytes: int, forward: Any = None):
         self.planned = {sig.name: sig.shape for sig in planned}
         self.mode = mode
         self.peak_bytes = peak_bytes
         self.reported = False
+        self.signature = _signature(forward)
+
+    def named_arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments under every name the plan may use for them: a positional argument by its
+        index and by its parameter's name, a keyword argument by its key and by its parameter's index
+        (``inspect.Signature.bind``), so ``model(x)`` is checked as ``model(images=x)`` is."""
+        given: dict[str, Any] = {str(i): a for i, a in enumerate(args)}
+        given.update(kwargs)
+        if self.signature is None:
+            return given
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:  # the call does not fit forward's signature; forward itself will say so
+            return given
+        positional = 0
+        for name, param in self.signature.parameters.items():
+            if param.kind is param.VAR_POSITIONAL:
+                break
+            if param.kind is param.KEYWORD_ONLY or param.kind is param.VAR_KEYWORD:
+                continue
+            if name in bound.arguments:
+                given.setdefault(str(positional), bound.arguments[name])
+                given.setdefault(name, bound.arguments[name])
+            positional += 1
+        for name, param in self.signature.parameters.items():
+            if param.kind is param.KEYWORD_ONLY and name in bound.arguments:
+                given.setdefault(name, bound.arguments[name])
+        return given
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
@@ -294,14 +324,23 @@ class ShapeGuard:
 
     def larger_inputs(self, args: tuple, kwargs: dict) -> list[tuple[str, list[int], list[int]]]:
         """``(name, planned shape, actual shape)`` of every input larger than planned."""
-        given = {str(i): a for i, a in enumerate(args)}
-        given.update(kwargs)
+        given = self.named_arguments(args, kwargs)
         out = []
         for name, t in input_tensors(given):
             planned = self.planned.get(name)
             if planned is not None and _exceeds(list(t.shape), planned):
                 out.append((name, planned, list(t.shape)))
         return out
+
+
+def _signature(forward: Any) -> inspect.Signature | None:
+    """``forward``'s signature, or None when Python cannot read it (a builtin, a C extension)."""
+    if forward is None:
+        return None
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
 
 
 def _exceeds(actual: list[int], planned: list[int]) -> bool:
@@ -473,7 +512,7 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         (handle.selective if name in policies else handle.checkpointed).append(name)
 
     if guard != "off" and plan.fingerprint.inputs:
-        shape_guard = ShapeGuard(plan.fingerprint.inputs, guard, plan.predicted.peak_bytes)
+        shape_guard = ShapeGuard(plan.fingerprint.inputs, guard, plan.predicted.peak_bytes, forward=model.forward)
         handle._guard_hook = model.register_forward_pre_hook(shape_guard, with_kwargs=True)
     _report(plan, handle, already)
     return handle

@@ -56,7 +56,7 @@ app = typer.Typer(
 #   - RematError (and subclasses): "error: <message>" on stderr, exit ``err.exit_code``
 #     (2 bad input, 1 no plan fits / verification failed). PlanMismatch adds its differences.
 #   - KeyboardInterrupt: "interrupted", exit 130. Files are written last and atomically
-#     (planner.model.schema.atomic_write_text), so an interrupted run leaves nothing behind.
+#     (planner.files.atomic_write, NOTE [ Writing output files ]): nothing half-written is left.
 #   - anything else is a bug in remat: "internal error: ...", exit 1.
 # Tracebacks only with --debug. Usage errors (unknown option, bad --device) are typer's:
 # exit 2 with the usage line.
@@ -113,15 +113,22 @@ def command(name: str, options: type[Options], params: list[inspect.Parameter]) 
 
     def deco(fn: Callable[[Any], None]) -> Callable[[Any], None]:
         @functools.wraps(fn)
-        def run(**kwargs: Any) -> None:
-            fn(options(**kwargs))
+        def run(ctx: typer.Context, **kwargs: Any) -> None:
+            fn(options(**kwargs, given=_given_on_command_line(ctx, kwargs)))
 
-        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+        run.__signature__ = inspect.Signature([context, *params])  # type: ignore[attr-defined]
         run.__annotations__ = {}
         app.command(name)(_guarded(run))
         return fn
 
     return deco
+
+
+def _given_on_command_line(ctx: typer.Context, kwargs: dict[str, Any]) -> frozenset[str]:
+    """The options the user typed (not defaults, not environment variables): what NOTE [ Options a saved
+    profile cannot honour ] checks."""
+    return frozenset(k for k in kwargs if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE")
 
 
 # ----------------------------------------------------------------------------- plan
@@ -188,8 +195,9 @@ def frontier_cmd(o: FrontierOptions) -> None:
     """Sweep budgets: recompute and peak of every solver and baseline, as a table, JSON or a plot."""
     import time
 
+    from planner.act.api import headroom_for
     from planner.act.frontier import frontier, sweep_graph, tradeoff
-    from planner.model.schema import atomic_write_text
+    from planner.files import atomic_write_text
 
     out, log = render.consoles(quiet=o.quiet)
     _need_source(o, "remat frontier model.py", "remat frontier --profile profile.json")
@@ -201,11 +209,13 @@ def frontier_cmd(o: FrontierOptions) -> None:
         require_matplotlib()  # before minutes of profiling, not after
     prof = _profile_source(o, log)
     graph = sweep_graph(prof, o.solvers, granularity=o.granularity, world_size=o.world_size, sharding=o.sharding)
+    headroom = o.headroom if o.headroom is not None else headroom_for(prof)
     t0 = time.perf_counter()
     with render.counter(log, f"sweeping {o.points} budgets") as tick:
-        pts = frontier(graph, points=o.points, solvers=o.solvers, time_limit_s=o.time_limit_s, progress=tick)
+        pts = frontier(graph, points=o.points, solvers=o.solvers, time_limit_s=o.time_limit_s, headroom=headroom,
+                       progress=tick)
     report = tradeoff(graph, pts, kind="remat-frontier", model=prof.fingerprint.model_class,
-                      device=_device_text(prof), seconds=time.perf_counter() - t0)
+                      device=_device_text(prof), seconds=time.perf_counter() - t0, headroom=headroom)
     budgets = len({p.budget_bytes for p in pts})
     render.plain(log, f"swept {budgets} budgets x {len(pts) // max(budgets, 1)} solvers and baselines "
                       f"({len(pts)} plans) in {report.seconds:.2f} s")
@@ -232,7 +242,7 @@ def compare_cmd(o: CompareOptions) -> None:
     """Every solver and baseline side by side at one budget: peak, recompute, what fits."""
     import time
 
-    from planner.act.api import resolve_budget
+    from planner.act.api import headroom_for, resolve_budget
     from planner.act.frontier import compare, sweep_graph, tradeoff
 
     out, log = render.consoles(quiet=o.quiet)
@@ -241,10 +251,12 @@ def compare_cmd(o: CompareOptions) -> None:
     render.plain(log if o.as_json else out, render.budget_line(budget, budget_bytes))
     prof = _profile_source(o, log)
     graph = sweep_graph(prof, o.solvers, granularity=o.granularity, world_size=o.world_size, sharding=o.sharding)
+    headroom = o.headroom if o.headroom is not None else headroom_for(prof)
     t0 = time.perf_counter()
-    pts = compare(graph, budget_bytes, solvers=o.solvers, time_limit_s=o.time_limit_s)
+    pts = compare(graph, budget_bytes, solvers=o.solvers, time_limit_s=o.time_limit_s, headroom=headroom)
     report = tradeoff(graph, pts, kind="remat-compare", model=prof.fingerprint.model_class,
-                      device=_device_text(prof), budget_bytes=budget_bytes, seconds=time.perf_counter() - t0)
+                      device=_device_text(prof), budget_bytes=budget_bytes, seconds=time.perf_counter() - t0,
+                      headroom=headroom)
     render.print_json(report) if o.as_json else render.show_compare(out, report)
 
 
@@ -361,7 +373,7 @@ def _check_output(path: Path | None) -> None:
     The write itself goes through ``atomic_write_text``; this only probes the folder.
     """
     if path is not None:
-        from planner.model.schema import check_writable
+        from planner.files import check_writable
 
         check_writable(path)
 
@@ -381,18 +393,14 @@ def _profile_source(o: StepOptions, log: Any) -> Any:
     A saved profile measured one recipe: recipe options other than the defaults must match it.
     """
     from planner.act.api import check_profile_matches
-    from planner.model.schema import Profile, Recipe
+    from planner.model.schema import Profile
 
     source = _model_source(o.model, o)
     profile = getattr(o, "profile", None)
     if profile is None:
         return _run_profiler(source, o, log)
     prof = Profile.load(profile)
-    recipe = o.recipe
-    if recipe != Recipe() and recipe != prof.recipe:
-        raise BadInput(f"{profile} was measured for another training step ("
-                       + "; ".join(prof.recipe.differences(recipe)).replace("training uses", "options give")
-                       + f"): re-profile with these options, or drop them to plan its recipe")
+    check_profile_options(prof, o, profile)
     if source is not None:
         try:
             check_profile_matches(prof, source)
@@ -400,6 +408,52 @@ def _profile_source(o: StepOptions, log: Any) -> Any:
             raise PlanMismatch(f"{e}: remat profile {_profile_args(source.path)} -o profile.json",
                                e.differences) from None
     return prof
+
+
+# NOTE [ Options a saved profile cannot honour ]
+#
+# With --profile nothing runs: the profile was measured once, on one device, for one step.
+# Rule 1. Options that say how to measure (--device, --device-memory, --steps, --threads) cannot
+#   change it: typed with --profile, they are refused by name (the environment's
+#   REMAT_DEVICE_MEMORY is a machine-wide default, not a request, and is not refused).
+# Rule 2. Options that say which step (--optimizer and the recipe: --amp, --grad-accum,
+#   --no-zero-grad-set-to-none, --clip-grad-norm, --fused/--foreach) are honoured when the profile
+#   measured that step and refused, naming the difference, when it did not. An option left at its
+#   default plans the profile's own step.
+# Rule 3. --target is honoured (it sets the default budget); a meta profile, whose times were
+#   modelled for one target, refuses another.
+
+MEASURING_OPTIONS = ("device", "device_memory", "steps", "threads")
+"""Options that only say how a step is measured (Rule 1)."""
+
+
+def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
+    """BadInput when an option cannot be honoured on the saved profile ``prof`` (NOTE above)."""
+    from planner.model.schema import Recipe
+
+    typed = [name for name in MEASURING_OPTIONS if name in o.given]
+    if typed:
+        raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} say how to measure a step, and {path} was "
+                       f"measured already (nothing runs with --profile): drop {'them' if len(typed) > 1 else 'it'}, "
+                       f"or re-profile with {'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
+    wrong = [f"{{optimizer}} {o.optimizer} (the profile has {prof.optimizer})"
+             if "optimizer" in o.given and o.optimizer != prof.optimizer else ""]
+    default, typed_recipe = Recipe(), {"optimizer_impl" if n in ("fused", "foreach") else n for n in o.given}
+    named = ["optimizer", "target"]
+    for name in prof.recipe.differing_fields(o.recipe):
+        if name in typed_recipe or getattr(o.recipe, name) != getattr(default, name):
+            said = "the optimizer implementation" if name == "optimizer_impl" else "{" + name + "}"
+            named.append(name)
+            wrong.append(f"{said} {getattr(o.recipe, name)!r} (the profile has {getattr(prof.recipe, name)!r})")
+    if prof.device == "meta" and "target" in o.given and o.target is not None:
+        from planner.profiling.devices import get_device
+
+        if get_device(o.target).name != prof.target:
+            wrong.append(f"{{target}} {o.target} (the profile's times were modelled for {prof.target})")
+    wrong = [w for w in wrong if w]
+    if wrong:
+        raise BadInput(f"{path} was measured for another training step: {'; '.join(wrong)}; re-profile with "
+                       f"these options, or drop them to plan the profile's step", options=tuple(named))
 
 
 def _profile_args(path: Path) -> str:

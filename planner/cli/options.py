@@ -62,6 +62,13 @@ DEVICE = _param("device", Annotated[str, typer.Option(
     "--device", help="Where to run the step: auto (cuda if available, else cpu), cpu, cuda[:N], meta.")], "auto")
 
 
+HEADROOM = _param("headroom", Annotated[str, typer.Option(
+    "--headroom", help="Part of the budget kept free, for what the cost model cannot see: 0.5%, 2% or a "
+                       "fraction such as 0.01; auto: from the zoo's evidence, by how the profile was made (0.5% "
+                       "measured, 1.5% under autocast, 7% on --device meta). plan, compare and frontier keep the "
+                       "same.")], "auto")
+
+
 def _time_limit(default: float, help_text: str) -> inspect.Parameter:
     return _param("time_limit_s", Annotated[float, typer.Option("--time-limit", min=0.001, help=help_text)], default)
 
@@ -188,6 +195,8 @@ class Options(BaseModel):
     as_json: bool = False
     quiet: bool = False
     debug: bool = False
+    given: frozenset[str] = frozenset()
+    """Fields the user typed on the command line (not defaults, not environment variables)."""
 
 
 class HfSource(BaseModel):
@@ -296,8 +305,12 @@ class PlanOptions(StepOptions, RankOptions):
     @field_validator("headroom", mode="before")
     @classmethod
     def _headroom(cls, text: Any) -> float | None:
-        """'auto' (None: ``planner.act.api.headroom_for``) or a fraction."""
-        return None if text is None or str(text).strip().lower() == "auto" else _fraction(text, "headroom")
+        return _headroom_option(text)
+
+
+def _headroom_option(text: Any) -> float | None:
+    """'auto' (None: ``planner.act.api.headroom_for``) or a fraction."""
+    return None if text is None or str(text).strip().lower() == "auto" else _fraction(text, "headroom")
 
 
 class SweepOptions(StepOptions, RankOptions):
@@ -305,6 +318,12 @@ class SweepOptions(StepOptions, RankOptions):
     granularity: int = 0
     solvers: list[str] | None = None
     time_limit_s: float = 30.0
+    headroom: float | None = None
+
+    @field_validator("headroom", mode="before")
+    @classmethod
+    def _headroom(cls, text: Any) -> float | None:
+        return _headroom_option(text)
 
     @field_validator("solvers", mode="before")
     @classmethod
@@ -370,11 +389,7 @@ PLAN = [
     _time_limit(60.0, "Seconds the ILP may search; then its best plan is kept."),
     _param("no_selective", Annotated[bool, typer.Option(
         "--no-selective", help="Whole modules only: no op-level (selective) checkpointing policies.")], False),
-    _param("headroom", Annotated[str, typer.Option(
-        "--headroom", help="Part of the budget kept free, for what the cost model cannot see: 0.5%, 2% or a "
-                           "fraction such as 0.01; auto: from the zoo's evidence, by how the profile was made (0.5% "
-                           "measured, 1.5% under autocast, 7% on --device meta).")], "auto"),
-    *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
+    HEADROOM, *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
 PROFILE_CMD = [
     _model_arg("model.py defining build_model() and example_inputs(); or use --hf."),
@@ -390,12 +405,12 @@ FRONTIER = [
         "--plot", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
     _output("Write the points as JSON here (atomic)."),
     PROFILE, *MEASURED_STEP, GRANULARITY, SOLVERS,
-    _time_limit(30.0, "Seconds the ILP may search at each budget."),
+    _time_limit(30.0, "Seconds the ILP may search at each budget."), HEADROOM,
     *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
 COMPARE = [
     _model_arg(MODEL_HELP), BUDGET, PROFILE, *MEASURED_STEP, GRANULARITY, SOLVERS,
-    _time_limit(60.0, "Seconds the ILP may search at each budget."),
+    _time_limit(60.0, "Seconds the ILP may search at each budget."), HEADROOM,
     *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
 SHOW = [_param("path", Annotated[Path, typer.Argument(help="A plan or profile JSON file.", metavar="FILE")]),

@@ -8,10 +8,7 @@ after profiling. No torch import.
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -123,17 +120,9 @@ def _budget_rug(ax: Any, report: Tradeoff, scale: int) -> None:
 
 
 def _save_png(fig: Any, path: Path) -> Path:
-    """Render to memory, then write next to ``path`` and rename: never half a PNG."""
+    """Render to memory, then write atomically (NOTE [ Writing output files ]): never half a PNG."""
+    from planner.files import atomic_write
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    return atomic_write(path, buf.getvalue())

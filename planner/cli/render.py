@@ -423,6 +423,7 @@ def show_frontier(out: Console, report: Any, *, written: Sequence[Path | str] = 
                f"{format_bytes(report.min_feasible_bytes)} (lowest feasible) to "
                f"{format_bytes(report.no_checkpoint_peak_bytes)} (no checkpointing); "
                f"step {report.step_ms:.1f} ms without recompute")
+    plain(out, headroom_line(report.headroom))
     out.print(frontier_table(report))
     out.print(baselines_table(report))
     for path in written:
@@ -446,6 +447,10 @@ def compare_table(report: Any) -> Table:
 
 def show_compare(out: Console, report: Any) -> None:
     """``remat compare``: the table at one budget, then the fastest plan that fits."""
+    from planner.act.api import budget_with_headroom, usable_budget
+
+    usable, _ = usable_budget(report.budget_bytes, report.headroom)
+    plain(out, headroom_line(report.headroom, usable))
     out.print(compare_table(report))
     fits = [p for p in report.points if p.status != "infeasible"]
     if fits:
@@ -453,8 +458,14 @@ def show_compare(out: Console, report: Any) -> None:
         plain(out, f"least recompute within the budget: {best.solver} ({best.recompute_ms:.1f} ms per step, "
                    f"{_share(best.recompute_ms, report.step_ms)} of the step)")
     else:
-        plain(out, f"nothing fits; the lowest feasible budget is {report.min_feasible_bytes} bytes "
-                   f"({format_bytes(report.min_feasible_bytes)})")
+        lowest = budget_with_headroom(report.min_feasible_bytes, report.headroom)
+        plain(out, f"nothing fits; the lowest feasible budget is {lowest} bytes ({format_bytes(lowest)})")
+
+
+def headroom_line(headroom: float, usable_bytes: int | None = None) -> str:
+    """How much of a budget compare and frontier keep free, as ``remat plan`` does."""
+    within = f": a plan fits when its peak is within {format_bytes(usable_bytes)}" if usable_bytes is not None else ""
+    return f"headroom {100 * headroom:.1f}% of the budget kept free, as remat plan keeps it (--headroom){within}"
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
-from planner.errors import BadInput, PlanFileError
+from planner.errors import PlanFileError
+from planner.files import atomic_write_text
 
 PROFILE_SCHEMA_VERSION = 3
 PLAN_SCHEMA_VERSION = 3
@@ -40,12 +40,43 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+# NOTE [ Numbers in files ]
+#
+# A profile or plan file may be hand-edited, truncated by hand, or written by another tool, and a
+# plan drives a training job: every number is checked where it is loaded, so that an impossible
+# figure (a NaN time, a negative size, an absurd world size) is one line naming its field rather
+# than a plan labelled optimal with "recompute nan ms".
+# Rule 1. Sizes are integers in [0, MAX_BYTES]; times, FLOPs and seconds are finite and >= 0;
+#   sequence numbers, indices and counts are integers >= 0; thread counts >= 1.
+# Rule 2. Figures that must agree with their neighbours are checked together (``_check_profile``,
+#   ``_check_plan``): a unit ends after it starts, records point at tensors and units that exist,
+#   a plan's predicted peak is its breakdown's sum and fits its budget less the headroom.
+# Rule 3. An error names the path into the file (``units.3.forward_ms``) and the value found.
+
+MAX_BYTES = 2**60
+"""1 EiB: above any device or host memory; a larger size in a file is an error."""
+MAX_WORLD_SIZE = 2**20
+"""Ranks: above any data-parallel job run so far; a larger world size in a plan is an error."""
+
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Ms = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Seq = Annotated[int, Field(ge=0)]
+Count = Annotated[int, Field(ge=0)]
+Threads = Annotated[int, Field(ge=1, le=4096)]
+
+
+def _bad(path: str, message: str) -> PydanticCustomError:
+    """A consistency error for ``_load_versioned`` to word: ``path`` into the file, then what is wrong."""
+    return PydanticCustomError("remat_consistency", "{path}: {message}", {"path": path, "message": message})
+
+
 # ----------------------------------------------------------------------------- fingerprint
 
 
 class TensorSig(_Model):
     name: str = Field(description="Parameter FQN, or input path such as 'input_ids' or '0'.")
-    shape: list[int]
+    shape: list[Count]
     dtype: str
 
 
@@ -107,7 +138,7 @@ class Recipe(_Model):
     ``planner.profiling.measure.make_step`` and NOTE [ Peak-memory model ]); a plan is valid for its recipe only.
     """
 
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (gradient accumulation): "
+    grad_accum: int = Field(1, ge=1, le=2**20, description="Micro-batches per optimizer step (gradient accumulation): "
                                                  "the gradients of micro-batch 1 stay alive through 2..N.")
     zero_grad_set_to_none: bool = Field(True, description="optimizer.zero_grad(set_to_none=...): True (PyTorch's "
                                                           "default) frees the gradients before the step; False "
@@ -115,7 +146,7 @@ class Recipe(_Model):
     amp: Literal["bf16", "fp16"] | None = Field(None, description="Forward and loss under torch.autocast at this "
                                                                   "dtype; fp16 also scales the loss with a "
                                                                   "GradScaler. None: the model's own dtype.")
-    clip_grad_norm: float | None = Field(None, gt=0, description="torch.nn.utils.clip_grad_norm_(params, max_norm) "
+    clip_grad_norm: float | None = Field(None, gt=0, allow_inf_nan=False, description="torch.nn.utils.clip_grad_norm_(params, max_norm) "
                                                                  "before the optimizer step (after unscaling).")
     optimizer_impl: Literal["default", "foreach", "fused"] = Field(
         "default", description="The optimizer's implementation: torch's default for the device, or "
@@ -140,12 +171,17 @@ class Recipe(_Model):
         Clipping counts as on or off: ``clip_grad_norm_`` runs the same kernels whatever the max norm
         (it multiplies every gradient by the clamped coefficient), so the norm does not move the peak.
         """
+        return [f"{name}: plan has {getattr(self, name)!r}, training uses {getattr(other, name)!r}"
+                for name in self.differing_fields(other)]
+
+    def differing_fields(self, other: "Recipe") -> list[str]:
+        """The fields whose values differ between ``self`` and ``other`` (clipping as on or off)."""
         out = []
         for name in type(self).model_fields:
             mine, theirs = getattr(self, name), getattr(other, name)
             same = (mine is None) == (theirs is None) if name == "clip_grad_norm" else mine == theirs
             if not same:
-                out.append(f"{name}: plan has {mine!r}, training uses {theirs!r}")
+                out.append(name)
         return out
 
     def flags(self) -> list[str]:
@@ -190,7 +226,7 @@ class RetainedBytes(_Model):
     """Bytes a unit keeps alive when checkpointed, measured (see NOTE [ Validation step ] in planner/profiling/validate.py)."""
 
     unit: str = Field(description="Unit id.")
-    nbytes: int = Field(description="Bytes still referenced outside the checkpointed region (a cache, an "
+    nbytes: Bytes = Field(description="Bytes still referenced outside the checkpointed region (a cache, an "
                                     "attribute set in forward, a hook), kept until backward passes the unit.")
 
 
@@ -210,37 +246,37 @@ class UnitRecord(_Model):
     id: str = Field(description="FQN, with '#k' appended for the k-th (k>=1) call of the same module; "
                                 "'<root>' for the model itself, '<loss>' for loss_fn.")
     fqn: str = Field(description="Module FQN as in named_modules(); '' for the root.")
-    call_index: int = Field(0, description="0 for the first call of this module in the step, 1 for the next...")
+    call_index: Count = Field(0, description="0 for the first call of this module in the step, 1 for the next...")
     module_type: str
     parent: str | None = Field(description="Id of the innermost enclosing unit; None for the root and <loss>.")
-    depth: int = Field(description="0 for the root, 1 for its children, ...")
-    fwd_start_seq: int
-    fwd_end_seq: int
-    bwd_start_seq: int | None = Field(None, description="Seq when gradients reached the unit's outputs.")
-    bwd_end_seq: int | None = Field(None, description="Seq when gradients w.r.t. the unit's inputs were ready.")
-    forward_ms: float = Field(0.0, description="Forward time, inclusive of submodules: the median over the "
+    depth: Count = Field(description="0 for the root, 1 for its children, ...")
+    fwd_start_seq: Seq
+    fwd_end_seq: Seq
+    bwd_start_seq: Seq | None = Field(None, description="Seq when gradients reached the unit's outputs.")
+    bwd_end_seq: Seq | None = Field(None, description="Seq when gradients w.r.t. the unit's inputs were ready.")
+    forward_ms: Ms = Field(0.0, description="Forward time, inclusive of submodules: the median over the "
                                                "measured steps, pooled over the unit's cost group.")
-    backward_ms: float = Field(0.0, description="Backward time, inclusive (median, pooled like forward_ms).")
+    backward_ms: Ms = Field(0.0, description="Backward time, inclusive (median, pooled like forward_ms).")
     cost_group: str = Field("", description="Signature shared by units with the same module type, parameter, "
                                             "input and output shapes and op sequence; they get one price from "
                                             "their pooled samples (NOTE [ Unit costs ] in planner/profiling/timing.py).")
-    timing_samples: int = Field(0, description="Samples behind forward_ms/backward_ms (steps x group members).")
-    flops: float = Field(0.0, description="Forward FLOPs, inclusive (when counted).")
+    timing_samples: Count = Field(0, description="Samples behind forward_ms/backward_ms (steps x group members).")
+    flops: NonNegFloat = Field(0.0, description="Forward FLOPs, inclusive (when counted).")
     input_ids: list[int] = Field(default_factory=list,
                                  description="Tensors (ids into Profile.tensors) passed in as inputs and created "
                                              "during the step. Pre-existing tensors (batch, parameters) are static.")
     output_ids: list[int] = Field(default_factory=list, description="Tensors returned, created during the step.")
-    input_bytes: int = Field(0, description="Bytes of all tensor inputs (unique storages), pre-existing included.")
-    output_bytes: int = Field(0, description="Bytes of all tensor outputs (unique storages).")
-    param_bytes: int = Field(0, description="Bytes of the parameters of this module and its submodules.")
+    input_bytes: Bytes = Field(0, description="Bytes of all tensor inputs (unique storages), pre-existing included.")
+    output_bytes: Bytes = Field(0, description="Bytes of all tensor outputs (unique storages).")
+    param_bytes: Bytes = Field(0, description="Bytes of the parameters of this module and its submodules.")
 
 
 class TensorRecord(_Model):
     """One storage created during the step that matters to the memory model."""
 
-    id: int
-    nbytes: int
-    created_seq: int
+    id: Count
+    nbytes: Bytes
+    created_seq: Seq
     producer: str | None = Field(None, description="Unit id innermost when it was created.")
     autocast_cached: bool = Field(False, description="A parameter's cast made by autocast in the forward: the "
                                                      "autocast cache keeps it alive until the forward ends.")
@@ -249,8 +285,8 @@ class TensorRecord(_Model):
 class SaveRecord(_Model):
     """A tensor saved for backward (autograd pack hook), attributed to the innermost unit."""
 
-    tensor_id: int
-    seq: int
+    tensor_id: Count
+    seq: Seq
     unit: str
 
 
@@ -259,20 +295,20 @@ class OpRecord(_Model):
     ``torch.utils.checkpoint``'s selective checkpointing counts it: its ignored ops, such as
     ``aten.detach``, are left out). In forward order; see NOTE [ Op records ] in the profiler."""
 
-    seq: int
+    seq: Seq
     unit: str = Field(description="Innermost unit running the op.")
     name: str = Field(description="Op overload, e.g. 'aten.mm.default'.")
     output_ids: list[int] = Field(default_factory=list,
                                   description="Tensors (ids into Profile.tensors) whose storage the op allocated.")
-    output_bytes: int = Field(0, description="Bytes of the storages the op allocated.")
-    forward_ms: float = Field(0.0, description="Time of the op (measured on real devices, roofline on meta).")
-    flops: float = Field(0.0, description="FLOPs of the op, where torch's flop counter knows it.")
+    output_bytes: Bytes = Field(0, description="Bytes of the storages the op allocated.")
+    forward_ms: Ms = Field(0.0, description="Time of the op (measured on real devices, roofline on meta).")
+    flops: NonNegFloat = Field(0.0, description="FLOPs of the op, where torch's flop counter knows it.")
     random: bool = Field(False, description="Draws random numbers (dropout): tagged nondeterministic_seeded.")
     inplace: bool = Field(False, description="Writes one of its inputs (mutable schema: add_, copy_, out=).")
     view: bool = Field(False, description="Returns a view of an input (no new storage).")
     mutated: bool = Field(False, description="A storage it allocated is written in place later in the forward: "
                                              "it can be kept only together with its writers.")
-    writes: int | None = Field(None, description="In-place ops: seq of the op that allocated what it writes.")
+    writes: Seq | None = Field(None, description="In-place ops: seq of the op that allocated what it writes.")
     read_between_writes: bool = Field(False, description="Mutated outputs: another op read it before a write, "
                                                          "so it cannot be kept even with its writers.")
     data_dependent: bool = Field(False, description="Its output shape depends on tensor values (nonzero: MoE "
@@ -281,38 +317,38 @@ class OpRecord(_Model):
 
 class ParamRecord(_Model):
     name: str
-    nbytes: int
-    grad_seq: int = Field(description="Seq of the last forward use: its gradient appears once backward passes it.")
+    nbytes: Bytes
+    grad_seq: Seq = Field(description="Seq of the last forward use: its gradient appears once backward passes it.")
 
 
 class MemoryEvent(_Model):
     """One point of the live-memory timeline recorded during the memory-measuring step."""
 
-    seq: int
+    seq: Seq
     kind: Literal["step_start", "fwd_start", "fwd_end", "forward_end", "backward_start",
                   "bwd_start", "bwd_end", "backward_end", "optimizer_end"]
     unit: str | None = None
-    live_bytes: int = Field(description="Bytes live right at this event (absolute, static memory included).")
-    peak_bytes: int = Field(description="Highest live bytes since the previous event, this one included.")
+    live_bytes: Bytes = Field(description="Bytes live right at this event (absolute, static memory included).")
+    peak_bytes: Bytes = Field(description="Highest live bytes since the previous event, this one included.")
 
 
 class StepRecord(_Model):
-    params_bytes: int
-    buffers_bytes: int = 0
-    batch_bytes: int = Field(0, description="Bytes of the input batch (alive throughout the step).")
-    grads_bytes: int
-    optimizer_bytes: int = Field(description="Optimizer state (e.g. AdamW exp_avg + exp_avg_sq) in steady state.")
-    optimizer_step_transient_bytes: int = Field(0, description="Temporaries of optimizer.step(), measured.")
-    forward_ms: float = Field(description="Forward and loss, median over the measured steps.")
-    backward_ms: float = Field(description="Backward, median over the measured steps.")
-    optimizer_ms: float = Field(0.0, description="optimizer.step(), median over the measured steps.")
-    step_ms: float = Field(description="forward_ms + backward_ms + optimizer_ms.")
-    forward_end_seq: int
-    backward_start_seq: int
-    measured_peak_bytes: int | None = Field(None, description="Peak of the step as the device reports it.")
+    params_bytes: Bytes
+    buffers_bytes: Bytes = 0
+    batch_bytes: Bytes = Field(0, description="Bytes of the input batch (alive throughout the step).")
+    grads_bytes: Bytes
+    optimizer_bytes: Bytes = Field(description="Optimizer state (e.g. AdamW exp_avg + exp_avg_sq) in steady state.")
+    optimizer_step_transient_bytes: Bytes = Field(0, description="Temporaries of optimizer.step(), measured.")
+    forward_ms: Ms = Field(description="Forward and loss, median over the measured steps.")
+    backward_ms: Ms = Field(description="Backward, median over the measured steps.")
+    optimizer_ms: Ms = Field(0.0, description="optimizer.step(), median over the measured steps.")
+    step_ms: Ms = Field(description="forward_ms + backward_ms + optimizer_ms.")
+    forward_end_seq: Seq
+    backward_start_seq: Seq
+    measured_peak_bytes: Bytes | None = Field(None, description="Peak of the step as the device reports it.")
     peak_source: str = Field("none", description="'cuda-allocator', 'cpu-profiler', 'tracker' or 'none'.")
-    warmup_steps: int = 0
-    measured_steps: int = 0
+    warmup_steps: Count = 0
+    measured_steps: Count = 0
 
 
 class Profile(_Model):
@@ -332,7 +368,7 @@ class Profile(_Model):
     created_at: str = ""
     time_source: str = Field("", description="What the _ms figures are: 'cpu-thread-time', 'wall-clock', "
                                              "'cuda-events' or 'roofline' (planner.profiling.timing.TIME_SOURCES).")
-    threads: int | None = Field(None, description="torch intra-op threads the CPU step ran with.")
+    threads: Threads | None = Field(None, description="torch intra-op threads the CPU step ran with.")
     time_calibration: str | None = Field(None, description="Roofline only: the calibration file its efficiency "
                                                            "constants came from; None: uncalibrated assumptions.")
     units: list[UnitRecord]
@@ -356,14 +392,14 @@ class Profile(_Model):
                                           description="Measured bytes checkpointing does not free, per unit.")
     excluded: list[ExcludedUnit] = Field(default_factory=list,
                                          description="Modules whose recomputation is unsafe: never planned.")
-    region_state_bytes: int = Field(0, description="Device bytes every checkpointed region keeps until its "
+    region_state_bytes: Bytes = Field(0, description="Device bytes every checkpointed region keeps until its "
                                                    "backward for its replay (the CPU RNG state on a CPU run), "
                                                    "measured by the validation step; 0 when not measured.")
-    sac_recomputed_op_ms: float = Field(0.0, description="Milliseconds torch's selective checkpointing adds per "
+    sac_recomputed_op_ms: Ms = Field(0.0, description="Milliseconds torch's selective checkpointing adds per "
                                                           "op call a region recomputes, beyond its kernel (NOTE "
                                                           "[ Selective dispatch cost ] in "
                                                           "planner/profiling/sac_cost.py); 0 when not measured.")
-    sac_kept_op_ms: float = Field(0.0, description="Milliseconds torch's selective checkpointing adds per op call "
+    sac_kept_op_ms: Ms = Field(0.0, description="Milliseconds torch's selective checkpointing adds per op call "
                                                    "a region keeps (the same NOTE); 0 when not measured.")
     notes: list[str] = Field(default_factory=list)
 
@@ -371,6 +407,11 @@ class Profile(_Model):
     @classmethod
     def _sync_recipe(cls, data: Any) -> Any:
         return _recipe_with_amp(data)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Profile":
+        _check_profile(self)
+        return self
 
     def unit(self, unit_id: str) -> UnitRecord:
         for u in self.units:
@@ -392,26 +433,26 @@ class Profile(_Model):
 class SolverInfo(_Model):
     name: str = Field(description="Solver that produced the plan ('dp', 'ilp', ...); 'auto' resolves to one.")
     status: Literal["optimal", "feasible", "infeasible"]
-    gap: float | None = Field(None, description="Relative optimality gap when status is 'feasible'.")
+    gap: NonNegFloat | None = Field(None, description="Relative optimality gap when status is 'feasible'.")
     detail: str = ""
 
 
 class RunStamp(_Model):
     at: str = Field("", description="Creation time, ISO 8601 UTC.")
-    solver_seconds: float = Field(0.0, description="Wall-clock seconds the solver took.")
+    solver_seconds: NonNegFloat = Field(0.0, description="Wall-clock seconds the solver took.")
 
 
 class Predicted(_Model):
-    peak_bytes: int
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    recompute_ms: float
-    step_ms: float
+    peak_bytes: Bytes
+    params_bytes: Bytes
+    grads_bytes: Bytes
+    optimizer_bytes: Bytes
+    activations_bytes: Bytes
+    recompute_ms: Ms
+    step_ms: Ms
     peak_at: str = ""
-    no_checkpoint_peak_bytes: int | None = None
-    min_feasible_bytes: int | None = None
+    no_checkpoint_peak_bytes: Bytes | None = None
+    min_feasible_bytes: Bytes | None = None
     windows: dict[str, int] = Field(default_factory=dict,
                                     description="Predicted bytes of every forward and backward window, in forward "
                                                 "order ('forward of h.0', ...; see NOTE [ Peak-memory model ]): "
@@ -422,7 +463,7 @@ class OpRef(_Model):
     """One op call in a unit's forward: the ``index``-th call of overload ``op`` (0 = first)."""
 
     op: str = Field(description="Op overload as torch names it, e.g. 'aten.mm.default'.")
-    index: int
+    index: Count
 
 
 class SelectiveRegion(_Model):
@@ -432,8 +473,8 @@ class SelectiveRegion(_Model):
     unit: str = Field(description="Unit id the solver chose (FQN, '#k' for the k-th call).")
     save: list[OpRef] = Field(description="Op calls whose outputs are kept (MUST_SAVE); all others recomputed.")
     summary: str = Field("", description="The policy in words, e.g. 'saves 2 matmuls; recomputes 7 pointwise'.")
-    recompute_ms: float = Field(0.0, description="Predicted recompute time of one call.")
-    kept_bytes: int = Field(0, description="Bytes of the kept outputs.")
+    recompute_ms: Ms = Field(0.0, description="Predicted recompute time of one call.")
+    kept_bytes: Bytes = Field(0, description="Bytes of the kept outputs.")
     keeps_written: bool = Field(False, description="Keeps outputs written in place together with their writers "
                                                    "(allow_cache_entry_mutation).")
 
@@ -445,8 +486,8 @@ class Plan(_Model):
     schema_version: int = PLAN_SCHEMA_VERSION
     fingerprint: Fingerprint
     fingerprint_digest: str
-    budget_bytes: int
-    headroom_bytes: int = Field(0, description="Kept free below the budget: the solver planned for "
+    budget_bytes: Bytes = Field(gt=0, description="The memory budget the plan was made for (one rank's).")
+    headroom_bytes: Bytes = Field(0, description="Kept free below the budget: the solver planned for "
                                                "budget_bytes - headroom_bytes (see planner.act.api.DEFAULT_HEADROOM).")
     checkpoints: list[str] = Field(description="Module FQNs, each checkpointed as one region (every call).")
     checkpoint_units: list[str] = Field(default_factory=list,
@@ -464,7 +505,7 @@ class Plan(_Model):
     recipe: Recipe = Field(default_factory=Recipe, description="The training step the plan was made for; "
                                                                "apply it to that step only.")
     optimizer: str = ""
-    world_size: int = 1
+    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Data-parallel ranks the plan is for.")
     sharding: Literal["none", "ddp", "fsdp"] = "none"
     fsdp_units: list[str] = Field(default_factory=list, description=(
         "With sharding 'fsdp': the modules the per-rank prediction assumes each wrapped in fully_shard, "
@@ -477,7 +518,7 @@ class Plan(_Model):
     torch_version: str = ""
     remat_version: str = ""
     time_source: str = Field("", description="What recompute_ms is measured or modelled with (Profile.time_source).")
-    threads: int | None = Field(None, description="torch intra-op threads of the profiled CPU step.")
+    threads: Threads | None = Field(None, description="torch intra-op threads of the profiled CPU step.")
     time_calibration: str | None = Field(None, description="Roofline only: its calibration file; None: "
                                                            "uncalibrated (Profile.time_calibration).")
     created: RunStamp = Field(default_factory=lambda: RunStamp(),
@@ -488,6 +529,11 @@ class Plan(_Model):
     @classmethod
     def _sync_recipe(cls, data: Any) -> Any:
         return _recipe_with_amp(data)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        _check_plan(self)
+        return self
 
     def save(self, path: str | Path) -> Path:
         return atomic_write_text(path, self.to_json())
@@ -500,55 +546,69 @@ class Plan(_Model):
         return _load_versioned(cls, path, "remat-plan", PLAN_SCHEMA_VERSION, "plan")
 
 
+# ----------------------------------------------------------------------------- consistency
+
+
+def _check_profile(p: Profile) -> None:
+    """Rule 2 of NOTE [ Numbers in files ] for a profile: records agree with each other."""
+    units = {u.id for u in p.units}
+    if len(units) != len(p.units):
+        raise _bad("units", "two units share an id")
+    tensors = {t.id for t in p.tensors}
+    for i, u in enumerate(p.units):
+        if u.fwd_end_seq < u.fwd_start_seq:
+            raise _bad(f"units.{i}.fwd_end_seq", f"{u.fwd_end_seq} is before fwd_start_seq {u.fwd_start_seq}")
+        if u.bwd_start_seq is not None and u.bwd_end_seq is not None and u.bwd_end_seq < u.bwd_start_seq:
+            raise _bad(f"units.{i}.bwd_end_seq", f"{u.bwd_end_seq} is before bwd_start_seq {u.bwd_start_seq}")
+        if u.parent is not None and u.parent not in units:
+            raise _bad(f"units.{i}.parent", f"no unit has the id {u.parent!r}")
+        missing = next((t for t in (*u.input_ids, *u.output_ids) if t not in tensors), None)
+        if missing is not None:
+            raise _bad(f"units.{i}", f"tensor id {missing} is not in tensors")
+    for i, sv in enumerate(p.saves):
+        if sv.tensor_id not in tensors:
+            raise _bad(f"saves.{i}.tensor_id", f"{sv.tensor_id} is not in tensors")
+        if sv.unit not in units:
+            raise _bad(f"saves.{i}.unit", f"no unit has the id {sv.unit!r}")
+    for i, op in enumerate(p.ops):
+        if op.unit not in units:
+            raise _bad(f"ops.{i}.unit", f"no unit has the id {op.unit!r}")
+    for i, ev in enumerate(p.timeline):
+        if ev.peak_bytes < ev.live_bytes:
+            raise _bad(f"timeline.{i}.peak_bytes", f"{ev.peak_bytes} is below live_bytes {ev.live_bytes}")
+    st = p.step
+    if st.backward_start_seq < st.forward_end_seq:
+        raise _bad("step.backward_start_seq", f"{st.backward_start_seq} is before forward_end_seq "
+                                              f"{st.forward_end_seq}")
+
+
+def _check_plan(plan: Plan) -> None:
+    """Rule 2 of NOTE [ Numbers in files ] for a plan: the prediction adds up and fits the budget,
+    the checkpointed modules exist in the model it was made for."""
+    pr = plan.predicted
+    if plan.headroom_bytes >= plan.budget_bytes:
+        raise _bad("headroom_bytes", f"{plan.headroom_bytes} is not below budget_bytes {plan.budget_bytes}")
+    parts = pr.params_bytes + pr.grads_bytes + pr.optimizer_bytes + pr.activations_bytes
+    if parts != pr.peak_bytes:
+        raise _bad("predicted.peak_bytes", f"{pr.peak_bytes} is not the sum of its breakdown (params, grads, "
+                                           f"optimizer, activations: {parts})")
+    if pr.peak_bytes > plan.budget_bytes - plan.headroom_bytes:
+        raise _bad("predicted.peak_bytes", f"{pr.peak_bytes} exceeds budget_bytes {plan.budget_bytes} less "
+                                           f"headroom_bytes {plan.headroom_bytes}")
+    if plan.world_size > 1 and plan.sharding == "none":
+        raise _bad("world_size", f"{plan.world_size} ranks need sharding 'ddp' or 'fsdp', the plan says 'none'")
+    modules = set(plan.fingerprint.modules)
+    for field, names in (("checkpoints", plan.checkpoints), ("selective", [r.fqn for r in plan.selective])):
+        for i, name in enumerate(names):
+            if name not in modules:
+                raise _bad(f"{field}.{i}", f"module {name!r} is not in the model (fingerprint.modules)")
+
+
 # ----------------------------------------------------------------------------- files
 
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temp file in the same folder and a rename.
-
-    An interrupted run leaves either the old file or the new one, never half of one.
-    """
-    path = Path(path)
-    fd, tmp = _temp_beside(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
-
-
-def _temp_beside(path: Path) -> tuple[int, str]:
-    """A temp file in ``path``'s folder (same filesystem, so the rename is atomic), or BadInput."""
-    if path.is_dir():
-        raise BadInput(f"cannot write {path}: it is a directory; give a file name such as {path / 'plan.json'}")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        raise BadInput(f"cannot write {path}: folder {parent} does not exist; create it or pick another path")
-    if not parent.is_dir():
-        raise BadInput(f"cannot write {path}: {parent} is a file, not a folder; pick another path")
-    try:
-        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    except OSError as e:
-        raise BadInput(f"cannot write {path}: {e.strerror}; pick a writable location") from None
-
-
-def check_writable(path: str | Path) -> None:
-    """Fail now, before minutes of profiling, when ``path`` could not be written later."""
-    fd, probe = _temp_beside(Path(path))
-    os.close(fd)
-    os.unlink(probe)
 
 
 def _load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str) -> Any:
@@ -582,9 +642,15 @@ def _load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: s
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise PlanFileError(
-            f"{what} file {path} does not match the schema at {loc or '<top>'}: {first['msg']}; "
-            f"re-create it with `remat {what} ...`"
-        ) from None
+        raise PlanFileError(f"{what} file {path}: {_field_error(e)}; re-create it with `remat {what} ...`") from None
+
+
+def _field_error(e: ValidationError) -> str:
+    """The first error as ``path.into.file: what is wrong (got VALUE)`` (Rule 3 of NOTE [ Numbers in files ])."""
+    first = e.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"])
+    if first["type"] == "remat_consistency":
+        return first["msg"] if not loc else f"{loc}.{first['msg']}"
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) or first["type"] == "missing" else f" (got {got!r})"
+    return f"{loc or '<top>'}: {first['msg'][:1].lower()}{first['msg'][1:]}{shown}"

@@ -20,7 +20,7 @@ import torch
 
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
 from planner.options import parse_amp, parse_optimizer
-from planner.profiling.model_file import Inputs, call_model, check_loss, default_loss, user_frames
+from planner.profiling.model_file import Inputs, call_model, check_loss, compute_loss, loss_arity, user_frames
 from planner.model.schema import Recipe
 
 Mark = Callable[[str, Any], None]
@@ -108,7 +108,7 @@ def make_step(
     NOTE [ Peak-memory model ]). Exceptions from user code become ``ProfileError`` showing the
     user's frames; running out of memory becomes ``ProfileError`` with advice.
     """
-    loss_fn = loss_fn or default_loss
+    loss_arity(loss_fn)  # a loss_fn that cannot be called fails here, before any step
     recipe = resolve_recipe(recipe, amp)
     device_type = _device_type(model)
     amp_dtype = _amp_dtype(recipe.amp)
@@ -127,7 +127,7 @@ def make_step(
             output = call_model(model, inputs)
         mark("loss_start", output)
         with user_code("loss_fn"), autocast():
-            loss = check_loss(loss_fn(output))
+            loss = check_loss(compute_loss(loss_fn, output, inputs))
         mark("forward_end", loss)
         del output
         mark("backward_start", None)

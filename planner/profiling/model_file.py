@@ -5,6 +5,7 @@ The model-file convention::
     build_model() -> torch.nn.Module        # required
     example_inputs() -> Tensor | tuple | dict   # required: model(x), model(*args) or model(**kwargs)
     loss_fn(output) -> scalar Tensor        # optional; default: see ``default_loss``
+    loss_fn(output, batch) -> scalar Tensor # ... or with the batch (labels): see ``loss_arity``
 
 Everything that can go wrong with the file (missing, not Python, syntax error, a function
 missing, user code raising, wrong return types) raises ``ModelLoadError`` with one message
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import itertools
 import os
 import sys
@@ -85,6 +87,10 @@ def load_model_file(path: str | Path) -> ModelFile:
     if loss_fn is not None and not callable(loss_fn):
         raise ModelLoadError(f"{path}: loss_fn is a {type(loss_fn).__name__}, not a function; "
                              f"define it as `def loss_fn(output): ...` or remove it")
+    try:
+        loss_arity(loss_fn)
+    except ProfileError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     return ModelFile(
         build_model=lambda: _build(module.build_model, path),
         example_inputs=lambda: _inputs(module.example_inputs, path),
@@ -228,6 +234,44 @@ def call_model(model: torch.nn.Module, inputs: Inputs) -> Any:
     if isinstance(inputs, tuple):
         return model(*inputs)
     return model(inputs)
+
+
+LOSS_SIGNATURES = "loss_fn(output) or loss_fn(output, batch)"
+"""The signatures a loss function may have, as errors list them."""
+
+
+def loss_arity(loss_fn: Callable[..., Any] | None) -> int:
+    """How many arguments ``loss_fn`` takes: 1 (``output``) or 2 (``output, batch``: the batch as
+    ``example_inputs()`` returned it, e.g. to read its labels). None (the default loss) takes 1. A
+    function that can take two positional arguments gets two; one that cannot take one, or needs
+    more than two, is ``ProfileError`` listing the accepted signatures. A callable whose signature
+    Python cannot read (a builtin) gets one."""
+    if loss_fn is None:
+        return 1
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return 1
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL
+                and p.kind is not p.VAR_KEYWORD]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(required) <= 2 and all(p in positional for p in required) and (len(positional) >= 2 or varargs):
+        return 2
+    if len(required) <= 1 and all(p in positional for p in required) and (positional or varargs):
+        return 1
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    raise ProfileError(f"loss_fn {name}{sig} cannot be called as {LOSS_SIGNATURES}; define it with one of "
+                       f"these signatures")
+
+
+def compute_loss(loss_fn: Callable[..., Any] | None, output: Any, batch: Any) -> Any:
+    """``loss_fn(output)`` or ``loss_fn(output, batch)`` by ``loss_arity``; ``default_loss`` when None.
+    Every caller of a user's loss function goes through here."""
+    if loss_fn is None:
+        return default_loss(output)
+    return loss_fn(output, batch) if loss_arity(loss_fn) == 2 else loss_fn(output)
 
 
 def default_loss(output: Any) -> torch.Tensor:

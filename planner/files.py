@@ -1,0 +1,129 @@
+"""Writing files the user names (``-o``, ``--plot``): one helper for every writer.
+
+See NOTE [ Writing output files ]. None of this imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from planner.errors import BadInput
+
+# NOTE [ Writing output files ]
+#
+# Every file remat writes for the user (plans, profiles, the frontier's JSON and PNG) goes
+# through ``atomic_write``, which writes as ``cp`` and editors do:
+#
+# Rule 1. A symlink is followed: its target is written (created if the link dangles) and the
+#   link stays a link. Why: replacing the link would silently detach whatever else reads it.
+# Rule 2. A path that exists and is not a regular file (a directory, a device such as /dev/full,
+#   a FIFO, a socket) is refused with one line, before any profiling. Why: as root, a rename over
+#   /dev/full turned the device into a regular file.
+# Rule 3. Modes: an existing file keeps its mode (and, for root, its owner and group); a new file
+#   gets what the umask gives, 0666 & ~umask, as ``open(path, "w")`` would. Why: ``mkstemp``
+#   creates 0600, which made plans unreadable to the group that trains with them.
+# Rule 4. The bytes go to a temp file in the target's folder (same filesystem), are fsynced and
+#   renamed over the target: a reader sees the old file or the new one, never half of one. The
+#   temp file is removed on every exit path, an exception or a signal that raises included
+#   (SIGINT and SIGTERM raise in remat, see NOTE [ Signals and children ] in planner/cli/app.py).
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` by NOTE [ Writing output files ]; returns ``path`` as given."""
+    given = Path(path)
+    target = _target(given)
+    mode, owner = _mode_for(target)
+    fd, tmp = _temp_beside(given, target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            if owner is not None:
+                with contextlib.suppress(OSError):
+                    os.fchown(f.fileno(), *owner)
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return given
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """``atomic_write`` for text (UTF-8)."""
+    return atomic_write(path, text)
+
+
+def check_writable(path: str | Path) -> None:
+    """Fail now, before minutes of profiling, when ``path`` could not be written later."""
+    given = Path(path)
+    fd, probe = _temp_beside(given, _target(given))
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _target(path: Path) -> Path:
+    """The file a write to ``path`` lands in (symlinks followed), or BadInput when it is not a regular file."""
+    target = Path(os.path.realpath(path))
+    try:
+        st = os.stat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        return target  # a new file; _temp_beside words a missing or non-folder parent
+    except OSError as e:
+        raise BadInput(f"cannot write {path}: {e.strerror}; pick another path") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise BadInput(f"cannot write {path}: it is a directory; give a file name such as {path / 'plan.json'}")
+    if not stat.S_ISREG(st.st_mode):
+        what = _kind(st.st_mode)
+        via = f" (via the link to {target})" if target != path.absolute() else ""
+        raise BadInput(f"cannot write {path}{via}: it is {what}, not a regular file; give a file path")
+    return target
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _mode_for(target: Path) -> tuple[int, tuple[int, int] | None]:
+    """The mode the written file gets, and the (uid, gid) to keep when root replaces another's file."""
+    try:
+        st = os.stat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0o666 & ~_umask(), None
+    keep_owner = hasattr(os, "geteuid") and os.geteuid() == 0 and (st.st_uid, st.st_gid) != (0, 0)
+    return stat.S_IMODE(st.st_mode), ((st.st_uid, st.st_gid) if keep_owner else None)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the OS allows (Linux: /proc/self/status)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _temp_beside(given: Path, target: Path) -> tuple[int, str]:
+    """A temp file in ``target``'s folder (same filesystem, so the rename is atomic), or BadInput."""
+    parent = target.parent
+    if not parent.exists():
+        raise BadInput(f"cannot write {given}: folder {given.parent if given == target else parent} does not exist; "
+                       f"create it or pick another path")
+    if not parent.is_dir():
+        raise BadInput(f"cannot write {given}: {parent} is a file, not a folder; pick another path")
+    try:
+        return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise BadInput(f"cannot write {given}: {e.strerror}; pick a writable location") from None
