@@ -6,7 +6,7 @@ from __future__ import annotations
 from solvers.errors import RematError, SolverError
 
 __all__ = ["BadInput", "BudgetInfeasible", "ModelLoadError", "PlanFileError", "PlanMismatch", "ProfileError",
-           "RematError", "SolverError", "VerificationFailed"]
+           "RematError", "SolverError", "Terminated", "VerificationFailed"]
 
 
 class BadInput(RematError):
@@ -54,3 +54,8 @@ class VerificationFailed(RematError):
     """Measured peak over the budget, or gradients differ beyond tolerance."""
 
     exit_code = 1
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while a command ran (see NOTE [ Signals and children ] in planner/children.py).
+    A KeyboardInterrupt, so that everything that cleans up after Ctrl-C cleans up after it too."""

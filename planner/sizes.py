@@ -47,7 +47,13 @@ def parse_bytes(text: str | int | float) -> int:
     n = int(round(value * _MULTIPLIERS[unit]))
     if n <= 0:
         raise BadInput(f"invalid size {text!r}: it rounds to 0 bytes; {_HINT}")
+    if n > MAX_SIZE_BYTES:
+        raise BadInput(f"invalid size {text!r}: more than 1 EiB, above any device's memory; {_HINT}")
     return n
+
+
+MAX_SIZE_BYTES = 2**60
+"""1 EiB: the largest size remat accepts, in a budget or a file (NOTE [ Numbers in files ])."""
 
 
 def format_bytes(n: int | float) -> str:

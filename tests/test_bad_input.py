@@ -309,3 +309,186 @@ def test_compare_and_frontier_keep_the_headroom_plan_keeps(profile_path: Path, t
     assert "headroom 0.5%" in invoke("frontier", "--profile", profile_path, "--points", "2").stdout
     assert check(invoke("compare", "--budget", str(between), "--profile", profile_path, "--headroom", "0"), 0,
                  "headroom 0.0%", "least recompute within the budget")
+
+
+# ----------------------------------------------------------------------------- 7. and #29 item 5: why nothing fits
+
+NO_UNIT_MODELS = {
+    "one fused op": ("""
+def build_model():
+    return nn.LSTM(8, 16, batch_first=True)
+def example_inputs():
+    return torch.randn(2, 16, 8)
+def loss_fn(output):
+    return output[0].square().mean()
+""", "the model has no module to checkpoint below its root"),
+    "frozen backbone": ("""
+class Det(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()) for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+        self.backbone.requires_grad_(False)
+    def forward(self, x):
+        return self.head(self.backbone(x).mean((2, 3)))
+def build_model():
+    return Det()
+def example_inputs():
+    return torch.randn(2, 4, 16, 16)
+""", "no candidate frees memory there"),
+    "blocks mutate a buffer": ("""
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("count", torch.zeros(()))
+    def forward(self, x):
+        self.count += 1
+        return torch.relu(self.lin(x))
+def build_model():
+    return nn.Sequential(*[Block() for _ in range(3)])
+def example_inputs():
+    return torch.randn(32, 16)
+""", "every candidate module is excluded from plans"),
+}
+
+
+@pytest.mark.parametrize("kind", list(NO_UNIT_MODELS))
+def test_no_unit_can_lower_the_peak(tmp_path: Path, kind: str):
+    import re
+
+    body, why = NO_UNIT_MODELS[kind]
+    path = model_file(tmp_path, body)
+    prof = tmp_path / "profile.json"
+    check(invoke("profile", path, "--device", "cpu", "--steps", "1", "-o", prof, "-q"), 0)
+    out = check(invoke("plan", "--budget", "1KB", "--profile", prof), 1, "no unit can lower this peak", why,
+                "the peak without checkpointing plus the 0.5% headroom")
+    assert "granularity" not in out  # a finer granularity cannot help here
+    if kind == "blocks mutate a buffer":
+        assert "3 modules are excluded from plans: " in out and "'count'" in out
+    smallest = int(re.search(r"headroom, (\d+) bytes", out).group(1))
+    check(invoke("plan", "--budget", str(smallest), "--profile", prof), 0)  # the figure quoted plans
+    check(invoke("plan", "--budget", str(smallest - 1), "--profile", prof), 1)
+
+
+# ----------------------------------------------------------------------------- 9. verify's timing
+
+
+class _ScriptedClock:
+    """Timed steps of the unplanned run take 100, 130, 90 ms; of the planned run 80, 95, 85: the plan's
+    measured overhead is -15 ms, inside a spread of 40 ms."""
+
+    source = "wall-clock"
+
+    def __init__(self):
+        self.durations = [100.0, 130.0, 90.0, 80.0, 95.0, 85.0]
+
+    def stamp(self) -> float:
+        return 0.0
+
+    def ms(self, _start: float, _end: float) -> float:
+        return self.durations.pop(0)
+
+
+def test_verify_calls_a_negative_overhead_noise_and_says_the_steps_it_ran(tmp_path: Path, monkeypatch):
+    import planner.act.verify as verify_module
+
+    monkeypatch.setattr(verify_module, "pick_clock", lambda *_a: _ScriptedClock())
+    path = model_file(tmp_path, CLASSIFIER.format(loss=""))
+    plan = tmp_path / "plan.json"
+    check(invoke("plan", "--budget", "1GB", path, "--device", "cpu", "--steps", "1", "--solver", "all", "-o", plan,
+                 "-q"), 0)
+    r = invoke("verify", path, plan, "--device", "cpu", "--steps", "3", "--threads", "2")
+    out = check(r, 0, "recompute overhead", "noise (spread 40.0 ms)", "-15.0 ms) is below zero",
+                "varied by up to 40.0 ms", "--threads 1", "verify: OK")
+    assert ("steps per run: 1 compared, 3 timed, 1 for the peak, and 1 for the windows with the plan" in out
+            and "training 5 steps without the plan" in r.stderr and "training 6 steps with the plan" in r.stderr)
+    monkeypatch.setattr(verify_module, "pick_clock", lambda *_a: _ScriptedClock())
+    report = json.loads(invoke("verify", path, plan, "--device", "cpu", "--steps", "3", "--json").stdout)
+    assert report["recompute_noise"] and report["timing_spread_ms"] == 40.0 and report["steps_run"] == 6
+
+
+# ----------------------------------------------------------------------------- 8. checkpointed twice
+
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 16))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _manual_plan(model, batch, checkpoints):
+    from planner.model.fingerprint import fingerprint
+    from planner.model.schema import Predicted, SolverInfo
+
+    fp = fingerprint(model, batch)
+    predicted = Predicted(peak_bytes=1 << 20, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
+                          activations_bytes=1 << 20, recompute_ms=0.0, step_ms=0.0)
+    return Plan(fingerprint=fp, fingerprint_digest=fp.digest(), budget_bytes=1 << 30, checkpoints=checkpoints,
+                solver=SolverInfo(name="manual", status="feasible"), predicted=predicted)
+
+
+def _enable_hf_checkpointing(model) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def test_hf_checkpointing_enabled_after_apply_plan_is_reported_once():
+    from planner.act.applier import apply_plan
+
+    model, batch = _tiny_gpt2()
+    handle = apply_plan(model, _manual_plan(model, batch, ["transformer.h.0"]))
+    model(**batch).loss.backward()  # nothing to report yet
+    _enable_hf_checkpointing(model)
+    with pytest.warns(UserWarning, match=r"checkpointing was enabled on the planned model .*transformer\.h\.1.*"
+                                         r"modules checkpointed twice: transformer\.h\.0.*gradient_checkpointing_"
+                                         r"disable\(\)"):
+        model(**batch).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**batch).loss.backward()  # once
+    handle.remove()
+
+
+def test_hf_checkpointing_enabled_before_apply_plan_names_every_module_once():
+    from planner.act.applier import apply_plan
+
+    model, batch = _tiny_gpt2()
+    _enable_hf_checkpointing(model)
+    with pytest.warns(UserWarning) as caught:
+        handle = apply_plan(model, _manual_plan(model, batch, ["transformer.h.0"]))
+        model(**batch).loss.backward()
+    texts = [str(w.message) for w in caught if "remat" in str(w.message)]
+    assert len(texts) == 1, texts
+    assert ("already checkpoints 3 module(s) itself" in texts[0] and "transformer.h.2" in texts[0]
+            and "not checkpointed twice: transformer.h.0" in texts[0])
+    handle.remove()
+
+
+# ----------------------------------------------------------------------------- 11. why this plan
+
+
+def test_why_explains_every_unit_from_the_cost_model(profile_path: Path, tmp_path: Path):
+    prof = Profile.load(profile_path)
+    from planner.model.schema import ExcludedUnit
+
+    prof.excluded = [ExcludedUnit(module="h.7", reason="recomputing it changes 'count' a second time per step")]
+    prof.save(profile_path)
+    plan = tmp_path / "plan.json"
+    out = check(invoke("plan", "--budget", "10MB", "--profile", profile_path, "--why", "-o", plan), 0, "why:",
+                "h.7: excluded from plans: recomputing it changes 'count'")
+    lines = [ln.strip() for ln in out.splitlines() if ln.startswith("  h.")]
+    assert [ln.split(":")[0] for ln in lines[1:]] == [f"h.{i}" for i in range(7)]  # one line per candidate
+    chosen = Plan.load(plan).checkpoint_units
+    for ln in lines[1:]:
+        unit = ln.split(":")[0]
+        assert ("checkpointed," in ln) == (unit in chosen), ln
+        assert "per ms of recompute" in ln or "frees nothing" in ln, ln
+    assert any("needed: without it the peak is" in ln for ln in lines)
+    shown = check(invoke("show", plan, "--why", "--profile", profile_path), 0, "why:")
+    assert [ln for ln in shown.splitlines() if ln.startswith("  h.")] == [f"  {ln}" for ln in lines]
+    check(invoke("show", plan, "--why"), 2, "--why needs the profile the plan was made on")

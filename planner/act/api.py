@@ -165,12 +165,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
                 f"although a plan with a peak of {lowest} bytes exists; "
                 f"raise {{time_limit_s}} or use {{solver}} dp",
                 options=("time_limit_s", "solver"))
-        raise BudgetInfeasible(
-            f"no checkpoint plan fits the budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); "
-            f"the minimum feasible budget is {lowest} bytes ({format_bytes(lowest)}): raise {{budget}}, "
-            f"use a finer {{granularity}}, or reduce the batch",
-            budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget", "granularity"),
-        )
+        raise infeasible(profile, g, budget_bytes, lowest_peak, headroom)
     est = simulate(g, sol.checkpointed, sol.selective)  # every call of a module, or none (NOTE [ Tied calls ])
     if est.peak_bytes > usable:
         raise SolverError(
@@ -199,6 +194,77 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         time_source=profile.time_source, threads=profile.threads, time_calibration=profile.time_calibration,
         created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
     )
+
+
+# NOTE [ Why nothing fits ]
+#
+# When no checkpoint set fits, the error says what would and what cannot help:
+# Rule 1. The minimum feasible budget is the lowest peak any checkpoint set reaches, plus the
+#   headroom (``budget_with_headroom``), so that ``remat plan --budget`` of that figure plans.
+# Rule 2. When checkpointing cannot lower the peak at all (the lowest peak is the peak without
+#   checkpointing: a model that is one fused op such as a single nn.LSTM, a frozen backbone that
+#   saves nothing, every candidate excluded, a peak at the optimizer step), it says "no unit can
+#   lower this peak" and why, and the smallest feasible budget is the no-checkpoint peak plus the
+#   headroom.
+# Rule 3. A finer granularity is suggested only when it helps: the next level's candidates are
+#   built and their lowest peak is below this one's (its budget is quoted).
+# Rule 4. Modules excluded from plans (unsafe to recompute, ``Profile.excluded``) are named with
+#   the reason, here as when a plan succeeds.
+
+
+def infeasible(profile: Profile, g: nx.DiGraph, budget_bytes: int, lowest_peak: int,
+               headroom: float) -> BudgetInfeasible:
+    """The ``BudgetInfeasible`` of NOTE [ Why nothing fits ] for ``g`` at ``budget_bytes``."""
+    base = simulate(g, [])
+    lowest = budget_with_headroom(lowest_peak, headroom)
+    head = f"no checkpoint plan fits the budget of {budget_bytes} bytes ({format_bytes(budget_bytes)})"
+    excluded = _excluded_text(profile)
+    if lowest_peak >= base.peak_bytes:
+        return BudgetInfeasible(
+            f"{head}; no unit can lower this peak: {_why_no_unit(g, profile, base)}. The smallest feasible budget "
+            f"is the peak without checkpointing plus the {headroom:.1%} headroom, {lowest} bytes "
+            f"({format_bytes(lowest)}): raise {{budget}} or reduce the batch{excluded}",
+            budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget",))
+    finer = _finer_granularity(profile, g, lowest_peak, headroom)
+    advice = "raise {budget}" + (f", use {{granularity}} {finer[0]} (its minimum feasible budget is {finer[1]} "
+                                 f"bytes, {format_bytes(finer[1])})" if finer else "") + ", or reduce the batch"
+    return BudgetInfeasible(
+        f"{head}; the minimum feasible budget is {lowest} bytes ({format_bytes(lowest)}): {advice}{excluded}",
+        budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget", "granularity"))
+
+
+def _why_no_unit(g: nx.DiGraph, profile: Profile, base: Any) -> str:
+    """Why checkpointing cannot lower the peak of ``g`` (Rule 2 of NOTE [ Why nothing fits ])."""
+    where = f"the peak, {format_bytes(base.peak_bytes)}, is at {base.peak_at}"
+    if g.number_of_nodes() == 0 and profile.excluded:
+        return f"every candidate module is excluded from plans; {where}"
+    if g.number_of_nodes() == 0:
+        return (f"the model has no module to checkpoint below its root (e.g. it is one fused op such as a "
+                f"single nn.LSTM); {where}")
+    if base.peak_at == "optimizer step":
+        return f"{where}, when only parameters, gradients and optimizer state are alive"
+    return (f"{where}, and no candidate frees memory there (their saved tensors are not alive at the peak, "
+            f"or they save none, as a frozen module does)")
+
+
+def _finer_granularity(profile: Profile, g: nx.DiGraph, lowest_peak: int, headroom: float) -> tuple[int, int] | None:
+    """``(granularity, its minimum feasible budget)`` one level finer, when that level lowers the peak."""
+    level = g.graph["granularity"] + 1
+    finer = build_graph(profile, granularity=level, world_size=g.graph["world_size"], sharding=g.graph["sharding"])
+    if set(finer.nodes) == set(g.nodes) or finer.number_of_nodes() == 0:
+        return None
+    peak = min_feasible_bytes(finer)
+    return (level, budget_with_headroom(peak, headroom)) if peak < lowest_peak else None
+
+
+def _excluded_text(profile: Profile) -> str:
+    """``; 2 modules are excluded from plans: h.0 (why), ...`` (Rule 4), or nothing."""
+    if not profile.excluded:
+        return ""
+    shown = ", ".join(f"{x.module or '<root>'} ({x.reason})" for x in profile.excluded[:4])
+    more = f" and {len(profile.excluded) - 4} more" if len(profile.excluded) > 4 else ""
+    n = len(profile.excluded)
+    return f"; {n} module{'s are' if n > 1 else ' is'} excluded from plans: {shown}{more}"
 
 
 _WINDOWS = ("forward of ", "backward of ", "end of forward", "start of backward")

@@ -379,6 +379,7 @@ class AppliedPlan:
     _changes: Installed | None = field(default=None, repr=False)
     _active: bool = field(default=True, repr=False)
     _guard_hook: Any = field(default=None, repr=False)
+    _twice_hook: Any = field(default=None, repr=False)
 
     @property
     def recompute_count(self) -> int:
@@ -406,8 +407,9 @@ class AppliedPlan:
         if not self._active:
             return
         self._active = False
-        if self._guard_hook is not None:
-            self._guard_hook.remove()
+        for hook in (self._guard_hook, self._twice_hook):
+            if hook is not None:
+                hook.remove()
         for name, fwd in self._forwards.items():
             module = fwd.module
             if module.__dict__.get("forward") is not fwd:
@@ -515,7 +517,82 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         shape_guard = ShapeGuard(plan.fingerprint.inputs, guard, plan.predicted.peak_bytes, forward=model.forward)
         handle._guard_hook = model.register_forward_pre_hook(shape_guard, with_kwargs=True)
     _report(plan, handle, already)
+    if handle._forwards:
+        twice = TwiceGuard(model, modules, handle)
+        twice.reported = bool(already)  # _report has warned about it already: once
+        handle._twice_hook = model.register_forward_pre_hook(twice)
     return handle
+
+
+# NOTE [ Checkpointed twice ]
+#
+# A plan is the model's only checkpointing: its prediction assumes no other. Hugging Face's
+# ``gradient_checkpointing_enable()`` (and torch's checkpoint wrappers) checkpoint modules too:
+#   - enabled before ``apply_plan``: planned modules it covers are left to it (never wrapped twice),
+#     and one warning names every module it checkpoints, planned or not, since all of them change
+#     the step the plan predicted;
+#   - enabled after ``apply_plan``: a forward pre-hook (``TwiceGuard``) notices at the next training
+#     forward and warns once, naming the modules now checkpointed twice or beyond the plan. It
+#     checks the planned modules and their ancestors, and a Hugging Face model's
+#     ``is_gradient_checkpointing``, not every module: a few attribute reads per step.
+# The fix in both orders is the same: ``model.gradient_checkpointing_disable()`` and let the plan
+# choose, or ``handle.remove()`` and use the other.
+
+
+class TwiceGuard:
+    """A forward pre-hook warning once when checkpointing is enabled on a planned model (NOTE [ Checkpointed twice ])."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], handle: AppliedPlan):
+        self.model = model
+        planned = list(handle._forwards)
+        self.planned = set(planned)
+        names = {a for name in planned for a in _ancestors(name)} | self.planned
+        self.watch = {n: modules[n] for n in names if n in modules}
+        self.reported = False
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if not (any(_checkpointed_by(m) for m in self.watch.values()) or _hf_checkpointing(self.model)):
+            return
+        found = _user_checkpointed(self.model, _modules_by_plain_name(self.model))  # once: every module
+        if not found:
+            return
+        self.reported = True
+        twice = sorted(n for n in found if _overlap(n, dict.fromkeys(self.planned, "")) or n in self.planned)
+        warnings.warn(f"remat: checkpointing was enabled on the planned model ({_listing(found)}): "
+                      f"{'modules checkpointed twice: ' + ', '.join(twice) + '; ' if twice else ''}the plan's "
+                      f"predicted peak and recompute no longer hold. {TWICE_FIX}; reported once", stacklevel=2)
+
+
+TWICE_FIX = ("Call model.gradient_checkpointing_disable() (or drop the wrapper) and let the plan choose what to "
+             "checkpoint, or handle.remove() the plan")
+
+
+def _hf_checkpointing(model: nn.Module) -> bool:
+    """A Hugging Face model with its gradient (activation, in transformers 5) checkpointing on."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the new name first: no warning
+        if hasattr(type(model), name):
+            return getattr(model, name) is True
+    return False
+
+
+def _ancestors(name: str) -> list[str]:
+    """'a.b.c' -> ['', 'a', 'a.b']."""
+    parts = name.split(".") if name else []
+    return ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]
+
+
+def _listing(found: dict[str, str]) -> str:
+    """``Hugging Face gradient_checkpointing_enable() on h.0, h.1 and 2 more``."""
+    by_how: dict[str, list[str]] = {}
+    for name, how in found.items():
+        by_how.setdefault(how, []).append(name or "<root>")
+    parts = []
+    for how, names in by_how.items():
+        shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        parts.append(f"{how} on {shown}")
+    return "; ".join(parts)
 
 
 def _step_changes(model: nn.Module, plan: Plan) -> list[StepChange]:
@@ -625,7 +702,7 @@ def _user_checkpointed(model: nn.Module, modules: dict[str, nn.Module]) -> dict[
         if how:
             found[name] = how
     hf_layer = any(_is_hf_layer(m) for m in modules.values())
-    if not hf_layer and getattr(model, "is_gradient_checkpointing", False) is True:
+    if not hf_layer and _hf_checkpointing(model):
         # Older Hugging Face models: the container calls checkpoint on its layers itself.
         for name, m in modules.items():
             if getattr(m, "gradient_checkpointing", False) is True:
@@ -662,13 +739,12 @@ def _overlap(name: str, already: dict[str, str]) -> str | None:
 
 def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
     user_skips = {n: r for n, r in handle.skipped.items() if r != "not in the model"}
-    if user_skips:
-        listing = ", ".join(f"{n} ({r})" for n, r in user_skips.items())
-        warnings.warn(f"remat: {len(user_skips)} planned module(s) left as the user checkpointed them, "
-                      f"not checkpointed twice: {listing}", stacklevel=3)
-    elif already:
-        logger.info("the model already checkpoints %s (not in the plan; left as is)",
-                    ", ".join(sorted(already)))
+    if already:  # NOTE [ Checkpointed twice ]: one warning, every module the user checkpoints
+        left = (f"; {len(user_skips)} planned module(s) left to it, not checkpointed twice: "
+                + ", ".join(user_skips)) if user_skips else ""
+        warnings.warn(f"remat: the model already checkpoints {len(already)} module(s) itself ({_listing(already)})"
+                      f"{left}; the plan's predicted peak and recompute assume only its own checkpoints. "
+                      f"{TWICE_FIX}", stacklevel=3)
     p = plan.predicted
     logger.info(
         "checkpointed %d/%d planned modules (%d op by op)%s; predicted peak %s (budget %s), recompute +%.1f ms/step",

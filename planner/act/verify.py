@@ -78,6 +78,12 @@ class VerifyReport(BaseModel):
     device: str
     peak_source: str = Field(description="'cuda-allocator' or 'cpu-profiler' (see planner.profiling.measure).")
     steps: int = Field(description="Timed steps per run.")
+    steps_run: int = Field(0, description="Training steps each run really ran: one compared step, the timed "
+                                          "steps, one for the peak (and, with the plan, one for the windows).")
+    timing_spread_ms: float = Field(0.0, description="Largest max - min of one run's timed steps: how noisy the "
+                                                     "timing was (0 with one timed step).")
+    recompute_noise: bool = Field(False, description="The measured recompute overhead is below zero or within "
+                                                     "timing_spread_ms: noise, not a measurement.")
     budget_bytes: int
     tolerance: float = Field(description="Largest allowed |difference| of any gradient or buffer element.")
     recipe: Recipe = Field(default_factory=Recipe, description="The training step both runs trained with: "
@@ -206,9 +212,9 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
     threads = threads or (plan.threads if dev.type == "cpu" else None)
     with num_threads(threads):
         clock = pick_clock(dev, torch.get_num_threads())
-        say(f"training {steps + 2} steps without the plan")
+        say(f"training {_steps_run(plan, steps, planned=False)} steps without the plan")
         base = _run(master, inputs, loss_fn, plan, dev, steps, clock, planned=False)
-        say(f"training {steps + 2} steps with the plan")
+        say(f"training {_steps_run(plan, steps, planned=True)} steps with the plan")
         mine = _run(master, inputs, loss_fn, plan, dev, steps, clock, planned=True)
         used = torch.get_num_threads() if dev.type == "cpu" else None
     report = _report(plan, master, label, dev, steps, tolerance, base, mine, prediction_tolerance)
@@ -231,6 +237,13 @@ class _Run:
     recomputes: int
     windows: dict[str, int | None] = field(default_factory=dict)
     """Measured peak per window (planned run of a plan with predicted windows only)."""
+    spread_ms: float = 0.0
+    """max - min of the timed steps."""
+
+
+def _steps_run(plan: Plan, steps: int, *, planned: bool) -> int:
+    """Steps ``_run`` trains: the compared one, ``steps`` timed, one for the peak, one for the windows (planned)."""
+    return 1 + steps + 1 + (1 if planned and plan.predicted.windows else 0)
 
 
 def _load(source: Any, inputs: Inputs | None, loss_fn: Any) -> tuple[torch.nn.Module, Inputs, Any, str]:
@@ -292,7 +305,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
         windows = window_peaks(memory_step(model, step, batch, opt, dev, recipe=plan.recipe).recorder.timeline(), leaves)
     run = _Run(losses[0], grads, buffers, statistics.median(times), statistics.median(walls), peak,
                [*handle.checkpointed, *handle.selective] if handle else [], dict(handle.skipped) if handle else {},
-               recomputes, windows)
+               recomputes, windows, max(times) - min(times))
     if handle:
         handle.remove()
     if changes:
@@ -316,8 +329,21 @@ RECOMPUTE_TOLERANCE = 0.15
 RECOMPUTE_FLOOR_MS = 3.0
 
 
+def _noise_note(measured_ms: float, spread_ms: float, steps: int, dev: torch.device, threads: int) -> str:
+    """Why a measured recompute overhead is noise, how noisy the run was, and how to measure better."""
+    what = "below zero" if measured_ms < 0 else "within the timing noise"
+    how = (f"the timed steps of one run varied by up to {spread_ms:.1f} ms" if steps > 1
+           else "one timed step per run gives no spread to judge it by")
+    hint = "rerun with --threads 1 (each thread's CPU time, which other processes do not slow down), " \
+        if dev.type == "cpu" and threads != 1 else "rerun "
+    return (f"the measured recompute overhead ({measured_ms:+.1f} ms) is {what}: {how}, so it is noise, not a "
+            f"measurement; {hint}with more --steps, on an idle machine")
+
+
 def _recompute_check(r: VerifyReport) -> str:
     """Whether predicted recompute is near the measured one (a hint, not a failure: timing is noisy)."""
+    if r.recompute_noise:
+        return f"noise (spread {r.timing_spread_ms:.1f} ms)"
     off = r.predicted_recompute_ms - r.measured_recompute_ms
     if abs(off) <= max(RECOMPUTE_TOLERANCE * abs(r.measured_recompute_ms), RECOMPUTE_FLOOR_MS):
         return "close"
@@ -382,6 +408,11 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
                         f"(tolerance {tolerance:g})")
     if mine.skipped:
         notes.append("not applied: " + ", ".join(f"{n} ({why})" for n, why in mine.skipped.items()))
+    measured_ms = mine.step_ms - base.step_ms
+    spread = max(base.spread_ms, mine.spread_ms)
+    noise = measured_ms < 0 or abs(measured_ms) <= spread
+    if noise:
+        notes.append(_noise_note(measured_ms, spread, steps, dev, torch.get_num_threads()))
     if mine.recomputes != planned:
         notes.append(f"{mine.recomputes} forwards recomputed, {planned} planned: a region that saves no "
                      f"tensor for backward is never recomputed")
@@ -391,12 +422,13 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
         notes.append(f"the plan was made on {plan.device}, verified on {dev.type}")
     return VerifyReport(
         model=label, device=str(dev), peak_source=mine.peak.source, steps=steps,
+        steps_run=_steps_run(plan, steps, planned=True), timing_spread_ms=spread, recompute_noise=noise,
         budget_bytes=plan.budget_bytes, tolerance=tolerance, recipe=plan.recipe,
         checkpointed=mine.checkpointed, skipped=mine.skipped,
         predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=mine.peak.peak_bytes,
         predicted_no_plan_peak_bytes=p.no_checkpoint_peak_bytes, measured_no_plan_peak_bytes=base.peak.peak_bytes,
         predicted_step_ms=p.step_ms, measured_step_ms=mine.step_ms, measured_no_plan_step_ms=base.step_ms,
-        predicted_recompute_ms=p.recompute_ms, measured_recompute_ms=mine.step_ms - base.step_ms,
+        predicted_recompute_ms=p.recompute_ms, measured_recompute_ms=measured_ms,
         measured_recompute_wall_ms=mine.wall_ms - base.wall_ms,
         planned_recomputes=planned, measured_recomputes=mine.recomputes,
         loss=mine.loss, loss_diff=abs(mine.loss - base.loss),

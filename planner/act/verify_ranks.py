@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
+from planner.children import PARENT_ENV, die_with_parent, end
 from planner.errors import BadInput, ProfileError
 from planner.model.schema import Plan
 from planner.sizes import format_bytes
@@ -157,14 +158,22 @@ def _spawn(args: _Args, world_size: int) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="remat_ranks_") as tmp:
+        os.environ[PARENT_ENV] = str(os.getpid())  # the spawned ranks inherit it (die_with_parent)
+        context = None
         try:
-            mp.start_processes(_child, args=(world_size, _free_port(), args, tmp), nprocs=world_size,
-                               join=True, start_method="spawn")
+            context = mp.start_processes(_child, args=(world_size, _free_port(), args, tmp), nprocs=world_size,
+                                         join=False, start_method="spawn")
+            while not context.join():
+                pass
         except mp.ProcessRaisedException as e:
             last = [ln for ln in str(e).strip().splitlines() if ln.strip()]
             raise ProfileError(f"a rank failed: {last[-1] if last else e}") from None
         except mp.ProcessExitedException as e:
             raise ProfileError(f"a rank exited without finishing ({e})") from None
+        finally:  # interrupted, terminated or failed: no rank outlives this call (NOTE [ Signals and children ])
+            for proc in context.processes if context is not None else ():
+                end(proc)
+            os.environ.pop(PARENT_ENV, None)
         results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
         results[0]["grads"] = torch.load(Path(tmp, "grads.pt"), weights_only=True)
     return results
@@ -174,6 +183,7 @@ def _child(rank: int, world_size: int, port: int, args: _Args, out_dir: str) -> 
     """One spawned rank: set up the process group, run both trainings, write the results."""
     from planner.profiling.measure import count_cpu_allocations
 
+    die_with_parent()
     if args.device_type == "cpu":
         count_cpu_allocations()  # before any tensor of the runs exists: see NOTE [ CPU peaks across threads ]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -16,7 +16,7 @@ Commands to paste (from a checkout, ``python cli.py`` works wherever ``remat`` d
 
 Results go to stdout, logs and progress to stderr; ``--quiet`` silences the latter and
 ``--json`` makes stdout machine-readable. Exit codes: 0 ok, 1 no plan fits / verification
-failed / internal error, 2 bad input or usage, 130 interrupted. See docs/cli.md.
+failed / internal error, 2 bad input or usage, 130 interrupted, 143 terminated. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import typer
 
 from planner.cli import render
-from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, VerificationFailed
+from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, Terminated, VerificationFailed
 from planner.cli.options import (COMPARE, DEVICES_CMD, FLAGS, FRONTIER, PLAN, PROFILE_CMD, SHOW, VERIFY,
                                  CompareOptions, FrontierOptions, HfSource, Options, PlanOptions, ProfileOptions,
                                  ShowOptions, StepOptions, VerifyOptions)
@@ -55,8 +55,9 @@ app = typer.Typer(
 # Every command runs inside ``_guarded``, the one place that turns failures into output:
 #   - RematError (and subclasses): "error: <message>" on stderr, exit ``err.exit_code``
 #     (2 bad input, 1 no plan fits / verification failed). PlanMismatch adds its differences.
-#   - KeyboardInterrupt: "interrupted", exit 130. Files are written last and atomically
-#     (planner.files.atomic_write, NOTE [ Writing output files ]): nothing half-written is left.
+#   - KeyboardInterrupt: "interrupted", exit 130; SIGTERM: "terminated", exit 143 (NOTE [ Signals and
+#     children ] in planner/children.py). Files are written last and atomically (planner.files.atomic_write,
+#     NOTE [ Writing output files ]): nothing half-written is left, and no child process.
 #   - anything else is a bug in remat: "internal error: ...", exit 1.
 # Tracebacks only with --debug. Usage errors (unknown option, bad --device) are typer's:
 # exit 2 with the usage line.
@@ -67,11 +68,18 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from planner.children import signals_raise
+
         debug = bool(kwargs.get("debug", False))
         try:
-            return fn(*args, **kwargs)
+            with signals_raise():
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
+        except Terminated:
+            _traceback(debug)
+            render.error_line("nothing was written", prefix="terminated")
+            raise typer.Exit(143) from None
         except KeyboardInterrupt:
             _traceback(debug)
             render.error_line("nothing was written", prefix="interrupted")
@@ -114,7 +122,9 @@ def command(name: str, options: type[Options], params: list[inspect.Parameter]) 
     def deco(fn: Callable[[Any], None]) -> Callable[[Any], None]:
         @functools.wraps(fn)
         def run(ctx: typer.Context, **kwargs: Any) -> None:
-            fn(options(**kwargs, given=_given_on_command_line(ctx, kwargs)))
+            opts = options(**kwargs, given=_given_on_command_line(ctx, kwargs))
+            with render.json_stdout(opts.as_json):  # NOTE [ JSON on stdout ]
+                fn(opts)
 
         context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
         run.__signature__ = inspect.Signature([context, *params])  # type: ignore[attr-defined]
@@ -160,6 +170,8 @@ def plan_cmd(o: PlanOptions) -> None:
             render.plain(log, render.written_line(o.output))
     else:
         render.show_plan(out, plan, graph=graph, fresh=True, written=o.output)
+    if o.why:
+        _why(log if o.as_json else out, graph, plan)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -269,13 +281,28 @@ def show_cmd(o: ShowOptions) -> None:
     from planner.act.api import graph_for
     from planner.model.schema import Plan, Profile
 
-    out, _ = render.consoles(quiet=o.quiet)
+    out, log = render.consoles(quiet=o.quiet)
     if _file_kind(o.path) == "remat-profile":
+        if o.why:
+            raise BadInput("--why explains a plan: remat show plan.json --why --profile profile.json")
         prof = Profile.load(o.path)
         render.print_json(prof) if o.as_json else render.show_profile(out, prof, graph_for(prof))
-    else:
-        plan = Plan.load(o.path)
-        render.print_json(plan) if o.as_json else render.show_plan(out, plan)
+        return
+    plan = Plan.load(o.path)
+    if o.why and o.profile is None:
+        raise BadInput("--why needs the profile the plan was made on: remat show plan.json --why --profile "
+                       "profile.json (or remat plan ... --why)")
+    if o.profile is not None and not o.why:
+        raise BadInput("--profile with remat show only serves --why: add --why, or drop --profile")
+    render.print_json(plan) if o.as_json else render.show_plan(out, plan)
+    if o.why:
+        prof = Profile.load(o.profile)
+        if prof.fingerprint.digest() != plan.fingerprint_digest:
+            raise PlanMismatch(f"{o.profile} was made for another model than {o.path}: pass the profile the plan "
+                               f"was made on", prof.fingerprint.differences(plan.fingerprint))
+        graph = graph_for(prof, granularity=plan.granularity, world_size=plan.world_size, sharding=plan.sharding,
+                          solver="ilp" if plan.solver.name == "ilp" else "auto")
+        _why(log if o.as_json else out, graph, plan)
 
 
 # ----------------------------------------------------------------------------- verify
@@ -327,6 +354,15 @@ def devices_cmd(o: Options) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _why(console: Any, graph: Any, plan: Any) -> None:
+    """``--why``: one line per candidate (NOTE [ Why this plan ] in planner/act/why.py)."""
+    from planner.act.why import explain
+
+    render.plain(console, "why:")
+    for line in explain(graph, plan):
+        render.plain(console, f"  {line}")
 
 
 def _device_text(prof: Any) -> str:

@@ -69,6 +69,11 @@ HEADROOM = _param("headroom", Annotated[str, typer.Option(
                        "same.")], "auto")
 
 
+WHY = _param("why", Annotated[bool, typer.Option(
+    "--why", help="One line per candidate unit: why it is checkpointed or not (from the cost model: the peak "
+                  "without or with it, bytes freed per ms of recompute, ties, exclusions).")], False)
+
+
 def _time_limit(default: float, help_text: str) -> inspect.Parameter:
     return _param("time_limit_s", Annotated[float, typer.Option("--time-limit", min=0.001, help=help_text)], default)
 
@@ -292,6 +297,7 @@ class PlanOptions(StepOptions, RankOptions):
     time_limit_s: float = 60.0
     no_selective: bool = False
     headroom: float | None = None
+    why: bool = False
 
     @field_validator("solver")
     @classmethod
@@ -376,6 +382,8 @@ class VerifyOptions(Options, HfSource):
 
 class ShowOptions(Options):
     path: Path
+    why: bool = False
+    profile: Path | None = None
 
 
 # ----------------------------------------------------------------------------- each command's parameters
@@ -389,7 +397,7 @@ PLAN = [
     _time_limit(60.0, "Seconds the ILP may search; then its best plan is kept."),
     _param("no_selective", Annotated[bool, typer.Option(
         "--no-selective", help="Whole modules only: no op-level (selective) checkpointing policies.")], False),
-    HEADROOM, *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
+    HEADROOM, WHY, *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
 PROFILE_CMD = [
     _model_arg("model.py defining build_model() and example_inputs(); or use --hf."),
@@ -413,7 +421,9 @@ COMPARE = [
     _time_limit(60.0, "Seconds the ILP may search at each budget."), HEADROOM,
     *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
-SHOW = [_param("path", Annotated[Path, typer.Argument(help="A plan or profile JSON file.", metavar="FILE")]),
+SHOW = [_param("path", Annotated[Path, typer.Argument(help="A plan or profile JSON file.", metavar="FILE")]), WHY,
+        _param("profile", Annotated[Path | None, typer.Option(
+            "--profile", help="With --why: the profile the plan was made on.")], None),
         *OUTPUT_SWITCHES]
 VERIFY = [
     _model_arg("model.py the plan was made for (with --hf: the plan)."),

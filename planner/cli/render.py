@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -107,10 +108,61 @@ def json_text(obj: BaseModel | Sequence[BaseModel] | dict | list) -> str:
     return json.dumps(obj, indent=2, default=str) + "\n"
 
 
+# NOTE [ JSON on stdout ]
+#
+# With --json, stdout is one JSON document and nothing else, whatever else runs: the model file's
+# prints at import and in forward, a library's print, a child process (the capped profiling
+# child, verify's ranks) writing to the stdout it inherits. While the command runs, ``json_stdout``
+# points ``sys.stdout`` at stderr and, where stdout is a real file descriptor, fd 1 at stderr's
+# too (a copy of the real stdout kept aside); ``print_json`` writes to that copy. Both are
+# restored when the command ends, however it ends.
+
+_json_out: Any = None
+"""Where ``print_json`` writes while ``json_stdout`` is active: the real stdout."""
+
+
+@contextlib.contextmanager
+def json_stdout(active: bool = True) -> Iterator[None]:
+    """NOTE [ JSON on stdout ]: everything but ``print_json`` goes to stderr while active."""
+    global _json_out
+    if not active:
+        yield
+        return
+    real = sys.stdout
+    real.flush()
+    fds = _fds(real, sys.stderr)
+    saved = os.dup(fds[0]) if fds else None
+    if fds:
+        os.dup2(fds[1], fds[0])
+    _json_out = os.fdopen(os.dup(saved), "w", encoding="utf-8") if saved is not None else real
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = real
+        _json_out.flush()
+        if saved is not None:
+            _json_out.close()
+            sys.stderr.flush()
+            os.dup2(saved, fds[0])
+            os.close(saved)
+        _json_out = None
+
+
+def _fds(out: Any, err: Any) -> tuple[int, int] | None:
+    """The file descriptors of ``out`` and ``err``, or None when either has none (a test's capture)."""
+    try:
+        return out.fileno(), err.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def print_json(obj: Any) -> None:
-    """Write ``json_text(obj)`` to stdout, bypassing rich so that nothing is wrapped or coloured."""
-    sys.stdout.write(json_text(obj))
-    sys.stdout.flush()
+    """Write ``json_text(obj)`` to stdout (the real one under ``json_stdout``), bypassing rich so that
+    nothing is wrapped or coloured."""
+    stream = _json_out if _json_out is not None else sys.stdout
+    stream.write(json_text(obj))
+    stream.flush()
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -322,8 +374,11 @@ def verify_table(rows: Iterable[Any]) -> Table:
 
 def show_verify(out: Console, report: Any) -> None:
     """The verification report: what ran, its rows, notes, problems and the verdict."""
-    plain(out, f"verify {report.model} on {report.device} ({report.steps} steps per run, "
-               f"peak from {report.peak_source}): {len(report.checkpointed)} modules checkpointed")
+    windows = ", and 1 for the windows with the plan" if report.steps_run > report.steps + 2 else ""
+    ran = (f"steps per run: 1 compared, {report.steps} timed, 1 for the peak{windows}" if report.steps_run
+           else f"{report.steps} timed steps per run")
+    plain(out, f"verify {report.model} on {report.device} ({ran}; peak from {report.peak_source}): "
+               f"{len(report.checkpointed)} modules checkpointed")
     plain(out, f"step: {report.recipe.describe()}")
     for name, why in report.skipped.items():
         plain(out, f"skipped {name}: {why}")

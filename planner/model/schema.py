@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from planner.errors import PlanFileError
 from planner.files import atomic_write_text
+from planner.sizes import MAX_SIZE_BYTES
 
 PROFILE_SCHEMA_VERSION = 3
 PLAN_SCHEMA_VERSION = 3
@@ -53,7 +54,7 @@ class _Model(BaseModel):
 #   a plan's predicted peak is its breakdown's sum and fits its budget less the headroom.
 # Rule 3. An error names the path into the file (``units.3.forward_ms``) and the value found.
 
-MAX_BYTES = 2**60
+MAX_BYTES = MAX_SIZE_BYTES
 """1 EiB: above any device or host memory; a larger size in a file is an error."""
 MAX_WORLD_SIZE = 2**20
 """Ranks: above any data-parallel job run so far; a larger world size in a plan is an error."""

@@ -32,12 +32,12 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from planner.children import die_with_parent, run_child
 from planner.errors import ProfileError, RematError
 
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -77,7 +77,7 @@ def profile_capped(model_path: str | Path, *, device_memory_bytes: int, optimize
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, **MALLOC_ENV,
                "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        rc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL).returncode
+        rc = run_child(cmd, env=env)  # ended with remat, NOTE [ Signals and children ]
         data = json.loads(out.read_text()) if out.exists() else None
         if rc != 0 or data is None or "error" in data:
             message = (data or {}).get("error") or f"the capped profiling process exited with status {rc}"
@@ -169,4 +169,5 @@ def _profile_child(args: argparse.Namespace) -> Any:
 
 
 if __name__ == "__main__":
+    die_with_parent()
     sys.exit(_child(sys.argv[1:]))

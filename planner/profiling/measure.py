@@ -20,7 +20,8 @@ import torch
 
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
 from planner.options import parse_amp, parse_optimizer
-from planner.profiling.model_file import Inputs, call_model, check_loss, compute_loss, loss_arity, user_frames
+from planner.profiling.model_file import (Inputs, call_model, called_exit, check_loss, compute_loss, loss_arity,
+                                          user_frames)
 from planner.model.schema import Recipe
 
 Mark = Callable[[str, Any], None]
@@ -222,8 +223,10 @@ def user_code(what: str) -> Iterator[None]:
     """Turn an exception raised in ``what`` (user code) into a ``ProfileError`` a user can act on."""
     try:
         yield
-    except (KeyboardInterrupt, SystemExit, RematError):
+    except (KeyboardInterrupt, RematError):
         raise
+    except SystemExit as e:
+        raise ProfileError(f"{what} {called_exit(e)}; return a value or raise an exception instead") from None
     except BaseException as e:
         if is_oom(e):
             raise ProfileError(f"out of memory in {what}: {OOM_HINT}") from e

@@ -114,9 +114,13 @@ def _import(path: Path) -> Any:
         where = f"{e.filename or path}:{e.lineno}" if e.lineno else str(path)
         text = f"\n    {e.text.rstrip()}" if e.text else ""
         raise ModelLoadError(f"syntax error in {where} ({e.msg}); fix the line:{text}") from None
+    except SystemExit as e:
+        del sys.modules[name]
+        raise ModelLoadError(f"importing {path} {called_exit(e)}; put the file's script code under "
+                             f"`if __name__ == '__main__':`") from None
     except BaseException as e:
         del sys.modules[name]
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if isinstance(e, KeyboardInterrupt):
             raise
         raise ModelLoadError(
             f"importing {path} raised {_describe(e)}\n{user_frames(e, only_file=path)}"
@@ -161,10 +165,19 @@ def _call_user(fn: Callable[[], Any], path: Path, what: str) -> Any:
     try:
         with _on_sys_path(path.parent):
             return fn()
-    except (KeyboardInterrupt, SystemExit, ModelLoadError):
+    except (KeyboardInterrupt, ModelLoadError):
         raise
+    except SystemExit as e:
+        raise ModelLoadError(f"{what} in {path} {called_exit(e)}; return a value or raise an exception "
+                             f"instead") from None
     except BaseException as e:
         raise ModelLoadError(f"{what} in {path} raised {_describe(e)}\n{user_frames(e, only_file=path)}") from e
+
+
+def called_exit(e: SystemExit) -> str:
+    """``called sys.exit(3)``: how a model file's ``sys.exit`` (or ``exit()``) is worded in an error. remat runs
+    the file's code in its own process, so an exit there would end remat without saying why."""
+    return f"called sys.exit({e.code!r})" if e.code is not None else "called sys.exit()"
 
 
 @contextlib.contextmanager

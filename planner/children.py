@@ -1,0 +1,109 @@
+"""Signals and child processes: a remat command that is interrupted or terminated leaves nothing behind.
+
+See NOTE [ Signals and children ]. No torch import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from planner.errors import Terminated
+
+# NOTE [ Signals and children ]
+#
+# Rule 1. While a command runs, SIGINT raises KeyboardInterrupt (Python's default) and SIGTERM
+#   raises ``Terminated`` (a KeyboardInterrupt), so every ``finally`` on the way out runs: temporary
+#   files are removed (``planner.files.atomic_write``, ``tempfile.TemporaryDirectory``) and children
+#   are ended. A second SIGTERM during that cleanup is ignored.
+# Rule 2. The command then exits 130 after SIGINT and 143 after SIGTERM (128 + the signal number,
+#   as a shell reports them), with one line (NOTE [ CLI errors and exit codes ]).
+# Rule 3. A child process (the capped profiling child, ``remat verify``'s ranks) dies with remat:
+#   the parent ends (SIGTERM, then SIGKILL after ``GRACE_S``) and reaps it on every exit path, and
+#   the child asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG on Linux), which
+#   covers a parent killed with SIGKILL, whose ``finally`` never runs.
+# Why: SIGTERM during ``remat plan --device-memory`` used to kill remat at once, leaving the capped
+# child running for 90 s under PID 1 and its temporary profile on disk.
+
+GRACE_S = 5.0
+"""Seconds a child gets to exit after SIGTERM before it is killed."""
+
+PARENT_ENV = "REMAT_PARENT_PID"
+"""Environment variable naming the parent's pid, for ``die_with_parent`` in the child."""
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Rule 1 for the duration of a command (main thread only; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # cleanup runs once
+        raise Terminated(f"terminated by signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with the parent's pid for ``die_with_parent``."""
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In a child: ask for SIGKILL when the parent dies (Linux), and exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    expected = os.environ.get(PARENT_ENV)
+    if expected and expected.isdigit() and os.getppid() != int(expected):
+        os._exit(1)  # the parent died before the request above: nobody waits for this child
+
+
+def run_child(cmd: Sequence[str], *, env: dict[str, str] | None = None) -> int:
+    """Run ``cmd`` and return its exit status; ended and reaped on every exit path (Rule 3)."""
+    proc = subprocess.Popen(list(cmd), env=child_env(env), stdin=subprocess.DEVNULL)
+    try:
+        return proc.wait()
+    finally:
+        end(proc)
+
+
+def end(proc: Any) -> None:
+    """End ``proc`` (a ``subprocess.Popen`` or ``multiprocessing.Process``) if it still runs, and reap it."""
+    alive = proc.poll() is None if hasattr(proc, "poll") else proc.is_alive()
+    if not alive:
+        _reap(proc)
+        return
+    with contextlib.suppress(ProcessLookupError, OSError):
+        proc.terminate()
+    if not _reap(proc, GRACE_S):
+        with contextlib.suppress(ProcessLookupError, OSError):
+            proc.kill()
+        _reap(proc, GRACE_S)
+
+
+def _reap(proc: Any, timeout: float | None = 0) -> bool:
+    """Wait for ``proc`` up to ``timeout`` seconds; whether it has exited."""
+    if hasattr(proc, "poll"):
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    proc.join(timeout)
+    return not proc.is_alive()

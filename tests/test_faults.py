@@ -1,0 +1,178 @@
+"""Faults injected into a model file at each stage remat runs it (issue 28): an exception, sys.exit,
+prints, SIGINT and SIGTERM at import, in build_model, example_inputs, forward and loss_fn. Every
+case ends as exit 0 with a right result, or exit 1/2/130/143 with one line naming the problem; no
+traceback, nothing written, no temporary file or child process left behind.
+
+In-process (CliRunner) for speed; the signals are real signals to this process (remat's handlers are
+installed while a command runs, and this module keeps a SIGTERM handler of its own outside them so
+that a regression fails the test rather than killing pytest). The capped profiling child is tested
+as a subprocess, where a real process boundary is the point.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import invoke
+from tests.test_errors import ENV, ROOT
+
+STAGES = ["import", "build_model", "example_inputs", "forward", "loss"]
+
+MODEL = """\
+import os, signal, sys
+import torch
+from torch import nn
+
+def fault(here):
+    if here != {stage!r}:
+        return
+    {action}
+
+fault("import")
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 2)
+    def forward(self, x):
+        fault("forward")
+        return self.b(torch.relu(self.a(x)))
+
+def build_model():
+    fault("build_model")
+    return M()
+
+def example_inputs():
+    fault("example_inputs")
+    return torch.randn(4, 8)
+
+def loss_fn(output):
+    fault("loss")
+    return output.square().mean()
+"""
+
+ACTIONS = {
+    "raise": "raise RuntimeError('boom in ' + here)",
+    "exit": "sys.exit(3)",
+    "print": "print('chatter from ' + here)",
+    "sigint": "os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(5)",
+    "sigterm": "os.kill(os.getpid(), signal.SIGTERM); import time; time.sleep(5)",
+}
+
+
+class _TermOutsideRemat(Exception):
+    """Raised by this module's SIGTERM handler: remat's own handler was not in place."""
+
+
+@pytest.fixture(autouse=True)
+def _term_guard():
+    def handler(*_):
+        raise _TermOutsideRemat("SIGTERM reached the test's handler: remat installed none")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _model(tmp_path: Path, stage: str, action: str) -> Path:
+    path = tmp_path / "model.py"
+    path.write_text(MODEL.format(stage=stage, action=ACTIONS[action]))
+    return path
+
+
+EXPECTED = {"raise": (2, "boom in"), "exit": (2, "called sys.exit(3)"), "print": (0, ""),
+            "sigint": (130, "interrupted"), "sigterm": (143, "terminated")}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_fault_at_each_stage(tmp_path: Path, stage: str, action: str):
+    model = _model(tmp_path, stage, action)
+    out = tmp_path / "out" / "plan.json"
+    out.parent.mkdir()
+    json_mode = action == "print"
+    r = invoke("plan", "--budget", "1GB", model, "--device", "cpu", "--steps", "1", "-o", out,
+               *(["--json"] if json_mode else []))
+    code, needle = EXPECTED[action]
+    assert r.exit_code == code, r.output
+    assert "Traceback" not in r.output and "internal error" not in r.output, r.output
+    if json_mode:
+        assert json.loads(r.stdout)["kind"] == "remat-plan"  # stdout is the JSON and nothing else
+        assert f"chatter from {stage}" in r.stderr and out.exists()
+    else:
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith(("error:", "interrupted:", "terminated:"))]
+        assert len(errors) == 1 and needle in r.stderr, r.output
+        assert not out.exists()
+    assert [p.name for p in out.parent.iterdir()] == (["plan.json"] if json_mode else [])  # no temp file
+
+
+def test_prints_do_not_reach_json_stdout_in_every_command(tmp_path: Path):
+    model = _model(tmp_path, "forward", "print")
+    prof, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    for args in (["profile", model, "--device", "cpu", "--steps", "1", "-o", prof],
+                 ["plan", "--budget", "1GB", model, "--device", "cpu", "--steps", "1", "-o", plan],
+                 ["verify", model, plan, "--device", "cpu", "--steps", "1"],
+                 ["compare", "--budget", "1GB", "--profile", prof, model]):
+        r = invoke(*args, "--json")
+        assert r.exit_code == 0, r.output
+        json.loads(r.stdout)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 90) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the fault never fired"
+        time.sleep(0.05)
+
+
+def _gone(pid: int, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        stat = Path(f"/proc/{pid}/stat")
+        if stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"):
+            return True  # a zombie whose parent has not reaped it yet: it runs nothing
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the CPU memory cap needs Linux")
+def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path):
+    marker = tmp_path / "child.pid"
+    model = tmp_path / "model.py"
+    model.write_text(MODEL.format(stage="forward", action=(
+        f"open({str(marker)!r} + '.tmp', 'w').write(str(os.getpid())); os.rename({str(marker)!r} + '.tmp', "
+        f"{str(marker)!r}); import time; time.sleep(120)")))
+    out = tmp_path / "plan.json"
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = subprocess.Popen([sys.executable, "cli.py", "plan", "--budget", "1GB", str(model), "--device", "cpu",
+                             "--device-memory", "2GB", "--steps", "1", "-o", str(out)], cwd=ROOT,
+                            env={**ENV, "TMPDIR": str(tmpdir)}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(marker, proc)
+        child = int(marker.read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, stderr
+    assert "terminated" in stderr and "Traceback" not in stderr, stderr
+    assert _gone(child), f"the capped child {child} outlived its parent"
+    left = [p.name for p in tmpdir.iterdir() if p.name != f"torchinductor_{getpass.getuser()}"]
+    assert not out.exists() and not left, left  # torch's own compile cache aside, nothing
