@@ -44,7 +44,10 @@ def parse_bytes(text: str | int | float) -> int:
             raise BadInput(f"invalid size {raw!r}: unknown unit {m.group(2)!r}; {_HINT}")
     if not math.isfinite(value) or value <= 0:
         raise BadInput(f"invalid size {text!r}: a memory budget must be positive; {_HINT}")
-    n = int(round(value * _MULTIPLIERS[unit]))
+    product = value * _MULTIPLIERS[unit]
+    if not math.isfinite(product) or product > MAX_SIZE_BYTES:
+        raise BadInput(f"invalid size {text!r}: more than 1 EiB, above any device's memory; {_HINT}")
+    n = int(round(product))
     if n <= 0:
         raise BadInput(f"invalid size {text!r}: it rounds to 0 bytes; {_HINT}")
     if n > MAX_SIZE_BYTES:

@@ -492,3 +492,10 @@ def test_why_explains_every_unit_from_the_cost_model(profile_path: Path, tmp_pat
     shown = check(invoke("show", plan, "--why", "--profile", profile_path), 0, "why:")
     assert [ln for ln in shown.splitlines() if ln.startswith("  h.")] == [f"  {ln}" for ln in lines]
     check(invoke("show", plan, "--why"), 2, "--why needs the profile the plan was made on")
+
+
+def test_measuring_options_with_device_meta_are_refused(tmp_path: Path):
+    path = model_file(tmp_path, CLASSIFIER.format(loss=""))
+    for flag in ("--steps", "--threads"):
+        check(invoke("plan", "--budget", "1GB", path, "--device", "meta", "--target", "h100", flag, "2"), 2,
+              f"{flag} time a real step; --device meta runs two steps on fake tensors")

@@ -176,3 +176,15 @@ def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path
     assert _gone(child), f"the capped child {child} outlived its parent"
     left = [p.name for p in tmpdir.iterdir() if p.name != f"torchinductor_{getpass.getuser()}"]
     assert not out.exists() and not left, left  # torch's own compile cache aside, nothing
+
+
+def test_json_stdout_holds_only_the_json_at_the_file_descriptor(tmp_path: Path):
+    """A write to fd 1 itself (as a child process or a C library would make) goes to stderr under --json."""
+    model = tmp_path / "model.py"
+    model.write_text(MODEL.format(stage="forward", action="print('chatter'); os.write(1, b'raw fd write\\n')")
+                     .replace('fault("import")', 'os.write(1, b"raw at import\\n")'))
+    r = subprocess.run([sys.executable, "cli.py", "plan", "--budget", "1GB", str(model), "--device", "cpu",
+                        "--steps", "1", "--json"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kind"] == "remat-plan"
+    assert "raw at import" in r.stderr and "raw fd write" in r.stderr and "chatter" in r.stderr

@@ -509,6 +509,11 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
 
         raise BadInput(f"--device meta models times for a target device: add --target NAME, one of: "
                        f"{', '.join(s.name for s in load_devices())}")
+    if meta and {"steps", "threads"} & o.given:
+        typed = [n for n in ("steps", "threads") if n in o.given]
+        raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} time a real step; --device meta runs two "
+                       f"steps on fake tensors and models the times for --target: drop "
+                       f"{'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
     cap = _device_memory(o.device_memory, meta)
     recipe = o.recipe
     plain = recipe == recipe.__class__(amp=o.amp)

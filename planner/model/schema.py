@@ -48,7 +48,7 @@ class _Model(BaseModel):
 # figure (a NaN time, a negative size, an absurd world size) is one line naming its field rather
 # than a plan labelled optimal with "recompute nan ms".
 # Rule 1. Sizes are integers in [0, MAX_BYTES]; times, FLOPs and seconds are finite and >= 0;
-#   sequence numbers, indices and counts are integers >= 0; thread counts >= 1.
+#   sequence numbers, indices and counts are integers in [0, MAX_COUNT]; thread counts >= 1.
 # Rule 2. Figures that must agree with their neighbours are checked together (``_check_profile``,
 #   ``_check_plan``): a unit ends after it starts, records point at tensors and units that exist,
 #   a plan's predicted peak is its breakdown's sum and fits its budget less the headroom.
@@ -62,8 +62,10 @@ MAX_WORLD_SIZE = 2**20
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 Ms = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Seq = Annotated[int, Field(ge=0)]
-Count = Annotated[int, Field(ge=0)]
+MAX_COUNT = 2**53
+"""Sequence numbers, ids and counts: a step records far fewer events; a larger one in a file is an error."""
+Seq = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Threads = Annotated[int, Field(ge=1, le=4096)]
 
 
