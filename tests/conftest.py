@@ -37,3 +37,32 @@ def profile_path(tmp_path: Path) -> Path:
     path = tmp_path / "profile.json"
     synthetic_profile(random_chain(random.Random(0), 8)).save(path)
     return path
+
+
+@pytest.fixture
+def plan_path(tmp_path: Path, profile_path: Path) -> Path:
+    """A plan of ``profile_path``'s chain at 10MB, saved."""
+    path = tmp_path / "plan.json"
+    assert invoke("plan", "--budget", "10MB", "--profile", profile_path, "-o", path, "-q").exit_code == 0
+    return path
+
+
+def signal_when_marked(cmd: list[str], marker: Path, sig: int, *, env: dict, cwd: Path,
+                       timeout: float = 90) -> tuple[int, str]:
+    """Run ``cmd``, send ``sig`` once ``marker`` exists (the model file makes it), return (exit code, stderr)."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + timeout
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the marked point was never reached"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, stderr

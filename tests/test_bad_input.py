@@ -119,13 +119,6 @@ def test_impossible_profile_numbers_are_refused(profile_path: Path, tmp_path: Pa
     assert "optimal" not in out and len(out.strip().splitlines()) == 2, what  # the budget echo, the error
 
 
-@pytest.fixture
-def plan_file(profile_path: Path, tmp_path: Path) -> Path:
-    path = tmp_path / "plan.json"
-    assert invoke("plan", "--budget", "10MB", "--profile", profile_path, "-o", path, "-q").exit_code == 0
-    return path
-
-
 @pytest.mark.parametrize("what, edit, needle", [
     ("negative budget", lambda d: d.__setitem__("budget_bytes", -1), "budget_bytes"),
     ("zero budget", lambda d: d.__setitem__("budget_bytes", 0), "budget_bytes"),
@@ -139,8 +132,8 @@ def plan_file(profile_path: Path, tmp_path: Path) -> Path:
     ("unknown module", lambda d: d["checkpoints"].append("no.such.module"), "checkpoints."),
     ("negative gap", lambda d: d["solver"].__setitem__("gap", -0.5), "solver.gap"),
 ])
-def test_impossible_plan_numbers_are_refused(plan_file: Path, tmp_path: Path, what, edit, needle):
-    bad = _edit(plan_file, tmp_path / "bad.json", edit)
+def test_impossible_plan_numbers_are_refused(plan_path: Path, tmp_path: Path, what, edit, needle):
+    bad = _edit(plan_path, tmp_path / "bad.json", edit)
     for cmd in (["show", bad], ["show", bad, "--json"]):
         out = check(invoke(*cmd), 2, f"error: plan file {bad}: {needle}")
         assert len(out.strip().splitlines()) == 1, what

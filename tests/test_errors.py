@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ import torch
 from planner.errors import PlanMismatch
 from planner.model.schema import Plan
 from planner.model.synthetic import random_dag, synthetic_profile
-from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke
+from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke, signal_when_marked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,13 +73,6 @@ def build_model():
 def example_inputs():
     return torch.randn(3, 4)
 """
-
-
-@pytest.fixture
-def plan_path(tmp_path: Path, profile_path: Path) -> Path:
-    path = tmp_path / "plan.json"
-    assert invoke("plan", "--budget", "10MB", "--profile", profile_path, "-o", path, "-q").exit_code == 0
-    return path
 
 
 # ----------------------------------------------------------------------------- budgets
@@ -219,20 +211,9 @@ def test_sigint_while_profiling_from_the_console(tmp_path: Path):
         raise_stmt=f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(60)"))
     out = tmp_path / "plan.json"
     args = ["plan", "--budget", "1GB", str(path), "--device", "cpu", "--steps", "1", "-o", str(out)]
-    proc = subprocess.Popen([sys.executable, "cli.py", *args], cwd=ROOT, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the model's forward never started"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, stderr
+    returncode, stderr = signal_when_marked([sys.executable, "cli.py", *args], marker, signal.SIGINT, env=ENV,
+                                            cwd=ROOT)
+    assert returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted" in stderr
     assert not out.exists() and not list(tmp_path.glob("*.tmp"))
 

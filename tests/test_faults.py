@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import invoke
+from tests.conftest import invoke, signal_when_marked
 from tests.test_errors import ENV, ROOT
 
 STAGES = ["import", "build_model", "example_inputs", "forward", "loss"]
@@ -128,14 +128,6 @@ def test_prints_do_not_reach_json_stdout_in_every_command(tmp_path: Path):
         json.loads(r.stdout)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 90) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the fault never fired"
-        time.sleep(0.05)
-
-
 def _gone(pid: int, seconds: float = 10) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -160,18 +152,11 @@ def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path
     out = tmp_path / "plan.json"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    proc = subprocess.Popen([sys.executable, "cli.py", "plan", "--budget", "1GB", str(model), "--device", "cpu",
-                             "--device-memory", "2GB", "--steps", "1", "-o", str(out)], cwd=ROOT,
-                            env={**ENV, "TMPDIR": str(tmpdir)}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        _wait_for(marker, proc)
-        child = int(marker.read_text())
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, stderr
+    returncode, stderr = signal_when_marked(
+        [sys.executable, "cli.py", "plan", "--budget", "1GB", str(model), "--device", "cpu", "--device-memory", "2GB",
+         "--steps", "1", "-o", str(out)], marker, signal.SIGTERM, env={**ENV, "TMPDIR": str(tmpdir)}, cwd=ROOT)
+    child = int(marker.read_text())
+    assert returncode == 143, stderr
     assert "terminated" in stderr and "Traceback" not in stderr, stderr
     assert _gone(child), f"the capped child {child} outlived its parent"
     left = [p.name for p in tmpdir.iterdir() if p.name != f"torchinductor_{getpass.getuser()}"]
