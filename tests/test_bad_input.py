@@ -151,11 +151,11 @@ def test_every_shipped_profile_passes_the_checks():
 
 @pytest.mark.parametrize("args, needle", [
     (["--optimizer", "sgd"], "--optimizer sgd (the profile has adamw)"),
-    (["--device", "meta"], "--device say how to measure a step"),
-    (["--device", "cpu"], "--device say how to measure a step"),
-    (["--steps", "5"], "--steps say how to measure"),
-    (["--threads", "1"], "--threads say how to measure"),
-    (["--device-memory", "1GB"], "--device-memory say how to measure"),
+    (["--device", "meta"], "--device says how to measure a step"),
+    (["--device", "cpu"], "--device says how to measure a step"),
+    (["--steps", "5"], "--steps says how to measure"),
+    (["--threads", "1"], "--threads says how to measure"),
+    (["--device-memory", "1GB"], "--device-memory says how to measure"),
     (["--amp", "bf16"], "--amp 'bf16' (the profile has None)"),
     (["--grad-accum", "2"], "--grad-accum 2 (the profile has 1)"),
     (["--clip-grad-norm", "1"], "--clip-grad-norm 1.0 (the profile has None)"),

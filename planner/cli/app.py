@@ -469,7 +469,8 @@ def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
 
     typed = [name for name in MEASURING_OPTIONS if name in o.given]
     if typed:
-        raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} say how to measure a step, and {path} was "
+        raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} {'say' if len(typed) > 1 else 'says'} how to "
+                       f"measure a step, and {path} was "
                        f"measured already (nothing runs with --profile): drop {'them' if len(typed) > 1 else 'it'}, "
                        f"or re-profile with {'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
     wrong = [f"{{optimizer}} {o.optimizer} (the profile has {prof.optimizer})"

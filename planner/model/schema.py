@@ -600,7 +600,7 @@ def _check_plan(plan: Plan) -> None:
                                            f"headroom_bytes {plan.headroom_bytes}")
     if plan.world_size > 1 and plan.sharding == "none":
         raise _bad("world_size", f"{plan.world_size} ranks need sharding 'ddp' or 'fsdp', the plan says 'none'")
-    modules = set(plan.fingerprint.modules)
+    modules = {*plan.fingerprint.modules, ""}  # '' is the root, which named_modules lists first
     for field, names in (("checkpoints", plan.checkpoints), ("selective", [r.fqn for r in plan.selective])):
         for i, name in enumerate(names):
             if name not in modules:
