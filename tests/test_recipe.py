@@ -164,7 +164,7 @@ def test_cli_records_prints_and_verifies_the_recipe(tiny_model: Path, tmp_path: 
     assert r.exit_code == 0, r.output
     assert "step: grad_accum 2, zero_grad(set_to_none=False)" in r.output
     r = runner.invoke(app, ["plan", "--budget", "1GB", "--profile", str(prof_file), "--grad-accum", "4"])
-    assert r.exit_code == 2 and "measured for another training step (grad_accum: plan has 2" in r.output
+    assert r.exit_code == 2 and "measured for another training step: --grad-accum 4 (the profile has 2)" in r.output
 
 
 @pytest.mark.parametrize("flags, needle", [
