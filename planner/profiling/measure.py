@@ -109,7 +109,7 @@ def make_step(
     NOTE [ Peak-memory model ]). Exceptions from user code become ``ProfileError`` showing the
     user's frames; running out of memory becomes ``ProfileError`` with advice.
     """
-    loss_arity(loss_fn)  # a loss_fn that cannot be called fails here, before any step
+    arity = loss_arity(loss_fn)  # a loss_fn that cannot be called fails here, before any step
     recipe = resolve_recipe(recipe, amp)
     device_type = _device_type(model)
     amp_dtype = _amp_dtype(recipe.amp)
@@ -128,7 +128,7 @@ def make_step(
             output = call_model(model, inputs)
         mark("loss_start", output)
         with user_code("loss_fn"), autocast():
-            loss = check_loss(compute_loss(loss_fn, output, inputs))
+            loss = check_loss(compute_loss(loss_fn, output, inputs, arity=arity))
         mark("forward_end", loss)
         del output
         mark("backward_start", None)

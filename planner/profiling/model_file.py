@@ -279,12 +279,13 @@ def loss_arity(loss_fn: Callable[..., Any] | None) -> int:
                        f"these signatures")
 
 
-def compute_loss(loss_fn: Callable[..., Any] | None, output: Any, batch: Any) -> Any:
-    """``loss_fn(output)`` or ``loss_fn(output, batch)`` by ``loss_arity``; ``default_loss`` when None.
-    Every caller of a user's loss function goes through here."""
+def compute_loss(loss_fn: Callable[..., Any] | None, output: Any, batch: Any, *, arity: int | None = None) -> Any:
+    """``loss_fn(output)`` or ``loss_fn(output, batch)`` by ``loss_arity`` (``arity``: already known, as a
+    step that calls it every micro-batch passes it); ``default_loss`` when None. Every caller of a user's
+    loss function goes through here."""
     if loss_fn is None:
         return default_loss(output)
-    return loss_fn(output, batch) if loss_arity(loss_fn) == 2 else loss_fn(output)
+    return loss_fn(output, batch) if (arity or loss_arity(loss_fn)) == 2 else loss_fn(output)
 
 
 def default_loss(output: Any) -> torch.Tensor:
