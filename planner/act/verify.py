@@ -263,7 +263,8 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     model = copy.deepcopy(master).to(dev).train()
     batch = to_device(inputs, dev)
     handle = apply_plan(model, plan, inputs=batch) if planned else None
-    changes = None if planned else install(model, plan.step_changes, say=False)  # the step the plan runs
+    # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)
+    changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))
     opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
     step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
     losses: list[float] = []
@@ -308,8 +309,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
                recomputes, windows, max(times) - min(times))
     if handle:
         handle.remove()
-    if changes:
-        changes.remove()
+    changes.remove()
     del model, opt, step, batch
     free(dev)
     return run

@@ -219,10 +219,15 @@ class StepChange(_Model):
     See NOTE [ Step changes ] in ``planner/profiling/step_changes.py``.
     """
 
-    kind: Literal["hf_use_cache_off"] = Field(description="'hf_use_cache_off': a Hugging Face model is called "
-                                                          "with use_cache=False while training.")
+    kind: Literal["hf_use_cache_off", "hf_layerdrop_off"] = Field(
+        description="'hf_use_cache_off': a Hugging Face model is called with use_cache=False while training; "
+                    "'hf_layerdrop_off': its layerdrop (stochastic depth) is 0 while remat measures the step, so "
+                    "every layer runs (the worst step).")
     module: str = Field(description="FQN of the module whose calls change ('' for the root).")
     reason: str = Field("", description="Why, in words.")
+    scope: Literal["train", "measure"] = Field("train", description="'train': when profiling and in training "
+                                                                    "(apply_plan installs it); 'measure': only "
+                                                                    "while remat profiles or verifies.")
 
 
 class RetainedBytes(_Model):
@@ -352,6 +357,24 @@ class StepRecord(_Model):
     peak_source: str = Field("none", description="'cuda-allocator', 'cpu-profiler', 'tracker' or 'none'.")
     warmup_steps: Count = 0
     measured_steps: Count = 0
+    timeline_source: Literal["as-run", "tracked"] = Field(
+        "tracked", description="Where the timeline's live and peak bytes come from: 'as-run', a step run as the "
+                               "user runs it (module and gradient hooks only, the device allocator's figures); "
+                               "'tracked', the memory step under the live-bytes tracker's dispatch mode, which "
+                               "some models run differently (NOTE [ Step as run ] in planner/profiling/recording.py).")
+    tracked_peak_bytes: Bytes | None = Field(None, description="Peak of the memory step under the tracker, when the "
+                                                             "timeline is 'as-run'; None otherwise.")
+
+
+class StepStructure(_Model):
+    """Which units ran in which profiled step (NOTE [ Worst step ] in planner/profiling/recording.py)."""
+
+    units_seen: list[str] = Field(default_factory=list, description="Every unit id that ran in some profiled step, "
+                                                                    "in forward order.")
+    skipped: dict[str, list[str]] = Field(default_factory=dict,
+                                          description="Profiled step ('timing step 1', 'memory step', 'as-run step') "
+                                                      "-> the units seen in other steps that it did not run; steps "
+                                                      "that ran every unit are left out.")
 
 
 class Profile(_Model):
@@ -391,6 +414,9 @@ class Profile(_Model):
     step_changes: list[StepChange] = Field(default_factory=list,
                                            description="What remat changed in the profiled step (and will change "
                                                        "when a plan is applied).")
+    step_structure: StepStructure = Field(default_factory=StepStructure,
+                                          description="The units seen and which profiled step skipped which (empty "
+                                                      "in older profiles and on fake tensors).")
     retained: list[RetainedBytes] = Field(default_factory=list,
                                           description="Measured bytes checkpointing does not free, per unit.")
     excluded: list[ExcludedUnit] = Field(default_factory=list,

@@ -11,12 +11,13 @@
    ``planner/profiling/tracker.py``): sequence numbers, the tensors each unit saves for backward,
    the units' inputs and outputs, when each parameter's gradient appears, and a timeline
    of live memory;
-4. one step measured by the device itself (``planner.profiling.measure.measure_step``), to check the
-   tracker. On the CPU the two peaks agree to the byte, give or take a few scalar bytes,
-   for models of matmuls, attention, norms and elementwise ops; kernels that allocate
-   scratch memory inside one op (CPU convolution backward: im2col/oneDNN buffers) make
-   the device's peak higher than the tracker's, by 1.7% on examples/resnet.py and 4.7% on
-   examples/unet.py. The profile records both; a note is added past 2%.
+4. one step as the user runs it, with the module and gradient hooks of step 3 but no dispatch
+   mode: its events carry the device allocator's live and peak bytes, the timeline the cost
+   model calibrates on (NOTE [ Step as run ] in ``planner/profiling/recording.py``);
+5. one plain step measured by the device itself (``planner.profiling.measure.measure_step``).
+   The timeline's peak must agree with it within ``RECONCILE_TOLERANCE`` (``reconcile``), and
+   the memory step must have run every unit the other steps ran (NOTE [ Worst step ]); a
+   profile that fails either is refused with the figures.
 
 The result is a ``schema.Profile``; the solvers and the cost model read nothing else.
 Profiling runs the optimizer with lr=0 (see ``make_optimizer``), restores buffers
@@ -33,12 +34,13 @@ from typing import Any
 
 import torch
 
-from planner.errors import BadInput
+from planner.errors import BadInput, ProfileError
 from planner.model import schema
 from planner.profiling.measure import make_optimizer, make_step, measure_step, resolve_recipe, to_device
 from planner.profiling.model_file import Inputs, check_devices
 from planner.profiling.recording import (
-    OP_TIMING_STEPS, op_timing_steps, Progress, assemble_profile, memory_step, Recorder, release_grads, StepTimes, UnitCall,
+    OP_TIMING_STEPS, op_timing_steps, Progress, AsRun, as_run_timeline, assemble_profile, memory_step, Recorder, release_grads,
+    StepTimes, UnitCall,
 )
 from planner.profiling.timing import num_threads, pick_clock, robust_ms, unit_costs
 
@@ -88,12 +90,57 @@ def measure_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *
     say("op timing steps")
     if not mem.recorder.use_op_times(op_timing_steps(step, dev, OP_TIMING_STEPS)):
         mem.recorder.op_time_note = "op times from the memory step only: the op timing steps ran other ops"
+    as_run = None
+    if memory_recorder is None:  # planner/profiling/memsafe.py reconstructs its timeline from its own step
+        say("the step as run")
+        as_run = as_run_timeline(model, step, dev, mem, recipe=recipe)
     say("measuring the step's peak")
     release_grads(model, dev, recipe)
     measured = measure_step(step, dev, static_bytes=mem.static_bytes)
-    result = assemble_profile(model, inputs, dev, optimizer, recipe, times, mem, measured, warmup_steps, steps)
+    result = assemble_profile(model, inputs, dev, optimizer, recipe, times, mem, measured, warmup_steps, steps,
+                              as_run=as_run)
+    if as_run is not None:
+        reconcile(result, as_run)
     return result.model_copy(update={"time_source": clock.source,
                                      "threads": torch.get_num_threads() if dev.type == "cpu" else None})
+
+
+RECONCILE_TOLERANCE = 0.02
+"""Largest |timeline peak - measured peak| / measured peak a profile may plan on (NOTE [ Step as run ])."""
+
+
+def reconcile(prof: schema.Profile, as_run: AsRun) -> None:
+    """Refuse a profile whose step is not the one the user runs: its memory step skipped units other
+    profiled steps ran (NOTE [ Worst step ]), it kept tensors alive that the step as run does not, or its
+    timeline peaks away from the plain step's peak as the device measures it (NOTE [ Step as run ],
+    Rule 3). Raises ``ProfileError`` with the figures."""
+    structure = prof.step_structure
+    if skipped := structure.skipped.get("memory step"):
+        raise ProfileError(
+            f"the model's module calls vary between training steps: the memory step skipped "
+            f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}, which other steps ran (stochastic depth "
+            f"that remat cannot switch off?); remat plans for the step that runs every unit: make the skipping "
+            f"deterministic while profiling, or use the layerdrop attribute Hugging Face models use")
+    step = prof.step
+    measured = step.measured_peak_bytes
+    if measured and as_run.excess_live_bytes > RECONCILE_TOLERANCE * measured:
+        raise ProfileError(
+            f"the model runs differently under remat's profiler: at {as_run.excess_at} its step kept "
+            f"{as_run.excess_live_bytes} bytes more alive than as you run it ({as_run.excess_live_bytes / measured:.2%} "
+            f"of its peak), so the tensors remat recorded are not the step's; does the model check for a "
+            f"TorchDispatchMode (torch.utils._python_dispatch)?")
+    timeline_peak = max((e.peak_bytes for e in prof.timeline), default=0)
+    if not measured or abs(timeline_peak - measured) <= RECONCILE_TOLERANCE * measured:
+        return
+    if step.timeline_source == "as-run":
+        why = "the step's memory differs from one run to the next"
+    else:
+        why = ("the step runs differently under remat's tracker (a dispatch mode), and its module calls "
+               "differed between steps, so it could not be measured window by window as run")
+    raise ProfileError(
+        f"cannot reconcile the profiled timeline with the step as you run it: the timeline ({step.timeline_source}) "
+        f"peaks at {timeline_peak} bytes, the device measured {measured} bytes ({step.peak_source}), "
+        f"{(timeline_peak - measured) / measured:+.2%}; {why}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -669,14 +669,40 @@ def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
                    max(transient, 0), static, records, unused)
 
 
+# NOTE [ Step as run ]
+#
+# The live-bytes tracker is a ``TorchDispatchMode``, and PyTorch runs some steps differently
+# while any Python dispatch mode is active: every tensor counts as "subclass-like" then, which
+# turns off autograd's in-place accumulation of gradients (each accumulation allocates a new
+# buffer). Most models never notice; a Hugging Face Mamba's reference CPU scan accumulates the
+# gradient of its whole scan input once per token, and its backward peaks one scan input
+# (batch x channels x tokens x state) higher under the tracker than as the user runs it.
+#
+# Rule 1. The memory step under the tracker gives the step's *structure*: module calls,
+# tensors, saves, op records. The forward's allocations do not change under a mode.
+# Rule 2. Its *timeline* (the live and peak bytes of every event, from which the cost model
+# calibrates its temporaries) comes from one more step run as the user runs it: the same
+# module and gradient hooks mark the same events (``as_run_timeline``), with no dispatch mode
+# and no saved-tensor hooks, and the device allocator reports the bytes (``_allocator_view``).
+# ``StepRecord.timeline_source`` is then 'as-run', and ``tracked_peak_bytes`` keeps the tracked
+# step's peak beside the measured one.
+# Rule 3. When that step's events are not the memory step's (its module calls changed: data-
+# dependent control flow) or the device has no allocator view, the tracked timeline is kept
+# ('tracked'). Either way the timeline's peak must agree with the peak the device measures on
+# the plain step (``measure_step``) within ``RECONCILE_TOLERANCE``: a plan calibrated on a
+# timeline that is not the user's step is refused, with both figures
+# (``planner.profiling.profiler.reconcile``).
+
+
 class _TrackerView:
     """The timeline as the tracker saw it (fake tensors; or no allocator view available)."""
 
     def note(self, seq: int) -> None:
         pass
 
-    def apply(self, events: list[_Event], static_bytes: int) -> None:
-        pass
+    def apply(self, events: list[_Event], static_bytes: int) -> bool:
+        """Set the events' live and peak bytes from the allocator; False when it could not."""
+        return False
 
 
 class _CudaAllocatorView(_TrackerView):
@@ -695,10 +721,11 @@ class _CudaAllocatorView(_TrackerView):
         self.points[seq] = (torch.cuda.memory_allocated(self.dev), torch.cuda.max_memory_allocated(self.dev))
         torch.cuda.reset_peak_memory_stats(self.dev)
 
-    def apply(self, events: list[_Event], static_bytes: int) -> None:
+    def apply(self, events: list[_Event], static_bytes: int) -> bool:
         for ev in events:
             if ev.seq in self.points:
                 ev.live_bytes, ev.peak_bytes = self.points[ev.seq]
+        return True
 
 
 class _CpuAllocatorView(_TrackerView):
@@ -719,13 +746,14 @@ class _CpuAllocatorView(_TrackerView):
         with torch.autograd.profiler.record_function(f"{self.PREFIX}{seq}"):
             pass
 
-    def apply(self, events: list[_Event], static_bytes: int) -> None:
+    def apply(self, events: list[_Event], static_bytes: int) -> bool:
+        from planner.profiling.measure import cpu_allocations
+
         kev = self.prof.profiler.kineto_results.events()
-        cpu = torch.autograd.DeviceType.CPU
-        mem = sorted((e.start_ns(), e.nbytes()) for e in kev if e.name() == "[memory]" and e.device_type() == cpu)
+        mem = cpu_allocations(self.prof)
         marks = {int(e.name()[len(self.PREFIX):]): e.start_ns() for e in kev if e.name().startswith(self.PREFIX)}
         if len(marks) < len(events):
-            return  # the profiler lost markers: keep the tracker's view
+            return False  # the profiler lost markers: keep the tracker's view
         running = peak = 0
         i = 0
         for ev in events:
@@ -737,6 +765,60 @@ class _CpuAllocatorView(_TrackerView):
             ev.live_bytes = static_bytes + running
             ev.peak_bytes = static_bytes + max(peak, running)
             peak = running
+        return True
+
+
+class _AsRunRecorder(Recorder):
+    """The memory step's events, marked in the allocator's view with nothing else running (NOTE [ Step as run ])."""
+
+    def __init__(self, model: torch.nn.Module, view: _TrackerView):
+        self.view = view
+        self.events: list[_Event] = []
+        super().__init__(model)
+
+    def _note(self, kind: str, unit: UnitCall | None) -> int:
+        seq = len(self.events)
+        self.events.append(_Event(seq, kind, unit.id if unit else None, 0, 0))
+        self.view.note(seq)
+        return seq
+
+
+@dataclass
+class AsRun:
+    """What ``as_run_timeline`` saw."""
+
+    unit_ids: list[str]
+    """The units of the as-run step (NOTE [ Worst step ])."""
+    matched: bool
+    """Its events were the memory step's and the allocator gave their bytes: the memory step's events now
+    carry the as-run live and peak bytes."""
+    tracked_peak_bytes: int = 0
+    """The memory step's peak before its events took the as-run bytes."""
+    excess_live_bytes: int = 0
+    """The most the memory step had alive beyond the as-run step at one event (NOTE [ Step as run ], Rule 3)."""
+    excess_at: str = ""
+    """That event, e.g. 'fwd_end of h.0'."""
+
+
+def as_run_timeline(model: torch.nn.Module, step: Callable, dev: torch.device, mem: _Memory, *,
+                    recipe: schema.Recipe) -> AsRun:
+    """Run the step as the user runs it and, when its events are the memory step's, give those events the
+    allocator's live and peak bytes of this run (NOTE [ Step as run ])."""
+    release_grads(model, dev, recipe)
+    with _allocator_view(dev) as view, _AsRunRecorder(model, view) as rec:
+        step(rec.mark)
+    events = mem.recorder.events
+    ids = [u.id for u in rec.units]
+    if [(e.kind, e.unit) for e in rec.events] != [(e.kind, e.unit) for e in events]:
+        return AsRun(ids, False)
+    if not view.apply(rec.events, mem.static_bytes):
+        return AsRun(ids, False)
+    tracked = max((e.peak_bytes for e in events), default=0)
+    excess, at = max(((mine.live_bytes - theirs.live_bytes, f"{mine.kind} of {mine.unit}" if mine.unit else mine.kind)
+                      for mine, theirs in zip(events, rec.events)), default=(0, ""), key=lambda x: x[0])
+    for mine, theirs in zip(events, rec.events):
+        mine.live_bytes, mine.peak_bytes = theirs.live_bytes, theirs.peak_bytes
+    return AsRun(ids, True, tracked, excess, at)
 
 
 @contextlib.contextmanager
@@ -793,7 +875,9 @@ def release_grads(model: torch.nn.Module, dev: torch.device, recipe: schema.Reci
 
 
 def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimizer: str, recipe: schema.Recipe,
-              times: StepTimes, mem: _Memory, measured: Measured, warmup_steps: int, steps: int) -> schema.Profile:
+              times: StepTimes, mem: _Memory, measured: Measured, warmup_steps: int, steps: int, *,
+              as_run: AsRun | None = None) -> schema.Profile:
+    """The ``schema.Profile`` of what the steps recorded; ``as_run`` is what ``as_run_timeline`` saw, if it ran."""
     rec = mem.recorder
     notes: list[str] = []
     if opt_note := _OPTIMIZER_NOTE.get(optimizer.lower()):
@@ -821,10 +905,17 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
         notes.append(rec.op_time_note)
     if rec.unattributed_saves:
         notes.append(f"{rec.unattributed_saves} tensor(s) saved for backward outside any module call were ignored")
-    tracker_peak = max((e.peak_bytes for e in rec.events), default=0)
-    if measured.peak_bytes and abs(measured.peak_bytes - tracker_peak) > 0.02 * measured.peak_bytes:
-        notes.append(f"tracked peak {tracker_peak} bytes differs from the {measured.source} peak "
-                     f"{measured.peak_bytes} bytes by more than 2%")
+    timeline_peak = max((e.peak_bytes for e in rec.events), default=0)
+    matched = as_run is not None and as_run.matched
+    if matched and abs(as_run.tracked_peak_bytes - timeline_peak) > 0.02 * max(timeline_peak, 1):
+        notes.append(f"the step runs differently under remat's tracker (NOTE [ Step as run ]): it peaked at "
+                     f"{as_run.tracked_peak_bytes} bytes there and at {timeline_peak} bytes as run; the timeline is "
+                     f"the step as run")
+    if measured.peak_bytes and abs(measured.peak_bytes - timeline_peak) > 0.02 * measured.peak_bytes:
+        notes.append(f"{'as-run' if matched else 'tracked'} peak {timeline_peak} bytes differs from the "
+                     f"{measured.source} peak {measured.peak_bytes} bytes by more than 2%")
+    structure = step_structure({**{f"timing step {i + 1}": ids for i, ids in enumerate(times.unit_ids)},
+                                "memory step": memory_ids, **({"as-run step": as_run.unit_ids} if as_run else {})})
     step = schema.StepRecord(
         params_bytes=mem.params_bytes,
         buffers_bytes=mem.buffers_bytes + mem.found_bytes,
@@ -842,6 +933,8 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
         peak_source=measured.source,
         warmup_steps=warmup_steps,
         measured_steps=steps,
+        timeline_source="as-run" if matched else "tracked",
+        tracked_peak_bytes=as_run.tracked_peak_bytes if matched else None,
     )
     return schema.Profile(
         fingerprint=fingerprint(model, inputs),
@@ -859,8 +952,46 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
         ops=rec.op_records(remap),
         timeline=rec.timeline(),
         step=step,
+        step_structure=structure,
         notes=notes,
     )
+
+
+# NOTE [ Worst step ]
+#
+# Some models run a different set of modules from one step to the next: stochastic depth
+# (Hugging Face's ``layerdrop`` in Wav2Vec2, HuBERT and others, on by default) skips whole
+# layers at random. A profile of a step that skipped layer 0 never offers it to the solver, and
+# every step that runs it peaks above the prediction.
+#
+# Rule 1. remat plans for the worst step the model can take: every layer running. It gets
+# there by switching stochastic depth off while it measures (a 'measure' step change, NOTE
+# [ Step changes ], Rule 2: Hugging Face's ``layerdrop``, as a module attribute or in the
+# config, is 0 while profiling, in the validation step and in ``remat verify``, and restored
+# after), not by profiling until every layer happened to run: a forced step is reached in one
+# step, every time, and its change is recorded where the user reads it.
+# Rule 2. The step's structure is part of the profile (``Profile.step_structure``): every
+# unit seen in some profiled step (timing steps, memory step, as-run step), and which step
+# skipped which. Skipping that remat cannot switch off shows there; when the memory step (the
+# one the plan is made from) skipped a unit another step ran, the profile is refused
+# (``planner.profiling.profiler.reconcile``) instead of planning for a lucky step.
+
+
+def step_structure(steps: Mapping[str, list[str]]) -> schema.StepStructure:
+    """Every unit seen in ``steps`` (step name -> unit ids in forward order), in forward order, and what
+    each step skipped (NOTE [ Worst step ])."""
+    seen: list[str] = []
+    for ids in steps.values():
+        at = 0
+        for uid in ids:
+            if uid in seen:
+                at = seen.index(uid) + 1
+            else:
+                seen.insert(at, uid)
+                at += 1
+    ran = {name: set(ids) for name, ids in steps.items()}
+    skipped = {name: [u for u in seen if u not in ran[name]] for name in steps}
+    return schema.StepStructure(units_seen=seen, skipped={k: v for k, v in skipped.items() if v})
 
 
 _OPTIMIZER_NOTE = {

@@ -19,6 +19,11 @@
 # the whole model, while training with gradients enabled: the topmost Hugging Face model
 # whose config enables the cache is called with ``use_cache=False``. Generation (no grad, or
 # eval mode) is untouched.
+#
+# Rule 2. Changes have a scope. 'train' changes (Rule 1) are made when profiling and again by
+# ``apply_plan``; 'measure' changes only while remat measures the step (profiling, its
+# validation step, ``remat verify``), never in the user's training: see NOTE [ Worst step ] in
+# planner/profiling/recording.py for the one there is (layerdrop off, so every layer runs).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,16 +44,80 @@ from planner.model.schema import StepChange
 logger = logging.getLogger("remat")
 
 HF_CACHE_OFF = "hf_use_cache_off"
+LAYERDROP_OFF = "hf_layerdrop_off"
 
 
-def find_step_changes(model: nn.Module) -> list[StepChange]:
-    """The changes remat makes to ``model``'s training step (see NOTE [ Step changes ])."""
-    return [StepChange(kind=HF_CACHE_OFF, module=name,
-                       reason=f"{type(m).__name__} has config.use_cache=True: a checkpointed layer would add its "
-                              f"keys and values to the cache again when recomputed, and the cache would keep "
-                              f"alive what checkpointing frees (Hugging Face's gradient checkpointing turns "
-                              f"the cache off too)")
-            for name, m in _topmost_caching_hf_models(model)]
+def find_step_changes(model: nn.Module, *, measuring: bool = False) -> list[StepChange]:
+    """The changes remat makes to ``model``'s training step (see NOTE [ Step changes ]); with ``measuring``,
+    also those it makes only while it measures the step (Rule 2)."""
+    found = [StepChange(kind=HF_CACHE_OFF, module=name,
+                        reason=f"{type(m).__name__} has config.use_cache=True: a checkpointed layer would add its "
+                               f"keys and values to the cache again when recomputed, and the cache would keep "
+                               f"alive what checkpointing frees (Hugging Face's gradient checkpointing turns "
+                               f"the cache off too)")
+             for name, m in _topmost_caching_hf_models(model)]
+    if measuring:
+        found += [StepChange(kind=LAYERDROP_OFF, module=name, scope="measure",
+                             reason=f"{type(m).__name__} skips each of its layers at random while training "
+                                    f"(layerdrop {p:g}); remat measures the step in which every layer runs, the "
+                                    f"worst one, and plans for it")
+                  for name, m, p in _layerdrops(model)]
+    return found
+
+
+def _layerdrops(model: nn.Module) -> list[tuple[str, nn.Module, float]]:
+    """Modules whose forward skips layers at random (Hugging Face's ``layerdrop``, in a module attribute or
+    its config), with the probability as configured (also while remat has it set to 0)."""
+    out: list[tuple[str, nn.Module, float]] = []
+    configs: set[int] = set()
+    for name, m in model.named_modules():
+        cfg = getattr(m, "config", None)
+        mine = _probability(m, "layerdrop")
+        theirs = _probability(cfg, "layerdrop") if cfg is not None and id(cfg) not in configs else 0.0
+        if cfg is not None:
+            configs.add(id(cfg))
+        if mine or theirs:
+            out.append((name, m, max(mine, theirs)))
+    return out
+
+
+_ZEROED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Object (module or config) -> its layerdrop while remat has it at 0, so a nested profile finds it."""
+
+
+def _probability(obj: Any, attr: str) -> float:
+    if obj is None:
+        return 0.0
+    try:
+        saved = _ZEROED.get(obj)
+    except TypeError:  # not weak-referenceable
+        saved = None
+    v = saved if saved is not None else getattr(obj, attr, None)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0.0
+
+
+def _zero_layerdrop(m: nn.Module) -> Callable[[], None] | None:
+    """Set ``layerdrop`` to 0 on ``m`` and its config; the undo, or None when nothing was set."""
+    undo: list[Callable[[], None]] = []
+    for obj in (m, getattr(m, "config", None)):
+        if obj is None or _probability(obj, "layerdrop") == 0.0 or getattr(obj, "layerdrop", 0) == 0:
+            continue
+        _ZEROED[obj] = value = obj.layerdrop
+        obj.layerdrop = 0.0
+
+        def restore(obj: Any = obj, value: Any = value) -> None:
+            obj.layerdrop = value
+            _ZEROED.pop(obj, None)
+
+        undo.append(restore)
+    if not undo:
+        return None
+
+    def restore_all() -> None:
+        for u in reversed(undo):
+            u()
+
+    return restore_all
 
 
 def _topmost_caching_hf_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -99,10 +169,13 @@ class _CacheOffForward:
 class Installed:
     """Step changes installed on a model; ``remove()`` undoes them (idempotent)."""
 
-    def __init__(self, forwards: list[_CacheOffForward]):
+    def __init__(self, forwards: list[_CacheOffForward], undo: list[Callable[[], None]] | None = None):
         self._forwards = forwards
+        self._undo = undo or []
 
     def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
         while self._forwards:
             fwd = self._forwards.pop()
             if fwd.module.__dict__.get("forward") is not fwd:
@@ -113,12 +186,16 @@ class Installed:
                 del fwd.module.forward
 
 
-def install(model: nn.Module, changes: list[StepChange], *, say: bool = True) -> Installed:
-    """Install ``changes`` on ``model``; raises ``BadInput`` for one that names no module of it."""
+def install(model: nn.Module, changes: list[StepChange], *, say: bool = True,
+            scopes: tuple[str, ...] = ("train",)) -> Installed:
+    """Install those of ``changes`` whose scope is in ``scopes`` (NOTE [ Step changes ], Rule 2) on ``model``;
+    raises ``BadInput`` for one that names no module of it."""
     from planner.errors import BadInput
 
     modules = dict(model.named_modules())
     forwards: list[_CacheOffForward] = []
+    undo: list[Callable[[], None]] = []
+    changes = [c for c in changes if c.scope in scopes]
     for change in changes:
         m = modules.get(change.module)
         if m is None:
@@ -128,9 +205,11 @@ def install(model: nn.Module, changes: list[StepChange], *, say: bool = True) ->
             fwd = _CacheOffForward(m, m.__dict__.get("forward"))
             m.forward = fwd
             forwards.append(fwd)
-    if say and forwards:  # already installed (profile_within, then profile): said already
+        if change.kind == LAYERDROP_OFF and (restore := _zero_layerdrop(m)) is not None:
+            undo.append(restore)
+    if say and (forwards or undo):  # already installed (profile_within, then profile): said already
         describe(changes)
-    return Installed(forwards)
+    return Installed(forwards, undo)
 
 
 @contextlib.contextmanager
@@ -138,8 +217,8 @@ def profiled_with_step_changes(model: nn.Module) -> Iterator[list[StepChange]]:
     """The model's step changes installed for the duration (a profiling path runs the step the plan will
     run); yields them, to record in the profile. Nested, the inner one finds them installed: nothing new
     is installed or said."""
-    changes = find_step_changes(model)
-    installed = install(model, changes)
+    changes = find_step_changes(model, measuring=True)
+    installed = install(model, changes, scopes=("train", "measure"))
     try:
         yield changes
     finally:
@@ -149,5 +228,6 @@ def profiled_with_step_changes(model: nn.Module) -> Iterator[list[StepChange]]:
 def describe(changes: list[StepChange]) -> None:
     """Say once on stderr what remat changes in the training step."""
     for c in changes:
-        logger.warning("remat: training steps of %s run with use_cache=False: %s",
-                       repr(c.module) if c.module else "the model", c.reason)
+        what = "with use_cache=False" if c.kind == HF_CACHE_OFF else "with every layer (layerdrop 0) while measured"
+        logger.warning("remat: training steps of %s run %s: %s", repr(c.module) if c.module else "the model",
+                       what, c.reason)
