@@ -17,11 +17,13 @@ from torch import nn
 
 from planner.act.api import graph_for, plan_from_profile
 from planner.act.applier import apply_plan
-from solvers.cost_model import simulate
+from planner.act.verify import verify
+from solvers.cost_model import simulate, window_bytes
 from planner.profiling.measure import make_optimizer, make_step, measure_step
 from planner.profiling import profile
 from planner.model.schema import PLAN_SCHEMA_VERSION, OpRef, Plan, SelectiveRegion
 from planner.profiling.tracker import iter_tensors, storage_bytes
+from planner.sizes import format_bytes
 from solvers import SOLVERS
 from solvers.selective import OpCall, build_menu, describe
 
@@ -340,3 +342,25 @@ def test_dropout_mask_is_kept_with_its_writers(prof, graph, plan):
     loss, got = _grads(planned)
     assert handle.recompute_count == 1
     assert torch.equal(loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_verify_worst_window_of_a_selective_plan(plan, graph):
+    """The per-window predictions include the selective regions (issue #29: a Phi-3 plan predicted a
+    72.43 MiB peak and, ignoring its regions, a 108.96 MiB window): no window above the plan's peak, and
+    verify's worst-window line shows the plan's prediction for that window."""
+    windows = plan.predicted.windows
+    regions = {r.unit: next(k for k, p in enumerate(graph.nodes[r.unit]["menu"]) if _same_policy(p, r))
+               for r in plan.selective}
+    assert windows == {k: v for k, v in window_bytes(graph, plan.checkpoint_units, selective=regions).items()
+                       if k in windows}
+    assert max(windows.values()) <= plan.predicted.peak_bytes
+    report = verify(_net(), plan, inputs=_inputs(), loss_fn=_loss, device="cpu", steps=1, tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.worst_window_predicted_bytes == windows[report.worst_window]
+    (row,) = [r for r in report.rows() if r[0] == f"worst window: {report.worst_window}"]
+    assert row[1:3] == (format_bytes(report.worst_window_predicted_bytes),
+                        format_bytes(report.worst_window_measured_bytes))
+
+
+def _same_policy(policy, region: SelectiveRegion) -> bool:
+    return policy.saved == tuple((o.op, o.index) for o in region.save)

@@ -162,3 +162,59 @@ def test_step_structure_merges_the_steps_in_forward_order():
     s = step_structure({"timing step 1": ["<root>", "a", "c"], "memory step": ["<root>", "b", "c"]})
     assert s.units_seen == ["<root>", "b", "a", "c"] or s.units_seen == ["<root>", "a", "b", "c"]
     assert s.skipped == {"timing step 1": ["b"], "memory step": ["a"]}
+
+
+# ----------------------------------------------------------------------------- randomness outside torch
+
+
+class MasksFromNumpy(Block):
+    """Replaces a span of rows by a learned embedding, the span drawn from numpy's global generator, as
+    Wav2Vec2's SpecAugment masks time steps (NOTE [ Randomness outside torch ])."""
+
+    def __init__(self):
+        super().__init__()
+        self.masked = nn.Parameter(torch.randn(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        start = int(np.random.randint(0, ROWS - 16))
+        keep = torch.ones(ROWS, 1)
+        keep[start:start + 16] = 0.0
+        return super().forward(x * keep + self.masked * (1 - keep))
+
+
+class MaskedStack(Stack):
+    def __init__(self):
+        super().__init__(Block)
+        self.layers[1] = MasksFromNumpy()
+
+
+def test_numpy_masks_are_seeded_by_verify_and_replayed_by_the_recompute():
+    import random
+
+    import numpy as np
+
+    prof = planner.profile(MaskedStack(), _batch(), loss_fn=_loss, device="cpu", optimizer="none", steps=1)
+    plan = _plan_between(prof, 0.0)
+    assert "layers.1" in plan.checkpoints  # the masking layer is recomputed in backward
+    np.random.seed(7)
+    random.seed(7)
+    np_before, py_before = np.random.get_state()[1].copy(), random.getstate()
+    report = verify(MaskedStack(), plan, inputs=_batch(), loss_fn=_loss, device="cpu", steps=1, tolerance=0.0)
+    # the same masks in both runs, and the recompute drew the forward's: gradients bit for bit
+    assert report.max_grad_diff == 0.0 and report.ok, report.problems
+    assert (np.random.get_state()[1] == np_before).all() and random.getstate() == py_before  # restored
+
+    # the recompute alone: a step of the planned model equals the plain model's from one seed
+    grads = []
+    for planned in (False, True):
+        model = MaskedStack()
+        handle = apply_plan(model, plan, inputs=_batch()) if planned else None
+        np.random.seed(3)
+        _loss(model(_batch())).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if handle:
+            assert handle.recompute_count >= 1
+            handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

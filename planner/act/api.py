@@ -183,7 +183,8 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
             recompute_ms=round(est.recompute_ms, 6), step_ms=round(est.step_ms, 6), peak_at=est.peak_at,
             no_checkpoint_peak_bytes=simulate(g, []).peak_bytes,
             min_feasible_bytes=sol.min_feasible_bytes,
-            windows={k: v for k, v in window_bytes(g, est.checkpointed).items() if k.startswith(_WINDOWS)},
+            windows={k: v for k, v in window_bytes(g, est.checkpointed, selective=est.selective).items()
+                     if k.startswith(_WINDOWS)},
         ),
         granularity=g.graph["granularity"], device=profile.device, device_name=profile.device_name,
         target=profile.target, dtype=profile.dtype, recipe=profile.recipe, optimizer=profile.optimizer,

@@ -37,7 +37,10 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 # draw a different mask when recomputed (silently wrong gradients).
 # A recomputation is recognised without any global flag: every call builds a fresh inner
 # function for ``checkpoint``; its first run is the forward, any later run of the same function
-# is ``checkpoint`` replaying it during backward. Under ``torch.compile`` the region becomes a
+# is ``checkpoint`` replaying it during backward. The forward notes numpy's and Python's
+# generators, and the replay runs from that state and puts the current one back, as
+# ``preserve_rng_state`` does for torch's (NOTE [ Randomness outside torch ] in
+# planner/profiling/rng.py). Under ``torch.compile`` the region becomes a
 # ``tag_activation_checkpoint`` higher-order op and the compiled backward recomputes it, so no
 # Python runs at recompute time and nothing is counted.
 #
@@ -123,6 +126,7 @@ from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import fingerprint, input_tensors
 from planner.model.schema import Fingerprint, Plan, StepChange, TensorSig
+from planner.profiling.rng import HostRngState
 from planner.profiling.step_changes import Installed, find_step_changes, install
 from planner.sizes import format_bytes
 
@@ -193,16 +197,23 @@ class CheckpointedForward:
 
     def _replayable(self, n_args: int, keys: tuple[str, ...]):
         first_run = True
+        host = None  # numpy's and Python's generators as the forward found them (NOTE [ Randomness outside torch ])
 
         def run(*flat: Any) -> Any:
-            nonlocal first_run
+            nonlocal first_run, host
             args, kwargs = flat[:n_args], dict(zip(keys, flat[n_args:]))
             if first_run:
                 first_run = False
+                host = HostRngState.capture()
                 return self.inner(*args, **kwargs)
             self.counts.recomputes += 1
-            with _running_stats_kept(self.norms):
-                return self.inner(*args, **kwargs)
+            now = HostRngState.capture()
+            host.restore()
+            try:
+                with _running_stats_kept(self.norms):
+                    return self.inner(*args, **kwargs)
+            finally:
+                now.restore()
 
         return run
 

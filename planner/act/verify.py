@@ -13,8 +13,8 @@ the device at a time so neither sees the other's memory): without the plan, then
 run does the step of ``planner.profiling.measure.make_step`` with the plan's optimizer at lr=0 (its state
 is allocated, the weights do not move) and amp setting:
 
-1. one step from the identical starting state with ``torch.manual_seed`` reset, so dropout
-   draws the same masks: its loss, gradients and buffers (BatchNorm statistics) are compared,
+1. one step from the identical starting state with every generator seeded (torch's, numpy's and
+   Python's, NOTE [ Randomness outside torch ]), so dropout and SpecAugment draw the same masks: its loss, gradients and buffers (BatchNorm statistics) are compared,
    and it counts the recomputed forwards;
 2. ``steps`` timed steps (the median is the step time), at the plan's thread count and on the
    profile's clock (``planner.profiling.timing.pick_clock``: on the CPU at one thread the thread's CPU
@@ -50,6 +50,7 @@ from planner.profiling.measure import Measured, free, make_optimizer, make_step,
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
 from planner.profiling.profiler import resolve_device
 from planner.model.schema import Plan, Recipe
+from planner.profiling import rng
 from planner.profiling.step_changes import install
 from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.profiling.timing import num_threads, pick_clock
@@ -210,7 +211,7 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
                        options=("device",))
     say = progress or (lambda _msg: None)
     threads = threads or (plan.threads if dev.type == "cpu" else None)
-    with num_threads(threads):
+    with num_threads(threads), rng.kept(dev):  # the caller's generators as they were (NOTE [ Randomness outside torch ])
         clock = pick_clock(dev, torch.get_num_threads())
         say(f"training {_steps_run(plan, steps, planned=False)} steps without the plan")
         base = _run(master, inputs, loss_fn, plan, dev, steps, clock, planned=False)
@@ -273,7 +274,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
         if name == "forward_end":
             losses.append(float(value.detach()))
 
-    torch.manual_seed(SEED)
+    rng.seed_all(SEED)
     step(mark)
     grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
              for n, p in model.named_parameters()}
@@ -282,7 +283,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
 
     times, walls = [], []
     for i in range(steps):
-        torch.manual_seed(SEED + 1 + i)
+        rng.seed_all(SEED + 1 + i)
         sync(dev)
         wall, start = time.perf_counter(), clock.stamp()
         step()
@@ -297,11 +298,11 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     kept = (p.grad for p in model.parameters() if p.grad is not None)
     static = storage_bytes(itertools.chain(model.parameters(), model.buffers(), kept,
                                            iter_tensors(*opt.state.values()) if opt else (), iter_tensors(batch)))
-    torch.manual_seed(SEED)
+    rng.seed_all(SEED)
     peak = measure_step(step, dev, static_bytes=static)
     windows: dict[str, int | None] = {}
     if planned and plan.predicted.windows:
-        torch.manual_seed(SEED)
+        rng.seed_all(SEED)
         leaves = [k[len("forward of "):] for k in plan.predicted.windows if k.startswith("forward of ")]
         windows = window_peaks(memory_step(model, step, batch, opt, dev, recipe=plan.recipe).recorder.timeline(), leaves)
     run = _Run(losses[0], grads, buffers, statistics.median(times), statistics.median(walls), peak,

@@ -43,6 +43,7 @@ from pydantic import BaseModel, Field
 from planner.children import PARENT_ENV, die_with_parent, end
 from planner.errors import BadInput, ProfileError
 from planner.model.schema import Plan
+from planner.profiling import rng
 from planner.sizes import format_bytes
 
 SEED = 1234
@@ -239,12 +240,15 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
     from planner.profiling.measure import free, measure_step, to_device
     from planner.profiling.model_file import load_model_file
     from planner.act.sharding import shard_for_plan
+    from planner.profiling.step_changes import install
 
     mf = load_model_file(args.model_file)
-    torch.manual_seed(SEED)  # the same weights on every rank and in the reference
+    rng.seed_all(SEED)  # the same weights on every rank and in the reference
     model = mf.build_model().to(dev).train()
     batch = to_device(mf.example_inputs(), dev)
     handle = apply_plan(model, plan, inputs=batch) if planned else None
+    # the step the plan was made for (NOTE [ Step changes ], Rule 2); the plan's own when unplanned
+    changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))
     model = shard_for_plan(model, plan, device=dev)
     step, opt, loss = _compared_step(model, batch, mf.loss_fn, plan)
     if grads_path is not None:
@@ -254,15 +258,16 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
         del full
     recomputes = handle.recompute_count if handle else 0
     for i in range(args.steps):
-        torch.manual_seed(SEED + 1 + i)
+        rng.seed_all(SEED + 1 + i)
         step()
     model.zero_grad(set_to_none=True)
     gc.collect()
-    torch.manual_seed(SEED)
+    rng.seed_all(SEED)
     peak = measure_step(step, dev)
     run = _RankRun(peak.peak_bytes, peak.source, loss, recomputes)
     if handle:
         handle.remove()
+    changes.remove()
     del model, opt, step, batch
     free(dev)
     return run
@@ -275,7 +280,7 @@ def _compared_step(model: torch.nn.Module, batch: Any, loss_fn: Any, plan: Plan)
     opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
     step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
     losses: list[float] = []
-    torch.manual_seed(SEED)
+    rng.seed_all(SEED)
     step(lambda name, value: losses.append(float(value.detach())) if name == "forward_end" else None)
     return step, opt, losses[0]
 
@@ -296,13 +301,15 @@ def _reference(args: _Args) -> tuple[float, dict[str, torch.Tensor | None]]:
     """One process, the plain model, the same batch and seeds: the loss and gradients of the compared step."""
     from planner.profiling.measure import free, to_device
     from planner.profiling.model_file import load_model_file
+    from planner.profiling.step_changes import install
 
     plan = Plan.model_validate_json(args.plan_json)
     dev = torch.device(args.device_type)
     mf = load_model_file(args.model_file)
-    torch.manual_seed(SEED)
+    rng.seed_all(SEED)
     model = mf.build_model().to(dev).train()
     batch = to_device(mf.example_inputs(), dev)
+    install(model, plan.step_changes, say=False, scopes=("train", "measure"))  # the step the plan was made for
     step, _opt, loss = _compared_step(model, batch, mf.loss_fn, plan)
     grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     del model, step, _opt, batch

@@ -215,11 +215,13 @@ def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int
 
 @contextlib.contextmanager
 def restoring_model(model: torch.nn.Module, dev: torch.device) -> Iterator[None]:
-    """Give the model back as it came: train/eval flags, buffers, RNG state; gradients cleared."""
+    """Give the model back as it came: train/eval flags, buffers, every RNG's state (NOTE [ Randomness outside
+    torch ]); gradients cleared."""
+    from planner.profiling import rng
+
     modes = [(m, m.training) for m in model.modules()]
     buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers()}
-    cuda = [dev.index] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+    with rng.kept(dev):
         try:
             yield
         finally:

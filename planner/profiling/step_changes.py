@@ -81,17 +81,20 @@ def _layerdrops(model: nn.Module) -> list[tuple[str, nn.Module, float]]:
     return out
 
 
-_ZEROED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Object (module or config) -> its layerdrop while remat has it at 0, so a nested profile finds it."""
+_ZEROED: dict[int, tuple[weakref.ref, Any]] = {}
+"""id of an object (module or config; configs are not hashable) -> (a weak reference to it, its layerdrop)
+while remat has the layerdrop at 0, so that a nested profile still finds the change."""
+
+
+def _saved_layerdrop(obj: Any) -> Any:
+    entry = _ZEROED.get(id(obj))
+    return entry[1] if entry is not None and entry[0]() is obj else None
 
 
 def _probability(obj: Any, attr: str) -> float:
     if obj is None:
         return 0.0
-    try:
-        saved = _ZEROED.get(obj)
-    except TypeError:  # not weak-referenceable
-        saved = None
+    saved = _saved_layerdrop(obj)
     v = saved if saved is not None else getattr(obj, attr, None)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0.0
 
@@ -102,12 +105,13 @@ def _zero_layerdrop(m: nn.Module) -> Callable[[], None] | None:
     for obj in (m, getattr(m, "config", None)):
         if obj is None or _probability(obj, "layerdrop") == 0.0 or getattr(obj, "layerdrop", 0) == 0:
             continue
-        _ZEROED[obj] = value = obj.layerdrop
+        value = obj.layerdrop
+        _ZEROED[id(obj)] = (weakref.ref(obj), value)
         obj.layerdrop = 0.0
 
         def restore(obj: Any = obj, value: Any = value) -> None:
             obj.layerdrop = value
-            _ZEROED.pop(obj, None)
+            _ZEROED.pop(id(obj), None)
 
         undo.append(restore)
     if not undo:

@@ -41,11 +41,16 @@ from torch import nn
 from planner.errors import ProfileError
 from planner.model.schema import ExcludedUnit, Profile, RetainedBytes
 from planner.profiling.recording import io_tensors
+from planner.profiling.rng import seed_all
 
 RETAINED_MIN_BYTES = 4096
 """Smaller differences are not reported as retained: the CPU tracker counts exact bytes, and
 CUDA rounds each storage to 512 bytes, so a few KiB is below anything a cache or an
 attribute holds."""
+
+
+VALIDATION_SEED = 1234
+"""Every generator is seeded with this before the validation step, so it draws the same numbers each time."""
 
 
 class Validation(NamedTuple):
@@ -192,6 +197,7 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
         tracker.register_static(model.parameters())
         tracker.register_static(model.buffers())
         tracker.register_static(iter_tensors(inputs))
+        seed_all(VALIDATION_SEED)  # restoring_model puts every generator back (NOTE [ Randomness outside torch ])
         try:
             with tracker:
                 step(mark)
