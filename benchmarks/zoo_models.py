@@ -43,7 +43,7 @@ class ModelSpec:
     """One zoo model: how to build it and a batch for it, and what it needs installed."""
 
     name: str
-    family: str  # decoder, moe, encoder, vision, enc-dec, cnn, shared, pytorch
+    family: str  # decoder, moe, encoder, vision, enc-dec, ssm, speech, lora, cnn, shared, pytorch
     build: Callable[[Size], nn.Module]
     inputs: Callable[[Size], Any]
     requires: str = "transformers"  # the import the spec needs
@@ -182,6 +182,40 @@ def _bart(s: Size) -> nn.Module:
                decoder_attention_heads=s.heads, encoder_ffn_dim=s.hidden * 4, decoder_ffn_dim=s.hidden * 4)
 
 
+# ----------------------------------------------------------------------------- state spaces, speech, adapters
+
+
+def _mamba(s: Size) -> nn.Module:
+    # without mamba_ssm's kernels (none on the CPU) its mixer runs the reference scan, a Python loop over
+    # tokens: a step that runs differently under a dispatch mode (NOTE [ Step as run ])
+    return _hf("MambaForCausalLM", "MambaConfig", vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers)
+
+
+def _wav2vec2(s: Size) -> nn.Module:
+    # the library's defaults keep layerdrop (0.1, NOTE [ Worst step ]) and SpecAugment (time masks drawn from
+    # numpy, NOTE [ Randomness outside torch ]) on while training; the vocabulary is its default 32 characters
+    return _hf("Wav2Vec2ForCTC", "Wav2Vec2Config", hidden_size=s.hidden, num_hidden_layers=s.layers,
+               num_attention_heads=s.heads, intermediate_size=s.hidden * 4, conv_dim=(s.hidden // 2,) * 7)
+
+
+def _speech_batch(s: Size) -> dict:
+    g = torch.Generator().manual_seed(0)
+    # 320 samples per frame (the feature encoder's strides), so ``seq`` frames; a transcript of seq // 4
+    # characters (ids from 1: 0 is CTC's blank)
+    return {"input_values": torch.randn(s.batch, 320 * s.seq + 80, generator=g),
+            "labels": torch.randint(1, 32, (s.batch, s.seq // 4), generator=g)}
+
+
+def _llama_lora(s: Size) -> nn.Module:
+    # peft's defaults: rank 8, alpha 8, no dropout, on the modules peft picks for Llama (q_proj, v_proj);
+    # the base model frozen
+    from peft import LoraConfig, get_peft_model
+
+    base = _llama_like("LlamaForCausalLM", "LlamaConfig")(s)
+    torch.manual_seed(0)
+    return get_peft_model(base, LoraConfig(task_type="CAUSAL_LM"))
+
+
 # ----------------------------------------------------------------------------- CNNs
 
 
@@ -291,6 +325,9 @@ SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("swin", "vision", _swin, _image_batch),
     ModelSpec("t5", "enc-dec", _t5, _seq2seq_batch),
     ModelSpec("bart", "enc-dec", _bart, _seq2seq_batch),
+    ModelSpec("mamba", "ssm", _mamba, _lm_batch),
+    ModelSpec("wav2vec2", "speech", _wav2vec2, _speech_batch),
+    ModelSpec("llama-lora", "lora", _llama_lora, _lm_batch, requires="peft"),
     ModelSpec("resnet", "cnn", _resnet, _image_batch),
     ModelSpec("convnext", "cnn", _convnext, _image_batch),
     ModelSpec("mobilenet-v2", "cnn", _mobilenet_v2, _image_batch),

@@ -63,9 +63,12 @@ class Estimate(BaseModel):
 #             reduce-scatter; none for the last block) + the running block's and the root
 #             group's gradients produced so far at full size (unsharded until their
 #             reduce-scatter; the root's when backward ends) instead of their 1/N share;
-#             after the last block (final norm, head, loss) the last block and its prefetched
-#             predecessor, before the first (embeddings) the first block's reduce-scatter
-#             input. bwd_extra keeps the largest case, 2R + 4B.
+#             after the last block (final norm, head, loss) the last block only: the root's
+#             pre-backward hook prefetches it, and its predecessor is prefetched when the last
+#             block's own backward starts (counting the predecessor there over-predicted T5 and
+#             Llama under FSDP2 by exactly one block's parameters at N = 2 and 4); before the first
+#             block (embeddings) the first block's reduce-scatter input. bwd_extra keeps the
+#             largest case, 2R + 4B.
 # These terms were read off FSDP2's own state inside a step (benchmarks/fsdp_memory_census.py)
 # and checked per rank by ``remat verify`` (docs/distributed.md, which also measures the first
 # version: 2R + 4B at every backward point).
@@ -344,8 +347,8 @@ class CostModel:
             here = -1 if not blocks or at_seq < blocks[0][0] else len(blocks)
         size = lambda k: blocks[k][2] if 0 <= k < len(blocks) else 0  # noqa: E731
         running = size(here) if 0 <= here < len(blocks) else size(len(blocks) - 1) if here == len(blocks) else 0
-        prefetched = (size(here - 1) if 0 <= here < len(blocks) else size(len(blocks) - 2) if here == len(blocks)
-                      else 0) if n > 1 else 0
+        # Rule 2: after the last block only the last block is unsharded (the root prefetched it)
+        prefetched = (size(here - 1) if 0 <= here < len(blocks) else 0) if n > 1 else 0
         pending_rs = size(here + 1) if here < len(blocks) else 0  # the next block's reduce-scatter input
         own = [self.grads_after(max(after_seq, lo - 1)) - self.grads_after(hi)
                for lo, hi, _ in blocks if hi > after_seq]

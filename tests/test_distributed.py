@@ -414,3 +414,22 @@ def test_unmodelled_fsdp2_options_are_refused(option, words, one_rank_group, sma
     fully_shard(model)
     with pytest.raises(BadInput, match=words):
         apply_plan(model, Plan.load(plan_file))
+
+
+def test_fsdp_after_the_last_block_only_the_last_block_is_unsharded():
+    """NOTE [ Per-rank memory ], Rule 2: in the backward of what follows the last block (final norm, head,
+    loss) FSDP2 holds the root group and the last block, which the root's pre-backward hook prefetched;
+    its predecessor is prefetched when the last block's backward starts. Counting it there over-predicted
+    examples/t5.py and examples/llama.py by exactly one block's parameters (docs/distributed.md)."""
+    import random
+
+    from planner.act.api import graph_for
+    from planner.model.synthetic import random_chain, synthetic_profile
+    from solvers.cost_model import ALIVE_SEQ, CostModel
+
+    g = graph_for(synthetic_profile(random_chain(random.Random(0), 4)), world_size=2, sharding="fsdp")
+    model, blocks = CostModel.of(g), g.graph["fsdp_blocks"]
+    root = g.graph["fsdp_root_param_bytes"]
+    last_end = blocks[-1][1]
+    assert model.backward_static(last_end, ALIVE_SEQ)[2] == root + blocks[-1][2]
+    assert model.backward_static(last_end, last_end)[2] == root + blocks[-1][2] + blocks[-2][2]

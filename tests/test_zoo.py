@@ -14,12 +14,15 @@ from benchmarks.zoo import run_model
 from benchmarks.zoo_models import BY_NAME, TINY
 
 CI_MODELS = ("llama", "t5", "mixtral", "bart", "bert", "albert", "vit", "resnet", "transformer-encoder",
-             "shared-around")
+             "shared-around", "wav2vec2", "llama-lora")
 """One per family: decoders with their default cache (Llama; Mixtral, a mixture-of-experts with
 grouped-query attention), encoder-decoders (T5 with its cache, whose replay saved fewer tensors
 before NOTE [ Step changes ]; BART), text encoder, weights shared across depth, vision
-transformer, CNN, plain PyTorch, and a module called around a stack (one decision for the
-solvers, NOTE [ Tied calls ])."""
+transformer, CNN, plain PyTorch, a module called around a stack (one decision for the
+solvers, NOTE [ Tied calls ]), a speech encoder with layerdrop and SpecAugment on (NOTE [ Worst
+step ], NOTE [ Randomness outside torch ]) and a LoRA fine-tune (peft's defaults, the base frozen).
+The Mamba is left to the full zoo: its reference scan loops over tokens in Python, 30 s a row here
+(tests/test_step_as_run.py covers a step that changes under a dispatch mode)."""
 
 
 @pytest.mark.parametrize("name", CI_MODELS)
