@@ -313,7 +313,8 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
 def step_lines(out: Console, changes: Iterable[Any], excluded: Iterable[Any], retained: Iterable[Any] = ()) -> None:
     """What remat changes in the training step, and the modules it will not checkpoint, with why."""
     for c in changes:
-        plain(out, f"step change: {c.module or 'the model'} trains with use_cache=False ({c.reason})")
+        what = "trains with use_cache=False" if c.kind == "hf_use_cache_off" else "runs every layer while measured"
+        plain(out, f"step change: {c.module or 'the model'} {what} ({c.reason})")
     for x in excluded:
         plain(out, f"never checkpointed: {x.module or '<root>'}: {x.reason}")
     for r in retained:
@@ -343,6 +344,11 @@ def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bo
     if s.measured_peak_bytes is not None:
         plain(out, f"measured peak {s.measured_peak_bytes} bytes ({format_bytes(s.measured_peak_bytes)}) "
                    f"[{s.peak_source}]")
+    if s.timeline_source == "as-run":
+        plain(out, f"timeline: the step as run (under the tracker it peaked at "
+                   f"{format_bytes(s.tracked_peak_bytes or 0)})")
+    for step, units in profile.step_structure.skipped.items():
+        plain(out, f"{step} skipped {', '.join(units)}")
     for note in profile.notes:
         plain(out, f"note: {note}")
     step_lines(out, profile.step_changes, profile.excluded, profile.retained)
