@@ -40,14 +40,15 @@ def build_model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(GPT2Config(**CONFIG))
 
 
-def dataset() -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+def dataset(seq_len: int = SEQ_LEN) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, seq_len), generator=torch.Generator().manual_seed(0))
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def example_inputs() -> dict[str, torch.Tensor]:
-    """The first batch the Trainer trains on; with build_model() this file is a model file too."""
-    rows = dataset()[:BATCH_SIZE]
+def example_inputs(seq_len: int = SEQ_LEN, batch: int = BATCH_SIZE) -> dict[str, torch.Tensor]:
+    """The first batch the Trainer trains on; with build_model() this file is a model file too
+    (``seq_len``/``batch``: other shapes, for a bucketed plan)."""
+    rows = dataset(seq_len)[:batch]
     return {k: torch.stack([row[k] for row in rows]) for k in ("input_ids", "labels")}
 
 
@@ -59,13 +60,15 @@ def training_args(output_dir: str, *, steps: int = 3, **overrides) -> TrainingAr
         disable_tqdm=True, **overrides)
 
 
-def make_plan(budget: str, *, solver: str = "auto", **overrides) -> planner.Plan:
+def make_plan(budget: str, *, solver: str = "auto", seq_lens: tuple[int, ...] = (SEQ_LEN,),
+              **overrides) -> planner.Plan:
     """Profile a copy of the model on one batch (here, on the CPU), running the training step the
-    Trainer with ``overrides`` runs (``training_recipe``), and plan it for ``budget``."""
+    Trainer with ``overrides`` runs (``training_recipe``), and plan it for ``budget``; with several
+    ``seq_lens``, one batch of each: a bucketed plan (NOTE [ Bucketed plans ])."""
     with tempfile.TemporaryDirectory() as tmp:
         recipe = training_recipe(training_args(tmp, **overrides))
-    return planner.plan(build_model(), budget, inputs=example_inputs(), device="cpu", solver=solver, steps=1,
-                        recipe=recipe)
+    return planner.plan(build_model(), budget, buckets=[example_inputs(n) for n in seq_lens], device="cpu",
+                        solver=solver, steps=1, recipe=recipe)
 
 
 class LossRecorder(TrainerCallback):
@@ -79,14 +82,14 @@ class LossRecorder(TrainerCallback):
             self.losses.append(logs["loss"])
 
 
-def train(plan=None, *, steps: int = 3, output_dir: str | None = None, **overrides):
-    """Train ``steps`` steps; returns (losses, trained model)."""
+def train(plan=None, *, steps: int = 3, output_dir: str | None = None, seq_len: int = SEQ_LEN, **overrides):
+    """Train ``steps`` steps on rows of ``seq_len`` tokens; returns (losses, trained model)."""
     model = build_model()
     recorder = LossRecorder()
     callbacks = [recorder] + ([RematCallback(plan)] if plan is not None else [])
     with tempfile.TemporaryDirectory() as tmp:
         args = training_args(output_dir or tmp, steps=steps, **overrides)
-        Trainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks).train()
+        Trainer(model=model, args=args, train_dataset=dataset(seq_len), callbacks=callbacks).train()
     return recorder.losses, model
 
 

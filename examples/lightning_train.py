@@ -7,7 +7,8 @@
 Needs ``pip install 'remat[lightning]'``. The ``LightningModule`` holds the model file's model as
 ``self.model`` (built in ``configure_model``); ``RematCallback`` finds it by the plan's model
 class and checkpoints the planned modules before the strategy wraps the model. Every step trains on the model file's
-``example_inputs()`` (a demo, not a data loader). Losses and weights equal the plain run's (bit
+``example_inputs()`` (a demo, not a data loader; ``--seq-len 128,512`` cycles through lengths, for a
+bucketed plan made with ``remat plan --seq-len 128,512``). Losses and weights equal the plain run's (bit
 for bit on the CPU).
 """
 
@@ -51,11 +52,16 @@ class ModelFileModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def train(model_file: str, plan=None, *, steps: int = 3, module_class=ModelFileModule, **trainer_options):
-    """Fit ``steps`` steps; returns the ``LightningModule`` (``.losses``, ``.model``, ``.trainer``)."""
+def train(model_file: str, plan=None, *, steps: int = 3, module_class=ModelFileModule,
+          shapes: list[dict[str, int]] | None = None, **trainer_options):
+    """Fit ``steps`` steps; returns the ``LightningModule`` (``.losses``, ``.model``, ``.trainer``).
+
+    ``shapes``: ``example_inputs`` keyword arguments the steps cycle through (e.g. ``[{"seq_len": 128},
+    {"seq_len": 512}]``, the lengths of a bucketed plan); default ``example_inputs()`` every step."""
     pl.seed_everything(0, verbose=False)
     module = module_class(model_file)
-    batches = [load_model_file(model_file).example_inputs() for _ in range(steps)]
+    mf, shapes = load_model_file(model_file), shapes or [{}]
+    batches = [mf.example_inputs(**shapes[i % len(shapes)]) for i in range(steps)]
     loader = torch.utils.data.DataLoader(batches, batch_size=None)  # each item is one whole batch
     trainer = pl.Trainer(max_steps=steps, accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
@@ -70,9 +76,12 @@ def main(argv=None):
                                  "or loss_fn(output, batch)")
     p.add_argument("--plan", help="plan.json from `remat plan` (omit to train without checkpointing)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seq-len", help="steps cycle through these lengths, e.g. 128,256,512 (a bucketed plan's); "
+                                     "the model file's example_inputs takes seq_len")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the plan's summary line
-    module = train(args.model, args.plan, steps=args.steps)
+    shapes = [{"seq_len": int(n)} for n in args.seq_len.split(",")] if args.seq_len else None
+    module = train(args.model, args.plan, steps=args.steps, shapes=shapes)
     for step, loss in enumerate(module.losses):
         print(f"step {step}: loss {loss:.6f}")
     return module.losses

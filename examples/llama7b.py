@@ -46,8 +46,9 @@ def build_model() -> torch.nn.Module:
     return model
 
 
-def example_inputs():
+def example_inputs(seq_len: int = SEQ_LEN, batch: int = BATCH_SIZE):
+    """One batch; ``seq_len``/``batch`` make other shapes (``remat plan --seq-len ...``)."""
     g = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN), generator=g)
+    input_ids = torch.randint(3, VOCAB_SIZE, (batch, seq_len), generator=g)
     # LlamaForCausalLM shifts labels internally.
     return {"input_ids": input_ids, "labels": input_ids.clone()}

@@ -110,9 +110,10 @@ def build_model() -> nn.Module:
     return GPT()
 
 
-def example_inputs():
+def example_inputs(seq_len: int = SEQ_LEN, batch: int = BATCH_SIZE):
+    """One batch; ``seq_len``/``batch`` make other shapes (``remat plan --seq-len ...``)."""
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, SEQ_LEN + 1), generator=g)
+    tokens = torch.randint(0, VOCAB_SIZE, (batch, seq_len + 1), generator=g)
     return (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 

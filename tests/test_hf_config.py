@@ -109,4 +109,4 @@ def test_unreadable_json_and_missing_file(tmp_path: Path):
     r = invoke("plan", "--hf", tmp_path / "nowhere", *SHAPE, "--budget", "1GB")
     assert r.exit_code == 2 and "does not exist" in r.output, r.output
     r = invoke("plan", "--batch", "2", "--budget", "1GB", "--profile", bad)
-    assert r.exit_code == 2 and "only apply with --hf" in r.output, r.output
+    assert r.exit_code == 2 and "--batch and --seq-len make batches of a model: give MODEL.py" in r.output, r.output

@@ -111,6 +111,22 @@ def test_trainer_with_accumulation_trains_a_plan_made_for_it_like_the_plain_run(
     assert same_weights(model, plain_model)
 
 
+@needs_trainer
+def test_trainer_takes_a_bucketed_plan_and_runs_the_bucket_of_its_batches():
+    import hf_trainer
+
+    from planner.act.buckets import BucketSwitch
+
+    plan = hf_trainer.make_plan("1GB", solver="all", seq_lens=(32, 64))
+    assert [b.inputs[0].shape for b in plan.buckets] == [[4, 32], [4, 64]]
+    plain_losses, plain_model = hf_trainer.train(steps=2, seq_len=32)
+    losses, model = hf_trainer.train(plan, steps=2, seq_len=32)
+    assert len(losses) == 2 and losses == plain_losses
+    assert same_weights(model, plain_model)
+    (switch,) = [h for h in model._forward_pre_hooks.values() if isinstance(h, BucketSwitch)]
+    assert switch.current == 0
+
+
 # ----------------------------------------------------------------------------- Lightning
 
 
@@ -241,3 +257,29 @@ def test_accelerate_apply_plan_before_prepare(tiny_file):
     losses, model, handle = run(True)
     assert losses == plain_losses and same_weights(model, plain_model)
     assert handle.recompute_count == 3 * len(plan.checkpoints)
+
+
+@needs_lightning
+def test_lightning_callback_takes_a_bucketed_plan(tmp_path):
+    """Steps of 16 and 64 tokens: each runs its bucket (the long one checkpoints, the short one not)."""
+    import lightning_train
+
+    import planner
+    from planner.profiling.model_file import load_model_file
+    from tests.fixtures import TINY_SEQ_MODEL
+
+    path = tmp_path / "seq.py"
+    path.write_text(TINY_SEQ_MODEL)
+    mf = load_model_file(path)
+    plan = planner.plan(mf.build_model(), "1.1e6", buckets=[mf.example_inputs(seq_len=n) for n in (16, 64)],
+                        device="cpu", steps=1)
+    assert plan.buckets[0].checkpoints == [] and plan.buckets[1].checkpoints
+    shapes = [{"seq_len": 16}, {"seq_len": 64}]
+    plain = lightning_train.train(str(path), steps=4, shapes=shapes)
+    planned = lightning_train.train(str(path), plan, steps=4, shapes=shapes)
+    assert len(planned.losses) == 4 and planned.losses == plain.losses
+    assert same_weights(planned.model, plain.model)
+    from planner.integrations.lightning import RematCallback
+
+    (callback,) = [c for c in planned.trainer.callbacks if isinstance(c, RematCallback)]
+    assert callback.handle.recompute_count == 2 * len(plan.buckets[1].checkpoints)

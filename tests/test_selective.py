@@ -21,7 +21,7 @@ from planner.act.verify import verify
 from solvers.cost_model import simulate, window_bytes
 from planner.profiling.measure import make_optimizer, make_step, measure_step
 from planner.profiling import profile
-from planner.model.schema import PLAN_SCHEMA_VERSION, OpRef, Plan, SelectiveRegion
+from planner.model.schema import SINGLE_SHAPE_PLAN_VERSION, OpRef, Plan, SelectiveRegion
 from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.sizes import format_bytes
 from solvers import SOLVERS
@@ -273,7 +273,7 @@ def _grads(model: nn.Module, run=None) -> tuple[torch.Tensor, dict[str, torch.Te
 def test_plan_file_round_trip_and_older_versions(plan, tmp_path):
     path = plan.save(tmp_path / "plan.json")
     again = Plan.load(path)
-    assert again.schema_version == PLAN_SCHEMA_VERSION == 3 and again.selective == plan.selective
+    assert again.schema_version == SINGLE_SHAPE_PLAN_VERSION == 3 and again.selective == plan.selective
     assert all(r.summary.startswith("saves ") for r in again.selective)
     old = json.loads(path.read_text())
     del old["selective"]

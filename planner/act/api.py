@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import networkx as nx
@@ -327,12 +328,18 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
          optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
          steps: int = 3, world_size: int = 1, sharding: str = "none",
          headroom: float | None = None, amp: str | None = None, target: str | None = None,
-         threads: int | None = None, recipe: Recipe | None = None, selective: bool = True) -> Plan:
+         threads: int | None = None, recipe: Recipe | None = None, selective: bool = True,
+         buckets: Sequence[Any] | None = None) -> Plan:
     """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
 
     Args:
-        model_or_profile: an ``nn.Module`` (then ``inputs`` is required) or a ``Profile``. With
+        model_or_profile: an ``nn.Module`` (then ``inputs`` or ``buckets`` is required), a ``Profile``,
+            or a list of profiles of one model at several input shapes (a bucketed plan). With
             ``device="meta"``, build it with ``planner.profiling.meta.build_on_meta`` (no memory used).
+        buckets: instead of ``inputs``, one training batch per input shape the job sees (e.g. 128,
+            256 and 512 tokens): each is profiled and planned under ``budget``, and the plans go into
+            one bucketed plan; ``apply_plan`` runs each batch under the smallest bucket that holds it
+            (NOTE [ Bucketed plans ] in planner/act/buckets.py).
         budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
             memory of ``target`` (``planner.profiling.devices.usable_bytes``).
         amp: None, ``"bf16"`` or ``"fp16"``: forward and loss under ``torch.autocast``.
@@ -352,7 +359,9 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
         BudgetInfeasible: nothing fits; ``.min_feasible_bytes`` says what would.
     """
     budget, _ = resolve_budget(budget, target)  # before minutes of profiling, not after
-    if isinstance(model_or_profile, Profile):
+    if isinstance(model_or_profile, (list, tuple)):
+        profiles = list(model_or_profile)
+    elif isinstance(model_or_profile, Profile):
         prof = model_or_profile
         ignored = [name for name, value, default in (
             ("inputs", inputs, None), ("loss_fn", loss_fn, None), ("device", device, "auto"), ("steps", steps, 3),
@@ -364,16 +373,44 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
         if ignored:
             raise BadInput(f"plan(profile, ...) plans the step the profile measured; these arguments would change "
                            f"what is measured, and nothing is: {', '.join(ignored)}. Drop them, or profile again")
+        profiles = [prof]
     else:
-        if inputs is None:
-            raise BadInput("plan(model, ...) needs inputs=<one training batch>; or pass a Profile")
+        if (inputs is None) == (buckets is None):
+            raise BadInput("plan(model, ...) needs inputs=<one training batch> or buckets=[<one batch per shape>]; "
+                           "or pass a Profile")
         from planner.profiling import profile as run_profile
 
         meta = str(device).strip().lower() == "meta"
-        prof = run_profile(model_or_profile, inputs, loss_fn=loss_fn, device=device, optimizer=optimizer,
-                           steps=steps, amp=amp, recipe=recipe, target=target if meta else None, threads=threads)
-    return plan_from_profile(prof, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
-                             world_size=world_size, sharding=sharding, headroom=headroom, selective=selective)
+        profiles = [run_profile(model_or_profile, batch, loss_fn=loss_fn, device=device, optimizer=optimizer,
+                                steps=steps, amp=amp, recipe=recipe, target=target if meta else None, threads=threads)
+                    for batch in ([inputs] if buckets is None else buckets)]
+    return plan_buckets(profiles, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
+                        world_size=world_size, sharding=sharding, headroom=headroom, selective=selective)
+
+
+def plan_buckets(profiles: Sequence[Profile], budget: int | str, *, shapes: Sequence[dict[str, int]] | None = None,
+                 **options: Any) -> Plan:
+    """One plan per profile (one input shape each) under one ``budget``, as one bucketed plan
+    (NOTE [ Bucketed plans ]); one profile gives its plan. ``shapes``: the ``example_inputs()``
+    keyword arguments of each profile's batch. ``options``: those of ``plan_from_profile``.
+    Raises ``BudgetInfeasible`` naming the shape that does not fit."""
+    from planner.act.buckets import combine
+
+    if not profiles:
+        raise BadInput("plan needs at least one profile")
+    shapes = list(shapes) if shapes is not None else [{} for _ in profiles]
+    plans = []
+    for prof, shape in zip(profiles, shapes):
+        try:
+            plans.append(plan_from_profile(prof, budget, **options))
+        except BudgetInfeasible as e:
+            if len(profiles) == 1:
+                raise
+            what = ", ".join(f"{k} {v}" for k, v in shape.items()) or ", ".join(
+                f"{s.name} {s.shape}" for s in prof.fingerprint.inputs)
+            raise BudgetInfeasible(f"at {what}: {e.template}", budget_bytes=e.budget_bytes,
+                                   min_feasible_bytes=e.min_feasible_bytes, options=e.options) from None
+    return combine(plans, shapes)
 
 
 def selective_regions(g: nx.DiGraph, selective: dict[str, int]) -> list[SelectiveRegion]:

@@ -105,7 +105,8 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 #   - equal or smaller inputs pass silently: activations shrink with them;
 #   - inputs the plan does not name (an attention mask it was made without) are not checked.
 # Forwards without grad (evaluation) and forwards traced by ``torch.compile`` are not checked.
-# To plan for variable-length data, plan at the largest shape the job will see.
+# To plan for variable-length data, plan at the largest shape the job will see, or plan several
+# shapes in one bucketed plan (NOTE [ Bucketed plans ] in planner/act/buckets.py).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from planner.act import buckets
 from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import fingerprint, input_tensors
@@ -162,6 +164,10 @@ class CheckpointedForward:
     _remat_forward = True  # marks a module that already carries a plan
     options: dict[str, Any] = {}
     """Extra keyword arguments for ``checkpoint`` (the memory-safe profile's hooks, planner/profiling/memsafe.py)."""
+    on = True
+    """False: the bucket in force does not checkpoint this module (NOTE [ Bucketed plans ] in planner/act/buckets.py)."""
+    pinned: tuple | None = None
+    """The largest bucket's mode, run under torch.compile (the same NOTE); None: a plan without buckets."""
 
     def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts,
                  norms: list[nn.Module] | None = None, saved: frozenset[tuple[str, int]] | None = None,
@@ -180,13 +186,21 @@ class CheckpointedForward:
         self.__wrapped__ = self.inner  # inspect.signature(module.forward) shows the real parameters
 
     def __reduce__(self) -> tuple:
-        return type(self), (self.module, self.previous, self.counts, self.norms, self.saved, self.keeps_written)
+        return (type(self), (self.module, self.previous, self.counts, self.norms, self.saved, self.keeps_written),
+                {"on": self.on, "pinned": self.pinned})
+
+    def mode(self) -> tuple:
+        """(checkpointed, selective policy or None, keeps_written) of this call."""
+        if self.pinned is not None and torch.compiler.is_compiling():
+            return self.pinned
+        return self.on, self.saved, self.keeps_written
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        on, saved, keeps_written = self.mode()
+        if not on or not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)  # no backward, nothing to recompute
-        extra = {} if self.saved is None else {
-            "context_fn": functools.partial(_selective_contexts, self.saved, self.keeps_written)}
+        extra = {} if saved is None else {
+            "context_fn": functools.partial(_selective_contexts, saved, keeps_written)}
         if torch.compiler.is_compiling():
             return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
         self.counts.calls += 1
@@ -379,7 +393,8 @@ class AppliedPlan:
     """
 
     checkpointed: list[str]
-    """FQNs of the modules now checkpointed, in plan order."""
+    """FQNs of the modules now checkpointed, in plan order (a bucketed plan: those some bucket checkpoints whole,
+    largest bucket first; the bucket in force says which run checkpointed, NOTE [ Bucketed plans ])."""
     selective: list[str] = field(default_factory=list)
     """FQNs of the modules now checkpointed op by op (the plan's ``selective`` regions)."""
     skipped: dict[str, str] = field(default_factory=dict)
@@ -391,6 +406,12 @@ class AppliedPlan:
     _active: bool = field(default=True, repr=False)
     _guard_hook: Any = field(default=None, repr=False)
     _twice_hook: Any = field(default=None, repr=False)
+    _switch: Any = field(default=None, repr=False)
+
+    @property
+    def bucket(self) -> int | None:
+        """Index into ``plan.buckets`` of the bucket in force (NOTE [ Bucketed plans ]); None without buckets."""
+        return None if self._switch is None else self._switch.current
 
     @property
     def recompute_count(self) -> int:
@@ -492,11 +513,12 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
     model = _unwrap_ddp(model)
     _check_model(model)
-    policies = {r.fqn: frozenset((o.op, o.index) for o in r.save) for r in plan.selective}
-    mutable = {r.fqn for r in plan.selective if r.keeps_written}
-    wanted = _check_antichain(list(dict.fromkeys([*plan.checkpoints, *policies])))
+    plans = buckets.bucket_plans(plan)  # see NOTE [ Bucketed plans ]; [plan] without buckets
+    bucket_modes = [buckets.modes(p) for p in plans]
+    wanted = list(dict.fromkeys(name for m in reversed(bucket_modes) for name in _check_antichain(list(m))))
     modules = _modules_by_plain_name(model)
-    _check_fingerprint(plan, model, inputs, [n for n in wanted if n not in modules], strict=strict)
+    _check_fingerprint(buckets.matching(plans, inputs), model, inputs, [n for n in wanted if n not in modules],
+                       strict=strict)
     check_fsdp_options(model, plan)
 
     already = _user_checkpointed(model, modules)
@@ -517,15 +539,24 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         if id(module) in seen:  # one module registered under two names: wrapped once
             continue
         seen.add(id(module))
-        previous = module.__dict__.get("forward")
-        fwd = CheckpointedForward(module, previous, RegionCounts(), saved=policies.get(name),
-                                  keeps_written=name in mutable)
+        on, saved, keeps_written = bucket_modes[-1].get(name, buckets.OFF)  # the largest bucket's
+        fwd = CheckpointedForward(module, module.__dict__.get("forward"), RegionCounts(), saved=saved,
+                                  keeps_written=keeps_written)
+        fwd.on = on
         module.forward = fwd
         handle._forwards[name] = fwd
-        (handle.selective if name in policies else handle.checkpointed).append(name)
+        full = any(m.get(name, buckets.OFF)[:2] == (True, None) for m in bucket_modes)
+        (handle.checkpointed if full else handle.selective).append(name)
 
+    shape_guard = None
     if guard != "off" and plan.fingerprint.inputs:
         shape_guard = ShapeGuard(plan.fingerprint.inputs, guard, plan.predicted.peak_bytes, forward=model.forward)
+    if len(plans) > 1:
+        for fwd in handle._forwards.values():
+            fwd.pinned = fwd.mode()
+        handle._switch = buckets.switch_for(plans, handle._forwards, shape_guard, model.forward)
+        handle._guard_hook = model.register_forward_pre_hook(handle._switch, with_kwargs=True)
+    elif shape_guard is not None:
         handle._guard_hook = model.register_forward_pre_hook(shape_guard, with_kwargs=True)
     _report(plan, handle, already)
     if handle._forwards:
@@ -761,6 +792,7 @@ def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
         "checkpointed %d/%d planned modules (%d op by op)%s; predicted peak %s (budget %s), recompute +%.1f ms/step",
         len(handle.checkpointed) + len(handle.selective), len(plan.checkpoints) + len(plan.selective),
         len(handle.selective),
-        f", skipped {len(handle.skipped)}: {', '.join(handle.skipped)}" if handle.skipped else "",
+        (f", skipped {len(handle.skipped)}: {', '.join(handle.skipped)}" if handle.skipped else "")
+        + (f", {len(plan.buckets)} buckets (the largest's figures follow)" if plan.buckets else ""),
         format_bytes(p.peak_bytes), format_bytes(plan.budget_bytes), p.recompute_ms,
     )

@@ -45,6 +45,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
+from planner.act.buckets import bucket_plans, describe
 from planner.errors import BadInput
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
@@ -156,7 +157,7 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
            device: str | torch.device = "cpu", tolerance: float = 1e-5, inputs: Inputs | None = None,
            loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
            progress: Callable[[str], None] | None = None,
-           prediction_tolerance: float = DEFAULT_PREDICTION_TOLERANCE) -> VerifyReport | RanksReport:
+           prediction_tolerance: float = DEFAULT_PREDICTION_TOLERANCE) -> VerifyReport | BucketsReport | RanksReport:
     """Train with and without ``plan`` and report predicted vs measured memory, time and gradients.
 
     A per-rank plan (made with ``world_size``/``sharding``) is verified on its ranks by
@@ -175,13 +176,17 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
             slightly between any two runs.
         prediction_tolerance: largest allowed |predicted - measured| / measured peak with the
             plan; beyond it the report is not ok and names the window that differs most.
-        inputs, loss_fn: for an ``nn.Module``; a model file brings its own.
+        inputs, loss_fn: for an ``nn.Module``; a model file brings its own. For a bucketed plan,
+            ``inputs`` is a list of one batch per bucket, smallest first; a model file makes them
+            with ``example_inputs(**bucket.shape)``.
         threads: torch intra-op threads for the timed steps; default the plan's (the profile's).
         progress: called with a short message as each run starts.
 
     Returns:
         A ``VerifyReport``; ``.ok`` is False when the measured peak is over ``plan.budget_bytes``
-        or gradients/buffers differ by more than ``tolerance``; ``.rows()`` for printing.
+        or gradients/buffers differ by more than ``tolerance``; ``.rows()`` for printing. For a
+        bucketed plan a ``BucketsReport``: one ``VerifyReport`` per bucket, each batch trained with
+        the whole plan applied (its switch must pick the bucket), against that bucket's prediction.
 
     Raises:
         PlanMismatch: the plan was made for another model or input shapes.
@@ -190,6 +195,9 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if plan.sharding != "none":
+        if plan.buckets:
+            raise BadInput("verify of a per-rank plan with buckets is not supported yet: verify the plan of each "
+                           "shape alone (remat plan with one --seq-len)")
         source = getattr(model_file_or_model, "path", model_file_or_model)  # a loaded ModelFile: its file
         if isinstance(source, torch.nn.Module) or Path(str(source)).suffix != ".py":
             raise BadInput("a per-rank plan is verified on processes of their own, which import the model: "
@@ -203,7 +211,7 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
         raise BadInput(f"tolerance must be >= 0, got {tolerance}")
     if not 0 <= prediction_tolerance < 1:
         raise BadInput(f"prediction tolerance must be a fraction in [0, 1), got {prediction_tolerance}; e.g. 0.02")
-    master, inputs, loss_fn, label = _load(model_file_or_model, inputs, loss_fn)
+    master, batches, loss_fn, label = _load(model_file_or_model, inputs, loss_fn, plan)
     dev = resolve_device(device)
     if dev.type == "meta":
         raise BadInput("verify trains the model for real, which fake tensors cannot: use {device} cpu or cuda "
@@ -211,15 +219,37 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
                        options=("device",))
     say = progress or (lambda _msg: None)
     threads = threads or (plan.threads if dev.type == "cpu" else None)
-    with num_threads(threads), rng.kept(dev):  # the caller's generators as they were (NOTE [ Randomness outside torch ])
-        clock = pick_clock(dev, torch.get_num_threads())
-        say(f"training {_steps_run(plan, steps, planned=False)} steps without the plan")
-        base = _run(master, inputs, loss_fn, plan, dev, steps, clock, planned=False)
-        say(f"training {_steps_run(plan, steps, planned=True)} steps with the plan")
-        mine = _run(master, inputs, loss_fn, plan, dev, steps, clock, planned=True)
-        used = torch.get_num_threads() if dev.type == "cpu" else None
-    report = _report(plan, master, label, dev, steps, tolerance, base, mine, prediction_tolerance)
-    return report.model_copy(update={"time_source": clock.source, "threads": used})
+    reports = []
+    for index, (one, batch) in enumerate(zip(bucket_plans(plan), batches)):
+        where = f" ({describe(plan.buckets[index])})" if plan.buckets else ""
+        with num_threads(threads), rng.kept(dev):  # the caller's generators as they were (NOTE [ Randomness outside torch ])
+            clock = pick_clock(dev, torch.get_num_threads())
+            say(f"training {_steps_run(one, steps, planned=False)} steps without the plan{where}")
+            base = _run(master, batch, loss_fn, one, dev, steps, clock, planned=False)
+            say(f"training {_steps_run(one, steps, planned=True)} steps with the plan{where}")
+            mine = _run(master, batch, loss_fn, one, dev, steps, clock, planned=True, applied=plan)
+            used = torch.get_num_threads() if dev.type == "cpu" else None
+        report = _report(one, master, label, dev, steps, tolerance, base, mine, prediction_tolerance)
+        if mine.bucket != (index if plan.buckets else None):
+            report.problems.append(f"the batch of bucket {index} ran bucket {mine.bucket}")
+        reports.append(report.model_copy(update={"time_source": clock.source, "threads": used,
+                                                 "ok": not report.problems}))
+    if not plan.buckets:
+        return reports[0]
+    return BucketsReport(buckets=[describe(b) for b in plan.buckets], reports=reports,
+                         problems=[f"bucket {describe(b)}: {p}" for b, r in zip(plan.buckets, reports)
+                                   for p in r.problems],
+                         ok=all(r.ok for r in reports))
+
+
+class BucketsReport(BaseModel):
+    """``verify`` of a bucketed plan: each bucket's batch trained with and without the plan (the
+    whole plan applied, so its switch picks the bucket; NOTE [ Bucketed plans ])."""
+
+    buckets: list[str] = Field(description="Each bucket in words ('seq_len 128, batch 8'), smallest first.")
+    reports: list[VerifyReport] = Field(description="One report per bucket, in the same order.")
+    problems: list[str] = Field(default_factory=list, description="Every bucket's problems, prefixed by it.")
+    ok: bool
 
 
 # ----------------------------------------------------------------------------- one run
@@ -240,6 +270,8 @@ class _Run:
     """Measured peak per window (planned run of a plan with predicted windows only)."""
     spread_ms: float = 0.0
     """max - min of the timed steps."""
+    bucket: int | None = None
+    """The bucket the switch put in force (NOTE [ Bucketed plans ]); None without buckets."""
 
 
 def _steps_run(plan: Plan, steps: int, *, planned: bool) -> int:
@@ -247,23 +279,33 @@ def _steps_run(plan: Plan, steps: int, *, planned: bool) -> int:
     return 1 + steps + 1 + (1 if planned and plan.predicted.windows else 0)
 
 
-def _load(source: Any, inputs: Inputs | None, loss_fn: Any) -> tuple[torch.nn.Module, Inputs, Any, str]:
+def _load(source: Any, inputs: Inputs | list[Inputs] | None, loss_fn: Any,
+          plan: Plan) -> tuple[torch.nn.Module, list[Inputs], Any, str]:
+    """The model, one batch per bucket of ``plan`` (one without buckets), the loss and a label."""
+    n = max(len(plan.buckets), 1)
     if isinstance(source, torch.nn.Module):
         if inputs is None:
             raise BadInput("verify(model, plan) needs inputs=<one training batch>; or pass a model file")
         if planned_modules(source):
             raise PlanAlreadyApplied("verify needs the model without a plan (it trains a copy with and one "
                                      "without); call .remove() on the handle apply_plan returned")
-        return source, inputs, loss_fn, type(source).__name__
+        batches = list(inputs) if plan.buckets and isinstance(inputs, list) else [inputs]
+        if len(batches) != n:
+            raise BadInput(f"the plan has {n} buckets: pass inputs=[...] with one training batch per bucket, "
+                           f"smallest first; or pass the model file")
+        return source, batches, loss_fn, type(source).__name__
     mf = source if isinstance(source, ModelFile) else load_model_file(source)
-    return mf.build_model(), mf.example_inputs(), mf.loss_fn, str(mf.path if isinstance(source, ModelFile) else source)
+    batches = [mf.example_inputs(**b.shape) for b in plan.buckets] if plan.buckets else [mf.example_inputs()]
+    return mf.build_model(), batches, mf.loss_fn, str(mf.path if isinstance(source, ModelFile) else source)
 
 
 def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev: torch.device,
-         steps: int, clock: Any, *, planned: bool) -> _Run:
+         steps: int, clock: Any, *, planned: bool, applied: Plan | None = None) -> _Run:
+    """Train a copy of ``master`` on ``inputs``; ``plan`` is what is predicted for them, ``applied`` (default
+    ``plan``) what is applied: a bucketed plan whose bucket for these inputs is ``plan``."""
     model = copy.deepcopy(master).to(dev).train()
     batch = to_device(inputs, dev)
-    handle = apply_plan(model, plan, inputs=batch) if planned else None
+    handle = apply_plan(model, applied or plan, inputs=batch) if planned else None
     # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)
     changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))
     opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
@@ -305,9 +347,11 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
         rng.seed_all(SEED)
         leaves = [k[len("forward of "):] for k in plan.predicted.windows if k.startswith("forward of ")]
         windows = window_peaks(memory_step(model, step, batch, opt, dev, recipe=plan.recipe).recorder.timeline(), leaves)
+    mine = {*plan.checkpoints, *(r.fqn for r in plan.selective)}  # a bucketed plan's other buckets: not in force
     run = _Run(losses[0], grads, buffers, statistics.median(times), statistics.median(walls), peak,
-               [*handle.checkpointed, *handle.selective] if handle else [], dict(handle.skipped) if handle else {},
-               recomputes, windows, max(times) - min(times))
+               [n for n in [*handle.checkpointed, *handle.selective] if n in mine] if handle else [],
+               dict(handle.skipped) if handle else {},
+               recomputes, windows, max(times) - min(times), handle.bucket if handle else None)
     if handle:
         handle.remove()
     changes.remove()

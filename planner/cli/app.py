@@ -156,12 +156,15 @@ def plan_cmd(o: PlanOptions) -> None:
     render.plain(log if o.as_json else out, render.budget_line(budget, budget_bytes))
     if o.hf is not None and o.clip_grad_norm is None and not (o.fused or o.foreach):
         render.plain(log, TRAINER_NOTE)
-    prof = _profile_source(o, log)
-    graph = graph_for(prof, solver=o.solver, granularity=o.granularity, world_size=o.world_size, sharding=o.sharding,
-                      selective=not o.no_selective)
-    render.plain(log, f"solving with {o.solver} over {graph.number_of_nodes()} candidates ...")
-    plan = plan_from_profile(prof, budget_bytes, solver=o.solver, granularity=o.granularity,
-                             time_limit_s=o.time_limit_s, headroom=o.headroom, graph=graph)
+    if len(o.shapes) > 1:
+        plan, graph = _plan_buckets(o, budget_bytes, log), None
+    else:
+        prof = _profile_source(o, log)
+        graph = graph_for(prof, solver=o.solver, granularity=o.granularity, world_size=o.world_size,
+                          sharding=o.sharding, selective=not o.no_selective)
+        render.plain(log, f"solving with {o.solver} over {graph.number_of_nodes()} candidates ...")
+        plan = plan_from_profile(prof, budget_bytes, solver=o.solver, granularity=o.granularity,
+                                 time_limit_s=o.time_limit_s, headroom=o.headroom, graph=graph)
     if o.output is not None:
         plan.save(o.output)
     if o.as_json:
@@ -172,6 +175,24 @@ def plan_cmd(o: PlanOptions) -> None:
         render.show_plan(out, plan, graph=graph, fresh=True, written=o.output)
     if o.why:
         _why(log if o.as_json else out, graph, plan)
+
+
+def _plan_buckets(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
+    """A bucketed plan: every shape of --batch x --seq-len profiled and planned under the budget."""
+    from planner.act.api import plan_buckets
+
+    if o.profile is not None:
+        raise BadInput("a saved profile holds one batch shape: give one --batch and one --seq-len with --profile, "
+                       "or drop --profile to profile every shape")
+    sources = _model_sources(o.model, o)
+    profiles = []
+    for i, (shape, mf) in enumerate(sources):
+        render.plain(log, f"shape {i + 1}/{len(sources)}: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
+        profiles.append(_run_profiler(mf, o, log))
+    render.plain(log, f"solving with {o.solver} for {len(profiles)} shapes ...")
+    return plan_buckets(profiles, budget_bytes, shapes=[shape for shape, _ in sources], solver=o.solver,
+                        granularity=o.granularity, time_limit_s=o.time_limit_s, headroom=o.headroom,
+                        world_size=o.world_size, sharding=o.sharding, selective=not o.no_selective)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -311,7 +332,7 @@ def show_cmd(o: ShowOptions) -> None:
 @command("verify", VerifyOptions, VERIFY)
 def verify_cmd(o: VerifyOptions) -> None:
     """Train with and without the plan; compare measured peak, time and gradients with the prediction."""
-    from planner.act.verify import verify
+    from planner.act.verify import BucketsReport, verify
 
     out, log = render.consoles(quiet=o.quiet)
     model, plan = (None, o.model) if o.hf is not None and o.plan is None else (o.model, o.plan)  # --hf c.json p.json
@@ -330,6 +351,8 @@ def verify_cmd(o: VerifyOptions) -> None:
         render.print_json(report)
     elif per_rank:
         render.show_rank_verify(out, report)
+    elif isinstance(report, BucketsReport):
+        render.show_buckets_verify(out, report)
     else:
         render.show_verify(out, report)
     if not report.ok:
@@ -384,23 +407,41 @@ TRAINER_NOTE = ("note: a Hugging Face Trainer clips gradients at norm 1.0 (max_g
 
 
 def _model_source(model: Path | None, o: HfSource) -> Any:
-    """The ``ModelFile`` of MODEL.py or of ``--hf config.json``; None when neither is given."""
+    """The ``ModelFile`` of MODEL.py or of ``--hf config.json``, making batches of the one shape asked for;
+    None when neither is given."""
+    sources = _model_sources(model, o)
+    if len(sources) > 1:
+        raise BadInput(f"{len(sources)} batch shapes make a bucketed plan, which remat plan makes; give one "
+                       f"--batch and one --seq-len here")
+    return sources[0][1] if sources else None
+
+
+def _model_sources(model: Path | None, o: HfSource) -> list[tuple[dict[str, int], Any]]:
+    """(shape, ``ModelFile`` making batches of that shape) for every shape --batch and --seq-len ask for
+    (``example_inputs(**shape)``; NOTE [ Bucketed plans ]); [] when no model is given."""
+    import dataclasses
     from planner.profiling.model_file import load_model_file
 
     if o.hf is None:
-        given = [name for name, value in (("--batch", o.batch), ("--seq-len", o.seq_len), ("--task", o.task)) if value]
-        if given:
-            raise BadInput(f"{', '.join(given)} only apply with --hf config.json (a model file makes its own "
-                           f"inputs in example_inputs())")
-        return None if model is None else load_model_file(model)
-    if model is not None:
-        raise BadInput(f"give either a model file ({model}) or --hf {o.hf}, not both")
-    if o.batch is None:
-        raise BadInput("--hf needs --batch N: the rows of the batch to plan for (plan at the largest "
-                       "batch the job will see)")
-    from planner.integrations.hf_config import load_hf_config
+        if o.task:
+            raise BadInput("--task only applies with --hf config.json (a model file builds its own model)")
+        if model is None:
+            if o.batch or o.seq_len:
+                raise BadInput("--batch and --seq-len make batches of a model: give MODEL.py or --hf config.json")
+            return []
+        mf = load_model_file(model)
+    else:
+        if model is not None:
+            raise BadInput(f"give either a model file ({model}) or --hf {o.hf}, not both")
+        if o.batch is None:
+            raise BadInput("--hf needs --batch N: the rows of the batch to plan for (plan at the largest "
+                           "batch the job will see)")
+        from planner.integrations.hf_config import load_hf_config
 
-    return load_hf_config(o.hf, batch_size=o.batch, seq_len=o.seq_len, task=o.task.strip().lower() if o.task else None)
+        mf = load_hf_config(o.hf, batch_size=max(o.batch), seq_len=max(o.seq_len) if o.seq_len else None,
+                            task=o.task.strip().lower() if o.task else None)
+    return [(shape, dataclasses.replace(mf, example_inputs=functools.partial(mf.example_inputs, **shape)))
+            for shape in o.shapes]
 
 
 def _check_output(path: Path | None) -> None:

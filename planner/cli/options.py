@@ -10,6 +10,7 @@ are ``Literal`` fields checked by ``planner.options``. A field's error names the
 from __future__ import annotations
 
 import inspect
+import itertools
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -87,10 +88,14 @@ HF_SOURCE = [
         "--hf", help="A Hugging Face config.json (or its folder) instead of MODEL.py: the model of its "
                      "architectures (or --task) with the library's defaults, on a random batch of --batch rows "
                      "of --seq-len tokens (or images of the config's size).", show_default=False)], None),
-    _param("batch", Annotated[int | None, typer.Option("--batch", min=1, help="With --hf: rows per batch.",
-                                                       show_default=False)], None),
-    _param("seq_len", Annotated[int | None, typer.Option("--seq-len", min=1, help="With --hf: tokens per row "
-                                                         "(text models).", show_default=False)], None),
+    _param("batch", Annotated[str | None, typer.Option(
+        "--batch", show_default=False,
+        help="Rows per batch (with --hf; with MODEL.py, passed to example_inputs(batch=N)). Several, as 4,8: "
+             "remat plan makes one plan per shape in one file (a bucketed plan).")], None),
+    _param("seq_len", Annotated[str | None, typer.Option(
+        "--seq-len", show_default=False,
+        help="Tokens per row (with --hf, text models; with MODEL.py, passed to example_inputs(seq_len=N)). "
+             "Several, as 128,256,512: a bucketed plan, one plan per length.")], None),
     _param("task", Annotated[str | None, typer.Option(
         "--task", help="With --hf: causal-lm, seq2seq, masked-lm or classification; default: the config's "
                        "architectures.", show_default=False)], None),
@@ -205,12 +210,31 @@ class Options(BaseModel):
 
 
 class HfSource(BaseModel):
-    """A Hugging Face config instead of a model file."""
+    """A Hugging Face config instead of a model file, and the batch shapes to make (with either)."""
 
     hf: Path | None = None
-    batch: int | None = None
-    seq_len: int | None = None
+    batch: list[int] | None = None
+    seq_len: list[int] | None = None
     task: str | None = None
+
+    @field_validator("batch", "seq_len", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any, info: Any) -> list[int] | None:
+        """'128,256,512' -> [128, 256, 512]: each a positive integer, each once."""
+        if value is None or isinstance(value, list):
+            return value
+        sizes = [part.strip() for part in str(value).split(",")]
+        if not all(p.isdigit() and int(p) >= 1 for p in sizes):
+            raise BadInput(f"{{{info.field_name}}} {value!r}: give positive integers separated by commas, e.g. "
+                           f"128 or 128,256,512", options=(info.field_name,))
+        return sorted(set(map(int, sizes)))
+
+    @property
+    def shapes(self) -> list[dict[str, int]]:
+        """The ``example_inputs`` keyword arguments of every batch shape asked for (every ``batch`` with
+        every ``seq_len``), smallest first; ``[{}]`` when neither is given."""
+        keys = [(k, v) for k, v in (("batch", self.batch), ("seq_len", self.seq_len)) if v]
+        return [dict(zip([k for k, _ in keys], combo)) for combo in itertools.product(*(v for _, v in keys))]
 
 
 class StepOptions(Options, HfSource):

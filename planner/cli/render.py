@@ -209,6 +209,24 @@ def checkpoints_table(plan: Plan) -> Table:
     return table
 
 
+def buckets_table(plan: Plan) -> Table:
+    """A bucketed plan's buckets (NOTE [ Bucketed plans ]): each shape, what it checkpoints, its prediction."""
+    from planner.act.buckets import describe
+
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("#", justify="right", style="dim")
+    table.add_column("bucket", no_wrap=True)
+    for name in ("checkpointed", "op by op"):
+        table.add_column(name, overflow="fold")
+    for name in ("peak", "recompute ms", "solver"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for i, b in enumerate(plan.buckets):
+        table.add_row(str(i), Text(describe(b)), Text(", ".join(b.checkpoints) or "-"),
+                      Text(", ".join(r.fqn for r in b.selective) or "-"), format_bytes(b.predicted.peak_bytes),
+                      f"{b.predicted.recompute_ms:.3f}", b.solver.status)
+    return table
+
+
 def selective_table(plan: Plan) -> Table:
     """The plan's op-level regions: each module's policy in words."""
     table = Table(show_edge=False, pad_edge=False)
@@ -296,6 +314,11 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
     if plan.world_size > 1 or plan.sharding != "none":
         plain(out, f"per rank: {plan.world_size} rank(s) with {plan.sharding} (budget and peak are one rank's)")
     plain(out, recipe_line(plan.recipe, plan.optimizer))
+    if plan.buckets:
+        plain(out, f"{len(plan.buckets)} buckets, one plan per input shape; each batch runs the smallest that "
+                   f"holds it (larger than all: the last, and the shape guard)")
+        out.print(buckets_table(plan))
+        plain(out, "the largest bucket:")
     out.print(units_table(graph, plan.checkpoint_units, [r.unit for r in plan.selective]) if graph is not None
               else checkpoints_table(plan))
     if plan.selective:
@@ -394,6 +417,14 @@ def show_verify(out: Console, report: Any) -> None:
     for problem in report.problems:
         plain(out, f"problem: {problem}")
     plain(out, "verify: OK" if report.ok else "verify: FAILED")
+
+
+def show_buckets_verify(out: Console, report: Any) -> None:
+    """A bucketed plan's verification: each bucket's report, then the verdict over all."""
+    for i, (name, r) in enumerate(zip(report.buckets, report.reports)):
+        plain(out, f"bucket {i} ({name}):")
+        show_verify(out, r)
+    plain(out, f"verify: OK ({len(report.reports)} buckets)" if report.ok else "verify: FAILED")
 
 
 def show_rank_verify(out: Console, report: Any) -> None:

@@ -165,22 +165,29 @@ def _token_batch(config: Any, file: Path, *, batch_size: int, seq_len: int | Non
     if seq_len is None:
         raise ModelLoadError("--hf with a text model needs --seq-len N (tokens per row), e.g. --seq-len 2048")
     positions = _max_positions(config)
-    if positions is not None and seq_len > positions:
-        raise ModelLoadError(f"--seq-len {seq_len} is longer than the model's {positions} positions "
-                             f"(max_position_embeddings in {file})")
     labels = getattr(config, "num_labels", 2) if classify else None
     start = _decoder_start(config) if getattr(config, "is_encoder_decoder", False) and not classify else None
 
-    def batch() -> dict[str, torch.Tensor]:
+    def check(tokens: int) -> int:
+        if positions is not None and tokens > positions:
+            raise ModelLoadError(f"--seq-len {tokens} is longer than the model's {positions} positions "
+                                 f"(max_position_embeddings in {file})")
+        return tokens
+
+    default_len = check(seq_len)
+
+    def make(batch: int | None = None, seq_len: int | None = None) -> dict[str, torch.Tensor]:
+        """One batch; ``batch`` rows of ``seq_len`` tokens when given (a bucket of a bucketed plan)."""
+        rows, tokens = batch or batch_size, check(seq_len or default_len)
         g = torch.Generator().manual_seed(_SEED)
-        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-        target = torch.randint(0, labels, (batch_size,), generator=g) if labels else ids.clone()
+        ids = torch.randint(0, vocab, (rows, tokens), generator=g)
+        target = torch.randint(0, labels, (rows,), generator=g) if labels else ids.clone()
         out = {"input_ids": ids, "labels": target}
         if start is not None:  # as DataCollatorForSeq2Seq does: the labels shifted right
-            out["decoder_input_ids"] = torch.cat([torch.full((batch_size, 1), start), target[:, :-1]], dim=1)
+            out["decoder_input_ids"] = torch.cat([torch.full((rows, 1), start), target[:, :-1]], dim=1)
         return out
 
-    return batch
+    return make
 
 
 def _decoder_start(config: Any) -> int:
@@ -201,14 +208,16 @@ def _image_batch(config: Any, file: Path, *, batch_size: int, classify: bool) ->
     dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
     labels = getattr(config, "num_labels", 2) if classify else None
 
-    def batch() -> dict[str, torch.Tensor]:
+    def make(batch: int | None = None, seq_len: int | None = None) -> dict[str, torch.Tensor]:
+        """One batch of ``batch`` images when given; ``seq_len`` does not apply to images."""
+        rows = batch or batch_size
         g = torch.Generator().manual_seed(_SEED)
-        out = {"pixel_values": torch.randn(batch_size, channels, height, width, generator=g).to(dtype)}
+        out = {"pixel_values": torch.randn(rows, channels, height, width, generator=g).to(dtype)}
         if labels:
-            out["labels"] = torch.randint(0, labels, (batch_size,), generator=g)
+            out["labels"] = torch.randint(0, labels, (rows,), generator=g)
         return out
 
-    return batch
+    return make
 
 
 def _max_positions(config: Any) -> int | None:

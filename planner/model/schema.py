@@ -26,10 +26,13 @@ from planner.files import atomic_write_text
 from planner.sizes import MAX_SIZE_BYTES
 
 PROFILE_SCHEMA_VERSION = 3
-PLAN_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 4
 """2 added ``recipe`` (``Recipe``); version-1 files load as the default recipe (their ``amp`` kept).
 3 added op records (``Profile.ops``) and ``Plan.selective`` (op-level checkpointing); older files
-load with none."""
+load with none. 4 added ``Plan.buckets`` (one plan per input shape); a plan without buckets is
+still written as version 3, byte for byte as before (``SINGLE_SHAPE_PLAN_VERSION``)."""
+SINGLE_SHAPE_PLAN_VERSION = 3
+"""The version a plan without buckets is written as: readers of version 3 read it unchanged."""
 
 ROOT_ID = "<root>"
 """Unit id of the model's root module call."""
@@ -508,11 +511,32 @@ class SelectiveRegion(_Model):
                                                    "(allow_cache_entry_mutation).")
 
 
+class PlanBucket(_Model):
+    """One input shape of a bucketed plan and what is checkpointed for it (planner/act/buckets.py)."""
+
+    inputs: list[TensorSig] = Field(description="The input shapes the bucket was profiled with, named as "
+                                                "Fingerprint.inputs names them; batches no larger in any "
+                                                "dimension run under this bucket's checkpoints.")
+    shape: dict[str, int] = Field(default_factory=dict,
+                                  description="The keyword arguments example_inputs() made the batch with "
+                                              "({'batch': 8, 'seq_len': 128}); empty for batches given as tensors.")
+    checkpoints: list[str] = Field(description="As Plan.checkpoints, for this bucket.")
+    checkpoint_units: list[str] = Field(default_factory=list, description="As Plan.checkpoint_units.")
+    selective: list[SelectiveRegion] = Field(default_factory=list, description="As Plan.selective.")
+    solver: SolverInfo
+    predicted: Predicted
+
+
 class Plan(_Model):
-    """A checkpoint plan: which module calls to checkpoint, for which model, and what it costs."""
+    """A checkpoint plan: which module calls to checkpoint, for which model, and what it costs.
+
+    A bucketed plan (``buckets`` not empty) holds one plan per input shape; its own fields are
+    those of its largest bucket, so a reader that ignores ``buckets`` gets the plan for the
+    largest shape.
+    """
 
     kind: Literal["remat-plan"] = "remat-plan"
-    schema_version: int = PLAN_SCHEMA_VERSION
+    schema_version: int = SINGLE_SHAPE_PLAN_VERSION
     fingerprint: Fingerprint
     fingerprint_digest: str
     budget_bytes: Bytes = Field(gt=0, description="The memory budget the plan was made for (one rank's).")
@@ -553,6 +577,10 @@ class Plan(_Model):
     created: RunStamp = Field(default_factory=lambda: RunStamp(),
                               description="The one field that differs between identical runs: when the plan "
                                           "was made and how long the solver took.")
+    buckets: list[PlanBucket] = Field(default_factory=list,
+                                      description="One plan per input shape, smallest first, the last one the "
+                                                  "plan's own fields (schema version 4; written only when not "
+                                                  "empty). apply_plan switches between them per batch.")
 
     @model_validator(mode="before")
     @classmethod
@@ -568,7 +596,7 @@ class Plan(_Model):
         return atomic_write_text(path, self.to_json())
 
     def to_json(self) -> str:
-        return self.model_dump_json(indent=2) + "\n"
+        return self.model_dump_json(indent=2, exclude=None if self.buckets else {"buckets"}) + "\n"
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

@@ -16,6 +16,7 @@ the bug is there, not in importlib or torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -52,7 +53,8 @@ class ModelFile:
     """A loaded model file. ``build_model`` and ``example_inputs`` check what they return."""
 
     build_model: Callable[[], torch.nn.Module]
-    example_inputs: Callable[[], Inputs]
+    example_inputs: Callable[..., Inputs]
+    """``example_inputs()``, or ``example_inputs(seq_len=..., batch=...)`` for another shape (``SHAPE_KEYWORDS``)."""
     loss_fn: Callable[[Any], torch.Tensor] | None
     path: Path
 
@@ -93,7 +95,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelLoadError(f"{path}: {e}") from None
     return ModelFile(
         build_model=lambda: _build(module.build_model, path),
-        example_inputs=lambda: _inputs(module.example_inputs, path),
+        example_inputs=lambda **shape: _inputs(module.example_inputs, path, shape),
         loss_fn=loss_fn,
         path=path,
     )
@@ -142,8 +144,16 @@ def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
     return model
 
 
-def _inputs(fn: Callable[[], Any], path: Path) -> Inputs:
-    inputs = _call_user(fn, path, "example_inputs()")
+SHAPE_KEYWORDS = ("batch", "seq_len")
+"""Keyword arguments a model file's ``example_inputs`` may take to make a batch of another shape
+(``remat plan --seq-len 128,256 --batch 4,8 model.py``: a bucketed plan)."""
+
+
+def _inputs(fn: Callable[..., Any], path: Path, shape: dict[str, int]) -> Inputs:
+    if shape:
+        check_shape_keywords(fn, shape, f"example_inputs() in {path}")
+        fn = functools.partial(fn, **shape)
+    inputs = _call_user(fn, path, "example_inputs(" + ", ".join(f"{k}={v}" for k, v in shape.items()) + ")")
     if isinstance(inputs, torch.Tensor):
         return inputs
     if isinstance(inputs, list):
@@ -159,6 +169,21 @@ def _inputs(fn: Callable[[], Any], path: Path) -> Inputs:
     raise ModelLoadError(f"example_inputs() in {path} returned a {type(inputs).__name__}; return a tensor "
                          f"(model(x)), a tuple of positional args (model(*args)) or a dict of keyword "
                          f"args (model(**kwargs))")
+
+
+def check_shape_keywords(fn: Callable[..., Any], shape: dict[str, int], what: str) -> None:
+    """``ModelLoadError`` naming how to opt in, unless ``fn`` takes every keyword of ``shape``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [k for k in shape if k not in params or params[k].kind is inspect.Parameter.POSITIONAL_ONLY]
+    if missing:
+        raise ModelLoadError(f"{what} takes no {missing[0]} keyword, so it cannot make a batch of another shape; "
+                             f"let it take {' and '.join(SHAPE_KEYWORDS)} with today's values as defaults, e.g. "
+                             f"def example_inputs(seq_len=128, batch=8)")
 
 
 def _call_user(fn: Callable[[], Any], path: Path, what: str) -> Any:
