@@ -47,7 +47,7 @@ def batch(rows: int, tokens: int) -> dict[str, torch.Tensor]:
 def one_plan(model: nn.Module, shape: tuple[int, int], checkpoints: list[str]) -> Plan:
     fp = fingerprint(model, batch(*shape))
     predicted = Predicted(peak_bytes=shape[1] << 16, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
-                          activations_bytes=0, recompute_ms=float(len(checkpoints)), step_ms=1.0)
+                          activations_bytes=shape[1] << 16, recompute_ms=float(len(checkpoints)), step_ms=1.0)
     return Plan(fingerprint=fp, fingerprint_digest=fp.digest(), budget_bytes=1 << 30, checkpoints=checkpoints,
                 checkpoint_units=checkpoints, solver=SolverInfo(name="manual", status="optimal"), predicted=predicted)
 
