@@ -15,6 +15,8 @@ Variants, each a fresh ``build_model()`` trained with the step of ``planner.prof
   (``--compile-budgets``; the partitioner's min-cut over the joint graph), and of both remat plans;
 - remat, op-level, planned at the measured peak of each memory-budget variant: the two compared
   at an equal peak;
+- remat's default plan made at every layer's measured peak: never slower than every layer there?
+  (a line after the table says, from the least CPU ms per step);
 - PyTorch's ``sac_milp`` (``torch.distributed._tools.sac_ilp``): reported as not run on the CPU
   (its SAC estimator counts CUDA storages only, its runtime estimator times with CUDA events).
 
@@ -125,6 +127,17 @@ def main() -> None:
     print(f"budget {format_bytes(budget)}: halfway between every layer ({format_bytes(every_layer.peak_bytes)}) "
           f"and no checkpointing ({format_bytes(nothing.peak_bytes)}), predicted", file=sys.stderr)
     kept = [_measure_peak(v, mf, dev, args.optimizer) for v in variants]
+    if variants[1].peak_bytes:  # remat's default plan at every layer's measured peak: never slower than it?
+        name = "remat (default) at every layer's measured peak"
+        try:
+            at = plan_from_profile(prof, variants[1].peak_bytes)
+        except BudgetInfeasible as e:
+            variants.append(Variant(name, lambda m, b: "-", None, error=str(e).split(": raise")[0]))
+            kept.append(None)
+        else:
+            variants.append(Variant(name, _applier(at), at.predicted.peak_bytes,
+                                    predicted_recompute_ms=at.predicted.recompute_ms))
+            kept.append(_measure_peak(variants[-1], mf, dev, args.optimizer))
     for v in [v for v in variants if isinstance(v.compile_budget, float) and v.peak_bytes]:
         # remat planned at the peak torch.compile's memory budget reached: compared at an equal peak
         name = f"remat, op-level at the peak of {v.name}"
@@ -140,6 +153,7 @@ def main() -> None:
     _time_round_robin(variants, kept, mf, dev, args.optimizer, args.repeats)
     _print_table(args, dev, budget, variants)
     print(f"\n{dispatch}")
+    _never_slower(variants)
 
 
 def _args() -> argparse.Namespace:
@@ -294,6 +308,21 @@ def _print_table(args: argparse.Namespace, dev: torch.device, budget: int, varia
     spread = {v.name: f"{min(v.times_ms):.0f}-{max(v.times_ms):.0f}" for v in variants if v.times_ms}
     print("\nstep ms range (min-max) per variant: " + "; ".join(f"{k}: {r}" for k, r in spread.items()))
     _closest_budget(variants)
+
+
+def _never_slower(variants: list[Variant]) -> None:
+    """remat's default plans against every layer: no slower (least CPU ms per step) at a peak no higher."""
+    every = next((v for v in variants if v.name.startswith("every layer") and v.cpu_ms), None)
+    if every is None or every.peak_bytes is None:
+        return
+    for v in variants:
+        if not v.cpu_ms or v.peak_bytes is None or not v.name.startswith(("remat, op-level (", "remat (default)")):
+            continue
+        lower = v.peak_bytes <= every.peak_bytes
+        faster = min(v.cpu_ms) <= min(every.cpu_ms)
+        print(f"{v.name}: least CPU ms {min(v.cpu_ms):.1f} vs every layer {min(every.cpu_ms):.1f}, peak "
+              f"{v.peak_bytes / MIB:.2f} vs {every.peak_bytes / MIB:.2f} MiB: "
+              f"{'not slower' if faster else 'SLOWER'}{' at a peak no higher' if lower else ' (higher peak)'}")
 
 
 def _closest_budget(variants: list[Variant]) -> None:

@@ -1,19 +1,21 @@
 """Does `remat plan` give the same checkpoint set every time, with another CPU-heavy process running?
 
-    python benchmarks/plan_stability.py                       # gpt2 and llama, 5 runs each, mid budget
+    python benchmarks/plan_stability.py                       # gpt2, llama, qwen2: 5 runs each, mid budget
     python benchmarks/plan_stability.py --runs 5 --threads 1 --no-burner
 
 Per model: the budget halfway between the lowest feasible peak and the peak without checkpointing
 (from one profile made first), then ``--runs`` fresh ``python cli.py plan`` processes at that budget,
 while a CPU burner (``python -c 'while True: pass'``, started here and ended by its pid) runs
-unless ``--no-burner``. Prints each run's checkpoint set and predicted recompute;
-exit 1 when a model's runs disagree.
+unless ``--no-burner``. Prints each run's plan (whole modules, and op-level regions with their
+policies) and predicted recompute; exit 1 when a model's runs disagree. Models: an example's name
+(examples/NAME.py) or a model file's path.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,18 +28,22 @@ from solvers.cost_model import simulate  # noqa: E402
 from planner.profiling.model_file import load_model_file  # noqa: E402
 from planner.profiling import profile  # noqa: E402
 
-MODELS = ("gpt2", "llama")
+MODELS = ("gpt2", "llama", "benchmarks/models/qwen2.py")
+
+
+def model_path(name: str) -> Path:
+    return ROOT / name if name.endswith(".py") else ROOT / "examples" / f"{name}.py"
 
 
 def mid_budget(name: str, threads: int | None) -> int:
-    mf = load_model_file(ROOT / "examples" / f"{name}.py")
+    mf = load_model_file(model_path(name))
     g = graph_for(profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu", steps=1,
                           threads=threads))
     return (min_feasible_bytes(g) + simulate(g, []).peak_bytes) // 2
 
 
 def plan_once(name: str, budget: int, threads: int | None, steps: int) -> dict:
-    cmd = [sys.executable, str(ROOT / "cli.py"), "plan", "--budget", str(budget), str(ROOT / "examples" / f"{name}.py"),
+    cmd = [sys.executable, str(ROOT / "cli.py"), "plan", "--budget", str(budget), str(model_path(name)),
            "--device", "cpu", "--steps", str(steps), "--json", "-q"]
     if threads:
         cmd += ["--threads", str(threads)]
@@ -61,10 +67,11 @@ def main() -> int:
             sets = []
             for i in range(args.runs):
                 plan = plan_once(name, budget, args.threads, args.steps)
-                sets.append(tuple(plan["checkpoints"]))
+                regions = tuple(f"{r['fqn']} op-level ({r['summary']})" for r in plan.get("selective", []))
+                sets.append((*plan["checkpoints"], *regions))
                 print(f"{name} run {i + 1}: budget {budget}, recompute {plan['predicted']['recompute_ms']:.1f} ms "
-                      f"({plan['time_source']}, {plan['threads']} thread(s)): {', '.join(sets[-1]) or '-'}",
-                      flush=True)
+                      f"({plan['time_source']}, {plan['threads']} thread(s), load {os.getloadavg()[0]:.1f}): "
+                      f"{', '.join(sets[-1]) or '-'}", flush=True)
             same = len(set(sets)) == 1
             stable &= same
             print(f"{name}: {sum(s == sets[0] for s in sets)} of {len(sets)} runs give the first run's set"

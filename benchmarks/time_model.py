@@ -1,20 +1,23 @@
 """Is the objective right? A plan's predicted recompute ms against its measured step-time overhead.
 
-    python benchmarks/time_model.py                          # every example, 1 thread (CPU time)
-    python benchmarks/time_model.py --models gpt2,llama --rounds 11
-    python benchmarks/time_model.py --threads 2              # wall clock: noisy on a busy machine
+    python benchmarks/time_model.py                          # llama, gpt2, qwen2; mid budget; torch's threads
+    python benchmarks/time_model.py --models gpt2,llama --rounds 11 --quarters 1,2,3
+    python benchmarks/time_model.py --threads 1              # the thread's CPU time: robust on a busy machine
 
-For each example: one profile on the CPU at ``--threads`` (``planner.profiling.profiler.profile``; its clock
-is the thread's CPU time at one thread, see NOTE [ Unit costs ]), then the optimal plan (``auto``)
-at 1/4, 1/2 and 3/4 of the way from the lowest feasible peak to the peak without checkpointing.
-The plain model and the three planned ones (``apply_plan`` on copies of one model) are then
-trained side by side: ``--rounds`` rounds of one step of each in turn
-(``planner.profiling.timing.time_interleaved``), at the profile's thread count. Measured overhead = the
-median over rounds of (planned step - plain step of the same round), on the profile's clock and on
-the wall clock: pairing within a round cancels the machine's drift between rounds.
+For each model (an example's name, or a model file's path): one profile on the CPU at
+``--threads`` (default: torch's; see NOTE [ Unit costs ], Rules 1 and 1b), then at each quarter
+``q`` of the way from the lowest feasible peak to the peak without checkpointing two plans
+(``auto``): whole modules only (``selective=False``) and the default (op-level policies allowed;
+a row says "same" when the solver kept whole modules). The plain model and every planned one
+(``apply_plan`` on copies of one model) are trained side by side: ``--rounds`` rounds of one
+step of each in turn (``planner.profiling.timing.time_interleaved``), at the profile's thread
+count, on ``pick_clock``'s clock (the thread's CPU time at one thread, the wall clock above).
+Measured overhead = least planned step - least plain step over the rounds (noise on a shared
+machine only raises a step's time); the noise is the interquartile range of the per-round
+paired differences (planned - plain of the same round), printed beside it, with their median.
 
-Target per row: |predicted - measured| <= max(15% of measured, 3 ms) on the profile's clock.
-Prints a Markdown table; ``--json PATH`` also writes every sample.
+Target per row: |predicted - measured| <= max(15% of measured, 3 ms). Prints a Markdown table;
+``--json PATH`` also writes every sample.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,14 +44,19 @@ from solvers.cost_model import simulate  # noqa: E402
 from planner.profiling.measure import make_optimizer, make_step  # noqa: E402
 from planner.profiling.model_file import load_model_file  # noqa: E402
 from planner.profiling import profile  # noqa: E402
-from planner.profiling.timing import pick_clock, time_interleaved  # noqa: E402
+from planner.profiling.timing import pick_clock, spread_ms, time_interleaved  # noqa: E402
 
-MODELS = ("transformer", "gpt2", "llama", "t5", "resnet", "unet")
-QUARTERS = (1, 2, 3)
+MODELS = ("llama", "gpt2", "benchmarks/models/qwen2.py")
 
 
-def rows_for(name: str, *, threads: int, steps: int, rounds: int) -> list[dict[str, Any]]:
-    mf = load_model_file(ROOT / "examples" / f"{name}.py")
+def model_path(name: str) -> Path:
+    """An example's name (examples/NAME.py) or a model file's path."""
+    return Path(name) if name.endswith(".py") else ROOT / "examples" / f"{name}.py"
+
+
+def rows_for(name: str, *, threads: int | None, steps: int, rounds: int,
+             quarters: tuple[int, ...]) -> list[dict[str, Any]]:
+    mf = load_model_file(model_path(name))
     master = mf.build_model()
     t0 = time.perf_counter()
     prof = profile(copy.deepcopy(master), mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu", steps=steps,
@@ -55,37 +64,45 @@ def rows_for(name: str, *, threads: int, steps: int, rounds: int) -> list[dict[s
     profile_s = time.perf_counter() - t0
     g = graph_for(prof)
     lo, hi = min_feasible_bytes(g), simulate(g, []).peak_bytes
-    plans = {f"{q}/4": plan_from_profile(prof, budget_with_headroom(lo + (hi - lo) * q // 4), graph=g)
-             for q in QUARTERS}
+    plans = {}
+    for q in quarters:
+        budget = budget_with_headroom(lo + (hi - lo) * q // 4)
+        plans[f"{q}/4 modules"] = plan_from_profile(prof, budget, selective=False)
+        plans[f"{q}/4 default"] = plan_from_profile(prof, budget, graph=g)
     steps_by_name = {"plain": _step(master, mf, None)}
     steps_by_name.update({label: _step(master, mf, plan) for label, plan in plans.items()})
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    used = prof.threads or before
+    torch.set_num_threads(used)
     try:
         for step in steps_by_name.values():  # warm-up: optimizer state, allocator caches
             step()
-        clock = pick_clock(torch.device("cpu"), threads)
+        clock = pick_clock(torch.device("cpu"), used)
         samples = time_interleaved(steps_by_name, rounds=rounds, clock=clock,
                                    on_round=lambda r: print(f"{name}: round {r + 1}/{rounds}", file=sys.stderr))
     finally:
         torch.set_num_threads(before)
-    base_clock, base_wall = (statistics.median(x) for x in samples["plain"])
+    plain = samples["plain"][0]
     rows = []
     for label, plan in plans.items():
-        measured, wall_ms = (_paired_median(samples[label][i], samples["plain"][i]) for i in (0, 1))
+        mine = samples[label][0]
+        measured = min(mine) - min(plain)
+        paired = [a - b for a, b in zip(mine, plain)]
         predicted = plan.predicted.recompute_ms
         allowed = max(RECOMPUTE_TOLERANCE * abs(measured), RECOMPUTE_FLOOR_MS)
+        same = label.endswith("default") and _same(plan, plans[label.replace("default", "modules")])
         rows.append(dict(model=name, budget=label, budget_bytes=plan.budget_bytes, checkpoints=plan.checkpoints,
-                         predicted_ms=predicted, measured_ms=measured, measured_wall_ms=wall_ms,
-                         plain_ms=base_clock, plain_wall_ms=base_wall, error_ms=predicted - measured,
+                         selective=[r.fqn for r in plan.selective], same_as_modules=same,
+                         predicted_ms=predicted, measured_ms=measured, paired_median_ms=statistics.median(paired),
+                         noise_ms=spread_ms(paired), plain_ms=min(plain), error_ms=predicted - measured,
                          allowed_ms=allowed, ok=abs(predicted - measured) <= allowed, time_source=prof.time_source,
-                         threads=prof.threads, profile_s=profile_s, samples=samples[label],
-                         plain_samples=samples["plain"]))
+                         clock=clock.source, threads=used, thread_scale=prof.thread_scale, profile_s=profile_s,
+                         load=os.getloadavg()[0], samples=samples[label], plain_samples=samples["plain"]))
     return rows
 
 
-def _paired_median(planned: list[float], plain: list[float]) -> float:
-    return statistics.median(a - b for a, b in zip(planned, plain))
+def _same(a: Any, b: Any) -> bool:
+    return a.checkpoints == b.checkpoints and not a.selective and not b.selective
 
 
 def _step(master: torch.nn.Module, mf: Any, plan: Any) -> Any:
@@ -101,29 +118,36 @@ def _step(master: torch.nn.Module, mf: Any, plan: Any) -> Any:
 def print_table(rows: list[dict[str, Any]], command: str) -> None:
     first = rows[0] if rows else {}
     print(f"`{command}`: torch {torch.__version__}, {first.get('threads')} thread(s), profile clock "
-          f"{first.get('time_source')}; measured = median over interleaved rounds of (planned - plain) step time\n")
-    print("| model | budget | checkpoints | plain step ms | predicted ms | measured ms | error ms | allowed ms | "
-          "ok | measured wall ms |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+          f"{first.get('time_source')}, steps timed on {first.get('clock')}; measured = least planned - least "
+          f"plain step over interleaved rounds; noise = interquartile range of the paired per-round differences\n")
+    print("| model | budget, plan | checkpoints (op-level) | plain step ms | predicted ms | measured ms | error | "
+          "noise ms | paired median ms | ok | load |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for r in rows:
-        print(f"| {r['model']} | {r['budget']} | {len(r['checkpoints'])} | {r['plain_ms']:.1f} | "
-              f"{r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['error_ms']:+.1f} | {r['allowed_ms']:.1f} | "
-              f"{'yes' if r['ok'] else 'NO'} | {r['measured_wall_ms']:.1f} |")
+        what = "same as whole modules" if r["same_as_modules"] else \
+            f"{len(r['checkpoints'])} ({len(r['selective'])} op-level)"
+        err = f"{100 * r['error_ms'] / r['measured_ms']:+.0f}%" if r["measured_ms"] > 0 else f"{r['error_ms']:+.1f} ms"
+        print(f"| {r['model']} | {r['budget']} | {what} | {r['plain_ms']:.1f} | {r['predicted_ms']:.1f} | "
+              f"{r['measured_ms']:.1f} | {err} | {r['noise_ms']:.1f} | {r['paired_median_ms']:.1f} | "
+              f"{'yes' if r['ok'] else 'NO'} | {r['load']:.1f} |")
     ok = sum(r["ok"] for r in rows)
     print(f"\n{ok} of {len(rows)} rows within max(15% of measured, 3 ms)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for the profile and the timed steps")
-    ap.add_argument("--steps", type=int, default=5, help="profiler timing steps")
+    ap.add_argument("--models", default=",".join(MODELS), help="example names or model file paths, comma-separated")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for the profile and the timed steps "
+                                                              "(default: torch's)")
+    ap.add_argument("--steps", type=int, default=3, help="profiler timing steps (the CLI's default)")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds of timed steps")
+    ap.add_argument("--quarters", default="2", help="budgets, in quarters from the lowest feasible peak to none")
     ap.add_argument("--json", type=Path, default=None, help="also write every row and sample here")
     args = ap.parse_args()
+    quarters = tuple(int(q) for q in args.quarters.split(","))
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
-        rows += rows_for(name.strip(), threads=args.threads, steps=args.steps, rounds=args.rounds)
+        rows += rows_for(name.strip(), threads=args.threads, steps=args.steps, rounds=args.rounds, quarters=quarters)
     print_table(rows, "python benchmarks/time_model.py " + " ".join(sys.argv[1:]))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

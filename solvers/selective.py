@@ -31,14 +31,31 @@ checkpoint) is the other end.
 # does not need them: the recompute consumes them there), so it costs their bytes, except
 # storages that something outside the unit saves (held anyway, e.g. a block's output that the
 # next block's norm saves), which cost nothing; it saves the op's time from the recompute.
-# The recompute of a policy costs the unit's forward_ms times the share of the unit's op time
-# that is not kept, plus what torch's selective checkpointing adds per op call it recomputes and
-# per op call it keeps (measured on the model: NOTE [ Selective dispatch cost ] in
-# planner/profiling/sac_cost.py). Op times are least-of-a-few-steps kernel times (NOTE [ Op records ]) and
-# the unit's forward time is the profiler's (or the timing model's) figure for the whole
-# call: on a loaded machine the two differ by a factor, not by an offset, and on the CPU the
-# kernels are nearly all of a forward (torch.profiler: 99% of HF Llama's forward is aten
-# self time), so shares transfer and differences would not.
+# The recompute of a policy: the unit's forward time F is its kernels K (the op times, on the
+# same clock) and the Python around them, P = F - K (the module code, autograd's graph
+# building: examples/llama.py's blocks spend 22% of their forward there on one CPU thread).
+# A selective replay reruns the unit's whole Python, kept ops or not, and the kernels of the
+# recomputed ops; what torch's selective checkpointing adds per op call recomputed (r) and kept
+# (k) is measured on the model (NOTE [ Selective dispatch cost ] in
+# planner/profiling/sac_cost.py), k as the step that keeps every op less the plain step, which
+# holds that replayed Python, P / N per call of N. So a policy recomputing n_r of N calls, with
+# kernel time K_r, costs
+#     F * (phi * K_r / K + (1 - phi) * n_r / N) + n_r * r + n_k * k,    phi = min(1, K / F),
+# exact at both ends (recompute every op: F + N * r, the measured step; keep every op: N * k).
+# Pricing the Python by the kernel share instead (phi = 1) under-priced the policies that keep
+# the few heavy ops and recompute the many light ones, which is what a menu is made of
+# (op-level plans of examples/llama.py were measured 32 to 45% over their prediction;
+# docs/benchmarks.md, "Predicted recompute vs measured overhead").
+# Op times are least-of-a-few-steps (NOTE [ Op records ]) and F a median, so K / F is at most a
+# little low; on a profile whose op times are on another clock than F (older profiles, the
+# memory step's wall times), K / F is capped at 1, the share model.
+#
+# Rule (noise). A policy enters the menu only when it saves more than its measured spread: the
+# saving F - recompute must exceed F's spread (``UnitRecord.forward_spread_ms``) times the
+# recomputed share plus n_r and n_k times the spreads of r and k (``Profile.sac_*_spread_ms``).
+# A policy within the noise of full checkpointing is a choice the next profile may reverse: it
+# is left out, and full checkpointing (cheaper in bytes) stands. Identical units have identical
+# menus (their op times are pooled, NOTE [ Op records ]), so the solvers' order breaks their ties.
 #
 # The whole-step cost model (NOTE [ Peak-memory model ], "Selective regions") then prices
 # every policy exactly, positions included; this per-unit pricing only picks the menu.
@@ -93,8 +110,8 @@ class Policy:
     saved_ms: float
     """Op time the recompute skips, as measured op by op."""
     recompute_ms: float
-    """What it adds to the step: the unit's forward time times the share of its op time that is
-    recomputed, plus selective checkpointing's dispatch of every op call of the unit (NOTE
+    """What it adds to the step: the share of the unit's forward it reruns (kernels by time, Python
+    by calls), plus selective checkpointing's dispatch of every op call of the unit (NOTE
     [ Selective menus ])."""
     kept_bytes: int
     """Bytes of the kept outputs (counted once per storage)."""
@@ -102,6 +119,8 @@ class Policy:
     """Per op category: (category, kept, recomputed), for ``describe``."""
     keeps_written: bool = False
     """Keeps an output written in place, with its writers (``allow_cache_entry_mutation``)."""
+    spread_ms: float = 0.0
+    """The measured spread of ``recompute_ms`` (Rule (noise) of NOTE [ Selective menus ])."""
 
     @property
     def cached_ids(self) -> frozenset[int]:
@@ -160,7 +179,9 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_bytes: int,
                tensor_bytes: dict[int, int], first_save_inside: dict[int, int],
                saved_outside: Iterable[int], writers: dict[int, int] | None = None,
-               op_cost_ms: tuple[float, float] = (0.0, 0.0), steps: int = MENU_STEPS) -> tuple[Policy, ...]:
+               op_cost_ms: tuple[float, float] = (0.0, 0.0), steps: int = MENU_STEPS,
+               forward_spread_ms: float = 0.0,
+               op_cost_spread_ms: tuple[float, float] = (0.0, 0.0)) -> tuple[Policy, ...]:
     """The menu of one unit (NOTE [ Selective menus ]), cheapest in bytes first.
 
     Args:
@@ -177,18 +198,20 @@ def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_
             it keeps (``Profile.sac_recomputed_op_ms``, ``sac_kept_op_ms``; NOTE [ Selective
             dispatch cost ] in planner/profiling/sac_cost.py).
         steps: byte levels (at most ``steps - 1`` policies).
+        forward_spread_ms: the spread of ``forward_ms`` (``UnitRecord.forward_spread_ms``).
+        op_cost_spread_ms: the spreads of the two ``op_cost_ms`` figures (Rule (noise) of the NOTE).
     """
     outside = frozenset(saved_outside)
     calls = indexed(ops)
     total_ms = sum(op.forward_ms for op in ops)
+    price = _Price(forward_ms, total_ms, len(calls), op_cost_ms, forward_spread_ms, op_cost_spread_ms)
     items = []
     for group in _random_together(calls, _groups(calls, writers or {})):
         ids = {t for op, _ in group if not (op.inplace or op.view) for t in op.output_ids}
         cost = sum(tensor_bytes[t] for t in ids if t not in outside)
-        # what keeping the group saves: its kernels' share of the forward, less the dispatch a
-        # kept call costs beyond a recomputed one; a group that saves nothing is never kept
-        value = (forward_ms * sum(o.forward_ms for o, _ in group) / total_ms if total_ms > 0 else 0.0) \
-            - (op_cost_ms[1] - op_cost_ms[0]) * len(group)
+        # what keeping the group saves (the NOTE's price of a policy, less the group); a group
+        # that saves nothing is never kept
+        value = price.saved(sum(o.forward_ms for o, _ in group), len(group))
         if value > 0:
             items.append((cost, value, group))
     if not items or saved_bytes <= 0:
@@ -202,11 +225,51 @@ def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_
         if best is None or best[2] in menu:
             continue
         chosen = best[2]
-        menu[chosen] = _policy([items[i] for i in sorted(chosen)], calls, forward_ms, total_ms, end_seq,
-                               tensor_bytes, first_save_inside, op_cost_ms)
-    # a policy no faster than full checkpointing keeps bytes for nothing: never useful
-    return tuple(sorted((p for p in menu.values() if p.recompute_ms < forward_ms),
+        menu[chosen] = _policy([items[i] for i in sorted(chosen)], calls, price, end_seq, tensor_bytes,
+                               first_save_inside)
+    # a policy no faster than full checkpointing beyond its spread keeps bytes for nothing (Rule (noise))
+    return tuple(sorted((p for p in menu.values() if forward_ms - p.recompute_ms > p.spread_ms),
                         key=lambda p: (p.kept_bytes, p.recompute_ms)))
+
+
+@dataclass(frozen=True)
+class _Price:
+    """The NOTE's price of a policy for one unit: F, K, N, (r, k) and their spreads."""
+
+    forward_ms: float
+    kernel_ms: float
+    calls: int
+    op_cost_ms: tuple[float, float]
+    forward_spread_ms: float
+    op_cost_spread_ms: tuple[float, float]
+
+    @property
+    def phi(self) -> float:
+        """The kernels' share of the forward, K / F capped at 1 (1 without op times)."""
+        if self.forward_ms <= 0 or self.kernel_ms <= 0:
+            return 1.0
+        return min(1.0, self.kernel_ms / self.forward_ms)
+
+    def share(self, recomputed_kernel_ms: float, recomputed_calls: int) -> float:
+        """The share of the forward a policy reruns: kernels by time, Python by calls."""
+        kernels = recomputed_kernel_ms / self.kernel_ms if self.kernel_ms > 0 else 1.0
+        calls = recomputed_calls / self.calls if self.calls else 1.0
+        return self.phi * kernels + (1.0 - self.phi) * calls
+
+    def recompute_ms(self, recomputed_kernel_ms: float, recomputed_calls: int) -> float:
+        kept = self.calls - recomputed_calls
+        return (self.forward_ms * self.share(recomputed_kernel_ms, recomputed_calls)
+                + self.op_cost_ms[0] * recomputed_calls + self.op_cost_ms[1] * kept)
+
+    def spread_ms(self, recomputed_kernel_ms: float, recomputed_calls: int) -> float:
+        kept = self.calls - recomputed_calls
+        return (self.forward_spread_ms * self.share(recomputed_kernel_ms, recomputed_calls)
+                + self.op_cost_spread_ms[0] * recomputed_calls + self.op_cost_spread_ms[1] * kept)
+
+    def saved(self, kept_kernel_ms: float, kept_calls: int) -> float:
+        """What keeping ``kept_calls`` calls of ``kept_kernel_ms`` saves, alone, against recomputing them."""
+        return (self.recompute_ms(self.kernel_ms, self.calls)
+                - self.recompute_ms(self.kernel_ms - kept_kernel_ms, self.calls - kept_calls))
 
 
 def _groups(calls: list[tuple[OpCall, int]], writers: dict[int, int]) -> list[list[tuple[OpCall, int]]]:
@@ -254,11 +317,10 @@ def _knapsack_front(items: list[tuple[int, float]], grid: int) -> list[tuple[int
 
 
 def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list[tuple[OpCall, int]],
-            forward_ms: float, total_ms: float, end_seq: int, tensor_bytes: dict[int, int],
-            first_save_inside: dict[int, int], op_cost_ms: tuple[float, float]) -> Policy:
+            price: _Price, end_seq: int, tensor_bytes: dict[int, int], first_save_inside: dict[int, int]) -> Policy:
     members = [m for _, _, group in kept for m in group]
     saved_ms = sum(op.forward_ms for op, _ in members)
-    dispatch_ms = op_cost_ms[0] * (len(calls) - len(members)) + op_cost_ms[1] * len(members)
+    recomputed = (max(0.0, price.kernel_ms - saved_ms), len(calls) - len(members))
     ids = {t for op, _ in members for t in op.output_ids}
     kept_keys = {(op.name, k) for op, k in members}
     drawn = {op.writes for op, _ in calls if op.random and op.writes is not None}  # dropout masks
@@ -273,8 +335,9 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
         saved=tuple(sorted(kept_keys, key=lambda nk: (nk[0], nk[1]))),
         cached=tuple(sorted((first_save_inside.get(t, end_seq), t) for t in ids)),
         saved_ms=saved_ms,
-        recompute_ms=dispatch_ms + (forward_ms * max(0.0, 1.0 - saved_ms / total_ms) if total_ms > 0 else forward_ms),
+        recompute_ms=price.recompute_ms(*recomputed),
         kept_bytes=sum(tensor_bytes[t] for t in ids),
         counts=tuple((c, *tally[c]) for c in order if c in tally),
         keeps_written=any(op.inplace for op, _ in members),
+        spread_ms=price.spread_ms(*recomputed),
     )

@@ -87,8 +87,11 @@ def prof(measured):
     """This model's ops take microseconds, so selective checkpointing's dispatch (tens of
     microseconds per op call, measured by the profiler) outweighs any kernel a policy could skip
     and every menu is empty (``test_dispatch_cost_is_measured_and_priced``). The mechanics are
-    tested here with that cost set aside."""
-    return measured.model_copy(update={"sac_recomputed_op_ms": 0.0, "sac_kept_op_ms": 0.0})
+    tested here with that cost set aside, and the noise of its figures (NOTE [ Selective menus ],
+    Rule (noise): ``test_a_policy_within_its_spread_of_full_checkpointing_stays_out``)."""
+    units = [u.model_copy(update={"forward_spread_ms": 0.0}) for u in measured.units]
+    return measured.model_copy(update={"sac_recomputed_op_ms": 0.0, "sac_kept_op_ms": 0.0, "units": units,
+                                       "sac_recomputed_op_spread_ms": 0.0, "sac_kept_op_spread_ms": 0.0})
 
 
 class _StepClock:
@@ -118,8 +121,11 @@ def test_dispatch_cost_is_per_op_call_of_one_micro_batch(measured):
     top = [a for _, a in graph_for(accum, selective=False).nodes(data=True) if a["parent"] is None]
     calls = sum(1 for o in accum.ops for a in top if a["fwd_start_seq"] <= o.seq <= a["fwd_end_seq"])
     cost = measure_sac_cost(_net(), _inputs(), accum, loss_fn=_loss, amp=None, dev=torch.device("cpu"),
-                            clock=_StepClock([100.0, 150.0, 150.0 + calls * 0.01, 100.0 + calls * 0.03] * 2))
-    assert cost.recomputed_op_ms == pytest.approx(0.01) and cost.kept_op_ms == pytest.approx(0.03)
+                            clock=_StepClock([100.0, 150.0, 150.0 + calls * 0.01, 100.0 + calls * 0.03] * 2
+                                             + [100.0, 150.0, 150.0 + calls * 0.05, 110.0 + calls * 0.03]))
+    assert cost.recomputed_op_ms == pytest.approx(0.01) and cost.kept_op_ms == pytest.approx(0.03)  # least times
+    # the spread of the per-round figures (NOTE [ Selective dispatch cost ], Rule 4): inclusive quartiles
+    assert cost.recomputed_op_spread_ms == pytest.approx(0.02) and cost.kept_op_spread_ms == pytest.approx(5 / calls)
 
 
 def test_dispatch_cost_is_measured_and_priced(measured, prof):
@@ -131,10 +137,12 @@ def test_dispatch_cost_is_measured_and_priced(measured, prof):
     a = g.nodes["blocks.1"]
     inside = [o for o in prof.ops if a["fwd_start_seq"] <= o.seq <= a["fwd_end_seq"]]
     kernels_ms = sum(o.forward_ms for o in inside)
+    phi = min(1.0, kernels_ms / a["forward_ms"])  # the kernels' share of the forward; the rest is Python
     assert a["menu"]
     for pol in a["menu"]:
         kept = len(pol.saved)  # op calls, writers of a kept output included
-        recompute = a["forward_ms"] * (1 - pol.saved_ms / kernels_ms)
+        share = phi * (1 - pol.saved_ms / kernels_ms) + (1 - phi) * (len(inside) - kept) / len(inside)
+        recompute = a["forward_ms"] * share
         assert pol.recompute_ms == pytest.approx(recompute + cost[0] * (len(inside) - kept) + cost[1] * kept)
     full = graph_for(measured).nodes["blocks.1"]
     assert all(p.recompute_ms < full["forward_ms"] for p in full["menu"])
@@ -203,8 +211,26 @@ def test_menu_is_a_front_and_keeps_only_keepable_ops():
     assert all(("aten.empty_like.default", 0) not in p.saved for p in menu)
     assert menu[0].saved == (("aten.mm.default", 1),)  # the cheap matmul first: 100 bytes, 5 ms
     assert menu[0].cached == ((9, 3),)  # backward never reads it: held until the unit's end
-    assert menu[0].recompute_ms == pytest.approx(22.0 * (1 - 5.0 / 10.6))
+    # 10.6 ms of kernels in a 22 ms forward: the rest is Python, replayed by call count (5 of 6 calls)
+    phi = 10.6 / 22.0
+    assert menu[0].recompute_ms == pytest.approx(22.0 * (phi * (1 - 5.0 / 10.6) + (1 - phi) * 5 / 6))
     assert describe(menu[0]) == "saves 1 matmul; recomputes 1 matmul, 2 pointwise"  # gelu, empty_like
+
+
+def test_a_policy_within_its_spread_of_full_checkpointing_stays_out():
+    """NOTE [ Selective menus ], Rule (noise): a policy enters the menu only when it saves more than its
+    measured spread; without op times on the forward's clock (K > F) it is the kernel-share model."""
+    ops = [_op(1, "aten.mm.default", 1, 5.0), _op(2, "aten.gelu.default", 2, 0.5), _op(3, "aten.mm.default", 3, 5.0)]
+    kw = dict(end_seq=9, saved_bytes=1000, tensor_bytes={1: 400, 2: 400, 3: 100}, first_save_inside={1: 2, 2: 3},
+              saved_outside=[])
+    quiet = build_menu(ops, forward_ms=10.0, **kw)
+    assert quiet and quiet[0].recompute_ms == pytest.approx(10.0 * (1 - 5.0 / 10.5))  # phi capped at 1
+    share = quiet[0].recompute_ms / 10.0  # its spread is the forward's spread times the share it reruns
+    at = 10.0 * (1 - share) / share  # ... equal to its saving at this forward spread
+    assert any(p.saved == quiet[0].saved for p in build_menu(ops, forward_ms=10.0, forward_spread_ms=0.9 * at, **kw))
+    assert all(p.saved != quiet[0].saved for p in build_menu(ops, forward_ms=10.0, forward_spread_ms=1.1 * at, **kw))
+    dispatch = build_menu(ops, forward_ms=10.0, op_cost_ms=(0.01, 0.01), op_cost_spread_ms=(4.0, 4.0), **kw)
+    assert dispatch == ()  # 4 ms of spread per call: no policy saves more than that
 
 
 # ----------------------------------------------------------------------------- cost model and solvers
@@ -213,6 +239,9 @@ def test_menu_is_a_front_and_keeps_only_keepable_ops():
 def test_every_block_has_a_menu(graph):
     blocks = [n for n in graph.nodes if n.startswith("blocks.")]
     assert len(blocks) == LAYERS and all(graph.nodes[n]["menu"] for n in blocks)
+    # identical blocks, identical menus: op times pooled over the cost group (NOTE [ Op records ])
+    menus = {tuple((p.saved, p.recompute_ms, p.kept_bytes) for p in graph.nodes[n]["menu"]) for n in blocks}
+    assert len(menus) == 1
 
 
 def test_selective_sits_between_none_and_full(graph):
@@ -251,6 +280,22 @@ def test_module_level_only_without_selective(prof):
     assert all(not a["menu"] for _, a in g.nodes(data=True))
     plan = plan_from_profile(prof, _budget(g), selective=False)
     assert plan.selective == []
+
+
+def test_op_level_plan_stands_only_beyond_the_spread(prof, graph, monkeypatch):
+    """NOTE [ Robust choice ]: an op-level plan predicted cheaper than the whole-module plan by less
+    than the spread of the difference gives way to the whole-module plan."""
+    import planner.act.api as api
+
+    budget = _budget(graph, 0.6)
+    ops, whole = plan_from_profile(prof, budget), plan_from_profile(prof, budget, selective=False)
+    assert ops.selective and ops.predicted.recompute_ms < whole.predicted.recompute_ms
+    est = simulate(graph, ops.checkpoint_units)
+    assert api.difference_spread_ms(graph, est, est) == 0.0  # the fixture's figures carry no spread
+    monkeypatch.setattr(api, "difference_spread_ms", lambda *_: whole.predicted.recompute_ms)
+    robust = plan_from_profile(prof, budget)
+    assert robust.selective == [] and robust.checkpoints == whole.checkpoints
+    assert robust.predicted.recompute_ms == pytest.approx(whole.predicted.recompute_ms)
 
 
 # ----------------------------------------------------------------------------- plan file and applier

@@ -16,7 +16,7 @@ from planner.profiling.devices import get_device, load_calibration
 from planner.profiling.meta import fit_calibration, profile_meta
 from planner.profiling import profile
 from planner.cli.render import time_line
-from planner.profiling.timing import unit_costs
+from planner.profiling.timing import spread_ms, unit_costs
 
 
 def _sum(out: torch.Tensor) -> torch.Tensor:
@@ -33,8 +33,11 @@ def _stack() -> nn.Module:
 def test_costs_are_medians_pooled_over_the_group():
     samples = {"a": [(1.0, 10.0), (100.0, 10.0)], "b": [(2.0, 20.0), (3.0, 20.0)], "c": [(5.0, 1.0), (7.0, 3.0)]}
     costs = unit_costs(samples, {"a": "g", "b": "g"})
-    assert costs["a"] == costs["b"] == (2.5, 15.0, 4)  # one outlier (100) does not move the median
-    assert costs["c"] == (6.0, 2.0, 2)  # its own group
+    assert costs["a"] == costs["b"] and costs["a"][:3] == (2.5, 15.0, 4)  # one outlier (100) does not move the median
+    assert costs["c"][:3] == (6.0, 2.0, 2)  # its own group
+    # the spread (NOTE [ Unit costs ], Rule 4): interquartile range, inclusive quartiles
+    assert costs["a"].forward_spread_ms == 27.25 - 1.75 and costs["a"].backward_spread_ms == 10.0
+    assert costs["c"].forward_spread_ms == 1.0 and spread_ms([4.0]) == 0.0
 
 
 def test_identical_blocks_get_one_price_on_the_thread_clock():
@@ -79,3 +82,18 @@ def test_calibration_refits_the_roofline_to_the_measured_units(tmp_path, monkeyp
     assert total(refit, nodes) == pytest.approx(total(real, nodes), rel=1e-6)
     with pytest.raises(Exception, match="uncalibrated"):
         fit_calibration([(real, refit)], measured_on="x", models=["stack"])
+
+
+def test_more_threads_time_at_one_thread_and_scale():
+    """NOTE [ Unit costs ], Rule 1b: above one thread the figures are the one-thread CPU times times
+    the measured wall-to-CPU ratio of the forward, so load moves the scale, never the choice."""
+    before = torch.get_num_threads()
+    prof = profile(_stack(), torch.randn(16, 64), loss_fn=_sum, device="cpu", steps=2, threads=2)
+    assert torch.get_num_threads() == before  # restored
+    assert (prof.time_source, prof.threads) == ("cpu-thread-time-scaled", 2)
+    assert prof.thread_scale is not None and prof.thread_scale > 0 and prof.thread_scale_spread >= 0
+    blocks = [prof.unit(u) for u in ("1", "2", "3")]
+    assert len({(b.forward_ms, b.backward_ms, b.forward_spread_ms) for b in blocks}) == 1
+    ops = [[o.forward_ms for o in prof.ops if o.unit.startswith(f"{u}.") or o.unit == u] for u in ("1", "2", "3")]
+    assert ops[0] and ops[0] == ops[1] == ops[2]  # op times pooled over the cost group (NOTE [ Op records ])
+    assert "cpu-thread-time-scaled at 2 threads" in time_line(prof.time_source, prof.threads, prof.time_calibration)

@@ -168,6 +168,14 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
                 options=("time_limit_s", "solver"))
         raise infeasible(profile, g, budget_bytes, lowest_peak, headroom)
     est = simulate(g, sol.checkpointed, sol.selective)  # every call of a module, or none (NOTE [ Tied calls ])
+    if est.selective:  # NOTE [ Robust choice ]
+        wg = graph_for(profile, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding,
+                       selective=False)
+        whole = solve_graph(wg, usable, solver=solver, time_limit_s=time_limit_s)
+        if whole.status != "infeasible":
+            plain = simulate(wg, whole.checkpointed)
+            if plain.peak_bytes <= usable and plain.recompute_ms - est.recompute_ms <= difference_spread_ms(g, est, plain):
+                g, sol, est = wg, whole, plain
     if est.peak_bytes > usable:
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
@@ -267,6 +275,29 @@ def _excluded_text(profile: Profile) -> str:
     more = f" and {len(profile.excluded) - 4} more" if len(profile.excluded) > 4 else ""
     n = len(profile.excluded)
     return f"; {n} module{'s are' if n > 1 else ' is'} excluded from plans: {shown}{more}"
+
+
+# NOTE [ Robust choice ]
+# A plan is worth what its worst figure is worth (NOTE [ Unit costs ], Rule 4). The menus take
+# only policies that save more than their own spread (NOTE [ Selective menus ], Rule (noise));
+# identical units have one price and one menu, so the solvers' deterministic order breaks their
+# ties, never noise. One choice is left: op-level regions against whole modules, at one budget.
+# Rule. When the solver's plan holds op-level regions, the budget is solved again over whole
+# modules only; the op-level plan stands only when it is predicted cheaper than that plan by
+# more than the spread of the difference (``difference_spread_ms``: the forward spreads of the
+# units one plan checkpoints whole and the other does not, plus every policy's spread, times the
+# micro-batches). Otherwise the whole-module plan is returned: within the noise the two are
+# the same price, and whole modules pay no selective dispatch, whose figures are the noisiest
+# (two step times over the op calls, NOTE [ Selective dispatch cost ]).
+
+
+def difference_spread_ms(g: nx.DiGraph, ops: Any, whole: Any) -> float:
+    """The measured spread of ``ops``'s recompute less ``whole``'s (two ``Estimate`` on ``g``'s units;
+    NOTE [ Robust choice ])."""
+    forward = {n: a.get("forward_spread_ms", 0.0) for n, a in g.nodes(data=True)}
+    differ = set(ops.checkpointed) ^ set(whole.checkpointed)
+    policies = sum(g.nodes[n]["menu"][k].spread_ms for n, k in ops.selective.items())
+    return g.graph.get("micro_batches", 1) * (sum(forward.get(n, 0.0) for n in differ) + policies)
 
 
 _WINDOWS = ("forward of ", "backward of ", "end of forward", "start of backward")

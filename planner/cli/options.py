@@ -57,8 +57,9 @@ STEPS = _param("steps", Annotated[int, typer.Option(
     "--steps", min=1, help="Training steps measured (after a warm-up step).")], 3)
 THREADS = _param("threads", Annotated[int | None, typer.Option(
     "--threads", min=1, show_default=False,
-    help="torch intra-op threads for the measured steps (default: torch's). On the CPU, 1 times each "
-         "unit by the thread's CPU time, which other processes on the machine do not change.")], None)
+    help="torch intra-op threads for the measured steps (default: torch's). On the CPU every figure is "
+         "the thread's CPU time at one thread, which other processes on the machine do not change; above "
+         "one thread it is scaled by the step's measured wall-to-CPU ratio at N threads.")], None)
 DEVICE = _param("device", Annotated[str, typer.Option(
     "--device", help="Where to run the step: auto (cuda if available, else cpu), cpu, cuda[:N], meta.")], "auto")
 

@@ -239,6 +239,7 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
         order=order, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, depth=u.depth,
         parent=None, leaf=True, fwd_start_seq=u.fwd_start_seq, fwd_end_seq=u.fwd_end_seq,
         forward_ms=u.forward_ms, backward_ms=u.backward_ms, flops=u.flops, param_bytes=u.param_bytes,
+        forward_spread_ms=u.forward_spread_ms,
         saved_bytes=sum(tensor_bytes[t] for t in saved),
         input_bytes=sum(tensor_bytes[t] for t in inputs),
         output_bytes=u.output_bytes,
@@ -285,7 +286,8 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
                     o.writes, o.read_between_writes) for o in inside],
             forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], tensor_bytes=tb,
             first_save_inside=first_inside, saved_outside=outside, writers=writers,
-            op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms))
+            op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms), forward_spread_ms=a["forward_spread_ms"],
+            op_cost_spread_ms=(p.sac_recomputed_op_spread_ms, p.sac_kept_op_spread_ms))
 
 
 def _link_tree(g: nx.DiGraph, chosen: list[str], units: dict[str, UnitRecord]) -> None:

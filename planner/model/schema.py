@@ -273,6 +273,9 @@ class UnitRecord(_Model):
                                             "their pooled samples (NOTE [ Unit costs ] in planner/profiling/timing.py).")
     timing_samples: Count = Field(0, description="Samples behind forward_ms/backward_ms (steps x group members).")
     flops: NonNegFloat = Field(0.0, description="Forward FLOPs, inclusive (when counted).")
+    forward_spread_ms: Ms = Field(0.0, description="Interquartile range of the samples behind forward_ms (NOTE "
+                                                   "[ Unit costs ], Rule 4); 0: one sample, or not measured.")
+    backward_spread_ms: Ms = Field(0.0, description="Interquartile range of the samples behind backward_ms.")
     input_ids: list[int] = Field(default_factory=list,
                                  description="Tensors (ids into Profile.tensors) passed in as inputs and created "
                                              "during the step. Pre-existing tensors (batch, parameters) are static.")
@@ -353,6 +356,9 @@ class StepRecord(_Model):
     forward_ms: Ms = Field(description="Forward and loss, median over the measured steps.")
     backward_ms: Ms = Field(description="Backward, median over the measured steps.")
     optimizer_ms: Ms = Field(0.0, description="optimizer.step(), median over the measured steps.")
+    forward_spread_ms: Ms = Field(0.0, description="Interquartile range of forward_ms's steps (NOTE [ Unit costs ], "
+                                                   "Rule 4); 0 when not measured.")
+    backward_spread_ms: Ms = Field(0.0, description="Interquartile range of backward_ms's steps.")
     step_ms: Ms = Field(description="forward_ms + backward_ms + optimizer_ms.")
     forward_end_seq: Seq
     backward_start_seq: Seq
@@ -395,9 +401,15 @@ class Profile(_Model):
     optimizer: str = "adamw"
     torch_version: str = ""
     created_at: str = ""
-    time_source: str = Field("", description="What the _ms figures are: 'cpu-thread-time', 'wall-clock', "
-                                             "'cuda-events' or 'roofline' (planner.profiling.timing.TIME_SOURCES).")
+    time_source: str = Field("", description="What the _ms figures are: 'cpu-thread-time', "
+                                             "'cpu-thread-time-scaled', 'wall-clock', 'cuda-events' or 'roofline' "
+                                             "(planner.profiling.timing.TIME_SOURCES).")
     threads: Threads | None = Field(None, description="torch intra-op threads the CPU step ran with.")
+    thread_scale: NonNegFloat | None = Field(
+        None, description="'cpu-thread-time-scaled' only: the measured ratio of the forward's wall time at `threads` "
+                          "to its CPU time at one thread, which every figure was multiplied by (NOTE [ Unit costs ], "
+                          "Rule 1b).")
+    thread_scale_spread: NonNegFloat = Field(0.0, description="Spread of thread_scale over its rounds.")
     time_calibration: str | None = Field(None, description="Roofline only: the calibration file its efficiency "
                                                            "constants came from; None: uncalibrated assumptions.")
     units: list[UnitRecord]
@@ -433,6 +445,10 @@ class Profile(_Model):
                                                           "planner/profiling/sac_cost.py); 0 when not measured.")
     sac_kept_op_ms: Ms = Field(0.0, description="Milliseconds torch's selective checkpointing adds per op call "
                                                    "a region keeps (the same NOTE); 0 when not measured.")
+    sac_recomputed_op_spread_ms: Ms = Field(0.0, description="Spread of sac_recomputed_op_ms over the rounds it "
+                                                             "was measured in (NOTE [ Selective dispatch cost ], "
+                                                             "Rule 4); 0 when not measured.")
+    sac_kept_op_spread_ms: Ms = Field(0.0, description="Spread of sac_kept_op_ms over its rounds (the same NOTE).")
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")

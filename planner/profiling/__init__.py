@@ -85,8 +85,8 @@ def profile(
     from planner.profiling.profiler import profile_real, resolve_device
     from planner.profiling.step_changes import profiled_with_step_changes
     from planner.profiling.validate import validate
-    from planner.profiling.sac_cost import measure_sac_cost
-    from planner.profiling.timing import num_threads, pick_clock
+    from planner.profiling.sac_cost import measure_sac_cost, with_sac_cost
+    from planner.profiling.timing import clock_of, num_threads, timing_threads
     import torch
 
     dev = resolve_device(device)
@@ -114,9 +114,11 @@ def profile(
             if result.ops:
                 (progress or (lambda _msg: None))("timing selective checkpointing's dispatch")
                 with num_threads(threads):
-                    cost = measure_sac_cost(model, to_device(inputs, dev), result, loss_fn=loss_fn, amp=recipe.amp,
-                                            dev=dev, clock=pick_clock(dev, torch.get_num_threads()))
-                result.sac_recomputed_op_ms, result.sac_kept_op_ms = cost
+                    clock = clock_of(result, dev)
+                    with timing_threads(clock):
+                        cost = measure_sac_cost(model, to_device(inputs, dev), result, loss_fn=loss_fn,
+                                                amp=recipe.amp, dev=dev, clock=clock)
+                result = with_sac_cost(result, cost)
     result.step_changes = changes
     return result
 

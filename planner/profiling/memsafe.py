@@ -25,7 +25,7 @@ from planner.profiling.measure import is_oom
 from planner.profiling.model_file import Inputs, check_devices
 from planner.profiling import profile
 from planner.profiling.profiler import measure_profile, restoring_model, TimingRecorder, resolve_device
-from planner.profiling.timing import num_threads, pick_clock
+from planner.profiling.timing import num_threads, profile_clock
 from planner.profiling.recording import io_tensors, MemoryRecorder, UnitCall
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry
 
@@ -139,8 +139,8 @@ def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, 
     ``profile`` measures them: the validation step runs with the candidates checkpointed, so it fits
     where the checkpointed profile did."""
     from planner.profiling.measure import to_device
-    from planner.profiling.sac_cost import measure_sac_cost
-    from planner.profiling.timing import pick_clock
+    from planner.profiling.sac_cost import measure_sac_cost, with_sac_cost
+    from planner.profiling.timing import clock_of, timing_threads
     from planner.profiling.validate import validate
 
     (progress or (lambda _msg: None))("validation step: what checkpointing frees")
@@ -156,15 +156,17 @@ def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, 
         return prof
     (progress or (lambda _msg: None))("timing selective checkpointing's dispatch")
     try:  # keeping every op output may not fit where the checkpointed profile did
-        cost = measure_sac_cost(model, to_device(inputs, dev), prof, loss_fn=loss_fn, amp=amp, dev=dev,
-                                clock=pick_clock(dev, torch.get_num_threads()))
+        clock = clock_of(prof, dev)
+        with timing_threads(clock):
+            cost = measure_sac_cost(model, to_device(inputs, dev), prof, loss_fn=loss_fn, amp=amp, dev=dev,
+                                    clock=clock)
     except (ProfileError, RuntimeError, MemoryError) as e:
         if not _out_of_memory(e):
             raise
         _free(model, dev)
         return prof.model_copy(update={"notes": [*prof.notes, "selective checkpointing's dispatch cost not "
                                                                 f"measured (0): {_first_line(e)}"]})
-    return prof.model_copy(update={"sac_recomputed_op_ms": cost.recomputed_op_ms, "sac_kept_op_ms": cost.kept_op_ms})
+    return with_sac_cost(prof, cost)
 
 
 def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_bytes: int | None,
@@ -277,7 +279,7 @@ def _profile_checkpointed(model: torch.nn.Module, inputs: Inputs, *, checkpointe
     with restoring_model(model, dev), num_threads(threads), ckpt:
         prof = measure_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp,
                         warmup_steps=warmup_steps, steps=steps, say=say,
-                        clock=_PausingClock(pick_clock(dev, torch.get_num_threads())),
+                        clock=_PausingClock(profile_clock(dev, torch.get_num_threads())),
                         timing_recorder=timing_recorder,
                         memory_recorder=lambda m, tracker: _CheckpointedMemory(m, tracker, ckpt))
     prof = _as_unplanned(prof, fqns, timing[-1].recompute_ms if timing else {})

@@ -42,7 +42,9 @@ from planner.profiling.recording import (
     OP_TIMING_STEPS, op_timing_steps, Progress, AsRun, as_run_timeline, assemble_profile, memory_step, Recorder, release_grads,
     StepTimes, UnitCall,
 )
-from planner.profiling.timing import num_threads, pick_clock, robust_ms, unit_costs
+from planner.profiling.timing import (
+    calibrated, num_threads, profile_clock, robust_ms, spread_ms, timing_threads, unit_costs,
+)
 
 
 def profile_real(
@@ -62,7 +64,7 @@ def profile_real(
     arguments are checked by ``planner.profiling.profile``, which documents them."""
     check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
     with restoring_model(model, dev), num_threads(threads):
-        clock = pick_clock(dev, torch.get_num_threads())
+        clock = profile_clock(dev, torch.get_num_threads())
         return measure_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe, clock=clock,
                         warmup_steps=warmup_steps, steps=steps, say=progress or (lambda _msg: None))
 
@@ -84,11 +86,15 @@ def measure_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *
     for i in range(warmup_steps):
         say(f"warm-up step {i + 1}/{warmup_steps}")
         step()
-    times = _timing_steps(model, step, clock, steps, say, recorder=timing_recorder)
+    scaled = calibrated(clock, step)  # NOTE [ Unit costs ], Rule 1b
+    with timing_threads(clock):
+        times = _timing_steps(model, step, clock, steps, say, recorder=timing_recorder)
     say("memory step")
     mem = memory_step(model, step, inputs, opt, dev, recipe=recipe, recorder=memory_recorder)
     say("op timing steps")
-    if not mem.recorder.use_op_times(op_timing_steps(step, dev, OP_TIMING_STEPS)):
+    with timing_threads(clock):
+        runs = op_timing_steps(step, dev, OP_TIMING_STEPS, clock)
+    if not mem.recorder.use_op_times(runs):
         mem.recorder.op_time_note = "op times from the memory step only: the op timing steps ran other ops"
     as_run = None
     if memory_recorder is None:  # planner/profiling/memsafe.py reconstructs its timeline from its own step
@@ -102,7 +108,9 @@ def measure_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *
     if as_run is not None:
         reconcile(result, as_run)
     return result.model_copy(update={"time_source": clock.source,
-                                     "threads": torch.get_num_threads() if dev.type == "cpu" else None})
+                                     "threads": torch.get_num_threads() if dev.type == "cpu" else None,
+                                     "thread_scale": scaled.scale if scaled else None,
+                                     "thread_scale_spread": scaled.spread if scaled else 0.0})
 
 
 RECONCILE_TOLERANCE = 0.02
@@ -209,7 +217,8 @@ def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int
                 bwd = clock.ms(u.bwd_start, u.bwd_end) if u.bwd_start is not None and u.bwd_end is not None else 0.0
                 times.unit_samples.setdefault(u.id, []).append((fwd, max(bwd, 0.0)))
     times.forward_ms, times.backward_ms, times.optimizer_ms = (robust_ms(phases[k]) for k in phases)
-    times.unit_ms = {uid: (f, b) for uid, (f, b, _) in unit_costs(times.unit_samples, {}).items()}
+    times.unit_ms = {uid: (c.forward_ms, c.backward_ms) for uid, c in unit_costs(times.unit_samples, {}).items()}
+    times.phase_spread_ms = {k: spread_ms(v) for k, v in phases.items()}
     return times
 
 

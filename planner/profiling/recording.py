@@ -43,7 +43,7 @@ from planner.model.schema import LOSS_ID, ROOT_ID
 from planner.profiling.measure import OPTIMIZERS, Measured
 from planner.profiling.model_file import Inputs
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
-from planner.profiling.timing import describe, signature, unit_costs
+from planner.profiling.timing import UnitCost, WallClock, describe, signature, unit_costs
 
 Progress = Callable[[str], None]
 
@@ -292,6 +292,8 @@ class StepTimes:
     """The unit ids of each timing step, to check the steps called the same modules."""
     unit_samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     """Unit id -> its (forward ms, backward ms) in each step, for pooling (NOTE [ Unit costs ])."""
+    phase_spread_ms: dict[str, float] = field(default_factory=dict)
+    """'forward', 'backward', 'optimizer' -> the spread of the phase's times (NOTE [ Unit costs ], Rule 4)."""
 
 
 
@@ -349,32 +351,36 @@ def counted_op(func: Any) -> bool:
 
 
 class _OpTimer(TorchDispatchMode):
-    """Wall time of every counted op of the forward, in order (NOTE [ Op records ]): a few
-    extra steps give each op the least of its times, which noise on a shared machine only raises."""
+    """Time of every counted op of the forward, in order, on the profile's clock (NOTE [ Op
+    records ]): a few extra steps give each op the least of its times, which noise on a shared
+    machine only raises."""
 
-    def __init__(self, sync: Callable[[], None] | None):
+    def __init__(self, clock: Any, sync: Callable[[], None] | None):
         super().__init__()
-        self.sync = sync
+        self.clock, self.sync = clock, sync
         self.ms: list[float] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.sync is not None:
             self.sync()
-        t0 = time.perf_counter()
+        t0 = self.clock.stamp()
         out = func(*args, **(kwargs or {}))
         if self.sync is not None:
             self.sync()
         if counted_op(func):
-            self.ms.append((time.perf_counter() - t0) * 1e3)
+            self.ms.append(self.clock.ms(t0, self.clock.stamp()))
         return out
 
 
-def op_timing_steps(step: Callable, dev: torch.device, steps: int) -> list[list[float]]:
-    """Per step, the forward's counted op times (``_OpTimer``)."""
+def op_timing_steps(step: Callable, dev: torch.device, steps: int, clock: Any | None = None) -> list[list[float]]:
+    """Per step, the forward's counted op times (``_OpTimer``) on ``clock`` (the profile's; on CUDA
+    and by default the wall clock, synchronised around each op on CUDA)."""
     sync = functools.partial(torch.cuda.synchronize, dev) if dev.type == "cuda" else None
+    if clock is None or dev.type == "cuda":
+        clock = WallClock()
     runs = []
     for _ in range(steps):
-        timer = _OpTimer(sync)
+        timer = _OpTimer(clock, sync)
 
         def mark(name: str, _value: Any = None, timer: _OpTimer = timer) -> None:
             if name == "step_start":
@@ -469,8 +475,12 @@ class MemoryRecorder(Recorder):
     # autograd; its ignored ops, such as ``aten.detach``, left out), so that "the k-th
     # ``aten.mm.default`` in the forward of unit u" names the same op call here and in the
     # applier's policy (planner/act/applier.py). Per op: the storages it allocated (its outputs:
-    # what keeping it costs), its time (the kernel's wall time in the memory step, synchronised
-    # on CUDA; the roofline on meta), whether it draws random numbers, writes an input in
+    # what keeping it costs), its time (the least over the op timing steps, on the profile's
+    # clock: on the CPU the same clock as the units' forward times, so that their difference is
+    # the forward's Python work; the wall time synchronised around the op on CUDA; the roofline
+    # on meta; the memory step's wall time if no timing step ran the same ops), pooled like unit
+    # costs: the op at the same place in every unit of one cost group gets the least of their
+    # times, so identical units get identical menus (NOTE [ Unit costs ], Rule 3), whether it draws random numbers, writes an input in
     # place, returns a view, or has an output written in place later: such an output can be
     # kept only together with every op that writes it (then none of them reruns, and the kept
     # storage holds the final values), and only if no other op reads it between its allocation
@@ -506,11 +516,35 @@ class MemoryRecorder(Recorder):
                                 self.forward_ops, torch.Tag.dynamic_output_shape in tags, writes))
 
     def use_op_times(self, runs: list[list[float]]) -> bool:
-        """Each op's least time over the memory step and ``runs`` (when they ran the same ops)."""
+        """Each op's least time over ``runs`` (those that ran the same ops as the memory step), pooled
+        over the op calls at the same place in the units of one cost group (NOTE [ Op records ]);
+        False, and the memory step's wall times kept, when no run matched."""
         runs = [r for r in runs if len(r) == self.forward_ops]
+        if not runs:
+            return False
         for op in self.op_calls:
-            op.ms = min([op.ms, *(r[op.ordinal] for r in runs)])
-        return len(runs) > 0
+            op.ms = min(r[op.ordinal] for r in runs)
+        self._pool_op_times()
+        return True
+
+    def _pool_op_times(self) -> None:
+        """The least time of each op over the members of its unit's cost group, at the same index
+        among the unit's own op calls (the signature holds the op sequence, so they align)."""
+        by_unit: dict[str, list[_OpCall]] = {}
+        for op in self.op_calls:
+            by_unit.setdefault(op.unit, []).append(op)
+        groups: dict[str, list[list[_OpCall]]] = {}
+        for uid, ops in by_unit.items():
+            if sig := self.signatures.get(uid):
+                groups.setdefault(sig, []).append(ops)
+        for members in groups.values():
+            if len(members) < 2 or len({len(m) for m in members}) != 1:
+                continue
+            for same in zip(*members):
+                if len({o.name for o in same}) == 1:
+                    least = min(o.ms for o in same)
+                    for o in same:
+                        o.ms = least
 
     def op_records(self, remap: dict[int, int]) -> list[schema.OpRecord]:
         return [schema.OpRecord(seq=op.seq, unit=op.unit, name=op.name,
@@ -890,7 +924,7 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
                                    autocast_cached=t.id in rec.autocast_cached)
                for t in order]
     costs = _pooled_costs(times, rec.signatures)
-    units = [_unit_record(u, costs.get(u.id, (0.0, 0.0, 0)), rec.signatures.get(u.id, ""), remap) for u in rec.units]
+    units = [_unit_record(u, costs.get(u.id, UnitCost(0.0, 0.0, 0)), rec.signatures.get(u.id, ""), remap) for u in rec.units]
     saves = [schema.SaveRecord(tensor_id=remap[tid], seq=seq, unit=unit) for tid, seq, unit in rec.saves]
     memory_ids = [u.id for u in rec.units]
     if any(ids != memory_ids for ids in times.unit_ids):
@@ -926,6 +960,8 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
         forward_ms=times.forward_ms,
         backward_ms=times.backward_ms,
         optimizer_ms=times.optimizer_ms,
+        forward_spread_ms=times.phase_spread_ms.get("forward", 0.0),
+        backward_spread_ms=times.phase_spread_ms.get("backward", 0.0),
         step_ms=recipe.grad_accum * (times.forward_ms + times.backward_ms) + times.optimizer_ms,
         forward_end_seq=rec.marks["forward_end"],
         backward_start_seq=rec.marks["backward_start"],
@@ -1000,19 +1036,20 @@ _OPTIMIZER_NOTE = {
 }
 
 
-def _pooled_costs(times: StepTimes, signatures: dict[str, str]) -> dict[str, tuple[float, float, int]]:
-    """Unit id -> (forward ms, backward ms, samples): pooled over cost groups when the steps were
-    timed (NOTE [ Unit costs ], Rule 3); as given otherwise (the roofline's one modelled step)."""
+def _pooled_costs(times: StepTimes, signatures: dict[str, str]) -> dict[str, UnitCost]:
+    """Unit id -> its ``UnitCost``: pooled over cost groups when the steps were timed (NOTE [ Unit
+    costs ], Rule 3); as given otherwise (the roofline's one modelled step: no spread)."""
     if times.unit_samples:
         return unit_costs(times.unit_samples, signatures)
-    return {uid: (f, b, 1) for uid, (f, b) in times.unit_ms.items()}
+    return {uid: UnitCost(f, b, 1) for uid, (f, b) in times.unit_ms.items()}
 
 
-def _unit_record(u: UnitCall, cost: tuple[float, float, int], group: str, remap: dict[int, int]) -> schema.UnitRecord:
+def _unit_record(u: UnitCall, cost: UnitCost, group: str, remap: dict[int, int]) -> schema.UnitRecord:
     return schema.UnitRecord(
         id=u.id, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, parent=u.parent, depth=u.depth,
         fwd_start_seq=u.fwd_start, fwd_end_seq=u.fwd_end, bwd_start_seq=u.bwd_start, bwd_end_seq=u.bwd_end,
-        forward_ms=cost[0], backward_ms=cost[1], cost_group=group, timing_samples=cost[2],
+        forward_ms=cost.forward_ms, backward_ms=cost.backward_ms, cost_group=group, timing_samples=cost.samples,
+        forward_spread_ms=cost.forward_spread_ms, backward_spread_ms=cost.backward_spread_ms,
         input_ids=[remap[i] for i in u.input_ids], output_ids=[remap[i] for i in u.output_ids],
         input_bytes=u.input_bytes, output_bytes=u.output_bytes, param_bytes=u.param_bytes,
     )

@@ -23,6 +23,13 @@
 # [ Selective menus ] in solvers/selective.py). Each is a difference of two step times over N,
 # so on a model whose steps take seconds it is within their noise (it may read 0).
 #
+# Rule 4. Each figure carries its spread: the interquartile range of its per-round estimates
+# ((t_r - t_full) / N of each round; ``Profile.sac_recomputed_op_spread_ms``,
+# ``sac_kept_op_spread_ms``). A figure within its spread of 0 is noted in the profile
+# (``with_sac_cost``), and a policy enters a menu only when it saves more than the spread of its
+# price (NOTE [ Selective menus ], Rule (noise)). Above one CPU thread the rounds run at one
+# thread on the profile's scaled clock, like every other figure (NOTE [ Unit costs ], Rule 1b).
+#
 # Rule 3. On CUDA the Python work overlaps the kernels of earlier ops as long as the GPU is
 # busy: the profile's CUDA-event clock sees only what is not hidden. Meta profiles (no device
 # to run on) and profiles without op records leave it at 0.
@@ -33,7 +40,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -43,16 +49,21 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.model.schema import LOSS_ID, ROOT_ID, Profile
+from planner.profiling.timing import spread_ms
 
-SAC_ROUNDS = 2
-"""Interleaved rounds of the four steps; each keeps its least time (noise only raises times)."""
+SAC_ROUNDS = 3
+"""Interleaved rounds of the four steps; each keeps its least time (noise only raises times), and
+the per-round differences give the spread (Rule 4)."""
 
 
 class SacCost(NamedTuple):
-    """What selective checkpointing adds per op call of a region, beyond recomputed kernels."""
+    """What selective checkpointing adds per op call of a region, beyond recomputed kernels, and the
+    spread of each figure over the rounds (NOTE [ Selective dispatch cost ], Rule 4)."""
 
     recomputed_op_ms: float
     kept_op_ms: float
+    recomputed_op_spread_ms: float = 0.0
+    kept_op_spread_ms: float = 0.0
 
 
 def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
@@ -74,10 +85,11 @@ def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: C
         return SacCost(0.0, 0.0)
     # one micro-batch: the figures are per op call, and simulate counts a policy once per micro-batch
     step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
-    best = {policy: math.inf for policy in (None, "full", CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE)}
+    ms: dict[Any, list[float]] = {policy: [] for policy in
+                                  (None, "full", CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE)}
     with restoring_model(model, dev):
         for _ in range(rounds):
-            for policy in best:
+            for policy, times in ms.items():
                 with _selective_regions([modules[a["fqn"]] for a in top], policy):
                     model.zero_grad(set_to_none=True)
                     clock.sync()
@@ -85,9 +97,29 @@ def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: C
                     step()
                     t1 = clock.stamp()
                     clock.sync()
-                best[policy] = min(best[policy], clock.ms(t0, t1))
-    return SacCost(max(0.0, (best[CheckpointPolicy.PREFER_RECOMPUTE] - best["full"]) / n_ops),
-                   max(0.0, (best[CheckpointPolicy.MUST_SAVE] - best[None]) / n_ops))
+                times.append(clock.ms(t0, t1))
+
+    def per_op(policy: Any, base: Any) -> tuple[float, float]:
+        rounds_ms = [(a - b) / n_ops for a, b in zip(ms[policy], ms[base])]
+        return max(0.0, (min(ms[policy]) - min(ms[base])) / n_ops), spread_ms(rounds_ms)
+
+    (r, r_spread), (k, k_spread) = per_op(CheckpointPolicy.PREFER_RECOMPUTE, "full"), per_op(CheckpointPolicy.MUST_SAVE, None)
+    return SacCost(r, k, r_spread, k_spread)
+
+
+def with_sac_cost(prof: Profile, cost: SacCost) -> Profile:
+    """``prof`` with the figures of ``cost``, and a note for each that is within its spread of 0
+    (Rule 4)."""
+    notes = list(prof.notes)
+    for what, ms, spread in (("recomputed", cost.recomputed_op_ms, cost.recomputed_op_spread_ms),
+                             ("kept", cost.kept_op_ms, cost.kept_op_spread_ms)):
+        if ms <= spread:
+            notes.append(f"selective checkpointing's dispatch per {what} op call, {ms * 1e3:.1f} us, is within its "
+                         f"spread over the rounds ({spread * 1e3:.1f} us) of 0: op-level policies are priced "
+                         f"with it as measured, and a policy enters a menu only when it saves more than its spread")
+    return prof.model_copy(update={"sac_recomputed_op_ms": cost.recomputed_op_ms, "sac_kept_op_ms": cost.kept_op_ms,
+                                   "sac_recomputed_op_spread_ms": cost.recomputed_op_spread_ms,
+                                   "sac_kept_op_spread_ms": cost.kept_op_spread_ms, "notes": notes})
 
 
 @contextlib.contextmanager

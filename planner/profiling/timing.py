@@ -12,7 +12,7 @@ import hashlib
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,15 +24,25 @@ import torch
 #   (``time.thread_time``, CLOCK_THREAD_CPUTIME_ID): with one thread every kernel of the
 #   forward runs inline on the caller, and CPU autograd runs the backward on the thread that
 #   called ``backward()``, so the thread's CPU time is the step's work, and time the thread
-#   spends preempted by other processes does not count. With more threads the work is spread
-#   over the OpenMP pool: neither this thread's CPU time (it misses the workers' share, and
-#   counts its own spinning at barriers) nor the process's (workers spin too) is the elapsed
-#   time, so the clock is the wall clock (``time.perf_counter``), which other processes on
-#   the machine slow down. On CUDA, events on the current stream (``torch.cuda.Event``):
-#   device time, not the host's launch time. The profile records the clock
-#   (``Profile.time_source``) and the thread count (``Profile.threads``).
+#   spends preempted by other processes does not count. On CUDA, events on the current stream
+#   (``torch.cuda.Event``): device time, not the host's launch time. The profile records the
+#   clock (``Profile.time_source``) and the thread count (``Profile.threads``).
 #   Why: on a loaded machine the thread CPU time of a block barely moves while its wall time
 #   doubles, and at 2 threads swings several-fold (docs/benchmarks.md, "Unit costs").
+# Rule 1b. More than one CPU thread (torch's default, the user's setting). The work is spread
+#   over the OpenMP pool: neither this thread's CPU time (it misses the workers' share, and
+#   counts its own spinning at barriers) nor the process's (workers spin too) is the elapsed
+#   time, and the wall clock is the run queue of a shared machine: profiled on the wall clock,
+#   three `remat plan` runs of examples/llama.py under load gave three plans. So the profiler
+#   times every figure (units, ops, selective dispatch) at one thread on the thread's CPU
+#   time, and multiplies it by the measured ratio of the forward's wall time at the user's N
+#   threads to its CPU time at one thread (``ScaledCpuClock.calibrate``: least of each over
+#   interleaved rounds; ``Profile.thread_scale``, its spread ``thread_scale_spread``; time
+#   source 'cpu-thread-time-scaled'). One factor for every figure: the plan is the plan of the
+#   one-thread figures, whatever the load, and the milliseconds are the N-thread step's. What
+#   it leaves out: ops that scale unlike the forward as a whole (Python dispatch not at all,
+#   large matmuls best); benchmarks/time_model.py measures the error at N threads. The memory
+#   step and the device's own peak run at N threads, as the user's step does.
 # Rule 2. Robust statistics. ``steps`` timing steps; a unit's cost is the median of its
 #   samples, not their mean: one step descheduled in the middle of one block does not move it.
 # Rule 3. Identical units cost the same. Units with the same signature (module type, the
@@ -40,6 +50,10 @@ import torch
 #   its forward ran; ``signature``) form a cost group; every member gets the median of the
 #   group's pooled samples. Four identical transformer blocks are one price, so the solver's
 #   choice among them is a tie, broken deterministically (the solvers' order), not by noise.
+# Rule 4. Every figure carries its spread: the interquartile range of the samples its median
+#   is taken from (``spread_ms``; ``UnitRecord.forward_spread_ms``, ``backward_spread_ms``, the
+#   step's phases, the dispatch figures of NOTE [ Selective dispatch cost ]). A choice that is
+#   better only within the spread is noise: NOTE [ Selective menus ], Rule (noise).
 # What it leaves out: the recompute of a checkpointed unit runs its forward again inside
 #   backward, plus ``torch.utils.checkpoint``'s own work (RNG state save and restore, the
 #   saved-tensor hooks), not counted; the profiler's own hooks (a few microseconds per
@@ -48,6 +62,8 @@ import torch
 
 TIME_SOURCES = {
     "cpu-thread-time": "CPU time of the profiling thread (one intra-op thread): other processes do not count",
+    "cpu-thread-time-scaled": "CPU time of the profiling thread at one intra-op thread, times the measured ratio of "
+                              "the forward's wall time at the profile's threads to it (NOTE [ Unit costs ], Rule 1b)",
     "wall-clock": "wall-clock time: load from other processes on the machine counts",
     "cuda-events": "CUDA events on the current stream: device time",
     "roofline": "modelled by the roofline of the target device (no step was run)",
@@ -77,6 +93,73 @@ class ThreadCpuClock(WallClock):
         return time.thread_time()
 
 
+class ScaledCpuClock(ThreadCpuClock):
+    """The profiler's clock at more than one CPU thread (NOTE [ Unit costs ], Rule 1b): the thread's
+    CPU time at one thread, times ``scale``; ``calibrate`` measures the scale, ``timing`` runs the
+    timed steps at one thread."""
+
+    source = "cpu-thread-time-scaled"
+
+    def __init__(self, threads: int, scale: float = 1.0, spread: float = 0.0):
+        self.threads, self.scale, self.spread = threads, scale, spread
+
+    def ms(self, start: float, end: float) -> float:
+        return (end - start) * 1e3 * self.scale
+
+    def timing(self) -> contextlib.AbstractContextManager:
+        return num_threads(1)
+
+    def calibrate(self, step: Callable[..., Any], rounds: int = 3) -> None:
+        """``scale`` = least wall ms of the forward at ``threads`` / least thread CPU ms of it at one
+        thread, over ``rounds`` interleaved rounds; ``spread``: the spread of the per-round ratios."""
+        one, many = [], []
+        for _ in range(rounds):
+            with num_threads(1):
+                one.append(_forward_ms(step, ThreadCpuClock()))
+            with num_threads(self.threads):
+                many.append(_forward_ms(step, WallClock()))
+        if min(one) > 0:
+            self.scale = min(many) / min(one)
+            self.spread = spread_ms([b / a for a, b in zip(one, many) if a > 0])
+
+
+def _forward_ms(step: Callable[..., Any], clock: WallClock) -> float:
+    marks: dict[str, float] = {}
+    step(lambda name, _value=None: marks.__setitem__(name, clock.stamp()))
+    return clock.ms(marks["step_start"], marks["forward_end"])
+
+
+def profile_clock(dev: torch.device, threads: int) -> WallClock | CudaEventClock:
+    """The profiler's clock (NOTE [ Unit costs ], Rules 1 and 1b); a ``ScaledCpuClock`` to calibrate
+    on the CPU above one thread."""
+    if dev.type == "cpu" and threads > 1:
+        return ScaledCpuClock(threads)
+    return pick_clock(dev, threads)
+
+
+def calibrated(clock: Any, step: Callable[..., Any]) -> ScaledCpuClock | None:
+    """Calibrate ``clock`` (or the clock it wraps) when it is a ``ScaledCpuClock``; that clock, or None."""
+    inner = getattr(clock, "clock", clock)
+    if not isinstance(inner, ScaledCpuClock):
+        return None
+    inner.calibrate(step)
+    return inner
+
+
+def clock_of(profile: Any, dev: torch.device) -> WallClock | CudaEventClock:
+    """The clock ``profile``'s figures were measured on, to measure more of them (its scale included)."""
+    if profile.time_source == ScaledCpuClock.source and profile.thread_scale:
+        return ScaledCpuClock(profile.threads or torch.get_num_threads(), profile.thread_scale)
+    return pick_clock(dev, torch.get_num_threads())
+
+
+def timing_threads(clock: Any) -> contextlib.AbstractContextManager:
+    """Where timed steps run: at one thread under a ``ScaledCpuClock`` (also inside a wrapping
+    clock's ``.clock``), as set otherwise."""
+    inner = getattr(clock, "clock", clock)
+    return inner.timing() if isinstance(inner, ScaledCpuClock) else contextlib.nullcontext()
+
+
 class CudaEventClock:
     """Device time between events recorded on the current stream; read after ``sync``."""
 
@@ -98,7 +181,9 @@ class CudaEventClock:
 
 
 def pick_clock(dev: torch.device, threads: int) -> WallClock | CudaEventClock:
-    """The clock for timing steps on ``dev`` with ``threads`` intra-op threads (NOTE [ Unit costs ], Rule 1)."""
+    """The clock for measuring whole steps on ``dev`` with ``threads`` intra-op threads, as verify and
+    the benchmarks do: the wall clock on the CPU above one thread (NOTE [ Unit costs ], Rule 1);
+    the profiler's is ``profile_clock``."""
     if dev.type == "cuda":
         return CudaEventClock(dev)
     return ThreadCpuClock() if threads == 1 else WallClock()
@@ -123,6 +208,25 @@ def robust_ms(samples: Sequence[float]) -> float:
     return float(statistics.median(samples)) if samples else 0.0
 
 
+def spread_ms(samples: Sequence[float]) -> float:
+    """The spread of NOTE [ Unit costs ], Rule 4: the interquartile range of ``samples`` (inclusive
+    quartiles; 0.0 with fewer than two)."""
+    if len(samples) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return float(q3 - q1)
+
+
+class UnitCost(NamedTuple):
+    """One unit's pooled figures (NOTE [ Unit costs ], Rules 2 to 4)."""
+
+    forward_ms: float
+    backward_ms: float
+    samples: int
+    forward_spread_ms: float = 0.0
+    backward_spread_ms: float = 0.0
+
+
 def describe(tensors: Iterable[torch.Tensor]) -> str:
     """Shapes, dtypes and requires_grad of ``tensors``, in order: one part of a ``signature``."""
     return ";".join(f"{tuple(t.shape)}:{t.dtype}:{int(t.requires_grad)}" for t in tensors)
@@ -138,8 +242,8 @@ def signature(module_type: str, params: str, inputs: str, outputs: str, ops: Ite
 
 
 def unit_costs(samples: Mapping[str, Sequence[tuple[float, float]]],
-               groups: Mapping[str, str]) -> dict[str, tuple[float, float, int]]:
-    """Unit id -> (forward ms, backward ms, samples pooled): the median over the unit's cost group.
+               groups: Mapping[str, str]) -> dict[str, UnitCost]:
+    """Unit id -> its ``UnitCost``: the median and spread over the unit's cost group.
 
     ``samples``: unit id -> its (forward, backward) ms, one pair per timing step it ran in.
     ``groups``: unit id -> signature; a unit without one is its own group.
@@ -150,7 +254,8 @@ def unit_costs(samples: Mapping[str, Sequence[tuple[float, float]]],
     out = {}
     for uid in samples:
         pairs = pooled[groups.get(uid) or f"unit:{uid}"]
-        out[uid] = (robust_ms([f for f, _ in pairs]), robust_ms([b for _, b in pairs]), len(pairs))
+        fwd, bwd = [f for f, _ in pairs], [b for _, b in pairs]
+        out[uid] = UnitCost(robust_ms(fwd), robust_ms(bwd), len(pairs), spread_ms(fwd), spread_ms(bwd))
     return out
 
 
