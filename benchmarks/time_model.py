@@ -9,7 +9,9 @@ For each model (an example's name, or a model file's path): one profile on the C
 ``q`` of the way from the lowest feasible peak to the peak without checkpointing two plans
 (``auto``): whole modules only (``selective=False``) and the default (op-level policies allowed;
 a row says "same" when the solver kept whole modules). The plain model and every planned one
-(``apply_plan`` on copies of one model) are trained side by side: ``--rounds`` rounds of one
+(``apply_plan`` on copies of one model) are trained side by side (where the default plan keeps
+whole modules, also the op-level plan of the same figures with their spreads set aside, so the
+op-level price is measured too): ``--rounds`` rounds of one
 step of each in turn (``planner.profiling.timing.time_interleaved``), at the profile's thread
 count, on ``pick_clock``'s clock (the thread's CPU time at one thread, the wall clock above).
 Measured overhead = least planned step - least plain step over the rounds (noise on a shared
@@ -69,6 +71,10 @@ def rows_for(name: str, *, threads: int | None, steps: int, rounds: int,
         budget = budget_with_headroom(lo + (hi - lo) * q // 4)
         plans[f"{q}/4 modules"] = plan_from_profile(prof, budget, selective=False)
         plans[f"{q}/4 default"] = plan_from_profile(prof, budget, graph=g)
+        if not plans[f"{q}/4 default"].selective:  # the op-level plan a quiet machine's figures would give
+            quiet = plan_from_profile(_without_spreads(prof), budget)
+            if quiet.selective:
+                plans[f"{q}/4 op-level, spreads set aside"] = quiet
     steps_by_name = {"plain": _step(master, mf, None)}
     steps_by_name.update({label: _step(master, mf, plan) for label, plan in plans.items()})
     before = torch.get_num_threads()
@@ -99,6 +105,13 @@ def rows_for(name: str, *, threads: int | None, steps: int, rounds: int,
                          clock=clock.source, threads=used, thread_scale=prof.thread_scale, profile_s=profile_s,
                          load=os.getloadavg()[0], samples=samples[label], plain_samples=samples["plain"]))
     return rows
+
+
+def _without_spreads(prof: Any) -> Any:
+    """``prof`` with every spread 0: the noise rules (NOTE [ Selective menus ], NOTE [ Robust choice ])
+    set aside, to time the op-level plan the same figures give on a quiet machine."""
+    units = [u.model_copy(update={"forward_spread_ms": 0.0, "backward_spread_ms": 0.0}) for u in prof.units]
+    return prof.model_copy(update={"units": units, "sac_recomputed_op_spread_ms": 0.0, "sac_kept_op_spread_ms": 0.0})
 
 
 def _same(a: Any, b: Any) -> bool:

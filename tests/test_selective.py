@@ -298,6 +298,28 @@ def test_op_level_plan_stands_only_beyond_the_spread(prof, graph, monkeypatch):
     assert robust.predicted.recompute_ms == pytest.approx(whole.predicted.recompute_ms)
 
 
+def test_identical_units_get_one_arrangement(prof, graph):
+    """NOTE [ Robust choice ], Rule 2: which of identical blocks a plan checkpoints is a stated rule,
+    not the solver's accident: every starting arrangement of one choice ends at the same plan or
+    at one with a lower peak, at the same recompute."""
+    from planner.act.api import canonical
+
+    blocks = [n for n in graph.nodes if n.startswith("blocks.") and graph.nodes[n]["parent"] is None]
+    big = simulate(graph, []).peak_bytes * 2
+    ends = {}
+    for b in blocks:
+        est = simulate(graph, [b])
+        out = canonical(graph, est, big)
+        assert out.recompute_ms == pytest.approx(est.recompute_ms) and out.peak_bytes <= est.peak_bytes
+        ends[b] = tuple(out.checkpointed)
+    first, last = ends[blocks[0]], ends[blocks[-1]]
+    assert first == last  # the two ends of the group are rearranged alike
+    for solver in ("dp", "ilp"):
+        plan = plan_from_profile(prof, _budget(graph_for(prof, selective=False)), solver=solver, selective=False)
+        assert plan.checkpoints == plan_from_profile(prof, _budget(graph_for(prof, selective=False)),
+                                                     selective=False).checkpoints
+
+
 # ----------------------------------------------------------------------------- plan file and applier
 
 

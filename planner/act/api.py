@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import networkx as nx
 
-from solvers.cost_model import chain_terms, simulate, window_bytes
+from solvers.cost_model import chain_terms, simulate, tie_groups, window_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
-from planner.model.schema import OpRef, Plan, Predicted, Profile, Recipe, RunStamp, SelectiveRegion, SolverInfo, now_iso
+from planner.model.schema import LOSS_ID, ROOT_ID, OpRef, Plan, Predicted, Profile, Recipe, RunStamp, SelectiveRegion, SolverInfo, now_iso
 from planner.options import parse_sharding
 from planner.sizes import format_bytes, parse_bytes
 
@@ -176,6 +176,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
             plain = simulate(wg, whole.checkpointed)
             if plain.peak_bytes <= usable and plain.recompute_ms - est.recompute_ms <= difference_spread_ms(g, est, plain):
                 g, sol, est = wg, whole, plain
+    est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2
     if est.peak_bytes > usable:
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
@@ -289,6 +290,58 @@ def _excluded_text(profile: Profile) -> str:
 # micro-batches). Otherwise the whole-module plan is returned: within the noise the two are
 # the same price, and whole modules pay no selective dispatch, whose figures are the noisiest
 # (two step times over the op calls, NOTE [ Selective dispatch cost ]).
+# Rule 2 (symmetry). Units of one cost group (identical figures, identical menus) are
+# interchangeable in price but not in memory (where a held tensor sits changes the peak), and
+# which of them a solver picks among equal plans is its search's accident (the ILP's peak
+# tie-break has a time limit; on examples/llama.py it gave layers 0 and 2, 0 and 3 or, the DP,
+# 0 and 1, at one recompute). So after solving, each group's choices are rearranged over its
+# members in forward order: the strongest (full checkpointing, then the policies that keep
+# fewest bytes) on the earliest members, or on the latest, whichever peaks lower (the earliest
+# on a tie), is the plan when its peak is no higher than the solver's (the recompute is the same
+# by construction); else the solver's arrangement stands. Top-level candidates only, not modules called more than once.
+
+
+def canonical(g: nx.DiGraph, est: Any, usable: int) -> Any:
+    """``est`` with each cost group's choices arranged by NOTE [ Robust choice ], Rule 2."""
+    from solvers.base import top_level
+
+    groups: dict[tuple, list[str]] = {}
+    for n in top_level(g):
+        a = g.nodes[n]
+        if a.get("cost_group") and n not in (ROOT_ID, LOSS_ID):
+            menu = tuple((p.recompute_ms, p.kept_bytes, p.saved) for p in a["menu"])
+            groups.setdefault((a["cost_group"], a["forward_ms"], menu), []).append(n)
+    skip = {n for group in tie_groups(g) for n in group} | {_top(g, c) for c in [*est.checkpointed, *est.selective]
+                                                           if g.nodes[c]["parent"] is not None}
+    for members in groups.values():
+        ranks = sorted(_rank(g, est, n) for n in members)
+        if len(members) < 2 or skip.intersection(members) or ranks[0] == ranks[-1]:
+            continue
+        trials = []
+        for order in (ranks, ranks[::-1]):  # strongest on the earliest members, then on the latest
+            assign = dict(zip(members, order))
+            full = [n for n in est.checkpointed if n not in assign] + [n for n, r in assign.items() if r == -1]
+            sel = {n: k for n, k in est.selective.items() if n not in assign}
+            sel.update({n: r for n, r in assign.items() if 0 <= r < len(g.nodes[n]["menu"])})
+            trials.append(simulate(g, full, sel))
+        best = min(trials, key=lambda t: t.peak_bytes)  # the earlier-first on a tie
+        same_ms = abs(best.recompute_ms - est.recompute_ms) <= 1e-9 * max(1.0, est.recompute_ms)
+        if same_ms and best.peak_bytes <= min(usable, est.peak_bytes):
+            est = best
+    return est
+
+
+def _rank(g: nx.DiGraph, est: Any, n: str) -> int:
+    """A choice as a rank, strongest first: full checkpointing (-1), the menu's policies (fewest kept
+    bytes first, the menu's order), no checkpoint (the menu's length)."""
+    return -1 if n in est.checkpointed else est.selective.get(n, len(g.nodes[n]["menu"]))
+
+
+def _top(g: nx.DiGraph, n: str) -> str:
+    """The top-level candidate holding graph node ``n``."""
+    while g.nodes[n]["parent"] is not None:
+        n = g.nodes[n]["parent"]
+    return n
 
 
 def difference_spread_ms(g: nx.DiGraph, ops: Any, whole: Any) -> float:
