@@ -314,6 +314,8 @@ def test_identical_units_get_one_arrangement(prof, graph):
         ends[b] = tuple(out.checkpointed)
     first, last = ends[blocks[0]], ends[blocks[-1]]
     assert first == last  # the two ends of the group are rearranged alike
+    every_2 = plan_from_profile(prof, simulate(graph, []).peak_bytes * 2, solver="every-2")
+    assert every_2.checkpoints == ["blocks.0", "blocks.2"][:len(every_2.checkpoints)]  # a baseline keeps its rule
     for solver in ("dp", "ilp"):
         plan = plan_from_profile(prof, _budget(graph_for(prof, selective=False)), solver=solver, selective=False)
         assert plan.checkpoints == plan_from_profile(prof, _budget(graph_for(prof, selective=False)),

@@ -168,7 +168,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
                 options=("time_limit_s", "solver"))
         raise infeasible(profile, g, budget_bytes, lowest_peak, headroom)
     est = simulate(g, sol.checkpointed, sol.selective)  # every call of a module, or none (NOTE [ Tied calls ])
-    if est.selective:  # NOTE [ Robust choice ]
+    if est.selective and solver in _OPTIMISERS:  # NOTE [ Robust choice ]
         wg = graph_for(profile, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding,
                        selective=False)
         whole = solve_graph(wg, usable, solver=solver, time_limit_s=time_limit_s)
@@ -176,7 +176,8 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
             plain = simulate(wg, whole.checkpointed)
             if plain.peak_bytes <= usable and plain.recompute_ms - est.recompute_ms <= difference_spread_ms(g, est, plain):
                 g, sol, est = wg, whole, plain
-    est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2
+    if solver in _OPTIMISERS:  # baselines (every-2, sqrt, ...) place their checkpoints by rule
+        est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2
     if est.peak_bytes > usable:
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
@@ -299,6 +300,10 @@ def _excluded_text(profile: Profile) -> str:
 # fewest bytes) on the earliest members, or on the latest, whichever peaks lower (the earliest
 # on a tie), is the plan when its peak is no higher than the solver's (the recompute is the same
 # by construction); else the solver's arrangement stands. Top-level candidates only, not modules called more than once.
+
+
+_OPTIMISERS = ("auto", "dp", "ilp")
+"""Solvers that minimise the recompute: the rules of NOTE [ Robust choice ] apply to their plans."""
 
 
 def canonical(g: nx.DiGraph, est: Any, usable: int) -> Any:
