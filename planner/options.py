@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 from planner.errors import BadInput
+from solvers.contract import SHARDINGS, Sharding
 
-Sharding = Literal["none", "ddp", "fsdp"]
 Amp = Literal["bf16", "fp16"]
 OptimizerName = Literal["adamw", "adam", "sgd", "none"]
 
-SHARDINGS: tuple[str, ...] = get_args(Sharding)
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 _AMP_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 _NO_AMP = ("", "none", "off")

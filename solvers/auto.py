@@ -24,6 +24,7 @@ from solvers.cost_model import CostModel, chain_terms, tie_groups
 from solvers.base import Solution, judged
 from solvers.dp import MAX_TIED_GROUPS
 from solvers.dp import solve as solve_dp
+from solvers.errors import SolverError
 from solvers.ilp import solve as solve_ilp
 
 
@@ -38,7 +39,7 @@ def solve_auto(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None =
            f"more than {MAX_TIED_GROUPS} modules called more than once (the DP runs 2^k times)" if many_tied else
            "tensors held across non-adjacent units (the DP would over-count)")
     sol = solve_ilp(g, budget_bytes, time_limit_s=time_limit_s, **kw)
-    if sol.status != "infeasible" or "before any plan was found" not in sol.detail:
+    if sol.status != "infeasible" or sol.stopped != "no_plan_in_time":
         return _labelled(sol, f"ilp: {why}")
     return _dp_fallback(g, budget_bytes, sol, why)
 
@@ -53,7 +54,7 @@ def _dp_fallback(g: nx.DiGraph, budget_bytes: int, ilp: Solution, why: str) -> S
     leaves = leaf_graph(g)
     try:
         dp = solve_dp(leaves, budget_bytes)
-    except ValueError:  # too many modules called more than once for the DP: the ILP's answer stands
+    except SolverError:  # too many modules called more than once for the DP: the ILP's answer stands
         return _labelled(ilp, f"ilp: {why}")
     seconds = ilp.seconds + time.perf_counter() - t0
     head = f"auto chose ilp: {why}; it found no plan in time, so the DP's conservative plan on the leaves"
@@ -73,7 +74,7 @@ def leaf_graph(g: nx.DiGraph) -> nx.DiGraph:
     that are not leaves never matter; every other probe term is per leaf or per chosen unit.
     """
     h = g.copy()
-    h.graph = {k: v for k, v in g.graph.items() if k != "cost_model"}
+    h.graph.pop("cost_model", None)
     h.graph["nested"] = False
     h.remove_nodes_from([n for n, a in g.nodes(data=True) if not a["leaf"]])
     for order, n in enumerate(sorted(h.nodes, key=lambda n: g.nodes[n]["order"])):

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Iterable
 
 import networkx as nx
 
+from solvers.contract import Status, StopReason
 from solvers.cost_model import close_ties, simulate
-
-Status = Literal["optimal", "feasible", "infeasible"]
 
 
 @dataclass(frozen=True)
 class Solution:
-    """What a solver found. ``checkpointed`` is in forward order."""
+    """What a solver found. ``checkpointed`` is in forward order; ``stopped`` says why the solver
+    stopped (``detail`` says it in words, for people: no caller reads it)."""
 
     solver: str
     checkpointed: tuple[str, ...]
@@ -28,6 +28,7 @@ class Solution:
     extra: dict = field(default_factory=dict)
     selective: dict[str, int] = field(default_factory=dict)
     """Selective regions: node id -> index into its ``menu`` (op-level policies)."""
+    stopped: StopReason = "finished"
 
 
 def top_level(g: nx.DiGraph) -> list[str]:

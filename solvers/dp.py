@@ -36,6 +36,7 @@ import numpy as np
 
 from solvers.cost_model import ChainTerms, chain_terms, tie_groups
 from solvers.base import Solution, judged
+from solvers.errors import SolverError
 
 MAX_TIED_GROUPS = 8
 """Modules called more than once (see NOTE [ Tied calls ]) the DP takes: it runs once per
@@ -77,8 +78,9 @@ def tied_assignments(g: nx.DiGraph, terms: ChainTerms) -> list[dict[int, int]]:
     pos = {leaf: i for i, leaf in enumerate(terms.leaves)}
     groups = [[pos[n] for n in group] for group in tie_groups(g)]
     if len(groups) > MAX_TIED_GROUPS:
-        raise ValueError(f"{len(groups)} modules are called more than once; the DP takes at most "
-                         f"{MAX_TIED_GROUPS} (2^k runs): use the ILP")
+        raise SolverError(f"solver 'dp' cannot plan this graph: {len(groups)} modules are called more than once; "
+                          f"the DP takes at most "
+                          f"{MAX_TIED_GROUPS} (2^k runs): use the ILP")
     return [{i: bit for group, bit in zip(groups, bits) for i in group}
             for bits in itertools.product((0, 1), repeat=len(groups))]
 

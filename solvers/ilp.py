@@ -50,7 +50,9 @@ import networkx as nx
 import pulp
 
 from solvers.cost_model import ALIVE_SEQ, CostModel, Estimate, close_ties, is_tied, simulate, tie_groups
-from solvers.base import Solution, Status, judged
+from solvers.base import Solution, judged
+from solvers.contract import Status, StopReason
+from solvers.errors import SolverError
 from solvers.ilp_bound import Bound, sequential_bound
 
 Backend = Literal["highs", "cbc"]
@@ -861,15 +863,16 @@ def _below(ms: float) -> float:
 def _pick_backend(backend: Backend | None) -> tuple[Backend, list[str]]:
     name = backend or DEFAULT_BACKEND
     if name not in ("highs", "cbc"):
-        raise ValueError(f"unknown ILP backend {name!r}; choose 'highs' or 'cbc'")
+        raise SolverError(f"unknown ILP backend {name!r}; choose 'highs' or 'cbc'")
     if name == "highs" and not _highs_available():
         return "cbc", ["highspy is not installed: using CBC (pip install highspy for HiGHS)"]
     return name, []
 
 
 def _stats_line(model: IlpModel) -> str:
-    s = model.stats
-    return f"{s['binaries']} binaries, {s['variables'] - s['binaries']} continuous, {s['constraints']} rows"
+    stats = model.stats
+    return (f"{stats['binaries']} binaries, {stats['variables'] - stats['binaries']} continuous, "
+            f"{stats['constraints']} rows")
 
 
 class _Run:
@@ -945,7 +948,7 @@ class _Run:
         if out.state == "optimal":
             return self.finish(chosen, "optimal")
         return self.finish(chosen, "feasible", "time limit reached: best plan found, optimality not proven",
-                           gap=_gap(out.objective, out.bound))
+                           gap=_gap(out.objective, out.bound), stopped="time_limit")
 
     def fitting(self, cap_bytes: int | None, limit: float | None = None, gap: float | None = None) -> _Outcome:
         """Solve with P <= cap; a plan simulate puts over the cap is cut off and the solve repeated.
@@ -982,21 +985,22 @@ class _Run:
         est = simulate(self.g, tops)
         if est.peak_bytes > self.budget:
             self.notes.append(f"time limit ({self.time_limit_s} s) reached before any plan was found")
-            return self.infeasible(search=False)
+            return self.infeasible(search=False, stopped="no_plan_in_time")
         lower = self.bound.recompute_ms if self.bound is not None else 0.0
         return self.finish(tops, "feasible", f"time limit ({self.time_limit_s} s) reached before the solver found "
                            "a plan: checkpointing every top-level candidate fits (optimality not proven)",
-                           gap=_gap(est.recompute_ms, lower))
+                           gap=_gap(est.recompute_ms, lower), stopped="no_plan_in_time")
 
     # --- step 4: no plan fits: the lowest peak
 
-    def infeasible(self, *, search: bool = True) -> Solution:
+    def infeasible(self, *, search: bool = True, stopped: StopReason = "finished") -> Solution:
         """No plan fits: the lowest peak any plan reaches is ``min_feasible_bytes``."""
         g = self.g
         best, proven = self.lowest_peak() if search else (self.tops(), False)
         est = simulate_vars(g, best)
         if not proven:
             self.notes.append("min_feasible_bytes is the best peak found in time, not proven minimal")
+            stopped = "time_limit" if stopped == "finished" else stopped
         self.notes.append(f"no plan fits; the minimum feasible budget is {est.peak_bytes} bytes")
         full, sel = split_vars(best)
         sol = judged("ilp", g, full, self.budget, time.perf_counter() - self.t0, selective=sel)
@@ -1004,7 +1008,7 @@ class _Run:
             _loud(f"ILP found budget {self.budget} infeasible, but simulate fits {sorted(best)} "
                   f"at {est.peak_bytes} bytes (the program and simulate disagree: a bug)")
         return Solution(**{**sol.__dict__, "status": "infeasible", "min_feasible_bytes": est.peak_bytes,
-                           "detail": "; ".join(self.notes), "extra": self.extra()})
+                           "detail": "; ".join(self.notes), "extra": self.extra(), "stopped": stopped})
 
     def lowest_peak(self) -> tuple[frozenset[str], bool]:
         """The plan of least peak (every top-level candidate if none is found), and whether proven."""
@@ -1075,7 +1079,8 @@ class _Run:
 
     # --- step 6: the Solution, judged by simulate
 
-    def finish(self, chosen, status: Status, note: str | None = None, *, gap: float | None = None) -> Solution:
+    def finish(self, chosen, status: Status, note: str | None = None, *, gap: float | None = None,
+               stopped: StopReason = "finished") -> Solution:
         if note:
             self.notes.append(note)
         full, sel = split_vars(chosen)
@@ -1085,7 +1090,8 @@ class _Run:
             _loud(f"ILP plan {sorted(chosen)} is over budget under simulate: {sol.peak_bytes} > {self.budget} "
                   "bytes (the program and simulate disagree: a bug)")
             self.notes.append("BUG: the program's plan is over budget under simulate")
-        return Solution(**{**sol.__dict__, "gap": gap, "detail": "; ".join(self.notes), "extra": self.extra()})
+        return Solution(**{**sol.__dict__, "gap": gap, "detail": "; ".join(self.notes), "extra": self.extra(),
+                           "stopped": stopped})
 
     def extra(self) -> dict:
         stats = dict(self.model.stats if self.model is not None else

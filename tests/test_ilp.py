@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from solvers.cost_model import CostModel, simulate
+from solvers.errors import SolverError
 from planner.model.graph import build_graph
 from planner.model.synthetic import random_chain, random_dag, synthetic_profile
 from solvers import SOLVERS
@@ -98,11 +99,13 @@ class TestBackend:
         sol = ilp_mod.solve(g, budget, backend=backend, time_limit_s=1.0, use_relaxation=False)
         check_solution(g, sol, budget)
         if sol.status == "infeasible":  # a slow machine: stopped before the first plan
-            assert "before any plan was found" in sol.detail
+            assert "before any plan was found" in sol.detail and sol.stopped == "no_plan_in_time"
             return
         if sol.status == "feasible":
             assert sol.gap is not None and sol.gap >= 0
-            assert "optimality not proven" in sol.detail
+            assert "optimality not proven" in sol.detail and sol.stopped in ("time_limit", "no_plan_in_time")
+        else:
+            assert sol.stopped == "finished"
         best = ilp_mod.solve(g, budget, backend=backend)
         assert best.status == "optimal" and "sequential relaxation" in best.detail
         assert best.recompute_ms <= sol.recompute_ms + 1e-9
@@ -181,7 +184,7 @@ def test_missing_highspy_falls_back_to_cbc(monkeypatch):
 
 def test_unknown_backend_is_an_error():
     g = _transformer(2)
-    with pytest.raises(ValueError, match="choose 'highs' or 'cbc'"):
+    with pytest.raises(SolverError, match="choose 'highs' or 'cbc'"):
         ilp_mod.solve(g, 0, backend="gurobi")
 
 
@@ -228,13 +231,26 @@ def test_auto_falls_back_to_the_dp_plan(monkeypatch):
 
     def nothing_in_time(g_, b, **kw):
         return dataclasses.replace(ilp_mod.solve(g_, 0), detail="time limit (1 s) reached before any plan was found",
-                                   min_feasible_bytes=None)
+                                   min_feasible_bytes=None, stopped="no_plan_in_time")
 
     monkeypatch.setattr(auto_mod, "solve_ilp", nothing_in_time)
     sol = SOLVERS["auto"](g, budget, time_limit_s=1)
     check_solution(g, sol, budget)
     assert sol.solver == "dp" and sol.status == "feasible" and "conservative plan" in sol.detail
     assert all(g.nodes[n]["leaf"] for n in sol.checkpointed)
+
+
+def test_auto_reads_why_the_ilp_stopped_from_the_field_not_the_text(monkeypatch):
+    """An infeasible ILP answer that finished its search stands, whatever its detail says."""
+    g = _transformer(6)
+    budget = (simulate(g, _tops(g)).peak_bytes + simulate(g, []).peak_bytes) // 2
+
+    def finished(g_, b, **kw):
+        return dataclasses.replace(ilp_mod.solve(g_, 0), detail="time limit (1 s) reached before any plan was found")
+
+    monkeypatch.setattr(auto_mod, "solve_ilp", finished)
+    sol = SOLVERS["auto"](g, budget, time_limit_s=1)
+    assert sol.solver == "ilp" and sol.status == "infeasible" and sol.stopped == "finished"
 
 
 def test_leaf_graph_keeps_the_cost_model():

@@ -109,12 +109,7 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
     if fn is None:
         choices = ", ".join(["auto", *sorted(k for k in SOLVERS if k != "auto")])
         raise SolverError(f"unknown solver {solver!r}; choose one of: {choices}")
-    try:
-        sol = fn(g, budget_bytes, time_limit_s=time_limit_s)
-    except SolverError:
-        raise
-    except ValueError as e:  # a solver that cannot handle this graph shape
-        raise SolverError(f"solver {name!r} cannot plan this graph: {e}") from None
+    sol = fn(g, budget_bytes, time_limit_s=time_limit_s)  # raises SolverError for a graph it cannot plan
     if sol.status != "infeasible" and not (math.isfinite(sol.recompute_ms) and sol.recompute_ms >= 0
                                            and sol.peak_bytes >= 0):
         raise SolverError(f"solver {sol.solver!r} found a plan with a recompute of {sol.recompute_ms} ms and a peak "
@@ -133,7 +128,7 @@ def min_feasible_bytes(g: nx.DiGraph) -> int:
         terms = chain_terms(g)
         try:
             candidates.append(lowest_peak(terms, tied_assignments(g, terms)))
-        except ValueError:  # too many modules called more than once for the DP: the bound above
+        except SolverError:  # too many modules called more than once for the DP: the bound above
             pass
     return min(candidates)
 

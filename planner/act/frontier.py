@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes, usable_budget
 from planner.errors import BadInput
 from planner.model.schema import Profile
+from solvers.contract import Status
 from solvers.cost_model import simulate
 
 BASELINES = ("none", "all", "every-2", "every-3", "every-4")
@@ -30,7 +31,7 @@ class FrontierPoint(BaseModel):
     budget_bytes: int
     peak_bytes: int = Field(description="Predicted peak of the solver's plan (also when over budget).")
     recompute_ms: float
-    status: Literal["optimal", "feasible", "infeasible"]
+    status: Status
     checkpointed: int = Field(description="Number of checkpointed units.")
 
 

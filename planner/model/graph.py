@@ -1,43 +1,10 @@
 """Graph builder: ``Profile`` -> ``networkx.DiGraph`` of checkpoint candidates.
 
-Nodes are candidate units (module calls). Every attribute name carries its unit:
-
-========================  ==================================================================
-node attribute            meaning
-========================  ==================================================================
-``order``                 forward execution order among the graph's nodes (0, 1, ...)
-``fqn``, ``call_index``   module FQN and which call of it (0 = first) this unit is
-``module_type``           class name of the module
-``depth``                 depth in the module tree (root = 0)
-``parent``                id of the nearest enclosing *graph* node, or None
-``leaf``                  True when no other graph node lies inside this one
-``fwd_start_seq``         profiler sequence numbers bounding the unit's forward
-``fwd_end_seq``
-``forward_ms``            forward time, inclusive (what a recompute costs)
-``backward_ms``           backward time, inclusive
-``param_bytes``           parameters of the module subtree
-``saved_bytes``           unique tensors saved for backward inside the unit
-``input_bytes``           unique step-created tensors passed in (kept when checkpointed)
-``output_bytes``          unique tensors returned
-``saved_ids``             frozenset of tensor ids saved inside the unit
-``input_ids``             frozenset of tensor ids passed in
-``output_ids``            frozenset of step-created tensor ids returned
-``in_flight_ids``         (leaves) tensors created in the leaf's window and used after it (in flight)
-``fwd_window_peak_bytes``  (leaves) measured peak of the forward window, or None
-``bwd_window_peak_bytes``  (leaves) measured peak of the backward window, or None
-``fwd_transient_bytes``   (leaves) calibrated temporaries, see NOTE [ Peak-memory model ]
-``bwd_transient_bytes``
-``menu``                  tuple of ``solvers.selective.Policy``: op-level policies (may be empty)
-========================  ==================================================================
-
-Edges ``u -> v`` carry ``bytes``: tensors produced inside ``u`` and passed into ``v``.
-
-``graph.graph`` holds step-level data: ``tensor_bytes`` (id -> bytes), ``saves`` (sorted
-``(seq, tensor_id)`` pairs), ``param_grads`` (``(grad_seq, bytes)`` pairs), the static memory
-(``params_bytes``, ``buffers_bytes``, ``batch_bytes``, ``optimizer_bytes``, ``grads_bytes``,
-``optimizer_step_transient_bytes``), step times, ``leaves`` (leaf ids in forward order),
-``forward_end_seq``, tail-window peaks, ``fingerprint`` and profile metadata, and
-``cost_model``: the graph's ``solvers.cost_model.CostModel``, built once, last.
+Nodes are candidate units (module calls); edges ``u -> v`` carry the tensors produced inside ``u``
+and passed into ``v``; ``g.graph`` holds the step. Every attribute is declared once, with its unit
+and meaning, in ``solvers/contract.py`` (``NodeAttrs``, ``EdgeAttrs``, ``GraphAttrs``): what this
+module writes and the cost model and the solvers read. ``g.graph["cost_model"]`` is the graph's
+``solvers.cost_model.CostModel``, built once, last (``calibrate``).
 
 Granularity: by default the candidates are the repeated blocks (children of a ModuleList or
 Sequential that share a class: transformer layers, ResNet blocks) and the modules around them
@@ -57,6 +24,7 @@ import networkx as nx
 from planner.errors import BadInput
 from planner.options import parse_sharding
 from planner.model.schema import LOSS_ID, ROOT_ID, Profile, UnitRecord
+from solvers.contract import EdgeAttrs, NodeAttrs, contract_violations
 from solvers.cost_model import calibrate
 
 
@@ -97,6 +65,9 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     if selective:
         _add_menus(g, profile, chosen, units)
     calibrate(g)
+    broken = contract_violations(g)
+    if broken:  # a bug here, not bad input: every attribute is declared in solvers/contract.py
+        raise RuntimeError(f"build_graph broke the graph contract (solvers/contract.py): {'; '.join(broken[:5])}")
     return g
 
 
@@ -228,14 +199,14 @@ def _fsdp_units(units: dict[str, UnitRecord], children: dict[str, list[str]], p:
 
 
 def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
-                tensor_bytes: dict[int, int]) -> dict:
+                tensor_bytes: dict[int, int]) -> NodeAttrs:
     import bisect
 
     lo = bisect.bisect_left(saves_by_seq, (u.fwd_start_seq, -1))
     hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, 1 << 62))
     saved = frozenset(t for _, t in saves_by_seq[lo:hi])
     inputs = frozenset(u.input_ids)
-    return dict(
+    return NodeAttrs(
         order=order, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, depth=u.depth,
         parent=None, leaf=True, fwd_start_seq=u.fwd_start_seq, fwd_end_seq=u.fwd_end_seq,
         forward_ms=u.forward_ms, backward_ms=u.backward_ms, flops=u.flops, param_bytes=u.param_bytes,
@@ -323,7 +294,7 @@ def _add_edges(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
             if g.has_edge(u, v):
                 g.edges[u, v]["bytes"] += tb[t]
             else:
-                g.add_edge(u, v, bytes=tb[t])
+                g.add_edge(u, v, **EdgeAttrs(bytes=tb[t]))
 
 
 def is_ancestor(g: nx.DiGraph, a: str, b: str) -> bool:

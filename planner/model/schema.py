@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 from planner.errors import PlanFileError
 from planner.files import atomic_write_text
 from planner.sizes import MAX_SIZE_BYTES
+from solvers.contract import Sharding, Status
 
 PROFILE_SCHEMA_VERSION = 3
 PLAN_SCHEMA_VERSION = 4
@@ -480,7 +481,7 @@ class Profile(_Model):
 
 class SolverInfo(_Model):
     name: str = Field(description="Solver that produced the plan ('dp', 'ilp', ...); 'auto' resolves to one.")
-    status: Literal["optimal", "feasible", "infeasible"]
+    status: Status
     gap: NonNegFloat | None = Field(None, description="Relative optimality gap when status is 'feasible'.")
     detail: str = ""
 
@@ -575,7 +576,7 @@ class Plan(_Model):
                                                                "apply it to that step only.")
     optimizer: str = ""
     world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Data-parallel ranks the plan is for.")
-    sharding: Literal["none", "ddp", "fsdp"] = "none"
+    sharding: Sharding = "none"
     fsdp_units: list[str] = Field(default_factory=list, description=(
         "With sharding 'fsdp': the modules the per-rank prediction assumes each wrapped in fully_shard, "
         "in forward order, before the root (planner.sharding.shard_for_plan wraps exactly these)."))
