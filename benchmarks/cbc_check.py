@@ -6,7 +6,7 @@
 For each random nested DAG of at most 12 candidates (tests/test_ilp.py's ``nested_graph``) and each
 budget of that test, every antichain is simulated (the brute-force optimum) and the program of
 ``solvers.ilp`` is solved by CBC with each configuration below, with remat's own options
-(``_run_cbc``: tolerances 1e-9, preprocessing off). A wrong answer is "optimal" above the optimum,
+(``run_cbc``: tolerances 1e-9, preprocessing off). A wrong answer is "optimal" above the optimum,
 or "infeasible" where a plan fits. ``remat`` is ``ilp.solve(backend="cbc", use_relaxation=False)``:
 wrong as above, or "feasible" (a right plan not proven) where the optimum exists.
 """
@@ -21,7 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import pulp  # noqa: E402
+
 from solvers import ilp  # noqa: E402
+from solvers.ilp.backends import run_cbc  # noqa: E402
 from solvers.cost_model import simulate  # noqa: E402
 from tests.solver_checks import best_recompute, brute_force  # noqa: E402
 from tests.test_ilp import MAX_CANDIDATES, budgets, nested_graph  # noqa: E402
@@ -56,7 +59,7 @@ def main() -> None:
             best = best_recompute(points, budget)
             solves += 1
             for name, options in CONFIGS.items():
-                state, objective, _, _ = ilp._run_cbc(ilp.build_model(g, budget, program).prob, None, 0.0, None,
+                state, objective, _, _ = run_cbc(ilp.build_model(g, budget, program).prob, None, 0.0, None,
                                                       list(options))
                 if (best is None) != (state == "infeasible") or (state == "optimal" and objective > best + 1e-9):
                     wrong[name].append(f"{seed}@{budget}: {state} {objective} (optimum {best})")
@@ -65,7 +68,7 @@ def main() -> None:
                 wrong["remat"].append(f"{seed}@{budget}: {sol.status} {sol.recompute_ms} (optimum {best})")
             elif best is not None and sol.status != "optimal":
                 not_proven.append(f"{seed}@{budget}")
-    print(f"seeds {args.seeds}, terms below 2^{bits}: {solves} (graph, budget) programs (CBC bundled with PuLP {ilp.pulp.__version__})\n")
+    print(f"seeds {args.seeds}, terms below 2^{bits}: {solves} (graph, budget) programs (CBC bundled with PuLP {pulp.__version__})\n")
     print("| configuration | wrong answers | cases |")
     print("| --- | ---: | --- |")
     for name, cases in wrong.items():

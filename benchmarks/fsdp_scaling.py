@@ -6,7 +6,7 @@
     python benchmarks/fsdp_scaling.py --sharding ddp --world-sizes 1,2,4,8
 
 For each world size N: one rank's parameters, gradients and optimizer state as the cost model
-counts them (``solvers.cost_model.rank_memory``, NOTE [ Per-rank memory ]), the
+counts them (``solvers.rank_memory.rank_memory``, NOTE [ Per-rank memory ]), the
 predicted peak without checkpointing, and the plan ``remat plan --world-size N --sharding fsdp``
 makes at one per-rank budget: how many units it checkpoints and the recompute it costs. The
 profile is of one rank's batch, so activations are the same for every N; only the model state
@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner.act.api import graph_for, plan_from_profile
-from solvers.cost_model import rank_memory, simulate
+from solvers.cost_model import simulate
+from solvers.rank_memory import rank_memory
 from planner.errors import BudgetInfeasible
 from planner.model.schema import Profile
 from planner.sizes import format_bytes, parse_bytes

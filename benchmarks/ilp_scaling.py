@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--backends", nargs="+", default=["cbc", "highs"])
     ap.add_argument("--no-relaxation", action="store_true",
-                    help="branch-and-bound alone, without NOTE [ Sequential relaxation ] (solvers/ilp_bound.py)")
+                    help="branch-and-bound alone, without NOTE [ Sequential relaxation ] (solvers/ilp/bound.py)")
     a = ap.parse_args()
     warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 announcing its 4.0 API
     for family in (["transformer", "random"] if a.family == "both" else [a.family]):

@@ -4,7 +4,7 @@
   called more than once (NOTE [ Tied calls ]): the DP (``solvers/dp.py``), optimal and
   fast (a 200-unit chain in ~0.05 s).
 - Otherwise (nested candidates, or tensors held across non-adjacent units, where the DP's
-  recurrence over-counts): the ILP (``solvers/ilp.py``), optimal when it proves it in time.
+  recurrence over-counts): the ILP (``solvers/ilp/``), optimal when it proves it in time.
   When the time limit stops it with a plan, that plan ("feasible", with its gap); when it
   stops it before any plan, the DP's conservative plan on the graph's leaves (which fits under
   ``simulate`` whenever the DP finds one: its recurrence only over-counts).
@@ -20,7 +20,8 @@ import time
 
 import networkx as nx
 
-from solvers.cost_model import CostModel, chain_terms, tie_groups
+from solvers.chain import chain_terms
+from solvers.cost_model import CostModel, tie_groups
 from solvers.base import Solution, judged
 from solvers.dp import MAX_TIED_GROUPS
 from solvers.dp import solve as solve_dp

@@ -14,7 +14,7 @@ Example::
     meaning(NodeAttrs, "saved_bytes")            # 'unique tensors saved for backward inside the unit'
 """
 
-from typing import Any, Dict, FrozenSet, List, Literal, Optional, Tuple, get_args
+from typing import Any, Literal, Optional, get_args
 
 from typing_extensions import Annotated, NotRequired, TypedDict, get_type_hints
 

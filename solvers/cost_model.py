@@ -1,9 +1,16 @@
 """The cost model: predicted peak memory and recompute time of a checkpoint set (``simulate``).
 
 Every solver is judged by ``simulate`` and every measurement is compared with it. ``CostModel``
-holds what does not depend on the checkpoint set, built once per graph; the DP's ``chain_terms``
-and the ILP's program are formulated from its terms. Pure Python over the graph of
-``planner.model.graph.build_graph``; no torch import. See NOTE [ Peak-memory model ] below.
+holds what does not depend on the checkpoint set, built once per graph; the DP's chain
+recurrence (``solvers/chain.py``) and the ILP's program (``solvers/ilp/program.py``) are
+formulated from its terms. Pure Python over the graph of ``planner.model.graph.build_graph``
+(its attributes: ``solvers/contract.py``); no torch import. See NOTE [ Peak-memory model ]
+above ``CostModel``; static memory per rank: ``solvers/rank_memory.py``.
+
+Example::
+
+    est = simulate(g, ["h.0", "h.2"])          # checkpoint two blocks
+    est.peak_bytes, est.peak_at, est.recompute_ms
 """
 
 from __future__ import annotations
@@ -12,12 +19,16 @@ import bisect
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field
 
 from solvers.errors import SolverError
+from solvers.rank_memory import RankMemory, rank_memory
+
+if TYPE_CHECKING:
+    from solvers.chain import ChainTerms
 
 
 class Estimate(BaseModel):
@@ -39,86 +50,100 @@ class Estimate(BaseModel):
     step_ms: float = Field(description="Profiled step time plus recompute_ms.")
 
 
-# NOTE [ Per-rank memory ]
-#
-# Under torch.distributed (graph.graph "world_size" N and "sharding"), static memory is counted
-# per rank; activations, recompute and temporaries do not change with N (each rank runs the
-# same per-rank batch).
-#
-# Rule 1. ddp: static memory as in NOTE [ Peak-memory model ], plus DDP's gradient buckets: one
-# flat copy of the gradients, allocated when the DDP wrapper is built (default
-# gradient_as_bucket_view=False), for any N (docs/distributed.md measures it).
-#
-# Rule 2. fsdp: FSDP2, fully_shard on every repeated block and on the root. Parameters,
-# gradients and optimizer state are divided by N. Unsharded parameters live in buffers of their
-# own (FSDPParam.all_gather_outputs), apart from the local shard, so they add their full size,
-# for any N. With R the root group's and B the largest block's parameter bytes:
-#   forward:  R (the root stays unsharded from forward to backward) + B (the running block)
-#             + B when N > 1 (the running block's all-gather output, kept in the all-gather
-#             state until the next unit waits for its own unshard);
-#   backward, by the block b_k the point is in (blocks in forward order, B_k their parameter
-#   bytes; ``CostModel.backward_static``):
-#             R + B_k (parameters) + B_(k-1) when N > 1 (the previous block, prefetched)
-#             + B_(k+1) (the later block's reduce-scatter input, kept until this block's
-#             reduce-scatter; none for the last block) + the running block's and the root
-#             group's gradients produced so far at full size (unsharded until their
-#             reduce-scatter; the root's when backward ends) instead of their 1/N share;
-#             after the last block (final norm, head, loss) the last block only: the root's
-#             pre-backward hook prefetches it, and its predecessor is prefetched when the last
-#             block's own backward starts (counting the predecessor there over-predicted T5 and
-#             Llama under FSDP2 by exactly one block's parameters at N = 2 and 4); before the first
-#             block (embeddings) the first block's reduce-scatter input. bwd_extra keeps the
-#             largest case, 2R + 4B.
-# These terms were read off FSDP2's own state inside a step (benchmarks/fsdp_memory_census.py)
-# and checked per rank by ``remat verify`` (docs/distributed.md, which also measures the first
-# version: 2R + 4B at every backward point).
-#
-# Rule 3. Not probed: the instant of a block's reduce-scatter, when its unsharded gradients,
-# their reduce-scatter copy and the later block's pending input coexist (one B more than the
-# windows around it); it sets the peak only when a block's parameters outweigh its activations
-# (docs/distributed.md).
+def simulate(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[str, int] | None = None) -> Estimate:
+    """Predict peak memory (with breakdown) and recompute time of one training step.
+
+    ``checkpointed`` is a set of graph node ids (an antichain of the module tree); ``selective``
+    maps further nodes to an index into their ``menu`` (op-level policies, Rule 9).
+    See NOTE [ Peak-memory model ] for the semantics.
+    Cost: O(S log S + n * s) for S saves, n leaves and s saves per checkpointed unit.
+    """
+    regions = check_checkpoint_set(g, checkpointed, selective)
+    policies = policies_of(g, selective)
+    full = regions - set(policies)
+    model = CostModel.of(g)
+    name, peak, grads, extra = max(model.probes(regions, policies), key=lambda p: p[1])
+    params = model.rank.params_bytes + extra  # extra: FSDP's unsharded parameters at that point
+    opt = model.rank.optimizer_bytes
+    recompute_ms = g.graph.get("micro_batches", 1) * (sum(g.nodes[c]["forward_ms"] for c in full)
+                                                       + sum(pol.recompute_ms for pol in policies.values()))
+    return Estimate(
+        checkpointed=sorted(full, key=lambda n: g.nodes[n]["order"]),
+        selective={n: int(k) for n, k in sorted((selective or {}).items(), key=lambda kv: g.nodes[kv[0]]["order"])},
+        peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
+        activations_bytes=peak - params - grads - opt, peak_at=name,
+        recompute_ms=recompute_ms, step_ms=g.graph["step_ms"] + recompute_ms,
+    )
 
 
-@dataclass(frozen=True)
-class RankMemory:
-    """Static memory of one rank, per phase (NOTE [ Per-rank memory ])."""
+def window_bytes(g: nx.DiGraph, checkpointed: Iterable[str], *, calibrated: bool = True,
+                 selective: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The model's bytes at every probe of the NOTE, by name ('forward of h.0', 'optimizer step', ...).
 
-    params_bytes: int  # parameters + buffers held by this rank outside forward/backward
-    optimizer_bytes: int
-    fwd_static_bytes: int  # everything static during forward
-    bwd_static_bytes: int  # everything static during backward, this rank's gradients excepted
-    opt_static_bytes: int  # during optimizer.step(): static + all of this rank's gradients + temporaries
-    fwd_extra: tuple[int, int]  # (parameter, gradient) bytes on top of the shards in forward
-    bwd_extra: tuple[int, int]  # the same in backward, at most (FSDP unsharded buffers, DDP buckets)
-    grad_divisor: int  # gradients are split this many ways (FSDP)
-    fsdp: bool = False  # backward extras depend on the point: see CostModel.backward_static
-    base_bytes: int = 0  # this rank's parameters, optimizer state and batch
+    ``calibrated=False`` leaves out the temporaries T: what is live at the end of each window.
+    ``verify`` and the validation step compare these with measurements, window by window.
+    """
+    model = CostModel.of(g) if calibrated else CostModel.build(g, calibrated=False)
+    regions = check_checkpoint_set(g, checkpointed, selective)
+    return {name: total for name, total, _, _ in model.probes(regions, policies_of(g, selective))}
 
 
-def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> RankMemory:
-    """Static memory of one rank for the graph's ``world_size`` and ``sharding``
-    (NOTE [ Per-rank memory ])."""
-    gg = g.graph
-    n = int(gg.get("world_size", 1)) if per_rank else 1
-    sharding = gg.get("sharding", "none") if per_rank else "none"
-    params, buffers, opt = gg["params_bytes"], gg["buffers_bytes"], gg["optimizer_bytes"]
-    grads, batch, opt_tr = gg["grads_bytes"], gg["batch_bytes"], gg["optimizer_step_transient_bytes"]
-    alive = gg.get("grads_alive", False)  # NOTE [ Peak-memory model ], "Recipe": in forward too
-    if sharding == "fsdp":
-        shard = lambda b: -(-b // n)  # noqa: E731
-        root, block = gg.get("fsdp_root_param_bytes", 0), gg.get("fsdp_max_block_param_bytes", 0)
-        pending = block if n > 1 else 0  # an all-gather output kept, or a prefetched block
-        fwd = (root + block + pending, shard(grads) if alive else 0)
-        bwd = (root + block + pending, block + block + root)
-        p_rank, o_rank = shard(params) + buffers, shard(opt)
-        base = p_rank + o_rank + batch
-        return RankMemory(p_rank, o_rank, base + sum(fwd), base + sum(bwd), base + shard(grads) + shard(opt_tr),
-                          fwd, bwd, n, True, base)
-    buckets = grads if sharding == "ddp" else 0
-    base = params + buffers + opt + batch + buckets
-    fwd = (0, buckets + (grads if alive else 0))
-    return RankMemory(params + buffers, opt, base + fwd[1] - buckets, base, base + grads + opt_tr, fwd,
-                      (0, buckets), 1)
+def policies_of(g: nx.DiGraph, selective: Mapping[str, int] | None) -> dict[str, Any]:
+    """node -> its chosen ``solvers.selective.Policy`` (Rule 9)."""
+    return {n: g.nodes[n]["menu"][k] for n, k in (selective or {}).items()}
+
+
+def calibrate(g: nx.DiGraph) -> None:
+    """Set the temporaries T (NOTE [ Peak-memory model ], Rule 6) from the measured window peaks, then
+    attach the graph's ``CostModel`` (``g.graph["cost_model"]``).
+
+    Called once by ``build_graph``. Windows without a measurement keep T = 0.
+    """
+    raw = CostModel.build(g, calibrated=False, per_rank=False)
+    probes = {p[0]: p[1] for p in raw.probes(frozenset())}
+    for leaf in g.graph["leaves"]:
+        a = g.nodes[leaf]
+        for kind, key, peak_key in (("forward", "fwd_transient_bytes", "fwd_window_peak_bytes"),
+                                    ("backward", "bwd_transient_bytes", "bwd_window_peak_bytes")):
+            measured = a.get(peak_key)
+            if measured is not None:
+                a[key] = max(0, measured - probes[f"{kind} of {leaf}"])
+    for key, peak_key, probe in (("tail_fwd_transient_bytes", "tail_fwd_peak_bytes", "end of forward"),
+                                 ("tail_bwd_transient_bytes", "tail_bwd_peak_bytes", "start of backward")):
+        measured = g.graph.get(peak_key)
+        if measured is not None:
+            g.graph[key] = max(0, measured - probes[probe])
+    g.graph["cost_model"] = CostModel.build(g)
+
+
+def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str],
+                         selective: Mapping[str, int] | None = None) -> frozenset[str]:
+    """Validate a checkpoint choice: known node ids, no node together with an ancestor, and
+    every call of a module or none of them (see NOTE [ Tied calls ]). ``selective`` maps further
+    nodes to an index into their ``menu`` (NOTE [ Peak-memory model ], Rule 9); they are regions
+    too. Returns all regions."""
+    full = frozenset(checkpointed)
+    chosen = full | frozenset(selective or ())
+    for n, k in (selective or {}).items():
+        if n in full:
+            raise SolverError(f"{n!r} is both checkpointed and selective; choose one")
+        menu = g.nodes[n].get("menu", ()) if n in g.nodes else ()
+        if n in g.nodes and not 0 <= k < len(menu):
+            raise SolverError(f"{n!r} has no selective policy {k} (its menu has {len(menu)})")
+    unknown = sorted(chosen - set(g.nodes))
+    if unknown:
+        raise SolverError(f"unknown candidate(s) {unknown[:5]}; candidates are graph node ids")
+    for n in chosen:
+        p = _enclosing(g, n, chosen)
+        if p is not None:
+            raise SolverError(f"cannot checkpoint both {p!r} and its descendant {n!r}")
+    for group in tie_groups(g):
+        split = [n for n in group if n not in chosen]
+        if len(split) < len(group) and split:
+            inside = next(n for n in group if n in chosen)
+            raise SolverError(f"cannot checkpoint {inside!r} without {split[0]!r}: both are calls of module "
+                              f"{g.nodes[inside]['fqn']!r}, and checkpointing a module covers all its calls")
+    return chosen
 
 
 ALIVE_SEQ = 1 << 62
@@ -469,37 +494,9 @@ class CostModel:
     @functools.cached_property
     def chain_terms(self) -> ChainTerms:
         """The model as a chain recurrence, for the DP (see ``ChainTerms``); computed on first use."""
-        return _chain_terms(self)
+        from solvers.chain import build_chain_terms
 
-
-def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str],
-                         selective: Mapping[str, int] | None = None) -> frozenset[str]:
-    """Validate a checkpoint choice: known node ids, no node together with an ancestor, and
-    every call of a module or none of them (see NOTE [ Tied calls ]). ``selective`` maps further
-    nodes to an index into their ``menu`` (NOTE [ Peak-memory model ], Rule 9); they are regions
-    too. Returns all regions."""
-    full = frozenset(checkpointed)
-    chosen = full | frozenset(selective or ())
-    for n, k in (selective or {}).items():
-        if n in full:
-            raise SolverError(f"{n!r} is both checkpointed and selective; choose one")
-        menu = g.nodes[n].get("menu", ()) if n in g.nodes else ()
-        if n in g.nodes and not 0 <= k < len(menu):
-            raise SolverError(f"{n!r} has no selective policy {k} (its menu has {len(menu)})")
-    unknown = sorted(chosen - set(g.nodes))
-    if unknown:
-        raise SolverError(f"unknown candidate(s) {unknown[:5]}; candidates are graph node ids")
-    for n in chosen:
-        p = _enclosing(g, n, chosen)
-        if p is not None:
-            raise SolverError(f"cannot checkpoint both {p!r} and its descendant {n!r}")
-    for group in tie_groups(g):
-        split = [n for n in group if n not in chosen]
-        if len(split) < len(group) and split:
-            inside = next(n for n in group if n in chosen)
-            raise SolverError(f"cannot checkpoint {inside!r} without {split[0]!r}: both are calls of module "
-                              f"{g.nodes[inside]['fqn']!r}, and checkpointing a module covers all its calls")
-    return chosen
+        return build_chain_terms(self)
 
 
 # NOTE [ Tied calls ]
@@ -552,222 +549,5 @@ def _enclosing(g: nx.DiGraph, n: str, among) -> str | None:
     return p
 
 
-def policies_of(g: nx.DiGraph, selective: Mapping[str, int] | None) -> dict[str, Any]:
-    """node -> its chosen ``solvers.selective.Policy`` (Rule 9)."""
-    return {n: g.nodes[n]["menu"][k] for n, k in (selective or {}).items()}
-
-
-def window_bytes(g: nx.DiGraph, checkpointed: Iterable[str], *, calibrated: bool = True,
-                 selective: Mapping[str, int] | None = None) -> dict[str, int]:
-    """The model's bytes at every probe of the NOTE, by name ('forward of h.0', 'optimizer step', ...).
-
-    ``calibrated=False`` leaves out the temporaries T: what is live at the end of each window.
-    ``verify`` and the validation step compare these with measurements, window by window.
-    """
-    model = CostModel.of(g) if calibrated else CostModel.build(g, calibrated=False)
-    regions = check_checkpoint_set(g, checkpointed, selective)
-    return {name: total for name, total, _, _ in model.probes(regions, policies_of(g, selective))}
-
-
-def simulate(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[str, int] | None = None) -> Estimate:
-    """Predict peak memory (with breakdown) and recompute time of one training step.
-
-    ``checkpointed`` is a set of graph node ids (an antichain of the module tree); ``selective``
-    maps further nodes to an index into their ``menu`` (op-level policies, Rule 9).
-    See NOTE [ Peak-memory model ] for the semantics.
-    Cost: O(S log S + n * s) for S saves, n leaves and s saves per checkpointed unit.
-    """
-    regions = check_checkpoint_set(g, checkpointed, selective)
-    policies = policies_of(g, selective)
-    full = regions - set(policies)
-    model = CostModel.of(g)
-    name, peak, grads, extra = max(model.probes(regions, policies), key=lambda p: p[1])
-    params = model.rank.params_bytes + extra  # extra: FSDP's unsharded parameters at that point
-    opt = model.rank.optimizer_bytes
-    recompute_ms = g.graph.get("micro_batches", 1) * (sum(g.nodes[c]["forward_ms"] for c in full)
-                                                       + sum(pol.recompute_ms for pol in policies.values()))
-    return Estimate(
-        checkpointed=sorted(full, key=lambda n: g.nodes[n]["order"]),
-        selective={n: int(k) for n, k in sorted((selective or {}).items(), key=lambda kv: g.nodes[kv[0]]["order"])},
-        peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
-        activations_bytes=peak - params - grads - opt, peak_at=name,
-        recompute_ms=recompute_ms, step_ms=g.graph["step_ms"] + recompute_ms,
-    )
-
-
-def calibrate(g: nx.DiGraph) -> None:
-    """Set the temporaries T (NOTE [ Peak-memory model ], Rule 6) from the measured window peaks, then
-    attach the graph's ``CostModel`` (``g.graph["cost_model"]``).
-
-    Called once by ``build_graph``. Windows without a measurement keep T = 0.
-    """
-    raw = CostModel.build(g, calibrated=False, per_rank=False)
-    probes = {p[0]: p[1] for p in raw.probes(frozenset())}
-    for leaf in g.graph["leaves"]:
-        a = g.nodes[leaf]
-        for kind, key, peak_key in (("forward", "fwd_transient_bytes", "fwd_window_peak_bytes"),
-                                    ("backward", "bwd_transient_bytes", "bwd_window_peak_bytes")):
-            measured = a.get(peak_key)
-            if measured is not None:
-                a[key] = max(0, measured - probes[f"{kind} of {leaf}"])
-    for key, peak_key, probe in (("tail_fwd_transient_bytes", "tail_fwd_peak_bytes", "end of forward"),
-                                 ("tail_bwd_transient_bytes", "tail_bwd_peak_bytes", "start of backward")):
-        measured = g.graph.get(peak_key)
-        if measured is not None:
-            g.graph[key] = max(0, measured - probes[probe])
-    g.graph["cost_model"] = CostModel.build(g)
-
-
-# ----------------------------------------------------------------------------- chain decomposition
-
-
-@dataclass(frozen=True)
-class ChainTerms:
-    """The model of NOTE [ Peak-memory model ] on a graph without nesting, as a chain recurrence.
-
-    Each leaf i takes a choice c_i: 0 = not checkpointed, 1 = checkpointed, 2 + j = selective
-    with policy j of its ``menu`` (Rule 9; ``choices(i)`` in all). With
-    H_i = sum_{j<=i} delta[j][c_{j-1}][c_i] (c_{-1} = 0), the peak is max(const_bytes,
-    max_i H_i + k[i][c_i], H_{n-1} + tail_delta[c_{n-1}] + tail_k); the recompute is
-    sum_i cost_ms[i][c_i]. Exact when ``exact``; otherwise every term over-counts (a tensor
-    held by two non-adjacent leaves is counted twice), so a plan that fits under the
-    recurrence fits under ``simulate``.
-    """
-
-    leaves: tuple[str, ...]
-    forward_ms: tuple[float, ...]
-    delta: tuple[tuple[tuple[int, ...], ...], ...]  # delta[i][prev][cur]
-    k: tuple[tuple[int, ...], ...]  # k[i][cur]
-    tail_delta: tuple[int, ...]
-    tail_k: int
-    const_bytes: int
-    exact: bool
-    cost_ms: tuple[tuple[float, ...], ...]  # cost_ms[i][cur]: the recompute of that choice (one micro-batch)
-
-    def choices(self, i: int) -> int:
-        return len(self.k[i])
-
-    def plan(self, picks: list[int]) -> tuple[list[str], dict[str, int]]:
-        """(checkpointed leaves, selective {leaf: policy}) of one choice per leaf."""
-        full = [x for x, c in zip(self.leaves, picks) if c == 1]
-        return full, {x: c - 2 for x, c in zip(self.leaves, picks) if c >= 2}
-
-
-def chain_terms(g: nx.DiGraph) -> ChainTerms:
-    """Decompose the cost model along the leaves; the DP solver runs on this.
-
-    Computed once per graph (``CostModel.chain_terms``), so budget sweeps pay for it once.
-    """
-    return CostModel.of(g).chain_terms
-
-
-# A holding of a tensor, for the chain recurrence: (window, leaf index or None, kind). kind 0 is a
-# save (None: glue code outside every leaf, or autocast's cast kept as if held), dropped when its
-# leaf is a region; kind 1 is the input a region keeps; kind 2 + j an output policy j keeps.
-_Holding = tuple[int, "int | None", int]
-
-
-def _chain_terms(model: CostModel) -> ChainTerms:
-    g = model.graph
-    if any(not a["leaf"] for _, a in g.nodes(data=True)):
-        raise SolverError("the chain recurrence needs a graph without nested candidates (nested=False)")
-    hold, exact_holdings = _chain_holdings(model)
-    delta, tail_delta, exact_deltas = _chain_deltas(model, hold)
-    # autocast's casts no one holds stay alive to the forward's end (NOTE [ Peak-memory model ], Rule 8)
-    unsaved_casts = [(c, model.tensor_bytes[t]) for c, t in model.casts if t not in hold]
-    menus = [_menu(g, x) for x in model.leaves]
-    return ChainTerms(
-        leaves=model.leaves,
-        forward_ms=tuple(g.nodes[x]["forward_ms"] for x in model.leaves),
-        delta=tuple(tuple(tuple(row) for row in d) for d in delta),
-        k=_chain_peaks(model, hold, unsaved_casts), tail_delta=tuple(tail_delta),
-        tail_k=max(model.tail_forward_base_bytes + sum(b for _, b in unsaved_casts), model.tail_backward_base_bytes),
-        const_bytes=model.rank.opt_static_bytes, exact=exact_holdings and exact_deltas,
-        cost_ms=tuple((0.0, g.nodes[x]["forward_ms"], *(p.recompute_ms for p in m))
-                      for x, m in zip(model.leaves, menus)),
-    )
-
-
-def _menu(g: nx.DiGraph, node: str) -> tuple[Any, ...]:
-    """The node's selective policies (``solvers.selective.Policy``), empty without op records."""
-    return tuple(g.nodes[node].get("menu", ()))
-
-
-def _in_force(h: _Holding, c: int) -> bool:
-    """Whether holding ``h`` holds its tensor when its leaf's choice is ``c`` (ChainTerms)."""
-    _, leaf, kind = h
-    if leaf is None:
-        return True
-    return c == 0 if kind == 0 else c >= 1 if kind == 1 else c == kind
-
-
-def _chain_holdings(model: CostModel) -> tuple[dict[int, list[_Holding]], bool]:
-    """Every tensor's holdings (NOTE [ Peak-memory model ], Rule 3), by window; False when
-    autocast's casts are kept as if held (the recurrence over-counts them)."""
-    window = lambda seq: bisect.bisect_left(model.leaf_end_seq, seq)  # noqa: E731  (len(leaves) = tail)
-    leaf_pos = {x: i for i, x in enumerate(model.leaves)}
-    hold: dict[int, list[_Holding]] = {}
-    exact = True
-    for seq, t, containers in model.saves:
-        leaf = leaf_pos[containers[0]] if containers else None
-        if t in model.cast_ids and leaf is not None:
-            leaf, exact = None, False  # kept as if held: the recurrence over-counts autocast's casts
-        hold.setdefault(t, []).append((window(seq), leaf, 0))
-    for i, x in enumerate(model.leaves):
-        for t in model.graph.nodes[x]["input_ids"]:
-            hold.setdefault(t, []).append((i, i, 1))
-        for j, pol in enumerate(_menu(model.graph, x)):
-            for seq, t in pol.cached:
-                hold.setdefault(t, []).append((window(seq), i, 2 + j))
-    return hold, exact
-
-
-def _chain_deltas(model: CostModel, hold: dict[int, list[_Holding]]) -> tuple[list, list[int], bool]:
-    """The held bytes each window adds, delta[w][previous choice][choice], and the tail's; exact unless
-    a tensor is held by two non-adjacent leaves (then it is counted twice: an over-count)."""
-    n = len(model.leaves)
-    nch = [2 + len(_menu(model.graph, x)) for x in model.leaves]
-    delta = [[[0] * nch[w] for _ in range(nch[w - 1] if w else 2)] for w in range(n)]
-    tail_delta = [0] * (nch[n - 1] if n else 2)
-    exact = True
-    for t, hs in hold.items():
-        b = model.tensor_bytes[t]
-        for w in sorted({h[0] for h in hs}):
-            here = [h for h in hs if h[0] == w]
-            before = [h for h in hs if h[0] < w]
-            if any(h[1] is None for h in before):
-                continue  # a glue holding earlier is always in force: counted there
-            far = [h for h in before if h[1] is not None and h[1] < w - 1]
-            prev = [h for h in before if h[1] == w - 1]
-            for a_prev in range(nch[w - 1] if w else 2):  # before leaf 0 the choice is 0: rows equal
-                exact = exact and not far  # counted again although a far leaf may hold it
-                if any(_in_force(h, a_prev) for h in prev):
-                    continue
-                if w == n:  # the tail window holds glue holdings only: always in force
-                    tail_delta[a_prev] += b
-                    continue
-                for cur in range(nch[w]):
-                    if any(_in_force(h, cur) for h in here):
-                        delta[w][a_prev][cur] += b
-    return delta, tail_delta, exact
-
-
-def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
-                 unsaved_casts: list[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
-    """k[i][choice]: window i's largest probe on top of the held bytes (forward with its in-flight
-    tensors and the unheld casts made so far, backward, and for a region the leaf's recompute)."""
-    k = []
-    for i, (x, end) in enumerate(zip(model.leaves, model.leaf_end_seq)):
-        recs = [0, model.recomputed_bytes(x, end)] + [model.recomputed_bytes(x, end, pol.cached_ids)
-                                                       for pol in _menu(model.graph, x)]
-        terms = []
-        for cur, rec in enumerate(recs):
-            out_extra = sum(model.tensor_bytes[t] for t in model.graph.nodes[x]["in_flight_ids"]
-                            if not any(h[0] <= i and _in_force(h, cur) for h in hold.get(t, ())))
-            fwd = model.forward_base_bytes[i] + out_extra + sum(b for c, b in unsaved_casts if c <= end)
-            bwd = model.backward_base_bytes[i] + rec
-            rcp = (model.recompute_static_bytes(x) + rec + model.replay_in_flight(x)
-                   + model.forward_base_bytes[i] - model.rank.fwd_static_bytes) if cur else 0
-            terms.append(max(fwd, bwd, rcp))
-        k.append(tuple(terms))
-    return tuple(k)
+__all__ = ["ALIVE_SEQ", "CostModel", "Estimate", "calibrate", "check_checkpoint_set", "close_ties", "is_tied",
+           "policies_of", "simulate", "tie_groups", "window_bytes"]

@@ -1,6 +1,6 @@
 """Optimal dynamic program for chains, under the cost model.
 
-Runs on ``solvers.cost_model.chain_terms``: the NOTE [ Peak-memory model ] written as a
+Runs on ``solvers.chain.chain_terms``: the NOTE [ Peak-memory model ] written as a
 recurrence along the leaves, where leaf i's checkpoint bit c_i adds ``delta[i][c_{i-1}][c_i]``
 held bytes and must satisfy ``H_i + k[i][c_i] <= budget``. The DP keeps, for each value of the
 last bit, the Pareto front of (held bytes H, recompute ms R) over all prefixes that respect
@@ -34,8 +34,9 @@ import time
 import networkx as nx
 import numpy as np
 
-from solvers.cost_model import ChainTerms, chain_terms, tie_groups
-from solvers.base import Solution, judged
+from solvers.chain import ChainTerms, chain_terms
+from solvers.cost_model import simulate, tie_groups
+from solvers.base import Solution, judged, top_level
 from solvers.errors import SolverError
 
 MAX_TIED_GROUPS = 8
@@ -83,6 +84,19 @@ def tied_assignments(g: nx.DiGraph, terms: ChainTerms) -> list[dict[int, int]]:
                           f"{MAX_TIED_GROUPS} (2^k runs): use the ILP")
     return [{i: bit for group, bit in zip(groups, bits) for i in group}
             for bits in itertools.product((0, 1), repeat=len(groups))]
+
+
+def min_feasible_bytes(g: nx.DiGraph) -> int:
+    """Lowest predicted peak of any checkpoint set (exact on chains; an upper bound otherwise):
+    every top-level candidate checkpointed, or on a graph of leaves the DP's lowest peak."""
+    candidates = [simulate(g, top_level(g)).peak_bytes]
+    if all(a["leaf"] for _, a in g.nodes(data=True)):
+        terms = chain_terms(g)
+        try:
+            candidates.append(lowest_peak(terms, tied_assignments(g, terms)))
+        except SolverError:  # too many modules called more than once for the DP: the bound above
+            pass
+    return min(candidates)
 
 
 def lowest_peak(terms: ChainTerms, runs: list[dict[int, int]], max_states: int = 1 << 16) -> int:

@@ -26,7 +26,8 @@ from solvers import SOLVERS
 from solvers.contract import (
     EDGE_ATTRS, GRAPH_ATTRS, NODE_ATTRS, EdgeAttrs, GraphAttrs, NodeAttrs, contract_violations, meaning,
 )
-from solvers.cost_model import CostModel, chain_terms, simulate, window_bytes
+from solvers.chain import chain_terms
+from solvers.cost_model import CostModel, simulate, window_bytes
 from solvers.ilp import build_program
 
 REFERENCE_PROFILES = Path(__file__).resolve().parents[1] / "profiles" / "models"

@@ -23,13 +23,14 @@ from solvers import SOLVERS
 from solvers import auto as auto_mod
 from solvers import ilp as ilp_mod
 from solvers.ilp import build_program, probe_values
-from solvers.ilp_bound import sequential_bound
+from solvers.ilp.backends import highs_available
+from solvers.ilp.bound import sequential_bound
 from tests.solver_checks import antichains, best_recompute, brute_force, check_solution
 
 MAX_CANDIDATES = 12
 BACKENDS = [pytest.param("cbc", id="cbc"),
             pytest.param("highs", id="highs", marks=pytest.mark.skipif(
-                not ilp_mod._highs_available(), reason="highspy is not installed"))]
+                not highs_available(), reason="highspy is not installed"))]
 
 
 def nested_graph(seed: int):
@@ -174,7 +175,7 @@ def test_relaxation_proves_transformer_stacks():
 
 
 def test_missing_highspy_falls_back_to_cbc(monkeypatch):
-    monkeypatch.setattr(ilp_mod, "_highs_available", lambda: False)
+    monkeypatch.setattr("solvers.ilp.steps.highs_available", lambda: False)
     g = _transformer(3)
     lo, hi = simulate(g, _tops(g)).peak_bytes, simulate(g, []).peak_bytes
     sol = ilp_mod.solve(g, (lo + hi) // 2, backend="highs", use_relaxation=False)
@@ -193,7 +194,7 @@ def test_over_budget_plan_is_loud(monkeypatch):
     g = _transformer(3)
     lo, hi = simulate(g, _tops(g)).peak_bytes, simulate(g, []).peak_bytes
     budget = (lo + hi) // 2
-    real = ilp_mod.simulate
+    real = simulate
     # only the final judgement (solvers.base.judged) sees 1 GiB more: the found plan is "over"
     monkeypatch.setattr("solvers.base.simulate", lambda g_, c, sel=None: _shifted(real(g_, c, sel)))
     with pytest.warns(RuntimeWarning, match="over budget under simulate"):

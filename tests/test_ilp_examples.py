@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from planner.act.api import graph_for, min_feasible_bytes
-from solvers.cost_model import chain_terms, simulate
+from solvers.chain import chain_terms
+from solvers.cost_model import simulate
 from solvers import SOLVERS
 from tests.solver_checks import check_solution
 

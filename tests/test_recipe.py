@@ -186,7 +186,8 @@ def test_ilp_program_is_the_cost_model_with_the_recipe_terms(seed: int):
 
     from planner.model.graph import build_graph
     from planner.model.synthetic import random_dag, synthetic_profile
-    from solvers.cost_model import CostModel, chain_terms
+    from solvers.chain import chain_terms
+    from solvers.cost_model import CostModel
     from solvers.dp import solve as dp_solve
     from solvers.ilp import build_program, probe_values
     from tests.solver_checks import antichains

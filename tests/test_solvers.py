@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solvers.cost_model import chain_terms, close_ties, simulate, tie_groups
+from solvers.chain import chain_terms
+from solvers.cost_model import close_ties, simulate, tie_groups
 from solvers.errors import SolverError
 from planner.model.graph import build_graph
 from planner.model.synthetic import SynUnit, random_chain, random_dag, random_tied, synthetic_profile

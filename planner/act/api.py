@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import networkx as nx
 
-from solvers.cost_model import chain_terms, simulate, tie_groups, window_bytes
+from solvers.cost_model import simulate, tie_groups, window_bytes
+from solvers.dp import min_feasible_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
 from planner.model.schema import LOSS_ID, ROOT_ID, OpRef, Plan, Predicted, Profile, Recipe, RunStamp, SelectiveRegion, SolverInfo, now_iso
@@ -116,21 +117,6 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
                           f"of {sol.peak_bytes} bytes, which cannot be true: the profile's times or sizes are not "
                           f"finite and positive; re-profile the model")
     return sol
-
-
-def min_feasible_bytes(g: nx.DiGraph) -> int:
-    """Lowest predicted peak of any checkpoint set (exact on chains; an upper bound otherwise)."""
-    from solvers.base import top_level
-    from solvers.dp import lowest_peak, tied_assignments
-
-    candidates = [simulate(g, top_level(g)).peak_bytes]
-    if all(a["leaf"] for _, a in g.nodes(data=True)):
-        terms = chain_terms(g)
-        try:
-            candidates.append(lowest_peak(terms, tied_assignments(g, terms)))
-        except SolverError:  # too many modules called more than once for the DP: the bound above
-            pass
-    return min(candidates)
 
 
 def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "auto", granularity: int = 0,
@@ -396,7 +382,7 @@ def resolve_budget(budget: int | str | None, target: str | None = None) -> tuple
 def check_profile_matches(profile: Profile, model_file: Any) -> None:
     """``PlanMismatch`` unless ``profile`` was made for the model and inputs of ``model_file`` (a
     ``ModelFile``). The model is built on the meta device: nothing runs, a 7B model costs nothing."""
-    from planner.act.applier import model_differences
+    from planner.model.fingerprint import model_differences
     from planner.errors import PlanMismatch
     from planner.profiling.meta import build_on_meta
 

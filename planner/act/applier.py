@@ -126,8 +126,8 @@ from torch.utils.checkpoint import checkpoint
 from planner.act import buckets
 from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
-from planner.model.fingerprint import fingerprint, input_tensors
-from planner.model.schema import Fingerprint, Plan, StepChange, TensorSig
+from planner.model.fingerprint import input_tensors, model_differences, plain_name
+from planner.model.schema import Plan, StepChange, TensorSig
 from planner.profiling.rng import HostRngState
 from planner.profiling.step_changes import Installed, find_step_changes, install
 from planner.sizes import format_bytes
@@ -136,10 +136,6 @@ logger = logging.getLogger("remat")
 
 GUARDS = ("warn", "error", "off")
 """``apply_plan(guard=...)`` values; see NOTE [ Runtime shape guard ]."""
-
-_WRAPPED = "_checkpoint_wrapped_module"
-"""Attribute under which torch's ``CheckpointWrapper`` keeps the module it checkpoints."""
-
 
 class PlanAlreadyApplied(BadInput):
     """``apply_plan`` was called on a model that already carries a remat plan."""
@@ -686,15 +682,6 @@ def _check_antichain(names: list[str]) -> list[str]:
     return names
 
 
-def model_differences(expected: Fingerprint, model: nn.Module, inputs: Any) -> list[str]:
-    """How ``model`` on ``inputs`` differs from the fingerprint a plan or profile was made for
-    (checkpoint wrappers and FSDP's class swap ignored; input shapes only when ``inputs`` is given)."""
-    mine = _plain_fingerprint(fingerprint(model, inputs)).model_copy(update={"model_class": _plain_class(model)})
-    if inputs is None:  # nothing to compare the plan's input shapes with
-        mine = mine.model_copy(update={"inputs": expected.inputs})
-    return expected.differences(mine)
-
-
 def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[str], *, strict: bool) -> None:
     diffs = [f"checkpoint {name!r} is not a module of the model" for name in missing]
     diffs += model_differences(plan.fingerprint, model, inputs)
@@ -709,30 +696,11 @@ def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[
                   stacklevel=3)
 
 
-def _plain(name: str) -> str:
-    """FQN without torch ``CheckpointWrapper`` levels, as its ``state_dict`` hook names things."""
-    return ".".join(part for part in name.split(".") if part != _WRAPPED)
-
-
-def _plain_class(model: nn.Module) -> str:
-    """The model's own class name: ``fully_shard`` (and ``replicate``) swap in a subclass ``FSDP<Class>``."""
-    cls = type(model)
-    if len(cls.__bases__) == 2 and cls.__bases__[0].__name__ in ("FSDPModule", "ReplicateModule"):
-        return cls.__bases__[1].__name__
-    return cls.__name__
-
-
-def _plain_fingerprint(fp: Fingerprint) -> Fingerprint:
-    modules = list(dict.fromkeys(m for m in map(_plain, fp.modules) if m))
-    params = [p.model_copy(update={"name": _plain(p.name)}) for p in fp.params]
-    return fp.model_copy(update={"modules": modules, "params": params})
-
-
 def _modules_by_plain_name(model: nn.Module) -> dict[str, nn.Module]:
     """FQN -> module; a ``CheckpointWrapper`` takes the name of the module it wraps."""
     out: dict[str, nn.Module] = {}
     for name, m in model.named_modules():
-        out.setdefault(_plain(name), m)
+        out.setdefault(plain_name(name), m)
     return out
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from planner.model.schema import Fingerprint, TensorSig
 
@@ -58,3 +59,38 @@ def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _sig(name: str, t: torch.Tensor) -> TensorSig:
     return TensorSig(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+WRAPPED_ATTR = "_checkpoint_wrapped_module"
+"""Attribute under which torch's ``CheckpointWrapper`` keeps the module it checkpoints."""
+
+
+def model_differences(expected: Fingerprint, model: nn.Module, inputs: Any) -> list[str]:
+    """How ``model`` on ``inputs`` differs from the fingerprint a plan or profile was made for
+    (checkpoint wrappers and FSDP's class swap ignored; input shapes only when ``inputs`` is given)."""
+    mine = _plain_fingerprint(fingerprint(model, inputs)).model_copy(update={"model_class": _plain_class(model)})
+    if inputs is None:  # nothing to compare the plan's input shapes with
+        mine = mine.model_copy(update={"inputs": expected.inputs})
+    return expected.differences(mine)
+
+
+def plain_name(name: str) -> str:
+    """FQN without torch ``CheckpointWrapper`` levels, as its ``state_dict`` hook names things."""
+    return ".".join(part for part in name.split(".") if part != WRAPPED_ATTR)
+
+
+def _plain_class(model: nn.Module) -> str:
+    """The model's own class name: ``fully_shard`` (and ``replicate``) swap in a subclass ``FSDP<Class>``."""
+    cls = type(model)
+    if len(cls.__bases__) == 2 and cls.__bases__[0].__name__ in ("FSDPModule", "ReplicateModule"):
+        return cls.__bases__[1].__name__
+    return cls.__name__
+
+
+def _plain_fingerprint(fp: Fingerprint) -> Fingerprint:
+    modules = list(dict.fromkeys(m for m in map(plain_name, fp.modules) if m))
+    params = [p.model_copy(update={"name": plain_name(p.name)}) for p in fp.params]
+    return fp.model_copy(update={"modules": modules, "params": params})

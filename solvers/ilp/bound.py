@@ -1,4 +1,37 @@
-"""The sequential relaxation of the ILP: a lower bound on recompute, and often the optimum.
+"""The sequential relaxation of the ILP: a lower bound on recompute, and often the optimum
+(NOTE [ Sequential relaxation ], above ``sequential_bound``).
+
+Example::
+
+    bound = sequential_bound(build_program(g), budget_bytes)
+    bound.recompute_ms, bound.plan     # no plan within the budget has less; a plan reaching it
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from solvers.ilp.program import Lin, Program
+
+_MAX_PAIRS = 1 << 22
+"""(state, option) pairs tried per block at most; fronts are coarsened to stay under it."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What the sequential relaxation found for one cap."""
+
+    recompute_ms: float  # no plan within the cap has less; inf: no plan fits at all
+    plan: tuple[str, ...]  # a plan reaching it in the relaxation (check it with simulate)
+    relaxed_ors: int  # OR variables replaced by a lower bound
+    states: int  # largest front
+    coarsened: bool  # W was rounded down somewhere
+    seconds: float
+
 
 # NOTE [ Sequential relaxation ]
 #
@@ -29,56 +62,6 @@
 # plan with simulate: if it fits, it is optimal; if not, the bound is a cut for the ILP.
 #
 # Cost: O(B * F * O) for B top-level blocks, F states (<= max_states) and O options per block.
-"""
-
-from __future__ import annotations
-
-import math
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
-
-import numpy as np
-
-Lin = dict  # linear form, as in solvers.ilp: {node id (x) | int (y index) | None (constant): coefficient}
-
-
-class _ProbeRow(Protocol):
-    """What this module reads of ``solvers.ilp.Probe``."""
-
-    bucket: int | None
-    extra: Lin
-    const_bytes: int
-
-
-class Program(Protocol):
-    """What this module reads of ``solvers.ilp.Program`` (NOTE [ ILP formulation ]); solvers.ilp
-    imports this module, so the type is described here rather than imported."""
-
-    nodes: list[str]
-    forward_ms: dict[str, float]
-    parent: dict[str, str | None]
-    ors: list[list[Lin]]
-    delta: dict[int, Lin]
-    probes: Sequence[_ProbeRow]
-    scale_bytes: int
-
-
-_MAX_PAIRS = 1 << 22
-"""(state, option) pairs tried per block at most; fronts are coarsened to stay under it."""
-
-
-@dataclass(frozen=True)
-class Bound:
-    """What the sequential relaxation found for one cap."""
-
-    recompute_ms: float  # no plan within the cap has less; inf: no plan fits at all
-    plan: tuple[str, ...]  # a plan reaching it in the relaxation (check it with simulate)
-    relaxed_ors: int  # OR variables replaced by a lower bound
-    states: int  # largest front
-    coarsened: bool  # W was rounded down somewhere
-    seconds: float
 
 
 def sequential_bound(program: Program, cap_bytes: int, *, max_states: int = 1 << 15,
@@ -254,3 +237,6 @@ def _coarsen(cost, held, target: int):
     idx = np.arange(len(cost))
     c2, h2, keep = _pareto(cost, rounded, idx)
     return c2, h2, keep
+
+
+__all__ = ["Bound", "sequential_bound"]
