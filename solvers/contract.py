@@ -51,6 +51,10 @@ class NodeAttrs(TypedDict):
     forward_ms: Annotated[float, Doc("forward time, inclusive: what a recompute costs")]
     backward_ms: Annotated[float, Doc("backward time, inclusive")]
     flops: Annotated[float, Doc("forward FLOPs, inclusive (0 when not counted)")]
+    forward_spread_ms: Annotated[float, Doc("interquartile range of the samples behind forward_ms "
+                                            "(NOTE [ Unit costs ])")]
+    cost_group: Annotated[str, Doc("signature shared by units priced as one (module type, parameter, input and "
+                                   "output shapes, op sequence; NOTE [ Unit costs ]); '' when none")]
     param_bytes: Annotated[int, Doc("parameters of the module subtree")]
     saved_bytes: Annotated[int, Doc("unique tensors saved for backward inside the unit")]
     input_bytes: Annotated[int, Doc("unique step-created tensors passed in (kept when checkpointed), "
