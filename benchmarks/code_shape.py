@@ -2,10 +2,12 @@
 
     python benchmarks/code_shape.py            # a summary and the outliers
     python benchmarks/code_shape.py --json     # the same as JSON
+    python benchmarks/code_shape.py --with-docstrings
+    python benchmarks/code_shape.py --root ../other-checkout   # another tree (e.g. before a change)
 
 The library is ``planner/`` and ``solvers/`` (not tests, benchmarks or examples). A function's
-length is its lines from ``def`` to its last line, docstring included, nested functions counted
-on their own too. A public parameter list belongs to a function or method whose name and module
+length is its lines from ``def`` to its last line less its docstring's (``--with-docstrings``
+counts those too); nested functions count on their own too. A public parameter list belongs to a function or method whose name and module
 do not start with ``_``; it counts every named parameter but ``self`` and ``cls`` (``*args`` and
 ``**kwargs`` are not names). The issue's bar (#26): the longest function under 60 lines, no
 public parameter list over 8 names, no module over 600 lines.
@@ -26,8 +28,8 @@ MAX_PUBLIC_PARAMETERS = 8
 MAX_MODULE_LINES = 600
 
 
-def _modules() -> list[Path]:
-    return sorted(p for top in LIBRARY for p in (ROOT / top).rglob("*.py"))
+def _modules(root: Path) -> list[Path]:
+    return sorted(p for top in LIBRARY for p in (root / top).rglob("*.py"))
 
 
 def _functions(tree: ast.AST):
@@ -36,28 +38,35 @@ def _functions(tree: ast.AST):
             yield node
 
 
+def _docstring_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    first = fn.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
 def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     a = fn.args
     names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
     return [n for n in names if n not in ("self", "cls")]
 
 
-def _public(path: Path, name: str) -> bool:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _public(root: Path, path: Path, name: str) -> bool:
+    parts = path.relative_to(root).with_suffix("").parts
     return not name.startswith("_") and not any(p.startswith("_") and p != "__init__" for p in parts)
 
 
-def measure() -> dict:
+def measure(root: Path = ROOT, *, with_docstrings: bool = False) -> dict:
     functions, modules, wide = [], {}, []
-    for path in _modules():
-        rel = str(path.relative_to(ROOT))
+    for path in _modules(root):
+        rel = str(path.relative_to(root))
         text = path.read_text()
         modules[rel] = len(text.splitlines())
         for fn in _functions(ast.parse(text)):
-            lines = fn.end_lineno - fn.lineno + 1
+            lines = fn.end_lineno - fn.lineno + 1 - (0 if with_docstrings else _docstring_lines(fn))
             functions.append((lines, f"{rel}:{fn.lineno} {fn.name}"))
             params = _parameters(fn)
-            if _public(path, fn.name) and len(params) > MAX_PUBLIC_PARAMETERS:
+            if _public(root, path, fn.name) and len(params) > MAX_PUBLIC_PARAMETERS:
                 wide.append((len(params), f"{rel}:{fn.lineno} {fn.name}"))
     lengths = sorted(n for n, _ in functions)
     return {
@@ -74,7 +83,8 @@ def measure() -> dict:
 
 
 def main() -> None:
-    shape = measure()
+    root = Path(sys.argv[sys.argv.index("--root") + 1]) if "--root" in sys.argv else ROOT
+    shape = measure(root, with_docstrings="--with-docstrings" in sys.argv)
     if "--json" in sys.argv:
         print(json.dumps(shape, indent=1))
         return
