@@ -118,7 +118,7 @@ def epoch(mf, plan, lens: list[int], epochs: int) -> None:
         c, w = sum(t for _, t in cpu[name]) / epochs, sum(t for _, t in wall[name]) / epochs
         print(f"{name:<11}{c:>14.0f}{c - base_cpu:>+18.0f}{w:>15.0f}{w - base_wall:>+19.0f}"
               f"{recomputed[name] // (epochs + 1):>17}")
-    print(f"\nper length, median CPU ms per step: " + "; ".join(
+    print("\nper length, median CPU ms per step: " + "; ".join(
         f"{n}: " + ", ".join(f"{name} {statistics.median(t for m, t in cpu[name] if m == n):.0f}" for name in models)
         for n in lens))
 

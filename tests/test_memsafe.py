@@ -2,7 +2,6 @@
 unplanned step as a full profile does; the CPU memory cap (planner/profiling/capped.py); out of memory on
 every device."""
 
-import json
 import os
 import runpy
 import subprocess
