@@ -17,6 +17,8 @@ KEYS = {
     "aliases",
     "memory_bytes",
     "memory_bandwidth_bytes_per_s",
+    "host_link_bytes_per_s",
+    "host_link_source",
     "peak_flops",
     "source",
     "notes",
@@ -50,7 +52,7 @@ def test_spec_is_well_formed(path: Path):
 
     assert spec["name"] == path.stem
     assert spec["name"] == spec["name"].lower() and " " not in spec["name"]
-    for key in ("display_name", "source", "notes"):
+    for key in ("display_name", "source", "notes", "host_link_source"):
         assert isinstance(spec[key], str) and spec[key].strip(), key
 
     aliases = spec["aliases"]
@@ -67,6 +69,11 @@ def test_spec_is_well_formed(path: Path):
     bandwidth = spec["memory_bandwidth_bytes_per_s"]
     assert _positive_number(bandwidth)
     assert 1e11 <= bandwidth <= 1e14, "bandwidth must be in bytes/s"
+
+    link = spec["host_link_bytes_per_s"]
+    assert _positive_number(link)
+    assert 1e10 <= link <= 1e12, "host link must be in bytes/s, one direction"
+    assert link < bandwidth, "the host link is slower than device memory"
 
     flops = spec["peak_flops"]
     assert isinstance(flops, dict) and set(flops) == PRECISIONS

@@ -124,6 +124,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.act import buckets
+from planner.act.offload import (BatchRecorder, HostMemoryError, HostStore, SyncPoint, _Group,
+                                 available_host_bytes, host_memory_fix, with_static_storages)
 from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import input_tensors, model_differences, plain_name
@@ -226,6 +228,30 @@ class CheckpointedForward:
                 now.restore()
 
         return run
+
+
+class OffloadedForward(CheckpointedForward):
+    """The instance-level ``forward`` of an offloaded module: its saved tensors go to host memory
+    (see NOTE [ Offloaded units ] in planner/act/offload.py). Nothing is recomputed."""
+
+    def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts, store: HostStore,
+                 sync: SyncPoint):
+        super().__init__(module, previous, counts, norms=[])
+        self.store, self.sync = store, sync
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.module, self.previous, self.counts, self.store, self.sync)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.inner(*args, **kwargs)  # nothing saved; or traced, where hooks do not run
+        self.counts.calls += 1
+        group = _Group(self.store)
+        with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
+            out = self.inner(*args, **kwargs)
+        if group.entries:
+            self.sync.waiting.append(group)
+        return out
 
 
 def _selective_contexts(saved: frozenset[tuple[str, int]], keeps_written: bool) -> tuple[Any, Any]:
@@ -397,6 +423,11 @@ class AppliedPlan:
     """Plan FQNs left alone, with the reason (already checkpointed by the user, not in the model)."""
     step_changes: list[StepChange] = field(default_factory=list)
     """What the plan changes in the training step (see NOTE [ Step changes ]), as its profile did."""
+    offloaded: list[str] = field(default_factory=list)
+    """FQNs of the modules whose saved tensors now go to host memory (the plan's ``offload``)."""
+    host_store: HostStore | None = None
+    """The host buffers of the offloaded tensors: ``.peak_bytes``, ``.live_bytes``, ``.reset_peak()``."""
+    _hooks: list[Any] = field(default_factory=list, repr=False)
     _forwards: dict[str, CheckpointedForward] = field(default_factory=dict, repr=False)
     _changes: Installed | None = field(default=None, repr=False)
     _active: bool = field(default=True, repr=False)
@@ -435,7 +466,7 @@ class AppliedPlan:
         if not self._active:
             return
         self._active = False
-        for hook in (self._guard_hook, self._twice_hook):
+        for hook in (self._guard_hook, self._twice_hook, *self._hooks):
             if hook is not None:
                 hook.remove()
         for name, fwd in self._forwards.items():
@@ -511,7 +542,11 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     _check_model(model)
     plans = buckets.bucket_plans(plan)  # see NOTE [ Bucketed plans ]; [plan] without buckets
     bucket_modes = [buckets.modes(p) for p in plans]
+    offloads = {u.fqn: u for u in plan.offload}  # never with buckets (the schema refuses both)
     wanted = list(dict.fromkeys(name for m in reversed(bucket_modes) for name in _check_antichain(list(m))))
+    if offloads:
+        wanted = _check_antichain([*wanted, *offloads])
+    _check_host_memory(plan)
     modules = _modules_by_plain_name(model)
     _check_fingerprint(buckets.matching(plans, inputs), model, inputs, [n for n in wanted if n not in modules],
                        strict=strict)
@@ -522,6 +557,7 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     changes = _step_changes(model, plan)
     handle = AppliedPlan(checkpointed=[], skipped=skipped, step_changes=changes)
     handle._changes = install(model, changes)  # before the checkpoints: they wrap it
+    syncs = _offload_store(model, plan, modules, handle) if offloads else {}
     seen: set[int] = set()
     for name in wanted:
         module = modules.get(name)
@@ -535,6 +571,13 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         if id(module) in seen:  # one module registered under two names: wrapped once
             continue
         seen.add(id(module))
+        if name in offloads:
+            fwd: CheckpointedForward = OffloadedForward(module, module.__dict__.get("forward"), RegionCounts(),
+                                                        handle.host_store, syncs[offloads[name].sync_fqn])
+            module.forward = fwd
+            handle._forwards[name] = fwd
+            handle.offloaded.append(name)
+            continue
         on, saved, keeps_written = bucket_modes[-1].get(name, buckets.OFF)  # the largest bucket's
         fwd = CheckpointedForward(module, module.__dict__.get("forward"), RegionCounts(), saved=saved,
                                   keeps_written=keeps_written)
@@ -631,6 +674,29 @@ def _listing(found: dict[str, str]) -> str:
         shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         parts.append(f"{how} on {shown}")
     return "; ".join(parts)
+
+
+def _check_host_memory(plan: Plan) -> None:
+    """An offload plan whose host store would not fit this machine's free memory: one line, the fix."""
+    need = plan.predicted.host_peak_bytes
+    have = available_host_bytes()
+    if plan.offload and need and have is not None and need > have:
+        raise HostMemoryError(host_memory_fix(need, have))
+
+
+def _offload_store(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
+                   handle: AppliedPlan) -> dict[str | None, SyncPoint]:
+    """The handle's host store, the root's batch hook, and one ``SyncPoint`` per ``sync_fqn``
+    (NOTE [ Offloaded units ], Rule 4); ``None`` is the root's forward end."""
+    store = handle.host_store = HostStore(with_static_storages(model))
+    handle._hooks.append(model.register_forward_pre_hook(BatchRecorder(store), with_kwargs=True))
+    syncs: dict[str | None, SyncPoint] = {}
+    for u in plan.offload:
+        if u.sync_fqn not in syncs:
+            syncs[u.sync_fqn] = SyncPoint(store)
+            target = modules.get(u.sync_fqn, model) if u.sync_fqn is not None else model
+            handle._hooks.append(target.register_forward_hook(syncs[u.sync_fqn]))
+    return syncs
 
 
 def _step_changes(model: nn.Module, plan: Plan) -> list[StepChange]:

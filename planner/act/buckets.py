@@ -19,7 +19,7 @@ from torch import nn
 
 from planner.errors import BadInput
 from planner.model.fingerprint import input_tensors
-from planner.model.schema import PLAN_SCHEMA_VERSION, Fingerprint, Plan, PlanBucket, TensorSig
+from planner.model.schema import BUCKETED_PLAN_VERSION, Fingerprint, Plan, PlanBucket, TensorSig
 
 # NOTE [ Bucketed plans ]
 #
@@ -72,7 +72,7 @@ def combine(plans: Sequence[Plan], shapes: Sequence[dict[str, int]] | None = Non
     buckets = [PlanBucket(inputs=p.fingerprint.inputs, shape=dict(s), checkpoints=p.checkpoints,
                           checkpoint_units=p.checkpoint_units, selective=p.selective, solver=p.solver,
                           predicted=p.predicted) for p, s in zip(plans, shapes)]
-    return plans[-1].model_copy(update={"buckets": buckets, "schema_version": PLAN_SCHEMA_VERSION})
+    return plans[-1].model_copy(update={"buckets": buckets, "schema_version": BUCKETED_PLAN_VERSION})
 
 
 def bucket_plans(plan: Plan) -> list[Plan]:

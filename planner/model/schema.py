@@ -27,13 +27,19 @@ from planner.sizes import MAX_SIZE_BYTES
 from solvers.contract import Sharding, Status
 
 PROFILE_SCHEMA_VERSION = 3
-PLAN_SCHEMA_VERSION = 4
+PLAN_SCHEMA_VERSION = 5
 """2 added ``recipe`` (``Recipe``); version-1 files load as the default recipe (their ``amp`` kept).
 3 added op records (``Profile.ops``) and ``Plan.selective`` (op-level checkpointing); older files
 load with none. 4 added ``Plan.buckets`` (one plan per input shape); a plan without buckets is
-still written as version 3, byte for byte as before (``SINGLE_SHAPE_PLAN_VERSION``)."""
+still written as version 3, byte for byte as before (``SINGLE_SHAPE_PLAN_VERSION``). 5 added
+``Plan.offload`` and the host fields (``host_budget_bytes``, ``predicted.host_peak_bytes`` and
+``offload_ms``), written only by a plan that offloads; every other plan keeps its version and bytes."""
 SINGLE_SHAPE_PLAN_VERSION = 3
 """The version a plan without buckets is written as: readers of version 3 read it unchanged."""
+BUCKETED_PLAN_VERSION = 4
+"""The version a bucketed plan is written as."""
+OFFLOAD_PLAN_VERSION = 5
+"""The version a plan that offloads is written as: older readers refuse it with one line (upgrade)."""
 
 ROOT_ID = "<root>"
 """Unit id of the model's root module call."""
@@ -502,6 +508,10 @@ class Predicted(_Model):
     peak_at: str = ""
     no_checkpoint_peak_bytes: Bytes | None = None
     min_feasible_bytes: Bytes | None = None
+    host_peak_bytes: Bytes | None = Field(None, description="Host memory the offloaded tensors take at their "
+                                                            "peak (written only when the plan offloads).")
+    offload_ms: Ms | None = Field(None, description="Copy time of the offloaded units not hidden behind "
+                                                    "compute, per step (written only when the plan offloads).")
     windows: dict[str, int] = Field(default_factory=dict,
                                     description="Predicted bytes of every forward and backward window, in forward "
                                                 "order ('forward of h.0', ...; see NOTE [ Peak-memory model ]): "
@@ -544,6 +554,28 @@ class PlanBucket(_Model):
     predicted: Predicted
 
 
+class OffloadedUnit(_Model):
+    """A module whose saved tensors go to host memory after its forward and come back for its backward
+    (NOTE [ Peak-memory model ], Rule 10, in solvers/cost_model.py)."""
+
+    fqn: str = Field(description="Module FQN; every call of it is offloaded.")
+    unit: str = Field(description="Unit id the solver chose (FQN, '#k' for the k-th call).")
+    host_bytes: Bytes = Field(description="Bytes of the distinct storages it saves, copied to host memory.")
+    d2h_ms: Ms = Field(description="Modelled device-to-host copy time of one call: host_bytes / host link.")
+    h2d_ms: Ms = Field(description="Modelled host-to-device copy time of one call.")
+    hidden_ms: Ms = Field(0.0, description="Compute the copies overlap: the next leaf's forward and backward "
+                                           "(0 without a copy engine, on the CPU).")
+    exposed_ms: Ms = Field(description="The part of both copies not hidden behind compute, charged to the "
+                                       "step (per step: all micro-batches).")
+    sync_fqn: str | None = Field(None, description="The module after this one whose forward end waits for its "
+                                                   "device-to-host copy and whose backward starts the prefetch "
+                                                   "back; None: the end of forward (CUDA only).")
+
+
+_NO_OFFLOAD = {"offload": True, "host_budget_bytes": True, "predicted": {"host_peak_bytes": True, "offload_ms": True}}
+"""Plan keys written only when a plan offloads, so that plans without offload are byte for byte as before."""
+
+
 class Plan(_Model):
     """A checkpoint plan: which module calls to checkpoint, for which model, and what it costs.
 
@@ -564,6 +596,11 @@ class Plan(_Model):
                                         description="Unit ids (FQN, '#k' for k-th call) the solver chose.")
     selective: list[SelectiveRegion] = Field(default_factory=list,
                                              description="Modules checkpointed op by op (schema version 2).")
+    offload: list[OffloadedUnit] = Field(default_factory=list,
+                                         description="Modules whose saved tensors are moved to host memory "
+                                                     "(written only when not empty).")
+    host_budget_bytes: Bytes | None = Field(None, description="Host memory the plan may use for offloaded "
+                                                              "tensors (written only when the plan offloads).")
     solver: SolverInfo
     predicted: Predicted
     granularity: int = 0
@@ -613,7 +650,12 @@ class Plan(_Model):
         return atomic_write_text(path, self.to_json())
 
     def to_json(self) -> str:
-        return self.model_dump_json(indent=2, exclude=None if self.buckets else {"buckets"}) + "\n"
+        exclude: dict[str, Any] = {} if self.offload else dict(_NO_OFFLOAD)
+        if not self.buckets:
+            exclude["buckets"] = True
+        elif not self.offload:
+            exclude["buckets"] = {"__all__": {"predicted": _NO_OFFLOAD["predicted"]}}
+        return self.model_dump_json(indent=2, exclude=exclude or None) + "\n"
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -672,7 +714,14 @@ def _check_plan(plan: Plan) -> None:
     if plan.world_size > 1 and plan.sharding == "none":
         raise _bad("world_size", f"{plan.world_size} ranks need sharding 'ddp' or 'fsdp', the plan says 'none'")
     modules = {*plan.fingerprint.modules, ""}  # '' is the root, which named_modules lists first
-    for field, names in (("checkpoints", plan.checkpoints), ("selective", [r.fqn for r in plan.selective])):
+    if pr.host_peak_bytes is not None and plan.host_budget_bytes is not None \
+            and pr.host_peak_bytes > plan.host_budget_bytes:
+        raise _bad("predicted.host_peak_bytes", f"{pr.host_peak_bytes} exceeds host_budget_bytes "
+                                                f"{plan.host_budget_bytes}")
+    if plan.offload and plan.buckets:
+        raise _bad("offload", "a bucketed plan cannot offload (one input shape per offload plan)")
+    for field, names in (("checkpoints", plan.checkpoints), ("selective", [r.fqn for r in plan.selective]),
+                         ("offload", [u.fqn for u in plan.offload])):
         for i, name in enumerate(names):
             if name not in modules:
                 raise _bad(f"{field}.{i}", f"module {name!r} is not in the model (fingerprint.modules)")

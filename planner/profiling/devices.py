@@ -44,6 +44,11 @@ class DeviceSpec(BaseModel):
     aliases: list[str] = Field(default_factory=list, description="Other accepted names, lower-case.")
     memory_bytes: int = Field(description="Nominal device memory in bytes.")
     memory_bandwidth_bytes_per_s: float
+    host_link_bytes_per_s: float | None = Field(
+        None, gt=0, description="Bytes/s one way between device and host memory (PCIe, NVLink-C2C), nominal; "
+                                "the copy time of offloaded activations (NOTE [ Peak-memory model ], offload). "
+                                "None: unknown, and remat plans no offload for the device.")
+    host_link_source: str = Field("", description="Where host_link_bytes_per_s comes from.")
     peak_flops: PeakFlops
     source: str = Field(description="Where the figures come from.")
     notes: str = ""
