@@ -29,6 +29,13 @@ reports the other):
    unplanned peak against the measured one, whether the plan at the budget of step 1 is the same,
    and that plan verified (predicted vs measured peak).
 
+4. offload (NOTE [ Peak-memory model ], Rule 10; NOTE [ Offloaded units ]): the pinned copy's
+   bandwidth the profile measured against the spec's host_link_bytes_per_s; how much of a side-stream
+   copy hides behind a matmul loop on the compute stream (copy alone, compute alone, both); and a
+   ``--offload`` plan at 95% of every layer's predicted peak, verified: device peak and host peak
+   against the prediction, measured overhead (planned minus unplanned step) against the modelled
+   exposed copy time.
+
 Without CUDA it prints "no CUDA device: skipping" and exits 0. Exit 1 when a model failed.
 """
 
@@ -153,6 +160,60 @@ def check_model(name: str, *, device: str, target: str, pairs: list[tuple[Profil
     return out
 
 
+def overlap_check(nbytes: int = 256 << 20, matmuls: int = 40) -> dict[str, Any]:
+    """Step 4: a device-to-host copy on a side stream beside a matmul loop on the compute stream, as the
+    applier runs them (NOTE [ Offloaded units ], Rule 4): each alone and both at once, in ms."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    side = torch.cuda.Stream()
+
+    def timed(copy: bool, compute: bool) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if copy:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+        if compute:
+            for _ in range(matmuls):
+                a @ a
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    timed(True, True)  # warm-up
+    copy_ms, compute_ms, both_ms = (min(timed(c, k) for _ in range(3)) for c, k in ((1, 0), (0, 1), (1, 1)))
+    hidden = max(0.0, copy_ms + compute_ms - both_ms)
+    return {"copy_ms": copy_ms, "compute_ms": compute_ms, "both_ms": both_ms,
+            "hidden_share": hidden / copy_ms if copy_ms else None, "copy_bytes_per_s": nbytes / copy_ms * 1e3}
+
+
+def offload_check(name: str, *, device: str, target: str) -> dict[str, Any]:
+    """Step 4: the measured host link against the spec's, and an offload plan verified on CUDA."""
+    from solvers.baselines import indexed_blocks
+    from planner.profiling.devices import get_device
+
+    path = ROOT / "examples" / f"{name}.py"
+    mf = load_model_file(path)
+    measured = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=device, steps=STEPS)
+    g = graph_for(measured, selective=False)
+    budget = int(0.95 * simulate(g, indexed_blocks(g)).peak_bytes)  # below every layer's peak
+    plan = plan_from_profile(measured, budget, offload=True, host_memory="16GB")
+    report = verify(path, plan, steps=STEPS, device=device)
+    spec = get_device(target)
+    return {
+        "host_link_measured_bytes_per_s": measured.host_link_bytes_per_s,
+        "host_link_spec_bytes_per_s": spec.host_link_bytes_per_s,
+        "budget_bytes": budget, "offloaded": [u.fqn for u in plan.offload], "checkpoints": plan.checkpoints,
+        "predicted_peak_bytes": report.predicted_peak_bytes, "measured_peak_bytes": report.measured_peak_bytes,
+        "predicted_host_peak_bytes": report.predicted_host_peak_bytes,
+        "measured_host_peak_bytes": report.measured_host_peak_bytes,
+        "predicted_overhead_ms": report.predicted_recompute_ms + report.predicted_offload_ms,
+        "measured_overhead_ms": report.measured_recompute_ms, "max_grad_diff": report.max_grad_diff,
+        "ok": report.ok, "problems": report.problems,
+    }
+
+
 def memory_safe_check(path: Path, mf: Any, measured: Profile, plan: Any, *, device: str) -> dict[str, Any]:
     """Step 3 of the module docstring: the memory-safe profile on CUDA, by prediction and by OOM."""
     from planner.profiling.memsafe import profile_within
@@ -270,15 +331,26 @@ def main() -> int:
             print(results[name]["traceback"], file=sys.stderr)
         torch.cuda.empty_cache()
     print_tables(results, target)
+    results["offload"] = {"overlap": overlap_check()}
+    for name in MODELS:
+        try:
+            results["offload"][name] = offload_check(name, device="cuda", target=target)
+        except Exception as e:  # noqa: BLE001 -- report it and go on
+            results["offload"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print(results["offload"][name]["traceback"], file=sys.stderr)
+        torch.cuda.empty_cache()
+    print("offload:", json.dumps(results["offload"], indent=1, default=str))
     out = os.environ.get("OUT")
     if pairs:
-        write_calibration(pairs, gpu, [n for n in MODELS if "error" not in results[n]], out)
+        write_calibration(pairs, gpu, [n for n in MODELS if "error" not in results.get(n, {"error": 1})], out)
     if out:
         doc = {"gpu": gpu, "target": target, "torch": torch.__version__, "host": platform.node(), "models": results}
         path = Path(out) / "gpu_check.json"
         path.write_text(json.dumps(doc, indent=1, default=str))
         print(f"wrote {path}")
-    return 1 if any("error" in r for r in results.values()) else 0
+    failed = [r for k, r in results.items() if k != "offload" and "error" in r]
+    failed += [r for k, r in results["offload"].items() if k != "overlap" and "error" in r]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -29,8 +29,13 @@ from solvers.errors import SolverError
 from solvers.ilp import solve as solve_ilp
 
 
-def solve_auto(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None, **kw: object) -> Solution:
-    """Least-recompute plan within ``budget_bytes``, by the DP or the ILP (see module docstring)."""
+def solve_auto(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None,
+               host_budget_bytes: int | None = None, **kw: object) -> Solution:
+    """Least-recompute plan within ``budget_bytes``, by the DP or the ILP (see module docstring);
+    with ``host_budget_bytes`` (offload allowed) the ILP, as the DP has no offload choice."""
+    if host_budget_bytes is not None:
+        return _labelled(solve_ilp(g, budget_bytes, time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes,
+                                   **kw), "ilp: offload is on (the DP has no offload choice)")
     nested = any(not a["leaf"] for _, a in g.nodes(data=True))
     many_tied = len(tie_groups(g)) > MAX_TIED_GROUPS
     if not nested and not many_tied and chain_terms(g).exact:

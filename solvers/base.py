@@ -29,6 +29,11 @@ class Solution:
     selective: dict[str, int] = field(default_factory=dict)
     """Selective regions: node id -> index into its ``menu`` (op-level policies)."""
     stopped: StopReason = "finished"
+    offloaded: tuple[str, ...] = ()
+    """Offloaded units, forward order (NOTE [ Peak-memory model ], Rule 10)."""
+    offload_ms: float = 0.0
+    """Their exposed copy time per step; the solvers minimise recompute_ms + offload_ms."""
+    host_peak_bytes: int = 0
 
 
 def top_level(g: nx.DiGraph) -> list[str]:
@@ -38,7 +43,8 @@ def top_level(g: nx.DiGraph) -> list[str]:
 
 def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, seconds: float,
            *, status_if_fits: Status = "feasible", detail: str = "",
-           selective: dict[str, int] | None = None) -> Solution:
+           selective: dict[str, int] | None = None, offloaded: Iterable[str] = (),
+           host_budget_bytes: int | None = None) -> Solution:
     """A ``Solution`` for ``chosen`` (and ``selective`` regions) as ``simulate`` sees it:
     infeasible when over budget.
 
@@ -46,10 +52,11 @@ def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, s
     the applier would run. The exact solvers choose tied sets themselves; for the heuristics,
     which pick calls by position, this is their plan as it would train.
     """
-    est = simulate(g, close_ties(g, chosen), selective)
-    fits = est.peak_bytes <= budget_bytes
+    est = simulate(g, close_ties(g, chosen), selective, offloaded)
+    fits = est.peak_bytes <= budget_bytes and (host_budget_bytes is None or est.host_peak_bytes <= host_budget_bytes)
     return Solution(
         solver=name, checkpointed=tuple(est.checkpointed), status=status_if_fits if fits else "infeasible",
         seconds=seconds, peak_bytes=est.peak_bytes, recompute_ms=est.recompute_ms, detail=detail,
-        selective=dict(est.selective),
+        selective=dict(est.selective), offloaded=tuple(est.offloaded), offload_ms=est.offload_ms,
+        host_peak_bytes=est.host_peak_bytes,
     )

@@ -47,45 +47,60 @@ class Estimate(BaseModel):
                                                "tensors, gradients of activations, temporaries.")
     peak_at: str = Field(description="Where the peak happens, e.g. 'backward of h.3' or 'optimizer step'.")
     recompute_ms: float
-    step_ms: float = Field(description="Profiled step time plus recompute_ms.")
+    step_ms: float = Field(description="Profiled step time plus recompute_ms and offload_ms.")
+    offloaded: list[str] = Field(default_factory=list, description="Offloaded units (Rule 10), forward order.")
+    offload_ms: float = Field(0.0, description="Copy time of the offloaded units not hidden behind compute, "
+                                               "per step (Rule 10).")
+    host_peak_bytes: int = Field(0, description="Host memory the offloaded tensors take at their peak (Rule 10).")
+
+    @property
+    def overhead_ms(self) -> float:
+        """What the plan adds to the step: recompute and exposed copies (the solvers' objective)."""
+        return self.recompute_ms + self.offload_ms
 
 
-def simulate(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[str, int] | None = None) -> Estimate:
+def simulate(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[str, int] | None = None,
+             offloaded: Iterable[str] = ()) -> Estimate:
     """Predict peak memory (with breakdown) and recompute time of one training step.
 
     ``checkpointed`` is a set of graph node ids (an antichain of the module tree); ``selective``
-    maps further nodes to an index into their ``menu`` (op-level policies, Rule 9).
+    maps further nodes to an index into their ``menu`` (op-level policies, Rule 9); ``offloaded``
+    units move their saved tensors to host memory (Rule 10).
     See NOTE [ Peak-memory model ] for the semantics.
     Cost: O(S log S + n * s) for S saves, n leaves and s saves per checkpointed unit.
     """
-    regions = check_checkpoint_set(g, checkpointed, selective)
+    off = frozenset(offloaded)
+    regions = check_checkpoint_set(g, checkpointed, selective, off)
     policies = policies_of(g, selective)
     full = regions - set(policies)
     model = CostModel.of(g)
-    name, peak, grads, extra = max(model.probes(regions, policies), key=lambda p: p[1])
+    name, peak, grads, extra = max(model.probes(regions, policies, off), key=lambda p: p[1])
     params = model.rank.params_bytes + extra  # extra: FSDP's unsharded parameters at that point
     opt = model.rank.optimizer_bytes
     recompute_ms = g.graph.get("micro_batches", 1) * (sum(g.nodes[c]["forward_ms"] for c in full)
                                                        + sum(pol.recompute_ms for pol in policies.values()))
+    offload_ms = sum(model.exposed_ms(u) for u in sorted(off, key=lambda n: g.nodes[n]["order"]))
+    by_order = lambda ns: sorted(ns, key=lambda n: g.nodes[n]["order"])  # noqa: E731
     return Estimate(
-        checkpointed=sorted(full, key=lambda n: g.nodes[n]["order"]),
+        checkpointed=by_order(full),
         selective={n: int(k) for n, k in sorted((selective or {}).items(), key=lambda kv: g.nodes[kv[0]]["order"])},
         peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=opt,
         activations_bytes=peak - params - grads - opt, peak_at=name,
-        recompute_ms=recompute_ms, step_ms=g.graph["step_ms"] + recompute_ms,
+        recompute_ms=recompute_ms, step_ms=g.graph["step_ms"] + recompute_ms + offload_ms,
+        offloaded=by_order(off), offload_ms=offload_ms, host_peak_bytes=model.host_bytes(off),
     )
 
 
 def window_bytes(g: nx.DiGraph, checkpointed: Iterable[str], *, calibrated: bool = True,
-                 selective: Mapping[str, int] | None = None) -> dict[str, int]:
+                 selective: Mapping[str, int] | None = None, offloaded: Iterable[str] = ()) -> dict[str, int]:
     """The model's bytes at every probe of the NOTE, by name ('forward of h.0', 'optimizer step', ...).
 
     ``calibrated=False`` leaves out the temporaries T: what is live at the end of each window.
     ``verify`` and the validation step compare these with measurements, window by window.
     """
     model = CostModel.of(g) if calibrated else CostModel.build(g, calibrated=False)
-    regions = check_checkpoint_set(g, checkpointed, selective)
-    return {name: total for name, total, _, _ in model.probes(regions, policies_of(g, selective))}
+    regions = check_checkpoint_set(g, checkpointed, selective, offloaded)
+    return {name: total for name, total, _, _ in model.probes(regions, policies_of(g, selective), frozenset(offloaded))}
 
 
 def policies_of(g: nx.DiGraph, selective: Mapping[str, int] | None) -> dict[str, Any]:
@@ -117,13 +132,29 @@ def calibrate(g: nx.DiGraph) -> None:
 
 
 def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str],
-                         selective: Mapping[str, int] | None = None) -> frozenset[str]:
+                         selective: Mapping[str, int] | None = None,
+                         offloaded: Iterable[str] = ()) -> frozenset[str]:
     """Validate a checkpoint choice: known node ids, no node together with an ancestor, and
     every call of a module or none of them (see NOTE [ Tied calls ]). ``selective`` maps further
     nodes to an index into their ``menu`` (NOTE [ Peak-memory model ], Rule 9); they are regions
-    too. Returns all regions."""
+    too. ``offloaded`` units (Rule 10) are no regions, but join the antichain; tied calls are never
+    offloaded. Returns all regions."""
     full = frozenset(checkpointed)
-    chosen = full | frozenset(selective or ())
+    regions = full | frozenset(selective or ())
+    off = frozenset(offloaded)
+    both = sorted(off & regions)
+    if both:
+        raise SolverError(f"{both[0]!r} is both offloaded and checkpointed; choose one")
+    tied = sorted(off & {n for group in tie_groups(g) for n in group})
+    if tied:
+        raise SolverError(f"cannot offload {tied[0]!r}: its module is called more than once in the step")
+    _check_antichain(g, full, selective, regions | off)
+    return regions
+
+
+def _check_antichain(g: nx.DiGraph, full: frozenset[str], selective: Mapping[str, int] | None,
+                     chosen: frozenset[str]) -> None:
+    """Known node ids, policies in range, no node with an ancestor in ``chosen``, ties whole."""
     for n, k in (selective or {}).items():
         if n in full:
             raise SolverError(f"{n!r} is both checkpointed and selective; choose one")
@@ -143,7 +174,6 @@ def check_checkpoint_set(g: nx.DiGraph, checkpointed: Iterable[str],
             inside = next(n for n in group if n in chosen)
             raise SolverError(f"cannot checkpoint {inside!r} without {split[0]!r}: both are calls of module "
                               f"{g.nodes[inside]['fqn']!r}, and checkpointing a module covers all its calls")
-    return chosen
 
 
 ALIVE_SEQ = 1 << 62
@@ -253,6 +283,36 @@ used there, and a tensor never held is held from there."""
 #     dispatch cost of selective checkpointing (NOTE [ Selective dispatch cost ]).
 # Full checkpointing is the policy that keeps nothing. A checkpoint set with policies is a pair
 # (C, P): P maps some members of C to an index into their ``menu``.
+#
+# Rule 10. Offloaded units (NOTE [ Offloaded units ] in planner/act/offload.py says how the applier
+# does it). A candidate u may instead be offloaded: its saved tensors go to host memory after they
+# are saved and come back for its backward. The set O of offloaded units is disjoint from C, and
+# C u O keeps the antichain and tie rules (tied calls are never offloaded, as they have no menu).
+# For u in O, with S(u, p) the bytes of the distinct storages saved inside u at or before p and
+# S_u = S(u, end(u)):
+#   - its save events are dropped, as a region's are; its inputs are not held (nothing replays u);
+#   - device, backward: at the backward of window i inside u, S(u, end(l_i)) is on the device
+#     again (the restore, like R_i: every storage of u comes back on u's first unpack and is
+#     freed as backward passes its save); a storage u saves that is also held elsewhere is
+#     counted twice, as the restore makes a second copy; no recompute probe;
+#   - device, in transfer (graph "copy_engine", a CUDA device): u's copies run on a copy engine,
+#     so S_u stays on the device at every forward probe from u's first leaf through its sync
+#     leaf s(u), the leaf after u's last (whose forward end waits for the copy), or the end of
+#     forward when u holds the last leaf; and the prefetch puts S_u on the device at the backward
+#     of s(u) (or the start of backward). S_u is counted there even where part of it is held or
+#     in flight anyway: an over-count, on the safe side, and linear in the choice. Without a copy
+#     engine (the CPU) the copy is a memcpy on the compute thread: nothing stays in transfer;
+#   - time: each copy takes S_u / host_link_bytes_per_s one way. With a copy engine the device-to-
+#     host copy hides behind s(u)'s forward and the host-to-device copy behind its backward:
+#     exposed(u) = max(0, copy - forward_ms(s(u))) + max(0, copy - backward_ms(s(u))) (none after
+#     the last leaf). Copies queue on one engine per direction, but each unit's copy starts by the
+#     end of u (the previous unit's copy was waited for by then, at its own sync leaf), so summing
+#     exposed(u) over O bounds the step's exposed time from above. Without a copy engine both
+#     copies are exposed: 2 * copy. The step's offload_ms is the sum, times the micro-batches;
+#   - host: each offloaded unit copies its own storages (a storage two units save is copied by
+#     each, and each restores its own copy), on the host from the copy until the restore; all of
+#     them at the end of forward: host peak = sum of S_u over O (pinned buffers on CUDA, numpy
+#     buffers on the CPU: host memory either way), at most the host budget.
 #
 # Not modelled: allocations too brief to leave a window; the planner's headroom
 # (planner.act.api.DEFAULT_HEADROOM) covers them. Per-rank memory: NOTE [ Per-rank memory ].
@@ -411,6 +471,63 @@ class CostModel:
                 if (lo_seq <= created.get(t, -1) <= hi_seq or t in casts) and t not in kept}
         return sum(self.tensor_bytes[t] for t in seen)
 
+    def restored_bytes(self, u: str, upto_seq: int) -> int:
+        """S(u, p) of Rule 10: bytes of the distinct storages saved inside ``u`` at or before ``upto_seq``
+        (what an offloaded ``u`` brings back to the device for its backward, not yet passed)."""
+        a = self.graph.nodes[u]
+        lo = bisect.bisect_left(self.save_seqs, a["fwd_start_seq"])
+        hi = bisect.bisect_right(self.save_seqs, min(a["fwd_end_seq"], upto_seq))
+        return sum(self.tensor_bytes[t] for t in {t for _, t, _ in self.saves[lo:hi]})
+
+    def offload_bytes(self, u: str) -> int:
+        """S_u of Rule 10: what offloading ``u`` copies to host memory and back."""
+        return self.restored_bytes(u, self.graph.nodes[u]["fwd_end_seq"])
+
+    def sync_leaf(self, u: str) -> int:
+        """s(u) of Rule 10: the index of the leaf after ``u``'s last (``len(leaves)``: the end of forward)."""
+        return max(self.node_leaves[u], default=-1) + 1
+
+    def in_transfer(self, offloaded: frozenset[str]) -> tuple[dict[int, int], dict[int, int]]:
+        """Rule 10, in transfer (a copy engine only): bytes on the device at each forward probe (by leaf
+        index, ``len(leaves)`` for the end of forward) and at each backward probe (the prefetch)."""
+        fwd: dict[int, int] = {}
+        bwd: dict[int, int] = {}
+        if not offloaded or not self.graph.graph.get("copy_engine", False):
+            return fwd, bwd
+        for u in offloaded:
+            b, s = self.offload_bytes(u), self.sync_leaf(u)
+            for i in range(min(self.node_leaves[u], default=s), s + 1):
+                fwd[i] = fwd.get(i, 0) + b
+            bwd[s] = bwd.get(s, 0) + b
+        return fwd, bwd
+
+    def copy_ms(self, u: str) -> float:
+        """One way's copy time of offloaded ``u`` over the host link (Rule 10), one micro-batch."""
+        link = self.graph.graph.get("host_link_bytes_per_s")
+        if not link:
+            raise SolverError("this profile has no host link bandwidth, so offloading cannot be timed; "
+                              "plan without offload, or re-profile (remat profile records it)")
+        return self.offload_bytes(u) / link * 1e3
+
+    def hidden_ms(self, u: str) -> tuple[float, float]:
+        """(forward, backward) compute the copies of offloaded ``u`` hide behind: its sync leaf's; none
+        without a copy engine or after the last leaf (Rule 10)."""
+        s = self.sync_leaf(u)
+        if not self.graph.graph.get("copy_engine", False) or s >= len(self.leaves):
+            return 0.0, 0.0
+        a = self.graph.nodes[self.leaves[s]]
+        return a["forward_ms"], a["backward_ms"]
+
+    def exposed_ms(self, u: str) -> float:
+        """exposed(u) of Rule 10, per step (all micro-batches): the copies' time not hidden behind compute."""
+        copy = self.copy_ms(u)
+        fwd, bwd = self.hidden_ms(u)
+        return self.graph.graph.get("micro_batches", 1) * (max(0.0, copy - fwd) + max(0.0, copy - bwd))
+
+    def host_bytes(self, offloaded: Iterable[str]) -> int:
+        """Host peak of Rule 10: the sum of S_u over the offloaded units."""
+        return sum(self.offload_bytes(u) for u in offloaded)
+
     def replay_in_flight(self, c: str) -> int:
         """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradient
         of c's outputs (backward has reached c) and c's outputs, which the replay re-creates unless c
@@ -426,16 +543,19 @@ class CostModel:
         return sum(self.tensor_bytes[t] for c, t in self.casts
                    if c <= seq and pos.get(t, ALIVE_SEQ + 1) > seq and t not in counted)
 
-    def holdings(self, chosen: frozenset[str], policies: Mapping[str, Any] | None = None) -> dict[int, int]:
+    def holdings(self, chosen: frozenset[str], policies: Mapping[str, Any] | None = None,
+                 offloaded: frozenset[str] = frozenset()) -> dict[int, int]:
         """tensor -> earliest holding position p(t), for the held tensors (see NOTE); ``chosen``
-        are all regions, ``policies`` the selective ones' (Rule 9)."""
+        are all regions, ``policies`` the selective ones' (Rule 9), ``offloaded`` the units whose
+        saves go to host memory (Rule 10)."""
         pos: dict[int, int] = {}
         for pol in (policies or {}).values():
             for seq, t in pol.cached:
                 if seq < pos.get(t, 1 << 62):
                     pos[t] = seq
+        dropping = chosen | offloaded
         for seq, t, containers in self.saves:
-            if chosen and any(c in chosen for c in containers):
+            if dropping and any(c in dropping for c in containers):
                 continue
             if seq < pos.get(t, 1 << 62):
                 pos[t] = seq
@@ -446,14 +566,16 @@ class CostModel:
                     pos[t] = start
         return pos
 
-    def probes(self, chosen: frozenset[str],
-               policies: Mapping[str, Any] | None = None) -> Iterator[tuple[str, int, int, int]]:
+    def probes(self, chosen: frozenset[str], policies: Mapping[str, Any] | None = None,
+               offloaded: frozenset[str] = frozenset()) -> Iterator[tuple[str, int, int, int]]:
         """(name, total_bytes, grads_bytes, extra_params_bytes) for every probe of the NOTE;
-        ``chosen`` are all regions, ``policies`` the selective ones' (``policies_of``, Rule 9)."""
+        ``chosen`` are all regions, ``policies`` the selective ones' (``policies_of``, Rule 9),
+        ``offloaded`` the offloaded units (Rule 10)."""
         g, rk, tb = self.graph, self.rank, self.tensor_bytes
         policies = policies or {}
         kept = {c: pol.cached_ids for c, pol in policies.items()}
-        pos = self.holdings(chosen, policies)
+        pos = self.holdings(chosen, policies, offloaded)
+        fwd_copy, bwd_copy = self.in_transfer(offloaded)
         held = sorted((p, tb[t]) for t, p in pos.items())
         held_pos = [p for p, _ in held]
         prefix = [0]
@@ -464,17 +586,19 @@ class CostModel:
             return prefix[bisect.bisect_right(held_pos, seq)]
 
         fwd_p, fwd_g = rk.fwd_extra
-        owner = {i: c for c in chosen for i in self.node_leaves[c]}
+        owner = {i: c for c in chosen | offloaded for i in self.node_leaves[c]}
         prev_end = -1
         for i, (leaf, end) in enumerate(zip(self.leaves, self.leaf_end_seq)):
             in_flight_ids = g.nodes[leaf]["in_flight_ids"]
             h = held_upto(end)
             out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, 1 << 62) > end)
-            out_extra += self.cached_casts(pos, end, in_flight_ids)
+            out_extra += self.cached_casts(pos, end, in_flight_ids) + fwd_copy.get(i, 0)
             yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
             _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
-            rec = self.recomputed_bytes(owner[i], end, kept.get(owner[i], frozenset())) if i in owner else 0
-            yield f"backward of {leaf}", self.backward_base_bytes[i] + h + rec, grads, extra
+            c = owner.get(i)
+            rec = (0 if c is None else self.restored_bytes(c, end) if c in offloaded
+                   else self.recomputed_bytes(c, end, kept.get(c, frozenset())))
+            yield f"backward of {leaf}", self.backward_base_bytes[i] + h + rec + bwd_copy.get(i, 0), grads, extra
             prev_end = end
         for c in sorted(chosen, key=lambda n: g.nodes[n]["order"]):  # ties resolve the same way every run
             end = g.nodes[c]["fwd_end_seq"]
@@ -483,10 +607,11 @@ class CostModel:
                      + self.replay_in_flight(c)
                      + self.recompute_transient_bytes(c))
             yield f"recompute of {c}", total, grads, extra
-        h_all = prefix[-1]
-        yield "end of forward", self.tail_forward_base_bytes + h_all + self.cached_casts(pos, ALIVE_SEQ), fwd_g, fwd_p
+        h_all, n = prefix[-1], len(self.leaves)
+        yield ("end of forward", self.tail_forward_base_bytes + h_all + self.cached_casts(pos, ALIVE_SEQ)
+               + fwd_copy.get(n, 0), fwd_g, fwd_p)
         _, grads, extra = self.backward_static(prev_end, ALIVE_SEQ)
-        yield "start of backward", self.tail_backward_base_bytes + h_all, grads, extra
+        yield "start of backward", self.tail_backward_base_bytes + h_all + bwd_copy.get(n, 0), grads, extra
         all_grads = -(-g.graph["grads_bytes"] // rk.grad_divisor)
         ddp_buckets = fwd_g if g.graph.get("sharding") == "ddp" else 0
         yield "optimizer step", rk.opt_static_bytes, all_grads + ddp_buckets, 0

@@ -44,8 +44,11 @@ MAX_TIED_GROUPS = 8
 assignment of their bits, 2^k runs. Beyond this ``auto`` uses the ILP and ``dp`` refuses."""
 
 
-def solve(g: nx.DiGraph, budget_bytes: int, *, max_states: int = 1 << 16, **_: object) -> Solution:
+def solve(g: nx.DiGraph, budget_bytes: int, *, max_states: int = 1 << 16, host_budget_bytes: int | None = None,
+          **_: object) -> Solution:
     """Least-recompute checkpoint set of a chain graph that fits ``budget_bytes``."""
+    if host_budget_bytes is not None:
+        raise SolverError("the DP has no offload choice: plan offload with the ilp or auto solver")
     t0 = time.perf_counter()
     terms = chain_terms(g)
     runs = tied_assignments(g, terms)

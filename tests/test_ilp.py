@@ -196,7 +196,7 @@ def test_over_budget_plan_is_loud(monkeypatch):
     budget = (lo + hi) // 2
     real = simulate
     # only the final judgement (solvers.base.judged) sees 1 GiB more: the found plan is "over"
-    monkeypatch.setattr("solvers.base.simulate", lambda g_, c, sel=None: _shifted(real(g_, c, sel)))
+    monkeypatch.setattr("solvers.base.simulate", lambda g_, c, sel=None, off=(): _shifted(real(g_, c, sel, off)))
     with pytest.warns(RuntimeWarning, match="over budget under simulate"):
         sol = ilp_mod.solve(g, budget)
     assert sol.status == "infeasible" and "BUG" in sol.detail

@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import networkx as nx
 
-from solvers.cost_model import simulate, tie_groups, window_bytes
+from solvers.cost_model import CostModel, simulate, tie_groups, window_bytes
 from solvers.dp import min_feasible_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
-from planner.model.schema import LOSS_ID, ROOT_ID, OpRef, Plan, Predicted, Profile, Recipe, RunStamp, SelectiveRegion, SolverInfo, now_iso
+from planner.model.schema import (LOSS_ID, OFFLOAD_PLAN_VERSION, ROOT_ID, OffloadedUnit, OpRef, Plan, Predicted,
+                                  Profile, Recipe, RunStamp, SelectiveRegion, SolverInfo, now_iso)
 from planner.options import parse_sharding
 from planner.sizes import format_bytes, parse_bytes
 
@@ -98,11 +99,21 @@ def check_ranks(world_size: int, sharding: str) -> None:
                        options=("sharding",))
 
 
+OFFLOAD_SOLVERS = ("auto", "ilp")
+"""Solvers that choose offload as a third option (NOTE [ ILP formulation ], Rule 8)."""
+
+
 def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
-                time_limit_s: float | None = None):
-    """Run one solver by name; returns a ``solvers.Solution``."""
+                time_limit_s: float | None = None, host_budget_bytes: int | None = None):
+    """Run one solver by name; returns a ``solvers.Solution``. ``host_budget_bytes``: offload allowed
+    within it (``OFFLOAD_SOLVERS`` only)."""
     from solvers import SOLVERS
 
+    if host_budget_bytes is not None:
+        if solver not in OFFLOAD_SOLVERS:
+            raise BadInput(f"solver {solver!r} has no offload choice: use {{solver}} auto or ilp with {{offload}}",
+                           options=("solver", "offload"))
+        return SOLVERS["ilp"](g, budget_bytes, time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes)
     name = solver
     if name == "auto" and "auto" not in SOLVERS:
         name = "dp"
@@ -119,25 +130,66 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
     return sol
 
 
+def resolve_host_budget(profile: Profile, offload: bool, host_memory: int | str | None) -> int | None:
+    """The host budget of an offload plan (None: no offload), or ``BadInput`` naming the fix.
+
+    Default: ``HOST_MEMORY_FRACTION`` of this machine's available memory for a measured profile; a
+    meta profile plans for another machine, so it needs ``host_memory``.
+    """
+    from planner.profiling.devices import HOST_MEMORY_FRACTION, available_host_bytes
+
+    if not offload:
+        if host_memory is not None:
+            raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
+                           options=("host_memory", "offload"))
+        return None
+    if not profile.host_link_bytes_per_s:
+        where = f"device spec {profile.target!r}" if profile.device == "meta" else "this profile"
+        raise BadInput(f"{{offload}} needs the bandwidth between device and host memory, and {where} has none: "
+                       f"re-profile with this remat (it measures it), or use a device spec with "
+                       f"host_link_bytes_per_s (remat devices)", options=("offload",))
+    if host_memory is not None:
+        try:
+            host = parse_bytes(host_memory)
+        except BadInput as e:
+            raise BadInput(f"{{host_memory}}: {e}", options=("host_memory",)) from None
+        if host <= 0:
+            raise BadInput(f"{{host_memory}} must be positive, got {host_memory!r}", options=("host_memory",))
+        return host
+    if profile.device == "meta":
+        raise BadInput("{offload} on a meta profile needs {host_memory} SIZE: the host memory of the machine that "
+                       "will train, not this one's", options=("host_memory", "offload"))
+    free = available_host_bytes()
+    if free is None:
+        raise BadInput("cannot read this machine's available memory: give {host_memory} SIZE with {offload}",
+                       options=("host_memory", "offload"))
+    return int(free * HOST_MEMORY_FRACTION)
+
+
 def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "auto", granularity: int = 0,
                       time_limit_s: float | None = 60.0, world_size: int = 1, sharding: str = "none",
                       headroom: float | None = None, graph: nx.DiGraph | None = None,
-                      selective: bool = True) -> Plan:
+                      selective: bool = True, offload: bool = False,
+                      host_memory: int | str | None = None) -> Plan:
     """Plan on a measured profile. Raises ``BudgetInfeasible`` when nothing fits ``budget``.
 
     ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]).
     The solver plans for ``budget * (1 - headroom)``; None: ``headroom_for(profile)`` (NOTE [ Headroom
-    from evidence ]).
+    from evidence ]). ``offload``: each unit may also move its saved tensors to host memory, within
+    ``host_memory`` (default: ``resolve_host_budget``; NOTE [ Peak-memory model ], Rule 10).
     """
     budget_bytes = parse_bytes(budget)
+    host_budget = resolve_host_budget(profile, offload, host_memory)
     if headroom is None:
         headroom = headroom_for(profile)
     usable, headroom_bytes = usable_budget(budget_bytes, headroom)
     g = graph if graph is not None else graph_for(profile, solver=solver, granularity=granularity,
                                                   world_size=world_size, sharding=sharding, selective=selective)
     t0 = time.perf_counter()
-    sol = solve_graph(g, usable, solver=solver, time_limit_s=time_limit_s)
+    sol = solve_graph(g, usable, solver=solver, time_limit_s=time_limit_s, host_budget_bytes=host_budget)
     seconds = time.perf_counter() - t0
+    if sol.status == "infeasible" and host_budget is not None:
+        _host_too_small(g, usable, budget_bytes, host_budget, time_limit_s)
     if sol.status == "infeasible":
         lowest_peak = sol.min_feasible_bytes if sol.min_feasible_bytes is not None else min_feasible_bytes(g)
         lowest = budget_with_headroom(lowest_peak, headroom)
@@ -148,14 +200,14 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
                 f"raise {{time_limit_s}} or use {{solver}} dp",
                 options=("time_limit_s", "solver"))
         raise infeasible(profile, g, budget_bytes, lowest_peak, headroom)
-    est = simulate(g, sol.checkpointed, sol.selective)  # every call of a module, or none (NOTE [ Tied calls ])
+    est = simulate(g, sol.checkpointed, sol.selective, sol.offloaded)  # every call of a module, or none
     if est.selective and solver in _OPTIMISERS:  # NOTE [ Robust choice ]
         wg = graph_for(profile, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding,
                        selective=False)
-        whole = solve_graph(wg, usable, solver=solver, time_limit_s=time_limit_s)
+        whole = solve_graph(wg, usable, solver=solver, time_limit_s=time_limit_s, host_budget_bytes=host_budget)
         if whole.status != "infeasible":
-            plain = simulate(wg, whole.checkpointed)
-            if plain.peak_bytes <= usable and plain.recompute_ms - est.recompute_ms <= difference_spread_ms(g, est, plain):
+            plain = simulate(wg, whole.checkpointed, offloaded=whole.offloaded)
+            if plain.peak_bytes <= usable and plain.overhead_ms - est.overhead_ms <= difference_spread_ms(g, est, plain):
                 g, sol, est = wg, whole, plain
     if solver in _OPTIMISERS:  # baselines (every-2, sqrt, ...) place their checkpoints by rule
         est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2
@@ -163,20 +215,33 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
             f"{budget_bytes}; please report this with the profile and the traceback")
+    return plan_of(profile, g, est, budget_bytes, headroom_bytes=headroom_bytes, host_budget_bytes=host_budget,
+                   solver=SolverInfo(name=sol.solver, status=sol.status, gap=sol.gap, detail=sol.detail),
+                   min_feasible=sol.min_feasible_bytes, seconds=seconds)
+
+
+def plan_of(profile: Profile, g: nx.DiGraph, est: Any, budget_bytes: int, *, solver: SolverInfo,
+            headroom_bytes: int = 0, host_budget_bytes: int | None = None, min_feasible: int | None = None,
+            seconds: float = 0.0) -> Plan:
+    """The ``Plan`` of one estimate (``simulate``'s) on ``g``: what the solver chose, or a set chosen by
+    hand (benchmarks compare fixed rules, such as offloading every block, this way)."""
     return Plan(
         fingerprint=profile.fingerprint, fingerprint_digest=profile.fingerprint.digest(),
         budget_bytes=budget_bytes, headroom_bytes=headroom_bytes,
         checkpoints=_fqns(g, est.checkpointed), checkpoint_units=list(est.checkpointed),
         selective=selective_regions(g, est.selective),
-        solver=SolverInfo(name=sol.solver, status=sol.status, gap=sol.gap, detail=sol.detail),
+        offload=offloaded_units(g, est.offloaded), host_budget_bytes=host_budget_bytes if est.offloaded else None,
+        solver=solver,
         predicted=Predicted(
             peak_bytes=est.peak_bytes, params_bytes=est.params_bytes, grads_bytes=est.grads_bytes,
             optimizer_bytes=est.optimizer_bytes, activations_bytes=est.activations_bytes,
             recompute_ms=round(est.recompute_ms, 6), step_ms=round(est.step_ms, 6), peak_at=est.peak_at,
             no_checkpoint_peak_bytes=simulate(g, []).peak_bytes,
-            min_feasible_bytes=sol.min_feasible_bytes,
-            windows={k: v for k, v in window_bytes(g, est.checkpointed, selective=est.selective).items()
-                     if k.startswith(_WINDOWS)},
+            min_feasible_bytes=min_feasible,
+            windows={k: v for k, v in window_bytes(g, est.checkpointed, selective=est.selective,
+                                                   offloaded=est.offloaded).items() if k.startswith(_WINDOWS)},
+            **({"host_peak_bytes": est.host_peak_bytes, "offload_ms": round(est.offload_ms, 6)}
+               if est.offloaded else {}),
         ),
         granularity=g.graph["granularity"], device=profile.device, device_name=profile.device_name,
         target=profile.target, dtype=profile.dtype, recipe=profile.recipe, optimizer=profile.optimizer,
@@ -186,6 +251,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         torch_version=profile.torch_version, remat_version=_version(),
         time_source=profile.time_source, threads=profile.threads, time_calibration=profile.time_calibration,
         created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
+        **({"schema_version": OFFLOAD_PLAN_VERSION} if est.offloaded else {}),
     )
 
 
@@ -399,7 +465,8 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
          steps: int = 3, world_size: int = 1, sharding: str = "none",
          headroom: float | None = None, amp: str | None = None, target: str | None = None,
          threads: int | None = None, recipe: Recipe | None = None, selective: bool = True,
-         buckets: Sequence[Any] | None = None) -> Plan:
+         buckets: Sequence[Any] | None = None, offload: bool = False,
+         host_memory: int | str | None = None) -> Plan:
     """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
 
     Args:
@@ -423,12 +490,18 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
             the thread's CPU time, which load from other processes does not change.
         selective: let the solver checkpoint units op by op too (``plan.selective``); False: whole
             modules only.
+        offload: let each unit move its saved tensors to host memory instead (``plan.offload``;
+            NOTE [ Peak-memory model ], Rule 10); the ILP decides keep, recompute or offload together.
+        host_memory: the host budget for offloaded tensors (bytes or "64GB"); default 80% of this
+            machine's available memory, required for a meta profile.
     Returns:
         The ``Plan``; ``plan.save(path)`` writes it atomically.
     Raises:
         BudgetInfeasible: nothing fits; ``.min_feasible_bytes`` says what would.
     """
     budget, _ = resolve_budget(budget, target)  # before minutes of profiling, not after
+    n_shapes = len(model_or_profile) if isinstance(model_or_profile, (list, tuple)) else len(buckets or [None])
+    check_offload_shapes(offload, n_shapes)
     if isinstance(model_or_profile, (list, tuple)):
         profiles = list(model_or_profile)
     elif isinstance(model_or_profile, Profile):
@@ -455,7 +528,15 @@ def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
                                 steps=steps, amp=amp, recipe=recipe, target=target if meta else None, threads=threads)
                     for batch in ([inputs] if buckets is None else buckets)]
     return plan_buckets(profiles, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
-                        world_size=world_size, sharding=sharding, headroom=headroom, selective=selective)
+                        world_size=world_size, sharding=sharding, headroom=headroom, selective=selective,
+                        offload=offload, host_memory=host_memory)
+
+
+def check_offload_shapes(offload: bool, n_shapes: int) -> None:
+    """An offload plan holds one input shape: ``BadInput`` for offload with several (NOTE [ Bucketed plans ])."""
+    if offload and n_shapes > 1:
+        raise BadInput(f"{{offload}} plans one input shape, and {n_shapes} were given: plan each shape on its own "
+                       f"with {{offload}}, or bucket the shapes without it", options=("offload",))
 
 
 def plan_buckets(profiles: Sequence[Profile], budget: int | str, *, shapes: Sequence[dict[str, int]] | None = None,
@@ -468,6 +549,7 @@ def plan_buckets(profiles: Sequence[Profile], budget: int | str, *, shapes: Sequ
 
     if not profiles:
         raise BadInput("plan needs at least one profile")
+    check_offload_shapes(bool(options.get("offload")), len(profiles))
     shapes = list(shapes) if shapes is not None else [{} for _ in profiles]
     plans = []
     for prof, shape in zip(profiles, shapes):
@@ -494,6 +576,35 @@ def selective_regions(g: nx.DiGraph, selective: dict[str, int]) -> list[Selectiv
                                    summary=describe(pol), recompute_ms=round(pol.recompute_ms, 6),
                                    kept_bytes=pol.kept_bytes, keeps_written=pol.keeps_written))
     return out
+
+
+def offloaded_units(g: nx.DiGraph, offloaded: list[str]) -> list[OffloadedUnit]:
+    """The plan's ``offload`` entries, with the cost model's bytes and copy times (Rule 10)."""
+    model = CostModel.of(g)
+    out = []
+    for u in offloaded:
+        s = model.sync_leaf(u)
+        fwd, bwd = model.hidden_ms(u)
+        out.append(OffloadedUnit(fqn=g.nodes[u]["fqn"], unit=u, host_bytes=model.offload_bytes(u),
+                                 d2h_ms=round(model.copy_ms(u), 6), h2d_ms=round(model.copy_ms(u), 6),
+                                 hidden_ms=round(fwd + bwd, 6), exposed_ms=round(model.exposed_ms(u), 6),
+                                 sync_fqn=g.nodes[model.leaves[s]]["fqn"] if s < len(model.leaves) else None))
+    return out
+
+
+def _host_too_small(g: nx.DiGraph, usable: int, budget_bytes: int, host_budget: int,
+                    time_limit_s: float | None) -> None:
+    """No plan fits: ``BudgetInfeasible`` naming ``--host-memory`` when more host memory would make one fit."""
+    every = CostModel.of(g).host_bytes(list(g.nodes))
+    if every <= host_budget:
+        return
+    roomy = solve_graph(g, usable, time_limit_s=time_limit_s, host_budget_bytes=every)
+    if roomy.status == "infeasible":
+        return
+    raise BudgetInfeasible(
+        f"no plan fits the budget of {format_bytes(budget_bytes)} within {format_bytes(host_budget)} of host "
+        f"memory; one fits with {format_bytes(roomy.host_peak_bytes)} of host memory: raise {{host_memory}} or "
+        f"{{budget}}", budget_bytes=budget_bytes, min_feasible_bytes=None, options=("host_memory", "budget"))
 
 
 def _fqns(g: nx.DiGraph, chosen) -> list[str]:

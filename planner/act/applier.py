@@ -124,8 +124,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.act import buckets
-from planner.act.offload import (BatchRecorder, HostMemoryError, HostStore, SyncPoint, _Group,
-                                 available_host_bytes, host_memory_fix, with_static_storages)
+from planner.act.offload import (BatchRecorder, HostMemoryError, HostStore, SyncPoint, _Group, host_memory_fix,
+                                 with_static_storages)
+from planner.profiling.devices import available_host_bytes
 from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import input_tensors, model_differences, plain_name

@@ -13,10 +13,12 @@ measures their peak. See NOTE [ Offloaded units ].
 # batch (their storages are alive all step: moving them frees nothing; the profiler leaves them
 # out of the saves for the same reason), already on the host of a CUDA run, not strided, or a
 # tensor subclass (DTensor): those are kept as they are. The unit of transfer is the whole
-# storage, once per step however many saved tensors view it (keyed by a weak reference to the
-# storage, so an address reused after a free is never confused with it): the cost model counts
-# bytes per storage (NOTE [ Peak-memory model ], Rule 3), and the views come back as views of
-# one restored storage, as autograd saved them.
+# storage, once per call of the module however many saved tensors view it (keyed by a weak
+# reference to the storage, so an address reused after a free is never confused with it): the
+# cost model counts bytes per storage (NOTE [ Peak-memory model ], Rule 3), and the views come
+# back as views of one restored storage, as autograd saved them. Two calls that save one storage
+# (Llama's rotary cos and sin, saved by every layer) each copy it: each call's backward then
+# restores its own, as the model counts it (Rule 10).
 #
 # Rule 2. When it comes back. On the first unpack of any tensor of a call (its backward has
 # started) every storage of that call is restored at once, as a checkpointed unit recomputes
@@ -49,6 +51,7 @@ import torch
 from torch import nn
 
 from planner.errors import RematError
+from planner.profiling.devices import available_host_bytes
 from planner.sizes import format_bytes
 
 try:  # torch's weak reference to a storage (StorageImpl), stable since torch 1.x
@@ -70,18 +73,6 @@ def host_memory_fix(needed_bytes: int, available_bytes: int | None) -> str:
             f"make a plan with a smaller --host-memory (host_memory_bytes= in Python), or free host memory")
 
 
-def available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class HostStore:
     """Host buffers of the offloaded storages of one applied plan, and their measured peak."""
 
@@ -91,7 +82,6 @@ class HostStore:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.copies = 0  # storages moved since reset
-        self.entries: dict[int, tuple[Any, weakref.ref[_Entry]]] = {}  # data_ptr -> weak (storage, entry)
         self._streams: tuple[Any, Any] | None = None
 
     def reset_peak(self) -> None:
@@ -203,6 +193,7 @@ class _Group:
     def __init__(self, store: HostStore) -> None:
         self.store = store
         self.entries: list[weakref.ref[_Entry]] = []
+        self.by_storage: dict[int, tuple[Any, weakref.ref[_Entry]]] = {}  # data_ptr -> weak (storage, entry)
         self.restored = False
         self.prefetched = False
 
@@ -211,12 +202,12 @@ class _Group:
         if store.keeps_on_device(t):
             return t
         key = t.untyped_storage().data_ptr()
-        known = store.entries.get(key)
+        known = self.by_storage.get(key)
         entry = known[1]() if known is not None and not known[0].expired() else None
-        if entry is None or entry.host is None:
+        if entry is None:
             entry = _Entry(store, t)
-            store.entries[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(entry))
-        self.entries.append(weakref.ref(entry))
+            self.by_storage[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(entry))
+            self.entries.append(weakref.ref(entry))
         return (self, entry, t.dtype, t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad)
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -225,7 +216,6 @@ class _Group:
         group, entry, dtype, offset, shape, stride, _ = packed
         if not group.restored:
             group.restore_all()
-        entry.restore()  # saved by another call too, and not yet back
         return torch.empty(0, dtype=dtype, device=entry.device).set_(entry.storage(), offset, shape, stride)
 
     def live(self) -> list[_Entry]:
@@ -262,7 +252,6 @@ class BatchRecorder:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled():
             self.store.batch = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
-            self.store.entries.clear()
 
 
 class SyncPoint:

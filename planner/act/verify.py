@@ -120,6 +120,12 @@ class VerifyReport(BaseModel):
                                                        "predicted windows).")
     worst_window_predicted_bytes: int | None = None
     worst_window_measured_bytes: int | None = None
+    offloaded: list[str] = Field(default_factory=list, description="Plan modules whose saved tensors went to host "
+                                                                   "memory (NOTE [ Offloaded units ]).")
+    predicted_offload_ms: float = Field(0.0, description="Exposed copy time the plan predicts, per step.")
+    predicted_host_peak_bytes: int | None = Field(None, description="Host memory the plan predicts for its "
+                                                                    "offloaded tensors (offload plans only).")
+    measured_host_peak_bytes: int | None = Field(None, description="The host store's peak in the measured step.")
     problems: list[str] = Field(default_factory=list, description="Why ok is False; empty when ok.")
     notes: list[str] = Field(default_factory=list, description="Worth knowing, not failures.")
     ok: bool
@@ -139,8 +145,10 @@ class VerifyReport(BaseModel):
                 format_bytes(self.worst_window_measured_bytes or 0), "")]),
             ("peak without the plan", format_bytes(no_plan) if no_plan is not None else "-",
              format_bytes(self.measured_no_plan_peak_bytes), ""),
+            *self._host_rows(),
             ("step time", f"{self.predicted_step_ms:.1f} ms", f"{self.measured_step_ms:.1f} ms", self.time_source),
-            ("recompute overhead", f"+{self.predicted_recompute_ms:.1f} ms",
+            ("recompute + copies" if self.offloaded else "recompute overhead",
+             f"+{self.predicted_recompute_ms + self.predicted_offload_ms:.1f} ms",
              f"{self.measured_recompute_ms:+.1f} ms", _recompute_check(self)),
             ("recompute (wall clock)", "", f"{self.measured_recompute_wall_ms:+.1f} ms",
              f"{self.threads} thread(s)" if self.threads else ""),
@@ -151,6 +159,16 @@ class VerifyReport(BaseModel):
             ("max |buffer diff|", f"<= {self.tolerance:g}", f"{self.max_buffer_diff:.3g}",
              "ok" if self.max_buffer_diff <= self.tolerance else "FAIL"),
         ]
+
+    def _host_rows(self) -> list[tuple[str, str, str, str]]:
+        """The offload rows: host memory predicted and measured, and the exposed copy time."""
+        if self.predicted_host_peak_bytes is None:
+            return []
+        measured = self.measured_host_peak_bytes or 0
+        off = abs(self.predicted_host_peak_bytes - measured) / max(measured, 1)
+        return [("host memory (offloaded)", format_bytes(self.predicted_host_peak_bytes), format_bytes(measured),
+                 "ok" if off <= self.prediction_tolerance else f"FAIL ({off:+.2%})"),
+                ("copies (exposed)", f"+{self.predicted_offload_ms:.1f} ms", "", f"{len(self.offloaded)} unit(s)")]
 
 
 def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: Plan | str | Path, *, steps: int = 3,
@@ -272,6 +290,9 @@ class _Run:
     """max - min of the timed steps."""
     bucket: int | None = None
     """The bucket the switch put in force (NOTE [ Bucketed plans ]); None without buckets."""
+    offloaded: list[str] = field(default_factory=list)
+    host_peak_bytes: int | None = None
+    """The host store's peak during the measured step (offload plans only)."""
 
 
 def _steps_run(plan: Plan, steps: int, *, planned: bool) -> int:
@@ -341,7 +362,11 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     static = storage_bytes(itertools.chain(model.parameters(), model.buffers(), kept,
                                            iter_tensors(*opt.state.values()) if opt else (), iter_tensors(batch)))
     rng.seed_all(SEED)
+    store = handle.host_store if handle else None
+    if store is not None:
+        store.reset_peak()
     peak = measure_step(step, dev, static_bytes=static)
+    host_peak = store.peak_bytes if store is not None else None
     windows: dict[str, int | None] = {}
     if planned and plan.predicted.windows:
         rng.seed_all(SEED)
@@ -351,7 +376,8 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     run = _Run(losses[0], grads, buffers, statistics.median(times), statistics.median(walls), peak,
                [n for n in [*handle.checkpointed, *handle.selective] if n in mine] if handle else [],
                dict(handle.skipped) if handle else {},
-               recomputes, windows, max(times) - min(times), handle.bucket if handle else None)
+               recomputes, windows, max(times) - min(times), handle.bucket if handle else None,
+               list(handle.offloaded) if handle else [], host_peak)
     if handle:
         handle.remove()
     changes.remove()
@@ -389,7 +415,7 @@ def _recompute_check(r: VerifyReport) -> str:
     """Whether predicted recompute is near the measured one (a hint, not a failure: timing is noisy)."""
     if r.recompute_noise:
         return f"noise (spread {r.timing_spread_ms:.1f} ms)"
-    off = r.predicted_recompute_ms - r.measured_recompute_ms
+    off = r.predicted_recompute_ms + r.predicted_offload_ms - r.measured_recompute_ms
     if abs(off) <= max(RECOMPUTE_TOLERANCE * abs(r.measured_recompute_ms), RECOMPUTE_FLOOR_MS):
         return "close"
     return f"off by {off:+.1f} ms"
@@ -445,6 +471,11 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
                  if worst else "")
         problems.append(f"predicted peak {p.peak_bytes} bytes is {error:+.2%} off the measured {mine.peak.peak_bytes} "
                         f"bytes (tolerance {prediction_tolerance:.1%}){where}")
+    if p.host_peak_bytes is not None:
+        host = mine.host_peak_bytes or 0
+        if abs(p.host_peak_bytes - host) > max(prediction_tolerance * host, PREDICTION_SLACK_BYTES):
+            problems.append(f"predicted host memory {p.host_peak_bytes} bytes is off the measured {host} bytes "
+                            f"(tolerance {prediction_tolerance:.1%})")
     if grad_diff > tolerance:
         problems.append(f"gradients differ from the unplanned model's by up to {grad_diff:.3g} "
                         f"(tolerance {tolerance:g})")
@@ -481,5 +512,7 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
         prediction_tolerance=prediction_tolerance, prediction_error=error, prediction_ok=prediction_ok,
         worst_window=worst[0] if worst else None, worst_window_predicted_bytes=worst[1] if worst else None,
         worst_window_measured_bytes=worst[2] if worst else None,
+        offloaded=mine.offloaded, predicted_offload_ms=p.offload_ms or 0.0,
+        predicted_host_peak_bytes=p.host_peak_bytes, measured_host_peak_bytes=mine.host_peak_bytes,
         problems=problems, notes=notes, ok=not problems,
     )

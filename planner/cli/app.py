@@ -164,7 +164,8 @@ def plan_cmd(o: PlanOptions) -> None:
                           sharding=o.sharding, selective=not o.no_selective)
         render.plain(log, f"solving with {o.solver} over {graph.number_of_nodes()} candidates ...")
         plan = plan_from_profile(prof, budget_bytes, solver=o.solver, granularity=o.granularity,
-                                 time_limit_s=o.time_limit_s, headroom=o.headroom, graph=graph)
+                                 time_limit_s=o.time_limit_s, headroom=o.headroom, graph=graph,
+                                 offload=o.offload, host_memory=o.host_memory)
     if o.output is not None:
         plan.save(o.output)
     if o.as_json:

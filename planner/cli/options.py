@@ -323,6 +323,25 @@ class PlanOptions(StepOptions, RankOptions):
     no_selective: bool = False
     headroom: float | None = None
     why: bool = False
+    offload: bool = False
+    host_memory: str | None = None
+
+    @model_validator(mode="after")
+    def _offload(self) -> PlanOptions:
+        """The offload options that need no profile, checked before any profiling."""
+        from planner.act.api import OFFLOAD_SOLVERS, check_offload_shapes
+
+        if self.host_memory is not None and not self.offload:
+            raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
+                           options=("host_memory", "offload"))
+        if self.offload and self.solver not in OFFLOAD_SOLVERS:
+            raise BadInput(f"solver {self.solver!r} has no offload choice: use {{solver}} auto or ilp with {{offload}}",
+                           options=("solver", "offload"))
+        check_offload_shapes(self.offload, len(self.shapes))
+        if self.offload and self.device == "meta" and self.host_memory is None and self.profile is None:
+            raise BadInput("{offload} on --device meta needs {host_memory} SIZE: the host memory of the machine "
+                           "that will train, not this one's", options=("host_memory", "offload"))
+        return self
 
     @field_validator("solver")
     @classmethod
@@ -422,6 +441,12 @@ PLAN = [
     _time_limit(60.0, "Seconds the ILP may search; then its best plan is kept."),
     _param("no_selective", Annotated[bool, typer.Option(
         "--no-selective", help="Whole modules only: no op-level (selective) checkpointing policies.")], False),
+    _param("offload", Annotated[bool, typer.Option(
+        "--offload", help="Each unit may also move its saved tensors to host memory (keep, recompute or offload, "
+                          "chosen together by the ILP).")], False),
+    _param("host_memory", Annotated[str | None, typer.Option(
+        "--host-memory", help="Host memory offloaded tensors may take (with --offload): 64GB, 0.5TiB. Default: 80% "
+                              "of this machine's available memory; required with --device meta.")], None),
     HEADROOM, WHY, *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
 PROFILE_CMD = [

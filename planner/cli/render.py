@@ -173,12 +173,14 @@ def budget_line(text: str, budget_bytes: int) -> str:
     return f"budget {text.strip()} = {budget_bytes} bytes ({format_bytes(budget_bytes)})"
 
 
-def units_table(g: nx.DiGraph, checkpointed: Iterable[str] = (), selective: Iterable[str] = ()) -> Table:
+def units_table(g: nx.DiGraph, checkpointed: Iterable[str] = (), selective: Iterable[str] = (),
+                offloaded: Iterable[str] = ()) -> Table:
     """The candidate units in forward order: name, type, forward ms, saved MiB, checkpointed.
 
-    A unit inside a checkpointed one is marked ``inside <id>``: it is recomputed with it.
+    A unit inside a checkpointed one is marked ``inside <id>``: it is recomputed with it; an
+    offloaded one ``offload``: its saved tensors go to host memory.
     """
-    chosen, ops = set(checkpointed), set(selective)
+    chosen, ops, off = set(checkpointed), set(selective), set(offloaded)
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("#", justify="right", style="dim")
     table.add_column("unit", overflow="fold")
@@ -190,7 +192,8 @@ def units_table(g: nx.DiGraph, checkpointed: Iterable[str] = (), selective: Iter
         a = g.nodes[n]
         depth = _graph_depth(g, n)
         mark = (Text("yes", style="bold green") if n in chosen else Text("op by op", style="bold cyan")
-                if n in ops else Text(_inside(g, n, chosen | ops), style="dim"))
+                if n in ops else Text("offload", style="bold magenta") if n in off
+                else Text(_inside(g, n, chosen | ops | off), style="dim"))
         table.add_row(str(i), Text("  " * depth + n), Text(a["module_type"]), f"{a['forward_ms']:.3f}",
                       f"{a['saved_bytes'] / MIB:.2f}", mark)
     return table
@@ -204,7 +207,7 @@ def checkpoints_table(plan: Plan) -> Table:
     for i, fqn in enumerate(plan.checkpoints):
         table.add_row(str(i), Text(fqn or "<root>"))
     if not plan.checkpoints:
-        table.add_row("-", Text("(no whole module)" if plan.selective else
+        table.add_row("-", Text("(no whole module)" if plan.selective or plan.offload else
                                 "(none: the model fits without checkpointing)"))
     return table
 
@@ -227,18 +230,43 @@ def buckets_table(plan: Plan) -> Table:
     return table
 
 
-def selective_table(plan: Plan) -> Table:
-    """The plan's op-level regions: each module's policy in words."""
+def _numbered(first: str, *columns: tuple[str, str]) -> Table:
+    """A table of modules: '#', the module column ``first``, then ``columns`` as (header, justify)."""
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("#", justify="right", style="dim")
-    table.add_column("checkpointed op by op", overflow="fold")
-    table.add_column("policy", overflow="fold")
-    table.add_column("kept MiB", justify="right")
-    table.add_column("recompute ms", justify="right")
+    table.add_column(first, overflow="fold")
+    for header, justify in columns:
+        table.add_column(header, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    return table
+
+
+def selective_table(plan: Plan) -> Table:
+    """The plan's op-level regions: each module's policy in words."""
+    table = _numbered("checkpointed op by op", ("policy", "left"), ("kept MiB", "right"), ("recompute ms", "right"))
     for i, r in enumerate(plan.selective):
         table.add_row(str(i), Text(r.fqn or "<root>"), Text(r.summary), f"{r.kept_bytes / MIB:.2f}",
                       f"{r.recompute_ms:.3f}")
     return table
+
+
+def offload_table(plan: Plan) -> Table:
+    """The plan's offloaded modules: host bytes, copy time each way, the compute that hides it, and what
+    is left exposed (NOTE [ Peak-memory model ], Rule 10)."""
+    table = _numbered("offloaded to host", ("MiB", "right"), ("copy ms each way", "right"),
+                      ("hidden behind ms", "right"), ("exposed ms/step", "right"))
+    for i, u in enumerate(plan.offload):
+        behind = f"{u.hidden_ms:.3f} ({u.sync_fqn or 'end of forward'})" if u.hidden_ms else "0 (no copy engine)" \
+            if u.sync_fqn else "0 (end of forward)"
+        table.add_row(str(i), Text(u.fqn or "<root>"), f"{u.host_bytes / MIB:.2f}", f"{u.d2h_ms:.3f}", Text(behind),
+                      f"{u.exposed_ms:.3f}")
+    return table
+
+
+def host_line(plan: Plan) -> str:
+    """Host memory of the offloaded tensors against the host budget, and the exposed copy time."""
+    p = plan.predicted
+    return (f"host memory {format_bytes(p.host_peak_bytes or 0)} of {format_bytes(plan.host_budget_bytes or 0)} "
+            f"(offloaded tensors); copies add {p.offload_ms or 0:.3f} ms per step not hidden behind compute")
 
 
 def peak_lines(p: Predicted, budget_bytes: int | None) -> list[str]:
@@ -261,7 +289,7 @@ def peak_lines(p: Predicted, budget_bytes: int | None) -> list[str]:
 
 def recompute_line(p: Predicted) -> str:
     """Recompute overhead in ms and as a share of the step without it."""
-    base = p.step_ms - p.recompute_ms
+    base = p.step_ms - p.recompute_ms - (p.offload_ms or 0.0)
     share = f"{100 * p.recompute_ms / base:.1f}%" if base > 0 else "n/a"
     return f"recompute {p.recompute_ms:.3f} ms per step (+{share} of the {base:.3f} ms step)"
 
@@ -319,13 +347,17 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
                    f"holds it (larger than all: the last, and the shape guard)")
         out.print(buckets_table(plan))
         plain(out, "the largest bucket:")
-    out.print(units_table(graph, plan.checkpoint_units, [r.unit for r in plan.selective]) if graph is not None
-              else checkpoints_table(plan))
+    out.print(units_table(graph, plan.checkpoint_units, [r.unit for r in plan.selective],
+                          [u.unit for u in plan.offload]) if graph is not None else checkpoints_table(plan))
     if plan.selective:
         out.print(selective_table(plan))
+    if plan.offload:
+        out.print(offload_table(plan))
     for line in peak_lines(plan.predicted, plan.budget_bytes):
         plain(out, line)
     plain(out, recompute_line(plan.predicted))
+    if plan.offload:
+        plain(out, host_line(plan))
     plain(out, time_line(plan.time_source, plan.threads, plan.time_calibration))
     plain(out, solver_line(plan.solver, plan.created.solver_seconds if fresh else None))
     step_lines(out, plan.step_changes, plan.excluded)
@@ -407,7 +439,8 @@ def show_verify(out: Console, report: Any) -> None:
     ran = (f"steps per run: 1 compared, {report.steps} timed, 1 for the peak{windows}" if report.steps_run
            else f"{report.steps} timed steps per run")
     plain(out, f"verify {report.model} on {report.device} ({ran}; peak from {report.peak_source}): "
-               f"{len(report.checkpointed)} modules checkpointed")
+               f"{len(report.checkpointed)} modules checkpointed"
+               + (f", {len(report.offloaded)} offloaded" if report.offloaded else ""))
     plain(out, f"step: {report.recipe.describe()}")
     for name, why in report.skipped.items():
         plain(out, f"skipped {name}: {why}")

@@ -450,6 +450,13 @@ class Profile(_Model):
                                                           "op call a region recomputes, beyond its kernel (NOTE "
                                                           "[ Selective dispatch cost ] in "
                                                           "planner/profiling/sac_cost.py); 0 when not measured.")
+    host_link_bytes_per_s: NonNegFloat | None = Field(
+        None, description="Bytes/s one way between the device and host memory, for offloaded activations "
+                          "(NOTE [ Peak-memory model ], Rule 10): a memcpy measured on the CPU, a pinned copy "
+                          "measured on CUDA, the target's spec under meta; None: not known (older profiles).")
+    copy_engine: bool = Field(False, description="Device-host copies run beside compute on a copy engine (CUDA, "
+                                                 "meta targets); False on the CPU, where a copy is a memcpy on "
+                                                 "the compute thread.")
     sac_kept_op_ms: Ms = Field(0.0, description="Milliseconds torch's selective checkpointing adds per op call "
                                                    "a region keeps (the same NOTE); 0 when not measured.")
     sac_recomputed_op_spread_ms: Ms = Field(0.0, description="Spread of sac_recomputed_op_ms over the rounds it "

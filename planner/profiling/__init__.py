@@ -80,7 +80,7 @@ def profile(
             the user's frames), the loss is not a scalar, or the device ran out of memory.
     """
     from planner.errors import BadInput
-    from planner.profiling.measure import resolve_recipe, to_device
+    from planner.profiling.measure import measure_host_link, resolve_recipe, to_device
     from planner.options import parse_amp, parse_optimizer
     from planner.profiling.profiler import profile_real, resolve_device
     from planner.profiling.step_changes import profiled_with_step_changes
@@ -119,6 +119,8 @@ def profile(
                         cost = measure_sac_cost(model, to_device(inputs, dev), result, loss_fn=loss_fn,
                                                 amp=recipe.amp, dev=dev, clock=clock)
                 result = with_sac_cost(result, cost)
+            with num_threads(threads):
+                result.host_link_bytes_per_s, result.copy_engine = measure_host_link(dev)
     result.step_changes = changes
     return result
 

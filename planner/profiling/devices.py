@@ -108,6 +108,22 @@ FRAGMENTATION_FRACTION = 0.05
 """Caching-allocator slack, as a share of the device memory (see NOTE [ Usable memory ])."""
 
 
+HOST_MEMORY_FRACTION = 0.8
+"""Default host budget for offloaded activations: this share of the host's available memory."""
+
+
+def available_host_bytes() -> int | None:
+    """This machine's available memory (MemAvailable of /proc/meminfo, Linux), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def reserve_bytes(spec: DeviceSpec) -> int:
     """Memory of ``spec`` not available to tensors (see NOTE [ Usable memory ])."""
     return CONTEXT_RESERVE_BYTES + int(spec.memory_bytes * FRAGMENTATION_FRACTION)

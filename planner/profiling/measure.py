@@ -439,3 +439,30 @@ def _measure_cpu_total(step_fn: Callable[[], Any], device: torch.device, static_
     totals = [e["args"]["Total Allocated"] for e in events
               if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0]
     return Measured(int(max(totals, default=static_bytes)), ms, "cpu-allocator-total")
+
+
+HOST_LINK_PROBE_BYTES = 32 << 20
+"""Bytes copied to time the host link (``measure_host_link``): large enough that a copy's fixed
+cost is noise, small enough to take milliseconds."""
+
+
+def measure_host_link(dev: torch.device, *, repeats: int = 5) -> tuple[float, bool]:
+    """(bytes/s one way, copy engine) between ``dev`` and host memory, as offloading copies them
+    (NOTE [ Offloaded units ] in planner/act/offload.py): on the CPU a memcpy into a numpy buffer on
+    this thread, on CUDA an asynchronous copy into pinned memory. The best of ``repeats`` copies."""
+    import numpy as np
+
+    if dev.type == "cuda":
+        src = torch.empty(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, device=dev)
+        dst = torch.empty(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    else:
+        src = torch.ones(HOST_LINK_PROBE_BYTES, dtype=torch.uint8)
+        dst = torch.from_numpy(np.empty(HOST_LINK_PROBE_BYTES, dtype=np.uint8))
+    best = float("inf")
+    for _ in range(repeats):
+        sync(dev)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=dev.type == "cuda")
+        sync(dev)
+        best = min(best, time.perf_counter() - start)
+    return HOST_LINK_PROBE_BYTES / max(best, 1e-9), dev.type == "cuda"

@@ -206,6 +206,7 @@ def profile_meta(
     source = f"profiles/devices/calibration/{spec.name}.json" if calibration else None
     return prof.model_copy(update={
         "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units,
+        "host_link_bytes_per_s": spec.host_link_bytes_per_s, "copy_engine": spec.name != "cpu",
         "notes": [*prof.notes, *_notes(spec, rules, roofline, source)], "time_source": "roofline",
         "time_calibration": source,
     })

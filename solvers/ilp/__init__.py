@@ -22,8 +22,8 @@ Example::
 
 from solvers.ilp.backends import CBC_TERM_BITS, DEFAULT_BACKEND, Backend
 from solvers.ilp.model import IlpModel, build_model
-from solvers.ilp.program import Program, Probe, build_program, probe_values
+from solvers.ilp.program import Program, Probe, build_program, offload_var, probe_values
 from solvers.ilp.steps import solve
 
 __all__ = ["Backend", "CBC_TERM_BITS", "DEFAULT_BACKEND", "IlpModel", "Probe", "Program", "build_model",
-           "build_program", "probe_values", "solve"]
+           "build_program", "offload_var", "probe_values", "solve"]

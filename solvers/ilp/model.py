@@ -51,6 +51,13 @@ class IlpModel:
         """P <= cap (None: no cap). Probes are whole bytes: half a byte of slack is exact."""
         self.peak.upBound = None if cap_bytes is None else (cap_bytes + 0.5) / self.program.scale_bytes
 
+    def set_host_cap(self, cap_bytes: int | None) -> None:
+        """Host memory <= cap (Rule 8); None switches the row off."""
+        row = row_named(self.prob, "host_memory")
+        if row is not None:
+            total = sum(self.program.host.values()) + 1
+            row.constant = -((total if cap_bytes is None else cap_bytes + 0.5) / self.program.scale_bytes)
+
     def recompute_row(self, name: str, sense: int, rhs: float | None) -> None:
         """Set the row ``recompute <= rhs`` (sense LE) or ``>= rhs`` (GE); None switches it off.
 
@@ -66,8 +73,10 @@ class IlpModel:
         row.constant = -(off if rhs is None else rhs)
 
 
-def build_model(g: nx.DiGraph, budget_bytes: int | None = None, program: Program | None = None) -> IlpModel:
-    """The PuLP problem of NOTE [ ILP formulation ]: min recompute, P <= budget when given."""
+def build_model(g: nx.DiGraph, budget_bytes: int | None = None, program: Program | None = None,
+                host_budget_bytes: int | None = None) -> IlpModel:
+    """The PuLP problem of NOTE [ ILP formulation ]: min recompute, P <= budget when given (and the
+    host memory <= ``host_budget_bytes`` when the program offloads)."""
     pg = program or build_program(g)
     prob = pulp.LpProblem("remat_checkpoint", pulp.LpMinimize)
     x = {v: _variable(prob, f"x{i}_{_sanitize(v)}", 0, 1, pulp.LpBinary) for i, v in enumerate(pg.nodes)}
@@ -108,13 +117,23 @@ def build_model(g: nx.DiGraph, budget_bytes: int | None = None, program: Program
         e = h + expr(p.extra)
         e = pulp.LpAffineExpression({v: c for v, c in e.items() if c != 0}, constant=e.constant)
         prob.addConstraint(e - peak <= -p.const_bytes / pg.scale_bytes, f"p{i}_{_sanitize(p.name)}")
+    _host_row(prob, pg, x)
     recompute = pulp.lpSum(pg.forward_ms[v] * x[v] for v in pg.nodes)
     prob.setObjective(recompute)
     stats = {**pg.stats, "binaries": len(x), "held_variables": n_held,
              "variables": len(x) + len(y) + n_held + 1, "constraints": prob.numConstraints()}
     model = IlpModel(pg, prob, x, peak, recompute, stats)
     model.set_cap(budget_bytes)
+    model.set_host_cap(host_budget_bytes)
     return model
+
+
+def _host_row(prob: pulp.LpProblem, pg: Program, x: dict[str, pulp.LpVariable]) -> None:
+    """Rule 8's host row: sum of S_v * f <= the host cap (``IlpModel.set_host_cap`` sets it)."""
+    if pg.host:
+        terms = [(x[f], nbytes / pg.scale_bytes) for f, nbytes in pg.host.items()]
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, "host_memory",
+                                             0.0), "host_memory")
 
 
 __all__ = ["IlpModel", "build_model", "row_named"]

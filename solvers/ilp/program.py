@@ -63,7 +63,10 @@ class Program:
     stats: dict = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()  # calls of one module: x equal (NOTE [ Tied calls ])
     alternatives: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Candidate -> its selective policies' variables (their ``parent`` is the candidate; Rule 7)."""
+    """Candidate -> its selective policies' variables and its offload variable (their ``parent`` is the
+    candidate; Rules 7 and 8)."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Host memory (Rule 8): offload variable -> the bytes it copies to the host (S_v)."""
 
 
 def _lin_add(acc: Lin, form: Lin, scale: float = 1.0) -> None:
@@ -115,22 +118,31 @@ def policy_var(v: str, j: int) -> str:
     return f"{v}{_POLICY_MARK}{j}"
 
 
-def split_vars(chosen: Iterable[str]) -> tuple[list[str], dict[str, int]]:
-    """Chosen variables -> (checkpointed candidates, selective {candidate: policy index})."""
-    full, sel = [], {}
+_OFFLOAD_MARK = "@offload"
+"""Variable id of offloading candidate v: f"{v}@offload" (NOTE [ ILP formulation ], Rule 8)."""
+
+
+def offload_var(v: str) -> str:
+    return f"{v}{_OFFLOAD_MARK}"
+
+
+def split_vars(chosen: Iterable[str]) -> tuple[list[str], dict[str, int], list[str]]:
+    """Chosen variables -> (checkpointed candidates, selective {candidate: policy index}, offloaded)."""
+    full, sel, off = [], {}, []
     for var in chosen:
         base, mark, j = var.rpartition(_POLICY_MARK)
         if mark and j.isdigit():
             sel[base] = int(j)
+        elif var.endswith(_OFFLOAD_MARK):
+            off.append(var[:-len(_OFFLOAD_MARK)])
         else:
             full.append(var)
-    return full, sel
+    return full, sel, off
 
 
 def simulate_vars(g: nx.DiGraph, chosen: Iterable[str]) -> Estimate:
-    """``simulate`` of a set of chosen variables (candidates and policies)."""
-    full, sel = split_vars(chosen)
-    return simulate(g, full, sel)
+    """``simulate`` of a set of chosen variables (candidates, policies, offloads)."""
+    return simulate(g, *split_vars(chosen))
 
 
 @dataclass(frozen=True)
@@ -139,18 +151,28 @@ class _Vars:
     one per selective policy of a candidate, each with the candidate it stands for."""
 
     cands: list[str]  # candidates, forward order
-    alts: dict[str, tuple[str, ...]]  # candidate -> its policy variables
-    names: list[str]  # every variable: each candidate followed by its policies
+    alts: dict[str, tuple[str, ...]]  # candidate -> its policy variables, then its offload variable
+    names: list[str]  # every variable: each candidate followed by its alternatives
     base: dict[str, str]  # variable -> its candidate
     kept: dict[str, frozenset[int]]  # policy variable -> the tensors it keeps
+    offloads: frozenset[str] = frozenset()  # the offload variables (Rule 8)
 
     @staticmethod
-    def of(g: nx.DiGraph) -> _Vars:
+    def of(g: nx.DiGraph, *, offload: bool = False) -> _Vars:
         cands = sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
-        alts = {v: tuple(policy_var(v, j) for j in range(len(g.nodes[v].get("menu", ())))) for v in cands}
+        tied = {n for group in tie_groups(g) for n in group}
+        pols = {v: tuple(policy_var(v, j) for j in range(len(g.nodes[v].get("menu", ())))) for v in cands}
+        model = CostModel.of(g) if offload else None  # a unit that saves nothing has nothing to offload
+        offs = {v: offload_var(v) for v in cands if model and v not in tied and model.offload_bytes(v) > 0}
+        alts = {v: pols[v] + ((offs[v],) if v in offs else ()) for v in cands}
         base = {pv: v for v in cands for pv in alts[v]} | {v: v for v in cands}
-        kept = {pv: g.nodes[v]["menu"][j].cached_ids for v in cands for j, pv in enumerate(alts[v])}
-        return _Vars(cands, alts, [var for v in cands for var in (v, *alts[v])], base, kept)
+        kept = {pv: g.nodes[v]["menu"][j].cached_ids for v in cands for j, pv in enumerate(pols[v])}
+        return _Vars(cands, alts, [var for v in cands for var in (v, *alts[v])], base, kept,
+                     frozenset(offs.values()))
+
+    def policies(self, v: str) -> tuple[str, ...]:
+        """Candidate ``v``'s selective policy variables, in menu order."""
+        return tuple(pv for pv in self.alts[v] if pv not in self.offloads)
 
     def ancestors(self, anc: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
         """``anc`` over variables: a policy conflicts with its candidate, the candidate's other
@@ -162,9 +184,13 @@ class _Vars:
         return out
 
     def forward_ms(self, g: nx.DiGraph) -> dict[str, float]:
-        """Each variable's recompute: the candidate's forward, or the policy's ``recompute_ms``."""
+        """Each variable's cost in the objective, per micro-batch: the candidate's forward, the policy's
+        ``recompute_ms``, or the offload's exposed copy time (Rule 8)."""
+        model = CostModel.of(g)
+        mb = g.graph.get("micro_batches", 1)
         return {v: g.nodes[v]["forward_ms"] for v in self.cands} | {
-            pv: g.nodes[v]["menu"][j].recompute_ms for v in self.cands for j, pv in enumerate(self.alts[v])}
+            pv: g.nodes[v]["menu"][j].recompute_ms for v in self.cands for j, pv in enumerate(self.policies(v))} | {
+            f: model.exposed_ms(self.base[f]) / mb for f in self.offloads}
 
 
 def _term_affine(term: _Term) -> _Affine:
@@ -305,6 +331,20 @@ def _tensor_steps(groups: list[tuple[int, set[_Term]]], anc: dict[str, frozenset
 # and recompute rows count recomputed(v) less what p keeps; its objective coefficient is p's
 # recompute_ms. Tied calls have no menu (planner/model/graph.py), so Rule 5 is unchanged.
 #
+# Rule 8. Offloaded units (NOTE [ Peak-memory model ], Rule 10; with ``host_budget_bytes``).
+# Offloading candidate v is one more variable f = x_{v,off}, an alternative of v like a policy
+# (Rule 7): it joins v's antichain rows, and a save inside v is dropped when f is 1; v's inputs
+# are not held by it (nothing replays v) and it has no recompute row. The backward row of each
+# leaf i inside v adds f * S(v, end(l_i)) (the restore), where a region adds its recomputed bytes.
+# With a copy engine the forward rows from v's first leaf through its sync leaf s(v) (or the end
+# of forward) and the backward row of s(v) (or the start of backward) add f * S_v: constant
+# coefficients, the same terms simulate adds, so the rows stay exact. Host memory: each unit
+# copies its own storages, so one row "host_memory": sum of S_v * f <= host budget + 1/2. f's objective coefficient is exposed(v) per
+# micro-batch, beside the recompute coefficients (which are per micro-batch too). Tied calls get
+# no f (Rule 5 unchanged), nor do candidates that save nothing (S_v = 0: offloading them is keeping
+# them). The sequential relaxation ignores the host row (a relaxation still),
+# and every plan is re-judged by simulate against both budgets.
+#
 # Rule 6. Objectives.
 # Recompute model: min sum_v forward_ms(v) x_v with P <= budget + 1/2 (probes are whole bytes,
 # so "<= budget + 1/2" is "<= budget" with half a byte of slack against solver tolerances).
@@ -314,13 +354,14 @@ def _tensor_steps(groups: list[tuple[int, set[_Term]]], anc: dict[str, frozenset
 # buy a lower peak with more recompute; a separate, time-boxed solve cannot.
 
 
-def build_program(g: nx.DiGraph, *, term_bits: int = 24) -> Program:
+def build_program(g: nx.DiGraph, *, term_bits: int = 24, offload: bool = False) -> Program:
     """The program of NOTE [ ILP formulation ] for ``g``, in four steps: the buckets, each
     tensor's holdings as steps of prefix ORs, the running sums H_b, and the probe rows. Memory is
-    counted in multiples of ``scale_bytes`` that keep every term below 2^``term_bits`` of them."""
+    counted in multiples of ``scale_bytes`` that keep every term below 2^``term_bits`` of them.
+    ``offload``: every candidate not tied may also be offloaded (Rule 8)."""
     model = CostModel.of(g)
     scale = _scale_bytes(model, term_bits)
-    var = _Vars.of(g)
+    var = _Vars.of(g, offload=offload)
     anc = var.ancestors(_ancestors(g))
     buckets = _Buckets.of(g, model)
     groups, n_tensors = _tensor_groups(g, model, var, anc, buckets)
@@ -334,9 +375,16 @@ def build_program(g: nx.DiGraph, *, term_bits: int = 24) -> Program:
              "big_m_rows": big_m}
     ties = tie_groups(g)
     stats["tie_rows"] = sum(len(group) - 1 for group in ties)
-    parent = {v: g.nodes[v]["parent"] for v in var.cands} | {pv: var.base[pv] for pv in var.kept}
+    parent = {v: g.nodes[v]["parent"] for v in var.cands} | {pv: var.base[pv] for v in var.cands for pv in var.alts[v]}
+    host = _host_bytes(model, var)
+    stats["offload_variables"] = len(host)
     return Program(var.names, var.forward_ms(g), parent, paths, ors, delta, probes, scale, stats, ties,
-                   {v: a for v, a in var.alts.items() if a})
+                   {v: a for v, a in var.alts.items() if a}, host)
+
+
+def _host_bytes(model: CostModel, var: _Vars) -> dict[str, int]:
+    """Rule 8's host memory: S_v of each offload variable (each unit copies its own storages)."""
+    return {f: model.offload_bytes(var.base[f]) for f in sorted(var.offloads)}
 
 
 def _scale_bytes(model: CostModel, term_bits: int) -> int:
@@ -377,11 +425,13 @@ def _tensor_groups(g: nx.DiGraph, model: CostModel, var: _Vars, anc: dict[str, f
         regions = frozenset(containers) | {pv for c in containers for pv in var.alts[c]}
         holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("save", regions))
     for v in var.names:
+        if v in var.offloads:
+            continue  # nothing replays an offloaded unit: its inputs are not held (Rule 8)
         a = g.nodes[var.base[v]]
         for t in a["input_ids"]:
             holds.setdefault(t, {}).setdefault(bucket(a["fwd_start_seq"]), set()).add(("input", v))
     for v in var.cands:  # an output a policy keeps is held iff that policy is chosen: like an input
-        for j, pv in enumerate(var.alts[v]):
+        for j, pv in enumerate(var.policies(v)):
             for seq, t in g.nodes[v]["menu"][j].cached:
                 holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("input", pv))
     out_leaf = {t: i for i, leaf in enumerate(model.leaves) for t in g.nodes[leaf]["in_flight_ids"]}
@@ -451,11 +501,14 @@ def _probe_rows(g: nx.DiGraph, model: CostModel, var: _Vars, bucket: _Buckets,
         out_bytes = sum(model.tensor_bytes[t] for t in in_flight_ids)
         probes.append(Probe(f"forward of {leaf}", bucket.leaf[i], fwd_extra,
                             model.forward_base_bytes[i] + out_bytes + cast_bytes))
-        rec = {c: model.recomputed_bytes(base[c], e, kept.get(c, frozenset())) / scale for c in contains[i]}
+        rec = {c: (model.restored_bytes(base[c], e) if c in var.offloads
+                   else model.recomputed_bytes(base[c], e, kept.get(c, frozenset()))) / scale for c in contains[i]}
         probes.append(Probe(f"backward of {leaf}", bucket.leaf[i], {c: r for c, r in rec.items() if r},
                             model.backward_base_bytes[i]))
     big_m = 0
     for c in var.names:
+        if c in var.offloads:
+            continue  # no replay, no recompute probe (Rule 8)
         v = base[c]
         end = g.nodes[v]["fwd_end_seq"]
         const = model.recompute_static_bytes(v)
@@ -471,7 +524,23 @@ def _probe_rows(g: nx.DiGraph, model: CostModel, var: _Vars, bucket: _Buckets,
     probes.append(Probe("end of forward", bucket.last, cast_form, model.tail_forward_base_bytes + cast_bytes))
     probes.append(Probe("start of backward", bucket.last, {}, model.tail_backward_base_bytes))
     probes.append(Probe("optimizer step", None, {}, model.rank.opt_static_bytes))
+    _in_transfer_terms(model, var, probes, scale)
     return probes, big_m
+
+
+def _in_transfer_terms(model: CostModel, var: _Vars, probes: list[Probe], scale: int) -> None:
+    """Rule 8 with a copy engine: x_f * S_u on the forward rows from u's first leaf through its sync
+    leaf (the end of forward after the last) and on the sync leaf's backward row (the start of backward)."""
+    if not var.offloads:
+        return
+    by_name = {p.name: p for p in probes}
+    n = len(model.leaves)
+    for f in sorted(var.offloads):
+        fwd, bwd = model.in_transfer(frozenset((var.base[f],)))
+        for rows, kind, tail in ((fwd, "forward of ", "end of forward"), (bwd, "backward of ", "start of backward")):
+            for i, b in rows.items():
+                extra = by_name[kind + model.leaves[i] if i < n else tail].extra
+                extra[f] = extra.get(f, 0.0) + b / scale
 
 
 def _cast_terms(g: nx.DiGraph, model: CostModel, var: _Vars,

@@ -29,14 +29,14 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Literal
+from typing import Iterable, Literal
 
 import networkx as nx
 import pulp
 
 from solvers.base import Solution, judged
 from solvers.contract import Status, StopReason
-from solvers.cost_model import close_ties, is_tied, simulate
+from solvers.cost_model import Estimate, close_ties, is_tied, simulate
 from solvers.errors import SolverError
 from solvers.ilp.backends import (CBC_TERM_BITS, DEFAULT_BACKEND, Backend, Outcome, highs_available,
                                   solve_model)
@@ -51,7 +51,8 @@ _MAX_REPAIRS = 20
 
 def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None,
           backend: Backend | None = None, mip_gap: float = 0.0, prefer_low_peak: bool = True,
-          use_relaxation: bool = True, threads: int | None = None, **_: object) -> Solution:
+          use_relaxation: bool = True, threads: int | None = None, host_budget_bytes: int | None = None,
+          **_: object) -> Solution:
     """Least-recompute checkpoint set that fits ``budget_bytes``, on any candidate graph.
 
     Args:
@@ -64,6 +65,9 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
             quarter of the time spent so far (the recompute stays optimal either way).
         use_relaxation: first try NOTE [ Sequential relaxation ] (False: the ILP alone).
         threads: solver threads (None: the solver's default).
+        host_budget_bytes: with a value, every candidate not tied may also be offloaded, its saved
+            tensors kept in at most this much host memory (NOTE [ ILP formulation ], Rule 8); None:
+            keep or recompute only.
 
     Returns:
         A ``Solution``: "optimal" when proven, "feasible" with ``gap`` when the time limit
@@ -71,9 +75,11 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
         reaches; proven unless ``detail`` says otherwise).
     """
     run = _Run(g, budget_bytes, time_limit_s, *_pick_backend(backend), mip_gap, threads, prefer_low_peak)
+    run.host_budget = host_budget_bytes
     if simulate(g, []).peak_bytes <= budget_bytes:  # step 1 of the module docstring
         return run.finish([], "optimal", "checkpointing nothing fits")
-    run.program = build_program(g, term_bits=CBC_TERM_BITS if run.backend == "cbc" else 24)
+    run.program = build_program(g, term_bits=CBC_TERM_BITS if run.backend == "cbc" else 24,
+                                offload=host_budget_bytes is not None)
     decided = run.by_relaxation() if use_relaxation else None
     return decided if decided is not None else run.branch_and_bound()
 
@@ -113,6 +119,7 @@ class _Run:
         self.model: IlpModel | None = None
         self.bound: Bound | None = None
         self.n_cuts = 0
+        self.host_budget: int | None = None  # offload allowed within it (Rule 8); None: no offload
 
     # --- the model and the clock
 
@@ -121,8 +128,19 @@ class _Run:
 
     def build(self) -> None:
         if self.model is None:
-            self.model = build_model(self.g, self.budget, self.program)
+            self.model = build_model(self.g, self.budget, self.program, self.host_budget)
             self.notes.append(_stats_line(self.model))
+
+    def host_fits(self, est: Estimate) -> bool:
+        return self.host_budget is None or est.host_peak_bytes <= self.host_budget
+
+    def fits(self, est: Estimate) -> bool:
+        """Within the budget and the host budget under ``simulate``."""
+        return est.peak_bytes <= self.budget and self.host_fits(est)
+
+    def program_cost(self, chosen: Iterable[str]) -> float:
+        """The objective at ``chosen``, in the program's terms."""
+        return sum(self.program.forward_ms[v] for v in chosen)
 
     def tops(self) -> frozenset[str]:
         """Every top-level candidate (with its tied calls): the plan of last resort."""
@@ -145,7 +163,7 @@ class _Run:
             return self.infeasible()
         if bound is None or not is_tied(self.g, bound.plan):  # it ignores ties (a relaxation still)
             return None
-        if simulate_vars(self.g, bound.plan).peak_bytes <= self.budget:
+        if self.fits(simulate_vars(self.g, bound.plan)):
             self.notes.append("proven by the sequential relaxation: its plan fits, and no plan has less recompute "
                               "(NOTE [ Sequential relaxation ])")
             chosen = self.lower_peak(frozenset(bound.plan)) if self.prefer_low_peak else bound.plan
@@ -189,8 +207,9 @@ class _Run:
                 self.notes.append(out.note)
             if out.state in ("infeasible", "none") or cap_bytes is None:
                 return out
-            over = simulate_vars(self.g, out.chosen).peak_bytes - cap_bytes
-            if over <= 0:
+            est = simulate_vars(self.g, out.chosen)
+            over = est.peak_bytes - cap_bytes
+            if over <= 0 and self.host_fits(est):
                 return out
             self.n_cuts += 1
             cut = pulp.lpSum(1 - x if v in out.chosen else x for v, x in m.x.items())
@@ -225,8 +244,9 @@ class _Run:
             self.notes.append("min_feasible_bytes is the best peak found in time, not proven minimal")
             stopped = "time_limit" if stopped == "finished" else stopped
         self.notes.append(f"no plan fits; the minimum feasible budget is {est.peak_bytes} bytes")
-        full, sel = split_vars(best)
-        sol = judged("ilp", g, full, self.budget, time.perf_counter() - self.t0, selective=sel)
+        full, sel, off = split_vars(best)
+        sol = judged("ilp", g, full, self.budget, time.perf_counter() - self.t0, selective=sel, offloaded=off,
+                     host_budget_bytes=self.host_budget)
         if search and sol.status != "infeasible":
             _loud(f"ILP found budget {self.budget} infeasible, but simulate fits {sorted(best)} "
                   f"at {est.peak_bytes} bytes (the program and simulate disagree: a bug)")
@@ -275,10 +295,10 @@ class _Run:
         """
         first = simulate_vars(self.g, chosen)
         limit = self.tie_break_seconds()
-        if limit < 0.1 or first.recompute_ms == 0:
+        if limit < 0.1 or first.overhead_ms == 0:
             return chosen
         self.build()
-        bound = first.recompute_ms
+        bound = self.program_cost(chosen)
         self.model.recompute_row("tie_break_recompute", pulp.LpConstraintLE, bound + 1e-12 * max(1.0, bound))
         self.objective("peak")
         try:
@@ -289,7 +309,7 @@ class _Run:
         if second.state not in ("optimal", "feasible"):
             return chosen
         est = simulate_vars(self.g, second.chosen)
-        if est.recompute_ms <= bound and est.peak_bytes < first.peak_bytes:
+        if est.overhead_ms <= first.overhead_ms and est.peak_bytes < first.peak_bytes and self.host_fits(est):
             self.notes.append(f"peak tie-break: {first.peak_bytes} -> {est.peak_bytes} bytes at equal recompute")
             return second.chosen
         return chosen
@@ -306,9 +326,9 @@ class _Run:
                stopped: StopReason = "finished") -> Solution:
         if note:
             self.notes.append(note)
-        full, sel = split_vars(chosen)
+        full, sel, off = split_vars(chosen)
         sol = judged("ilp", self.g, full, self.budget, time.perf_counter() - self.t0, status_if_fits=status,
-                     selective=sel)
+                     selective=sel, offloaded=off, host_budget_bytes=self.host_budget)
         if sol.status == "infeasible":
             _loud(f"ILP plan {sorted(chosen)} is over budget under simulate: {sol.peak_bytes} > {self.budget} "
                   "bytes (the program and simulate disagree: a bug)")

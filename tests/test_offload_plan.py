@@ -1,0 +1,169 @@
+"""Offload as a third choice in the cost model and the ILP (NOTE [ Peak-memory model ], Rule 10;
+NOTE [ ILP formulation ], Rule 8), and the plan, API and CLI around it. Torch-free: planning runs on
+the reference CPU profile, given a host link."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from planner.act.api import plan_from_profile
+from planner.errors import BadInput, BudgetInfeasible
+from planner.model.graph import build_graph
+from planner.model.schema import Plan, Profile
+from profiles import MODELS_DIR
+from solvers.cost_model import CostModel, simulate, window_bytes
+from solvers.errors import SolverError
+from solvers.ilp import build_program, offload_var, probe_values, solve
+from tests.conftest import invoke
+
+LINK = 10e9
+"""Bytes/s one way given to the reference profile (it predates the field)."""
+
+
+def _profile(copy_engine: bool = False) -> Profile:
+    prof = Profile.load(MODELS_DIR / "gpt2-tiny-cpu.json")
+    return prof.model_copy(update={"host_link_bytes_per_s": LINK, "copy_engine": copy_engine})
+
+
+def _graph(copy_engine: bool = False):
+    return build_graph(_profile(copy_engine))
+
+
+def _blocks(g) -> list[str]:
+    return [n for n in g.graph["leaves"] if ".h." in n]
+
+
+@pytest.mark.parametrize("copy_engine", [False, True])
+def test_program_rows_equal_simulate_with_offload(copy_engine: bool):
+    """Rule 8 is exact: every probe of the program equals simulate's on keep/recompute/offload mixes."""
+    g = _graph(copy_engine)
+    pg = build_program(g, offload=True)
+    rng = random.Random(0)
+    leaves = g.graph["leaves"]
+    for _ in range(25):
+        pick = {n: rng.choice("kco") for n in leaves}
+        full = [n for n in leaves if pick[n] == "c"]
+        off = [n for n in leaves if pick[n] == "o"]
+        ours = probe_values(pg, frozenset(full + [offload_var(n) for n in off]))
+        theirs = window_bytes(g, full, offloaded=off)
+        assert {k: round(ours[k]) for k in theirs} == theirs, pick
+
+
+def test_offload_terms_on_the_cpu():
+    """No copy engine: nothing in transfer, both copies exposed; the host holds the distinct storages."""
+    g = _graph()
+    model = CostModel.of(g)
+    blocks = _blocks(g)
+    est = simulate(g, [], None, blocks)
+    assert est.offloaded == blocks and est.recompute_ms == 0
+    nbytes = [model.offload_bytes(b) for b in blocks]
+    assert est.host_peak_bytes == model.host_bytes(blocks) == sum(nbytes)  # no storage saved by two blocks
+    assert est.offload_ms == pytest.approx(sum(2 * b / LINK * 1e3 for b in nbytes))
+    assert est.step_ms == pytest.approx(g.graph["step_ms"] + est.offload_ms)
+    assert est.peak_bytes < simulate(g, blocks).peak_bytes < simulate(g, []).peak_bytes
+
+
+def test_copy_engine_holds_the_transfer_and_hides_the_copy():
+    g = _graph(copy_engine=True)
+    model = CostModel.of(g)
+    b = _blocks(g)[0]
+    s = model.sync_leaf(b)
+    fwd, bwd = model.hidden_ms(b)
+    a = g.nodes[g.graph["leaves"][s]]
+    assert (fwd, bwd) == (a["forward_ms"], a["backward_ms"])
+    copy = model.copy_ms(b)
+    assert model.exposed_ms(b) == pytest.approx(max(0, copy - fwd) + max(0, copy - bwd))
+    on_cpu = window_bytes(_graph(), [], offloaded=[b])
+    held = window_bytes(g, [], offloaded=[b])
+    sync_leaf = g.graph["leaves"][s]
+    assert held[f"forward of {sync_leaf}"] - on_cpu[f"forward of {sync_leaf}"] == model.offload_bytes(b)
+    assert held[f"backward of {sync_leaf}"] - on_cpu[f"backward of {sync_leaf}"] == model.offload_bytes(b)
+
+
+def test_ilp_with_offload_is_optimal_by_brute_force():
+    """Over the blocks and the final norm (3^5 plans, the rest kept): the ILP's cost is the least."""
+    g = _graph()
+    units = [*_blocks(g), "transformer.ln_f"]
+    budget = int(simulate(g, _blocks(g)).peak_bytes * 1.02)
+    best = None
+    for pick in itertools.product("kco", repeat=len(units)):
+        full = [u for u, c in zip(units, pick) if c == "c"]
+        off = [u for u, c in zip(units, pick) if c == "o"]
+        est = simulate(g, full, None, off)
+        if est.peak_bytes <= budget and (best is None or est.overhead_ms < best):
+            best = est.overhead_ms
+    sol = solve(g, budget, host_budget_bytes=1 << 40)
+    assert sol.status == "optimal"
+    assert sol.recompute_ms + sol.offload_ms <= best + 1e-6
+    assert simulate(g, sol.checkpointed, sol.selective, sol.offloaded).peak_bytes == sol.peak_bytes <= budget
+
+
+def test_below_every_layer_only_offload_fits():
+    g = _graph()
+    budget = int(simulate(g, _blocks(g)).peak_bytes * 0.97)
+    assert solve(g, budget).status == "infeasible"
+    sol = solve(g, budget, host_budget_bytes=1 << 40)
+    assert sol.status == "optimal" and sol.offloaded and sol.peak_bytes <= budget
+    tight = solve(g, budget, host_budget_bytes=sol.host_peak_bytes // 2)
+    assert tight.status == "infeasible" or tight.host_peak_bytes <= sol.host_peak_bytes // 2
+
+
+def test_plan_file_marks_offload_and_plans_without_it_are_unchanged(tmp_path):
+    prof = _profile()
+    g = build_graph(prof)
+    budget = int(simulate(g, _blocks(g)).peak_bytes * 0.97 / (1 - 0.005)) + 1
+    plan = plan_from_profile(prof, budget, offload=True, host_memory="1GB")
+    assert plan.offload and plan.predicted.host_peak_bytes and plan.host_budget_bytes == 1 << 30
+    u = plan.offload[0]
+    assert u.host_bytes > 0 and u.d2h_ms == pytest.approx(u.host_bytes / LINK * 1e3, rel=1e-5)
+    assert Plan.model_validate_json(plan.to_json()) == plan
+    plain = plan_from_profile(prof, 10 * budget)
+    text = plain.to_json()
+    assert '"offload"' not in text and "host_" not in text and "offload_ms" not in text
+    old = json.loads(text)
+    assert Plan.model_validate(old).offload == []
+
+
+def test_bad_offload_input_is_one_line():
+    prof = _profile()
+    with pytest.raises(BadInput) as e:
+        plan_from_profile(prof, "1GB", host_memory="1GB")
+    assert str(e.value) == "host_memory is the host budget of offloaded activations: add offload, or drop it"
+    with pytest.raises(BadInput, match="has none: re-profile"):
+        plan_from_profile(prof.model_copy(update={"host_link_bytes_per_s": None}), "1GB", offload=True)
+    with pytest.raises(BadInput, match="needs host_memory SIZE"):
+        plan_from_profile(prof.model_copy(update={"device": "meta", "target": "h100-sxm"}), "1GB", offload=True)
+    with pytest.raises(BadInput, match="no offload choice"):
+        plan_from_profile(prof, "1GB", offload=True, host_memory="1GB", solver="dp")
+    g = build_graph(prof)
+    budget = int(simulate(g, _blocks(g)).peak_bytes * 0.97 / (1 - 0.005)) + 1
+    with pytest.raises(BudgetInfeasible, match="raise host_memory or budget") as e:
+        plan_from_profile(prof, budget, offload=True, host_memory="1MB")
+    assert "\n" not in str(e.value)
+
+
+def test_dp_refuses_offload():
+    with pytest.raises(SolverError, match="no offload choice"):
+        from solvers.dp import solve as solve_dp
+
+        solve_dp(_graph(), 1 << 30, host_budget_bytes=1 << 30)
+
+
+def test_cli_plan_with_offload(tmp_path):
+    path = tmp_path / "profile.json"
+    _profile().save(path)
+    g = build_graph(_profile())
+    budget = int(simulate(g, _blocks(g)).peak_bytes * 0.97 / (1 - 0.005)) + 1
+    r = invoke("plan", "--profile", path, "--budget", str(budget), "--offload", "--host-memory", "1GB",
+               "-o", tmp_path / "plan.json")
+    assert r.exit_code == 0, r.output
+    assert "offload" in r.output and "host memory" in r.output
+    assert Plan.load(tmp_path / "plan.json").offload
+    r = invoke("show", tmp_path / "plan.json")
+    assert r.exit_code == 0 and "offloaded" in r.output and "host memory" in r.output
+    r = invoke("plan", "--profile", path, "--budget", "1GB", "--host-memory", "1GB")
+    assert r.exit_code == 2 and "--offload" in r.output
