@@ -4,6 +4,7 @@ layer, measured on one model (NOTE [ Peak-memory model ], Rule 10; NOTE [ Offloa
     python benchmarks/offload.py examples/gpt2.py
     python benchmarks/offload.py examples/llama.py --threads 1
     python benchmarks/offload.py zoo:qwen2 zoo:bert         # models of benchmarks/zoo_models.py (FULL size)
+    python benchmarks/offload.py examples/llama.py zoo:qwen2 --granularity 1   # blocks and their children
     python benchmarks/offload.py examples/gpt2.py --target h100   # modelled only: --device meta for the spec
 
 With ``--target``: a meta profile for that device spec (its host link, a copy engine), and at the
@@ -109,10 +110,11 @@ def modelled(names: list[str], target: str) -> None:
                   f"{p.recompute_ms:.4f} | {p.offload_ms or 0:.4f} | {p.step_ms:.4f} |")
 
 
-def _lowest_budget(prof: Any) -> int:
+def _lowest_budget(prof: Any, granularity: int) -> int:
     """The lowest budget (headroom included) at which ``--offload`` finds a plan."""
     try:
-        plan_from_profile(prof, 1 << 20, offload=True, host_memory=HOST_MEMORY, selective=False)
+        plan_from_profile(prof, 1 << 20, offload=True, host_memory=HOST_MEMORY, selective=False,
+                          granularity=granularity)
     except BudgetInfeasible as e:
         return int(e.min_feasible_bytes or 0)
     return 1 << 20
@@ -122,6 +124,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--granularity", type=int, default=0,
+                    help="candidate levels below the blocks for remat's plans (the rules stay per block)")
     ap.add_argument("--target", default=None, help="a device spec: modelled plans on --device meta only")
     args = ap.parse_args()
     if args.target:
@@ -146,7 +150,7 @@ def main() -> None:
         print(_row("every layer (recompute)", every, mf, args.threads))
         print(_row("offload every layer (save_on_cpu rule)", offl, mf, args.threads))
         every_peak = peaks["every layer (recompute)"]
-        lowest = _lowest_budget(prof)
+        lowest = _lowest_budget(prof, args.granularity)
         print(f"| lowest budget with --offload: {format_bytes(lowest)}; every layer measured "
               f"{format_bytes(every_peak)} | | | | | | | |")
         for label, budget, offload in (
@@ -156,7 +160,7 @@ def main() -> None:
                 ("remat --offload at offload-every-layer's measured peak", peaks["offload every layer"], True)):
             try:
                 plan = plan_from_profile(prof, budget, offload=offload, host_memory=HOST_MEMORY if offload else None,
-                                         selective=False)
+                                         selective=False, granularity=args.granularity)
             except BudgetInfeasible as e:
                 print(_row(f"{label} ({format_bytes(budget)})", None, mf, args.threads, str(e).split(":")[0]))
                 continue
