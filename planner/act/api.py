@@ -102,6 +102,10 @@ def check_ranks(world_size: int, sharding: str) -> None:
 OFFLOAD_SOLVERS = ("auto", "ilp")
 """Solvers that choose offload as a third option (NOTE [ ILP formulation ], Rule 8)."""
 
+OFFLOAD_ONE_PROCESS = ("{offload} plans one process: under DDP or FSDP2 the ranks' host memory and copies are "
+                       "not modelled; drop {offload}, or plan without {sharding}")
+"""Offload is planned for one process (NOTE [ Peak-memory model ], Rule 10 models one device and its host)."""
+
 
 def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
                 time_limit_s: float | None = None, host_budget_bytes: int | None = None):
@@ -179,6 +183,8 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
     ``host_memory`` (default: ``resolve_host_budget``; NOTE [ Peak-memory model ], Rule 10).
     """
     budget_bytes = parse_bytes(budget)
+    if offload and (world_size > 1 or sharding != "none"):
+        raise BadInput(OFFLOAD_ONE_PROCESS, options=("offload", "sharding"))
     host_budget = resolve_host_budget(profile, offload, host_memory)
     if headroom is None:
         headroom = headroom_for(profile)

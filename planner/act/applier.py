@@ -124,8 +124,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.act import buckets
-from planner.act.offload import (BatchRecorder, HostMemoryError, HostStore, SyncPoint, _Group, host_memory_fix,
-                                 with_static_storages)
+from planner.act.offload import HostMemoryError, HostStore, StaticRecorder, SyncPoint, _Group, host_memory_fix
 from planner.profiling.devices import available_host_bytes
 from planner.act.sharding import check_fsdp_options
 from planner.errors import BadInput, PlanMismatch
@@ -689,8 +688,8 @@ def _offload_store(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
                    handle: AppliedPlan) -> dict[str | None, SyncPoint]:
     """The handle's host store, the root's batch hook, and one ``SyncPoint`` per ``sync_fqn``
     (NOTE [ Offloaded units ], Rule 4); ``None`` is the root's forward end."""
-    store = handle.host_store = HostStore(with_static_storages(model))
-    handle._hooks.append(model.register_forward_pre_hook(BatchRecorder(store), with_kwargs=True))
+    store = handle.host_store = HostStore()
+    handle._hooks.append(model.register_forward_pre_hook(StaticRecorder(store), with_kwargs=True))
     syncs: dict[str | None, SyncPoint] = {}
     for u in plan.offload:
         if u.sync_fqn not in syncs:

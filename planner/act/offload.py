@@ -70,15 +70,15 @@ def host_memory_fix(needed_bytes: int, available_bytes: int | None) -> str:
     """The one-line message for a host store that cannot hold what a plan offloads."""
     have = f"; {format_bytes(available_bytes)} is available" if available_bytes is not None else ""
     return (f"the host store cannot allocate {format_bytes(needed_bytes)} for offloaded activations{have}: "
-            f"make a plan with a smaller --host-memory (host_memory_bytes= in Python), or free host memory")
+            f"make a plan with a smaller --host-memory (host_memory= in Python), or free host memory")
 
 
 class HostStore:
     """Host buffers of the offloaded storages of one applied plan, and their measured peak."""
 
-    def __init__(self, static_storages: set[int]) -> None:
-        self.static = static_storages  # data_ptrs of parameters and buffers (Rule 1)
-        self.batch: set[int] = set()  # data_ptrs of this forward's inputs, set by the root's pre-hook
+    def __init__(self) -> None:
+        self.static: set[int] = set()  # data_ptrs of parameters, buffers and the batch (Rule 1), per forward
+        self.on_cuda = False  # the model's parameters are on CUDA: tensors on the host stay there (Rule 1)
         self.live_bytes = 0
         self.peak_bytes = 0
         self.copies = 0  # storages moved since reset
@@ -114,10 +114,9 @@ class HostStore:
         """Rule 1: tensors that are not moved."""
         if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) or t.layout != torch.strided:
             return True
-        if t.device.type == "meta" or (t.device.type != "cpu" and t.device.type != "cuda"):
+        if t.device.type not in ("cpu", "cuda") or (t.device.type == "cpu" and self.on_cuda):
             return True
-        ptr = t.untyped_storage().data_ptr()
-        return ptr in self.static or ptr in self.batch or t.untyped_storage().nbytes() == 0
+        return t.untyped_storage().data_ptr() in self.static or t.untyped_storage().nbytes() == 0
 
 
 class _Entry:
@@ -238,20 +237,19 @@ class _Group:
             self.restore_all(self.store.streams()[1])
 
 
-def with_static_storages(model: nn.Module) -> set[int]:
-    """data_ptrs of the model's parameters and buffers (never moved, Rule 1)."""
-    return {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-
-
-class BatchRecorder:
-    """Root forward pre-hook: the batch's storages are static for this forward (Rule 1)."""
+class StaticRecorder:
+    """Root forward pre-hook: the storages of the parameters, buffers and batch of this forward, never
+    moved (Rule 1). Read at every forward, as the model may have moved (``.to``, ``fully_shard``)
+    since ``apply_plan``."""
 
     def __init__(self, store: HostStore) -> None:
         self.store = store
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled():
-            self.store.batch = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+            params = [*module.parameters(), *module.buffers()]
+            self.store.on_cuda = any(p.device.type == "cuda" for p in params)
+            self.store.static = {t.untyped_storage().data_ptr() for t in [*params, *_tensors((args, kwargs))]}
 
 
 class SyncPoint:

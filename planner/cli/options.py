@@ -329,11 +329,13 @@ class PlanOptions(StepOptions, RankOptions):
     @model_validator(mode="after")
     def _offload(self) -> PlanOptions:
         """The offload options that need no profile, checked before any profiling."""
-        from planner.act.api import OFFLOAD_SOLVERS, check_offload_shapes
+        from planner.act.api import OFFLOAD_ONE_PROCESS, OFFLOAD_SOLVERS, check_offload_shapes
 
         if self.host_memory is not None and not self.offload:
             raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
                            options=("host_memory", "offload"))
+        if self.offload and (self.world_size > 1 or self.sharding != "none"):
+            raise BadInput(OFFLOAD_ONE_PROCESS, options=("offload", "sharding"))
         if self.offload and self.solver not in OFFLOAD_SOLVERS:
             raise BadInput(f"solver {self.solver!r} has no offload choice: use {{solver}} auto or ilp with {{offload}}",
                            options=("solver", "offload"))
