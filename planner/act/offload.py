@@ -169,7 +169,7 @@ class _Entry:
         else:
             back = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             back.copy_(self.host, non_blocking=True)
-        self.restored = back.untyped_storage()
+        self.restored = back  # a uint8 tensor over the restored storage
         self.host = None
         self.store.release(self.nbytes)
 
@@ -177,9 +177,9 @@ class _Entry:
         if self.ready is not None:  # a prefetch: the compute stream waits for it, then owns the memory
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.ready)
-            self.restored.record_stream(stream) if hasattr(self.restored, "record_stream") else None
+            self.restored.record_stream(stream)  # allocated on the prefetch stream, now used on this one
             self.ready = None
-        return self.restored
+        return self.restored.untyped_storage()
 
     def __del__(self) -> None:
         if self.host is not None:  # never restored (a forward without backward)
@@ -269,8 +269,18 @@ class SyncPoint:
             group.settle()
         outs = [t for t in _tensors(output) if t.requires_grad]
         if outs:
-            torch.autograd.graph.register_multi_grad_hook(
-                outs, lambda _grads, gs=tuple(groups): [g.prefetch() for g in gs], mode="any")
+            torch.autograd.graph.register_multi_grad_hook(outs, _Prefetch(groups), mode="any")
+
+
+class _Prefetch:
+    """Gradient hook on a sync module's outputs: backward has reached it, prefetch the calls before it."""
+
+    def __init__(self, groups: list[_Group]) -> None:
+        self.groups = groups
+
+    def __call__(self, _grad: Any) -> None:
+        for group in self.groups:
+            group.prefetch()
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
