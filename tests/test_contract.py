@@ -161,16 +161,19 @@ def _cases(amp_profile: Profile) -> dict[str, tuple[Profile, dict]]:
         "gpt2 fsdp": (gpt2, {"world_size": 2, "sharding": "fsdp"}),
         "gpt2 ddp": (gpt2, {"world_size": 4, "sharding": "ddp"}),
         "tied": (tied, {}),
+        "gpt2 offload, copy engine": (gpt2.model_copy(update={"host_link_bytes_per_s": 10e9, "copy_engine": True}),
+                                      {"offload": True}),
     }
 
 
-CASES = ["amp, accumulation, menus", "amp nested", "gpt2 nested", "gpt2 fsdp", "gpt2 ddp", "tied"]
+CASES = ["amp, accumulation, menus", "amp nested", "gpt2 nested", "gpt2 fsdp", "gpt2 ddp", "tied",
+         "gpt2 offload, copy engine"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_builder_writes_exactly_the_contract(amp_profile, case):
     prof, kw = _cases(amp_profile)[case]
-    g = graph_for(prof, **kw)
+    g = graph_for(prof, **{k: v for k, v in kw.items() if k != "offload"})
     assert contract_violations(g) == []
     if case.startswith("amp,"):  # the case is what it says
         assert g.graph["autocast_cached"] and g.graph["grads_alive"] and g.graph["micro_batches"] == 2
@@ -180,6 +183,7 @@ def test_the_builder_writes_exactly_the_contract(amp_profile, case):
 @pytest.mark.parametrize("case", CASES)
 def test_solvers_and_planner_read_only_declared_attributes(amp_profile, case):
     prof, kw = _cases(amp_profile)[case]
+    offload = kw.pop("offload", False)
     g = strict(graph_for(prof, **kw))
     UNDECLARED.clear()
     lowest, peak = min_feasible_bytes(g), simulate(g, []).peak_bytes
@@ -196,4 +200,11 @@ def test_solvers_and_planner_read_only_declared_attributes(amp_profile, case):
         simulate(g, sol.checkpointed, sol.selective)
     plan_from_profile(prof, budget, solver=kw.get("solver", "auto"), headroom=0, graph=g,
                       time_limit_s=30)
+    if offload:  # the lowest peak with offload (NOTE [ Peak-memory model ], Rule 10), and a plan there
+        build_program(g, offload=True)
+        none_fits = SOLVERS["ilp"](g, lowest // 2, time_limit_s=30, host_budget_bytes=1 << 40)
+        least = none_fits.min_feasible_bytes
+        assert none_fits.status == "infeasible" and least is not None and least <= lowest
+        plan = plan_from_profile(prof, least, headroom=0, graph=g, time_limit_s=30, offload=True, host_memory="1TB")
+        assert plan.predicted.peak_bytes <= least
     assert UNDECLARED == []

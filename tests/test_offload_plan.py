@@ -14,6 +14,7 @@ from planner.act.api import plan_from_profile
 from planner.errors import BadInput, BudgetInfeasible
 from planner.model.graph import build_graph
 from planner.model.schema import Plan, Profile
+from planner.sizes import format_bytes
 from profiles import MODELS_DIR
 from solvers.cost_model import CostModel, simulate, window_bytes
 from solvers.errors import SolverError
@@ -167,3 +168,66 @@ def test_cli_plan_with_offload(tmp_path):
     assert r.exit_code == 0 and "offloaded" in r.output and "host memory" in r.output
     r = invoke("plan", "--profile", path, "--budget", "1GB", "--host-memory", "1GB")
     assert r.exit_code == 2 and "--offload" in r.output
+
+
+def _offload_plan() -> Plan:
+    prof = _profile()
+    g = build_graph(prof)
+    budget = int(simulate(g, _blocks(g)).peak_bytes * 0.97 / (1 - 0.005)) + 1
+    return plan_from_profile(prof, budget, offload=True, host_memory="1GB")
+
+
+def test_schema_version_rises_only_for_offload_plans(tmp_path):
+    """An offload plan is written as version 5; every other plan keeps its version (3, or 4 bucketed)."""
+    from planner.model.schema import OFFLOAD_PLAN_VERSION, PLAN_SCHEMA_VERSION, SINGLE_SHAPE_PLAN_VERSION
+
+    plan = _offload_plan()
+    assert json.loads(plan.to_json())["schema_version"] == OFFLOAD_PLAN_VERSION == PLAN_SCHEMA_VERSION
+    plain = plan_from_profile(_profile(), 10 * plan.budget_bytes)
+    assert json.loads(plain.to_json())["schema_version"] == SINGLE_SHAPE_PLAN_VERSION
+    path = plan.save(tmp_path / "plan.json")
+    assert Plan.load(path) == plan
+
+
+@pytest.mark.parametrize("path, value, says", [
+    ("offload.0.host_bytes", -1, "offload.0.host_bytes"),
+    ("offload.0.exposed_ms", float("nan"), "offload.0.exposed_ms"),
+    ("predicted.host_peak_bytes", 1 << 62, "predicted.host_peak_bytes"),
+    ("offload.0.fqn", "no.such.module", "is not in the model"),
+])
+def test_offload_numbers_are_checked_on_load(tmp_path, path, value, says):
+    """The offload fields join NOTE [ Numbers in files ]: one line naming the field."""
+    from planner.errors import PlanFileError
+
+    data = json.loads(_offload_plan().to_json())
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if key.isdigit() else node[key]
+    node[last] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=says.replace(".", r"\.")) as e:
+        Plan.load(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_offload_with_buckets_is_refused():
+    from planner.act.api import plan_buckets
+
+    prof = _profile()
+    with pytest.raises(BadInput, match="plans one input shape"):
+        plan_buckets([prof, prof], "1GB", offload=True, host_memory="1GB")
+
+
+def test_why_explains_offloaded_units():
+    """--why simulates the plan with its offloaded units, and says what each one's copies cost."""
+    from planner.act.why import explain
+
+    plan = _offload_plan()
+    g = build_graph(_profile())
+    lines = explain(g, plan)
+    assert lines[0].startswith(f"peak {format_bytes(plan.predicted.peak_bytes)} ")
+    for u in plan.offload:
+        line = next(x for x in lines if x.startswith(f"{u.unit}: "))
+        assert f"offloaded, {format_bytes(u.host_bytes)} to host memory" in line and "ms exposed" in line

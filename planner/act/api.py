@@ -371,6 +371,7 @@ def canonical(g: nx.DiGraph, est: Any, usable: int) -> Any:
             groups.setdefault((a["cost_group"], a["forward_ms"], menu), []).append(n)
     skip = {n for group in tie_groups(g) for n in group} | {_top(g, c) for c in [*est.checkpointed, *est.selective]
                                                            if g.nodes[c]["parent"] is not None}
+    skip |= {_top(g, c) for c in est.offloaded}  # an offloaded member moves with its own copy time: left as chosen
     for members in groups.values():
         ranks = sorted(_rank(g, est, n) for n in members)
         if len(members) < 2 or skip.intersection(members) or ranks[0] == ranks[-1]:
@@ -381,7 +382,7 @@ def canonical(g: nx.DiGraph, est: Any, usable: int) -> Any:
             full = [n for n in est.checkpointed if n not in assign] + [n for n, r in assign.items() if r == -1]
             sel = {n: k for n, k in est.selective.items() if n not in assign}
             sel.update({n: r for n, r in assign.items() if 0 <= r < len(g.nodes[n]["menu"])})
-            trials.append(simulate(g, full, sel))
+            trials.append(simulate(g, full, sel, est.offloaded))
         best = min(trials, key=lambda t: t.peak_bytes)  # the earlier-first on a tie
         same_ms = abs(best.recompute_ms - est.recompute_ms) <= 1e-9 * max(1.0, est.recompute_ms)
         if same_ms and best.peak_bytes <= min(usable, est.peak_bytes):
