@@ -231,3 +231,66 @@ def test_why_explains_offloaded_units():
     for u in plan.offload:
         line = next(x for x in lines if x.startswith(f"{u.unit}: "))
         assert f"offloaded, {format_bytes(u.host_bytes)} to host memory" in line and "ms exposed" in line
+
+
+# ----------------------------------------------------------------------------- remat frontier --offload
+
+
+def _frontier(tmp_path, *extra: str) -> dict:
+    path = tmp_path / "profile.json"
+    _profile().save(path)
+    r = invoke("frontier", "--profile", path, "--points", "5", "--json", "--quiet", *extra)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_frontier_with_offload_is_three_way(tmp_path):
+    """The offload series starts below every recompute-only plan, and at every budget where both fit it
+    costs no more than the optimal recompute-only plan (it may choose recompute too)."""
+    from planner.act.frontier import OFFLOAD_BASELINE, OFFLOAD_SERIES
+
+    data = _frontier(tmp_path, "--offload", "--host-memory", "1GB")
+    assert data["host_budget_bytes"] == 1 << 30
+    assert data["offload_min_feasible_bytes"] < data["min_feasible_bytes"]  # below every layer: only offload fits
+    opt = data["optimal_solver"]
+    by = {(p["solver"], p["budget_bytes"]): p for p in data["points"]}
+    grid = sorted({p["budget_bytes"] for p in data["points"]})
+    series = [by[(OFFLOAD_SERIES, b)] for b in grid]
+    assert all(p["status"] == "optimal" and p["peak_bytes"] <= p["budget_bytes"] for p in series)
+    assert by[(opt, grid[0])]["status"] == "infeasible" and series[0]["offloaded"] > 0
+    for a, b in zip(series, series[1:]):
+        assert b["recompute_ms"] + b["offload_ms"] <= a["recompute_ms"] + a["offload_ms"] + 1e-9
+    for b in grid:
+        mine, theirs = by[(OFFLOAD_SERIES, b)], by[(opt, b)]
+        if theirs["status"] == "optimal":
+            assert mine["recompute_ms"] + mine["offload_ms"] <= theirs["recompute_ms"] + 1e-6, b
+        assert mine["host_peak_bytes"] <= 1 << 30
+    every = by[(OFFLOAD_BASELINE, grid[-1])]
+    assert every["offloaded"] == 4 and every["recompute_ms"] == 0 and every["offload_ms"] > 0
+
+
+def test_frontier_without_offload_writes_no_offload_fields(tmp_path):
+    data = _frontier(tmp_path)
+    assert "host_budget_bytes" not in data and "offload_min_feasible_bytes" not in data
+    assert all("offload_ms" not in p and "offloaded" not in p for p in data["points"])
+    assert {p["solver"] for p in data["points"]}.isdisjoint({"ilp+offload", "offload-all"})
+
+
+def test_frontier_offload_table_plot_and_bad_input(tmp_path):
+    path = tmp_path / "profile.json"
+    _profile().save(path)
+    r = invoke("frontier", "--profile", path, "--points", "3", "--offload", "--host-memory", "1GB")
+    assert r.exit_code == 0, r.output
+    assert "ilp+offload" in r.stdout and "lowest feasible peak" in r.stdout and "offload-all" in r.stdout
+    r = invoke("frontier", "--profile", path, "--host-memory", "1GB")
+    assert r.exit_code == 2 and "--offload" in r.stderr and "\n" not in r.stderr.strip()
+    r = invoke("frontier", "--profile", path, "--offload", "--world-size", "2", "--sharding", "ddp")
+    assert r.exit_code == 2 and "one process" in r.stderr
+    r = invoke("frontier", "--profile", MODELS_DIR / "gpt2-tiny-cpu.json", "--offload", "--host-memory", "1GB")
+    assert r.exit_code == 2 and "re-profile" in r.stderr  # a profile without the host link
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "f.png"
+    r = invoke("frontier", "--profile", path, "--points", "3", "--offload", "--host-memory", "1GB", "--plot", png,
+               "--quiet")
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

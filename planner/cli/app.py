@@ -229,7 +229,7 @@ def frontier_cmd(o: FrontierOptions) -> None:
     """Sweep budgets: recompute and peak of every solver and baseline, as a table, JSON or a plot."""
     import time
 
-    from planner.act.api import headroom_for
+    from planner.act.api import headroom_for, resolve_host_budget
     from planner.act.frontier import frontier, sweep_graph, tradeoff
     from planner.files import atomic_write_text
 
@@ -244,12 +244,14 @@ def frontier_cmd(o: FrontierOptions) -> None:
     prof = _profile_source(o, log)
     graph = sweep_graph(prof, o.solvers, granularity=o.granularity, world_size=o.world_size, sharding=o.sharding)
     headroom = o.headroom if o.headroom is not None else headroom_for(prof)
+    host = resolve_host_budget(prof, o.offload, o.host_memory)  # None without --offload
     t0 = time.perf_counter()
     with render.counter(log, f"sweeping {o.points} budgets") as tick:
         pts = frontier(graph, points=o.points, solvers=o.solvers, time_limit_s=o.time_limit_s, headroom=headroom,
-                       progress=tick)
+                       progress=tick, host_budget_bytes=host)
     report = tradeoff(graph, pts, kind="remat-frontier", model=prof.fingerprint.model_class,
-                      device=_device_text(prof), seconds=time.perf_counter() - t0, headroom=headroom)
+                      device=_device_text(prof), seconds=time.perf_counter() - t0, headroom=headroom,
+                      host_budget_bytes=host, time_limit_s=o.time_limit_s)
     budgets = len({p.budget_bytes for p in pts})
     render.plain(log, f"swept {budgets} budgets x {len(pts) // max(budgets, 1)} solvers and baselines "
                       f"({len(pts)} plans) in {report.seconds:.2f} s")

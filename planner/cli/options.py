@@ -76,6 +76,14 @@ WHY = _param("why", Annotated[bool, typer.Option(
                   "without or with it, bytes freed per ms of recompute, ties, exclusions).")], False)
 
 
+OFFLOAD = _param("offload", Annotated[bool, typer.Option(
+    "--offload", help="Each unit may also move its saved tensors to host memory (keep, recompute or offload, chosen "
+                      "together by the ILP); with frontier: the three-way frontier.")], False)
+HOST_MEMORY = _param("host_memory", Annotated[str | None, typer.Option(
+    "--host-memory", help="Host memory offloaded tensors may take (with --offload): 64GB, 0.5TiB. Default: 80% of "
+                          "this machine's available memory; required with --device meta.")], None)
+
+
 def _time_limit(default: float, help_text: str) -> inspect.Parameter:
     return _param("time_limit_s", Annotated[float, typer.Option("--time-limit", min=0.001, help=help_text)], default)
 
@@ -313,36 +321,47 @@ class RankOptions(BaseModel):
         return self
 
 
-class PlanOptions(StepOptions, RankOptions):
-    budget: str | None = None
-    output: Path | None = None
-    solver: str = "auto"
+class OffloadOptions(StepOptions, RankOptions):
+    """``--offload`` and ``--host-memory`` (``remat plan`` and ``remat frontier``)."""
+
     profile: Path | None = None
-    granularity: int = 0
-    time_limit_s: float = 60.0
-    no_selective: bool = False
-    headroom: float | None = None
-    why: bool = False
     offload: bool = False
     host_memory: str | None = None
 
     @model_validator(mode="after")
-    def _offload(self) -> PlanOptions:
+    def _offload(self) -> OffloadOptions:
         """The offload options that need no profile, checked before any profiling."""
-        from planner.act.api import OFFLOAD_ONE_PROCESS, OFFLOAD_SOLVERS, check_offload_shapes
+        from planner.act.api import OFFLOAD_ONE_PROCESS, check_offload_shapes
 
         if self.host_memory is not None and not self.offload:
             raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
                            options=("host_memory", "offload"))
         if self.offload and (self.world_size > 1 or self.sharding != "none"):
             raise BadInput(OFFLOAD_ONE_PROCESS, options=("offload", "sharding"))
-        if self.offload and self.solver not in OFFLOAD_SOLVERS:
-            raise BadInput(f"solver {self.solver!r} has no offload choice: use {{solver}} auto or ilp with {{offload}}",
-                           options=("solver", "offload"))
         check_offload_shapes(self.offload, len(self.shapes))
         if self.offload and self.device == "meta" and self.host_memory is None and self.profile is None:
             raise BadInput("{offload} on --device meta needs {host_memory} SIZE: the host memory of the machine "
                            "that will train, not this one's", options=("host_memory", "offload"))
+        return self
+
+
+class PlanOptions(OffloadOptions):
+    budget: str | None = None
+    output: Path | None = None
+    solver: str = "auto"
+    granularity: int = 0
+    time_limit_s: float = 60.0
+    no_selective: bool = False
+    headroom: float | None = None
+    why: bool = False
+
+    @model_validator(mode="after")
+    def _offload_solver(self) -> PlanOptions:
+        from planner.act.api import OFFLOAD_SOLVERS
+
+        if self.offload and self.solver not in OFFLOAD_SOLVERS:
+            raise BadInput(f"solver {self.solver!r} has no offload choice: use {{solver}} auto or ilp with {{offload}}",
+                           options=("solver", "offload"))
         return self
 
     @field_validator("solver")
@@ -365,8 +384,7 @@ def _headroom_option(text: Any) -> float | None:
     return None if text is None or str(text).strip().lower() == "auto" else _fraction(text, "headroom")
 
 
-class SweepOptions(StepOptions, RankOptions):
-    profile: Path | None = None
+class SweepOptions(OffloadOptions):
     granularity: int = 0
     solvers: list[str] | None = None
     time_limit_s: float = 30.0
@@ -443,12 +461,7 @@ PLAN = [
     _time_limit(60.0, "Seconds the ILP may search; then its best plan is kept."),
     _param("no_selective", Annotated[bool, typer.Option(
         "--no-selective", help="Whole modules only: no op-level (selective) checkpointing policies.")], False),
-    _param("offload", Annotated[bool, typer.Option(
-        "--offload", help="Each unit may also move its saved tensors to host memory (keep, recompute or offload, "
-                          "chosen together by the ILP).")], False),
-    _param("host_memory", Annotated[str | None, typer.Option(
-        "--host-memory", help="Host memory offloaded tensors may take (with --offload): 64GB, 0.5TiB. Default: 80% "
-                              "of this machine's available memory; required with --device meta.")], None),
+    OFFLOAD, HOST_MEMORY,
     HEADROOM, WHY, *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
 PROFILE_CMD = [
@@ -465,7 +478,7 @@ FRONTIER = [
         "--plot", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
     _output("Write the points as JSON here (atomic)."),
     PROFILE, *MEASURED_STEP, GRANULARITY, SOLVERS,
-    _time_limit(30.0, "Seconds the ILP may search at each budget."), HEADROOM,
+    _time_limit(30.0, "Seconds the ILP may search at each budget."), HEADROOM, OFFLOAD, HOST_MEMORY,
     *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
 COMPARE = [

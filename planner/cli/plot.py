@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import BadInput
-from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, FrontierPoint, Tradeoff
+from planner.act.frontier import BASELINES, OFFLOAD_BASELINE, OFFLOAD_SERIES, OPTIMAL_SOLVERS, FrontierPoint, Tradeoff
 
 GIB, MIB = 2**30, 2**20
 
-_BASELINE_LABELS = {"all": "every layer (like HF gradient_checkpointing_enable)", "none": "no checkpointing"}
+_BASELINE_LABELS = {"all": "every layer (like HF gradient_checkpointing_enable)", "none": "no checkpointing",
+                    OFFLOAD_BASELINE: "every layer offloaded (like save_on_cpu on each block)"}
+_FIXED = (*BASELINES, OFFLOAD_BASELINE)
 
 
 def require_matplotlib() -> None:
@@ -32,7 +34,8 @@ def plot_frontier(report: Tradeoff, path: str | Path, *, title: str | None = Non
     """Draw ``report`` (a ``remat-frontier`` sweep) to ``path`` as a PNG, atomically.
 
     x: predicted peak memory (MiB, or GiB from 2 GiB up); y: recompute in ms per step, with the
-    share of the step on the right axis. The optimal solver is a step line (with a budget
+    share of the step on the right axis (with offload: recompute plus exposed copies, and the
+    three-way series ``ilp+offload`` as a second step line). The optimal solver is a step line (with a budget
     between two of its plans, the left plan is the best one can do); heuristics are lines with
     markers; baselines, whose plans ignore the budget, are single labelled markers; the swept
     budgets are ticks along the x axis. Points over their budget are not drawn.
@@ -49,16 +52,21 @@ def plot_frontier(report: Tradeoff, path: str | Path, *, title: str | None = Non
     heuristics = 0
     for name in _names(report.points):
         pts = _fitting(report.points, name)
-        if not pts or name in BASELINES:
+        if not pts or name in _FIXED:
             continue
         xs = [p.peak_bytes / scale for p in pts] + [report.no_checkpoint_peak_bytes / scale]
-        ys = [p.recompute_ms for p in pts]
+        ys = [p.overhead_ms for p in pts]
         ys.append(ys[-1])  # a plan stays available up to the largest budget
         if name == report.optimal_solver:
             proven = all(p.status == "optimal" for p in pts)
             label = f"{name} ({'optimal' if proven else 'optimal solver; not proven on this graph'})"
             ax.step(xs, ys, where="post", color="C0", linewidth=2.2, zorder=3, label=label)
             ax.plot(xs[:-1], ys[:-1], "o", color="C0", markersize=5, zorder=3)
+        elif name == OFFLOAD_SERIES:
+            proven = all(p.status == "optimal" for p in pts)
+            label = f"{name}: keep, recompute or offload ({'optimal' if proven else 'not proven on this graph'})"
+            ax.step(xs, ys, where="post", color="C3", linewidth=2.2, zorder=3, label=label)
+            ax.plot(xs[:-1], ys[:-1], "^", color="C3", markersize=5, zorder=3)
         else:
             heuristics += 1
             ax.step(xs, ys, where="post", linestyle="--", linewidth=1.2, color=f"C{heuristics}", alpha=0.9,
@@ -67,15 +75,16 @@ def plot_frontier(report: Tradeoff, path: str | Path, *, title: str | None = Non
     _baselines(ax, report, scale)
     _budget_rug(ax, report, scale)
     ax.set_xlabel(f"predicted peak memory ({unit})")
-    ax.set_ylabel("recompute (ms per step)")
+    cost = "recompute" if report.host_budget_bytes is None else "recompute + exposed copies"
+    ax.set_ylabel(f"{cost} (ms per step)")
     if report.step_ms > 0:
         share = report.step_ms / 100
         right = ax.secondary_yaxis("right", functions=(lambda ms: ms / share, lambda pct: pct * share))
-        right.set_ylabel(f"recompute (% of the {report.step_ms:.0f} ms step)")
+        right.set_ylabel(f"{cost} (% of the {report.step_ms:.0f} ms step)")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     fig.legend(loc="outside lower center", ncols=3, fontsize=8, frameon=False)  # below: curves stay visible
-    ax.set_title(title or f"{report.model} on {report.device}: recompute vs peak memory", fontsize=11)
+    ax.set_title(title or f"{report.model} on {report.device}: {cost} vs peak memory", fontsize=11)
     return _save_png(fig, Path(path))
 
 
@@ -88,8 +97,8 @@ def _fitting(points: list[FrontierPoint], name: str) -> list[FrontierPoint]:
     seen: dict[tuple[int, float], FrontierPoint] = {}
     for p in points:
         if p.solver == name and p.status != "infeasible":
-            seen.setdefault((p.peak_bytes, p.recompute_ms), p)
-    return sorted(seen.values(), key=lambda p: (p.peak_bytes, -p.recompute_ms))
+            seen.setdefault((p.peak_bytes, p.overhead_ms), p)
+    return sorted(seen.values(), key=lambda p: (p.peak_bytes, -p.overhead_ms))
 
 
 def _baselines(ax: Any, report: Tradeoff, scale: int) -> None:
@@ -97,8 +106,8 @@ def _baselines(ax: Any, report: Tradeoff, scale: int) -> None:
     plan (every-3 is every-2 on four blocks) share a marker and a label."""
     plans: dict[tuple[int, float], list[str]] = {}
     for p in report.points:
-        if p.solver in BASELINES and p.solver not in OPTIMAL_SOLVERS:
-            names = plans.setdefault((p.peak_bytes, p.recompute_ms), [])
+        if p.solver in _FIXED and p.solver not in OPTIMAL_SOLVERS:
+            names = plans.setdefault((p.peak_bytes, p.overhead_ms), [])
             if p.solver not in names:
                 names.append(p.solver)
     for i, ((peak, ms), names) in enumerate(sorted(plans.items(), key=lambda kv: (kv[0][0], -kv[0][1]))):

@@ -514,7 +514,9 @@ def frontier_table(report: Any) -> Table:
     names = [n for n in dict.fromkeys(p.solver for p in report.points) if not _baseline(n)]
     cells = {(p.budget_bytes, p.solver): p for p in report.points}
     table = Table(show_edge=False, pad_edge=False, title_justify="left",
-                  caption="cells: recompute ms per step / predicted peak", caption_justify="left")
+                  caption="cells: recompute ms per step / predicted peak" if report.host_budget_bytes is None else
+                  "cells: recompute + exposed copy ms per step / predicted peak",
+                  caption_justify="left")
     table.add_column("budget", justify="right", no_wrap=True)
     for n in names:
         table.add_column(_solver_header(report, n), justify="right", no_wrap=True)
@@ -530,15 +532,18 @@ def frontier_table(report: Any) -> Table:
 def baselines_table(report: Any) -> Table:
     """The fixed rules once each: their plans do not depend on the budget."""
     table = Table(show_edge=False, pad_edge=False)
-    for k, justify in (("baseline", "left"), ("peak", "right"), ("recompute ms", "right"),
+    cost = "recompute ms" if report.host_budget_bytes is None else "recompute + copies ms"
+    for k, justify in (("baseline", "left"), ("peak", "right"), (cost, "right"),
                        ("% of step", "right"), ("checkpointed", "right")):
         table.add_column(k, justify=justify, no_wrap=True)
     seen: set[str] = set()
     for p in report.points:
         if _baseline(p.solver) and p.solver not in seen:
             seen.add(p.solver)
-            table.add_row(Text(_label(p.solver)), format_bytes(p.peak_bytes), f"{p.recompute_ms:.1f}",
-                          _share(p.recompute_ms, report.step_ms), str(p.checkpointed))
+            table.add_row(Text(_label(p.solver)), format_bytes(p.peak_bytes), f"{p.overhead_ms:.1f}",
+                          _share(p.overhead_ms, report.step_ms),
+                          f"{p.checkpointed} + {p.offloaded} offl" if p.checkpointed and p.offloaded else
+                          f"{p.offloaded} offl" if p.offloaded else str(p.checkpointed))
     return table
 
 
@@ -548,6 +553,9 @@ def show_frontier(out: Console, report: Any, *, written: Sequence[Path | str] = 
                f"{format_bytes(report.min_feasible_bytes)} (lowest feasible) to "
                f"{format_bytes(report.no_checkpoint_peak_bytes)} (no checkpointing); "
                f"step {report.step_ms:.1f} ms without recompute")
+    if report.host_budget_bytes is not None:
+        plain(out, f"with offload (keep, recompute or move to host, within {format_bytes(report.host_budget_bytes)} "
+                   f"of host memory): lowest feasible peak {format_bytes(report.offload_min_feasible_bytes)}")
     plain(out, headroom_line(report.headroom))
     out.print(frontier_table(report))
     out.print(baselines_table(report))
@@ -612,14 +620,15 @@ def _inside(g: nx.DiGraph, n: str, chosen: set[str]) -> str:
     return "-"
 
 
-_BASELINE_NAMES = {"none": "none (no checkpointing)", "all": "all (every layer)"}
+_BASELINE_NAMES = {"none": "none (no checkpointing)", "all": "all (every layer)",
+                   "offload-all": "offload-all (every layer to host)"}
 
 
 def _baseline(name: str) -> bool:
     """A fixed rule (planner.act.frontier.BASELINES): its plan does not depend on the budget."""
-    from planner.act.frontier import BASELINES
+    from planner.act.frontier import BASELINES, OFFLOAD_BASELINE
 
-    return name in BASELINES
+    return name in BASELINES or name == OFFLOAD_BASELINE
 
 
 def _label(name: str) -> str:
@@ -635,7 +644,7 @@ def _solver_header(report: Any, name: str) -> str:
 def _tradeoff_cell(p: Any) -> str:
     if p.status == "infeasible":
         return "over"
-    return f"{p.recompute_ms:.1f} / {format_bytes(p.peak_bytes)}"
+    return f"{p.overhead_ms:.1f} / {format_bytes(p.peak_bytes)}"
 
 
 def _share(ms: float, step_ms: float) -> str:
