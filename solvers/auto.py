@@ -29,13 +29,38 @@ from solvers.errors import SolverError
 from solvers.ilp import solve as solve_ilp
 
 
+# NOTE [ Offload and the DP ]
+#
+# Dispatch. With a host budget (``remat plan --offload``, ``frontier --offload``) ``auto`` runs the
+# ILP, always; ``dp`` refuses with one line, as do the heuristics (``plan --offload --solver sqrt``
+# is bad input: OFFLOAD_SOLVERS in planner/act/api.py). Without one, the rule above is unchanged,
+# so plans without offload are byte for byte what they were (benchmarks/reference_plans.py).
+# Why the ILP alone: the chain DP could carry offload on a chain without a copy engine, but
+# only as a different recurrence, and nothing would be gained:
+#   - host memory is a second budget over the whole step (Rule 8's host row): the DP's fronts
+#     over (held bytes H, recompute R) per last bit become fronts over (H, R, host bytes), three
+#     coordinates, whose size is no longer O(n) on a transformer chain and needs its own
+#     discretisation to stay bounded (the host bytes rounded up, as H is today);
+#   - with a copy engine (CUDA, meta targets) an offloaded unit's bytes stay on the device through
+#     the forward of its sync leaf, the next leaf, and come back at that leaf's backward (NOTE
+#     [ Peak-memory model ], Rule 10): leaf i's terms depend on the choices at i-1, i and i+1, where
+#     ``chain_terms`` are written for two adjacent bits (``delta[i][c_{i-1}][c_i]``);
+#   - the ILP is exact for offload already (its rows equal ``simulate``'s on every
+#     keep/recompute/offload mix: tests/test_offload_plan.py) and fast where the DP would apply:
+#     on the reference profiles (9 to 36 candidates, chains) an offload plan took 0.00-0.23 s of
+#     CPU time against the DP's 0.00-0.08 s for recompute alone (measured 2026-12-02, load ~4).
+# The DP's ``min_feasible_bytes`` stays the recompute-only lowest peak; offload's lowest peak is
+# the ILP's minimum-peak search (``planner.act.frontier.offload_min_feasible_bytes``).
+
+
 def solve_auto(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None,
                host_budget_bytes: int | None = None, **kw: object) -> Solution:
     """Least-recompute plan within ``budget_bytes``, by the DP or the ILP (see module docstring);
-    with ``host_budget_bytes`` (offload allowed) the ILP, as the DP has no offload choice."""
+    with ``host_budget_bytes`` (offload allowed) the ILP, as the DP has no offload choice (NOTE
+    [ Offload and the DP ])."""
     if host_budget_bytes is not None:
-        return _labelled(solve_ilp(g, budget_bytes, time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes,
-                                   **kw), "ilp: offload is on (the DP has no offload choice)")
+        sol = solve_ilp(g, budget_bytes, time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes, **kw)
+        return _labelled(sol, "ilp: offload is on (the DP has no offload choice, NOTE [ Offload and the DP ])")
     nested = any(not a["leaf"] for _, a in g.nodes(data=True))
     many_tied = len(tie_groups(g)) > MAX_TIED_GROUPS
     if not nested and not many_tied and chain_terms(g).exact:

@@ -138,3 +138,67 @@ def test_plan_larger_than_free_host_memory_is_refused_at_apply():
     plan.predicted.host_peak_bytes = 1 << 60
     with pytest.raises(HostMemoryError, match="--host-memory"):
         apply_plan(model, plan)
+
+
+BLOCKS_FILE = '''
+import torch
+from torch import nn
+
+
+class Blocks(nn.Module):
+    def __init__(self, n=4, width=128):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                                    for _ in range(n))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Blocks()
+
+
+def example_inputs():
+    return torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+
+
+def loss_fn(out):
+    return out.square().mean()
+'''
+
+
+def test_offload_plan_verifies_device_and_host_peak_against_the_prediction(tmp_path):
+    """An offload plan below every layer's lowest peak (where recompute alone has no plan), made and
+    verified as a user would: the measured device peak and the host store's peak equal the prediction,
+    the gradients equal the unplanned model's bit for bit (NOTE [ Peak-memory model ], Rule 10)."""
+    from planner.act.api import budget_with_headroom, headroom_for, plan_from_profile
+    from planner.act.frontier import offload_min_feasible_bytes
+    from planner.act.verify import verify
+    from planner.model.graph import build_graph
+    from planner.profiling import profile
+    from solvers.dp import min_feasible_bytes
+
+    path = tmp_path / "blocks.py"
+    path.write_text(BLOCKS_FILE)
+    from planner.profiling.model_file import load_model_file
+
+    mf = load_model_file(path)
+    prof = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu", steps=1, threads=1)
+    g = build_graph(prof)
+    host = 1 << 30
+    lowest, recompute_lowest = offload_min_feasible_bytes(g, host), min_feasible_bytes(g)
+    assert lowest < recompute_lowest, "offload reaches below every recompute-only plan"
+    budget = budget_with_headroom((lowest + recompute_lowest) // 2, headroom_for(prof))
+    plan = plan_from_profile(prof, budget, offload=True, host_memory=host)
+    assert plan.offload and plan.predicted.host_peak_bytes
+    report = verify(path, plan, steps=1, threads=1)
+    assert report.ok, report.problems
+    assert report.max_grad_diff == 0.0, "offloading does not change a gradient bit"
+    assert report.measured_host_peak_bytes == report.predicted_host_peak_bytes
+    assert abs(report.prediction_error) <= 0.02 and report.measured_peak_bytes <= budget
+    assert report.offloaded == [u.fqn for u in plan.offload]
