@@ -32,9 +32,9 @@ reports the other):
 4. offload (NOTE [ Peak-memory model ], Rule 10; NOTE [ Offloaded units ]): the pinned copy's
    bandwidth the profile measured against the spec's host_link_bytes_per_s; how much of a side-stream
    copy hides behind a matmul loop on the compute stream (copy alone, compute alone, both); and a
-   ``--offload`` plan at 95% of every layer's predicted peak, verified: device peak and host peak
-   against the prediction, measured overhead (planned minus unplanned step) against the modelled
-   exposed copy time.
+   ``--offload`` plan halfway between offload's lowest peak and every layer's, verified: device peak
+   and host peak against the prediction, measured overhead (planned minus unplanned step) against
+   the modelled exposed copy time.
 
 Without CUDA it prints "no CUDA device: skipping" and exits 0. Exit 1 when a model failed.
 """
@@ -196,15 +196,22 @@ def offload_check(name: str, *, device: str, target: str) -> dict[str, Any]:
     path = ROOT / "examples" / f"{name}.py"
     mf = load_model_file(path)
     measured = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=device, steps=STEPS)
+    from planner.act.api import budget_with_headroom, headroom_for
+    from planner.act.frontier import offload_min_feasible_bytes
+
     g = graph_for(measured, selective=False)
-    budget = int(0.95 * simulate(g, indexed_blocks(g)).peak_bytes)  # below every layer's peak
+    every = simulate(g, indexed_blocks(g)).peak_bytes
+    lowest = offload_min_feasible_bytes(g, 16 << 30)  # with the copy engine's in-transfer bytes (Rule 10)
+    # halfway between offload's lowest peak and every layer's: below every layer where offload reaches it
+    budget = budget_with_headroom((lowest + every) // 2 if lowest < every else every, headroom_for(measured))
     plan = plan_from_profile(measured, budget, offload=True, host_memory="16GB")
     report = verify(path, plan, steps=STEPS, device=device)
     spec = get_device(target)
     return {
         "host_link_measured_bytes_per_s": measured.host_link_bytes_per_s,
         "host_link_spec_bytes_per_s": spec.host_link_bytes_per_s,
-        "budget_bytes": budget, "offloaded": [u.fqn for u in plan.offload], "checkpoints": plan.checkpoints,
+        "budget_bytes": budget, "every_layer_peak_bytes": every, "offload_lowest_peak_bytes": lowest,
+        "offloaded": [u.fqn for u in plan.offload], "checkpoints": plan.checkpoints,
         "predicted_peak_bytes": report.predicted_peak_bytes, "measured_peak_bytes": report.measured_peak_bytes,
         "predicted_host_peak_bytes": report.predicted_host_peak_bytes,
         "measured_host_peak_bytes": report.measured_host_peak_bytes,
