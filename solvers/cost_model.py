@@ -432,17 +432,17 @@ class CostModel:
         pos: dict[int, int] = {}
         for pol in (policies or {}).values():
             for seq, t in pol.cached:
-                if seq < pos.get(t, 1 << 62):
+                if seq < pos.get(t, ALIVE_SEQ):
                     pos[t] = seq
         for seq, t, containers in self.saves:
             if chosen and any(c in chosen for c in containers):
                 continue
-            if seq < pos.get(t, 1 << 62):
+            if seq < pos.get(t, ALIVE_SEQ):
                 pos[t] = seq
         for c in chosen:
             start = self.graph.nodes[c]["fwd_start_seq"]
             for t in self.graph.nodes[c]["input_ids"]:
-                if start < pos.get(t, 1 << 62):
+                if start < pos.get(t, ALIVE_SEQ):
                     pos[t] = start
         return pos
 
@@ -469,7 +469,7 @@ class CostModel:
         for i, (leaf, end) in enumerate(zip(self.leaves, self.leaf_end_seq)):
             in_flight_ids = g.nodes[leaf]["in_flight_ids"]
             h = held_upto(end)
-            out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, 1 << 62) > end)
+            out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, ALIVE_SEQ) > end)
             out_extra += self.cached_casts(pos, end, in_flight_ids)
             yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
             _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i

@@ -17,10 +17,13 @@ from rich.console import Console
 
 from planner.cli import render
 from planner.act.api import DEFAULT_HEADROOM, budget_with_headroom, graph_for
-from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers
+from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers, run_solver
+from solvers import SOLVERS
+from solvers.cost_model import simulate
+from solvers.dp import min_feasible_bytes
 from planner.model.synthetic import random_chain, random_dag, synthetic_profile
 from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke
-from tests.fixtures import TINY_MODEL
+from tests.model_files import TINY_MODEL
 
 
 
@@ -222,3 +225,21 @@ def test_stages_draw_a_bar_on_a_terminal_and_lines_elsewhere():
         tick(5, 10)
         tick(10, 10)
     assert "10/10" in buf.getvalue()
+
+
+def test_a_plan_of_selective_regions_is_drawn_at_its_peak_and_recompute(menu_profile):
+    """The DP's plan at a budget between none and every block: with selective regions in it, its point
+    has the peak and recompute ``simulate`` gives the whole plan (regions included), within the budget."""
+    g = graph_for(menu_profile)
+    lo, hi = min_feasible_bytes(g), simulate(g, []).peak_bytes
+    for budget in (lo + (hi - lo) * k // 8 for k in range(1, 8)):
+        sol = SOLVERS["dp"](g, budget)
+        if sol.selective:
+            break
+    else:
+        pytest.fail("no budget gave the DP a plan with selective regions")
+    point = run_solver(g, "dp", budget)
+    est = simulate(g, sol.checkpointed, sol.selective)
+    assert (point.peak_bytes, point.recompute_ms) == (est.peak_bytes, round(est.recompute_ms, 6))
+    assert point.peak_bytes <= budget and point.recompute_ms > 0
+    assert point.checkpointed == len(sol.checkpointed) + len(sol.selective)

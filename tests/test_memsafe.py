@@ -150,7 +150,7 @@ def test_cli_out_of_memory_hint_and_exit_code(monkeypatch, tmp_path):
         raise RuntimeError(CPU_OOM)
 
     monkeypatch.setattr(cli, "_run_profiler", oom)
-    from tests.fixtures import TINY_MODEL
+    from tests.model_files import TINY_MODEL
 
     model = tmp_path / "m.py"
     model.write_text(TINY_MODEL)  # a model file that loads: the CLI reads it before profiling

@@ -103,10 +103,7 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
     """Run one solver by name; returns a ``solvers.Solution``."""
     from solvers import SOLVERS
 
-    name = solver
-    if name == "auto" and "auto" not in SOLVERS:
-        name = "dp"
-    fn = SOLVERS.get(name)
+    fn = SOLVERS.get(solver)
     if fn is None:
         choices = ", ".join(["auto", *sorted(k for k in SOLVERS if k != "auto")])
         raise SolverError(f"unknown solver {solver!r}; choose one of: {choices}")

@@ -32,7 +32,7 @@ class FrontierPoint(BaseModel):
     peak_bytes: int = Field(description="Predicted peak of the solver's plan (also when over budget).")
     recompute_ms: float
     status: Status
-    checkpointed: int = Field(description="Number of checkpointed units.")
+    checkpointed: int = Field(description="Number of checkpointed units, selective regions included.")
 
 
 class Tradeoff(BaseModel):
@@ -98,10 +98,10 @@ def run_solver(g: nx.DiGraph, name: str, budget_bytes: int, *, time_limit_s: flo
         from planner.act.api import solve_graph
 
         sol = solve_graph(g, usable, solver=name, time_limit_s=time_limit_s)
-    est = simulate(g, sol.checkpointed)
+    est = simulate(g, sol.checkpointed, sol.selective)  # selective regions are part of the plan
     return FrontierPoint(solver=name, budget_bytes=budget_bytes, peak_bytes=est.peak_bytes,
                          recompute_ms=round(est.recompute_ms, 6), status=sol.status,
-                         checkpointed=len(sol.checkpointed))
+                         checkpointed=len(sol.checkpointed) + len(sol.selective))
 
 
 def budgets(g: nx.DiGraph, points: int, headroom: float = 0.0) -> list[int]:

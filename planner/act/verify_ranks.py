@@ -42,6 +42,7 @@ from pydantic import BaseModel, Field
 
 from planner.children import PARENT_ENV, die_with_parent, end
 from planner.errors import BadInput, ProfileError
+from planner.files import atomic_write_text
 from planner.model.schema import Plan
 from planner.profiling import rng
 from planner.sizes import format_bytes
@@ -193,7 +194,7 @@ def _child(rank: int, world_size: int, port: int, args: _Args, out_dir: str) -> 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no waiting on a hostname that resolves elsewhere
     torch.set_num_threads(1)
     result = _rank_main(args, Path(out_dir, "grads.pt"))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    atomic_write_text(Path(out_dir, f"rank{rank}.json"), json.dumps(result))
 
 
 def _rank_main(args: _Args, grads_path: Path) -> dict:

@@ -23,6 +23,9 @@ from planner.options import Amp, OptimizerName, Sharding, parse_amp, parse_optim
 
 DEVICES = ("auto", "cpu", "cuda", "meta")
 
+DEVICE_MEMORY_ENV = "REMAT_DEVICE_MEMORY"
+"""Environment variable read when --device-memory is not given."""
+
 
 def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
@@ -105,8 +108,8 @@ HF_SOURCE = [
 MEASURED_STEP = [
     DEVICE,
     _param("device_memory", Annotated[str | None, typer.Option(
-        "--device-memory", envvar="REMAT_DEVICE_MEMORY", show_default=False,
-        help="Memory the device may use (12GB, 150MiB; env REMAT_DEVICE_MEMORY): a step that does not fit is "
+        "--device-memory", envvar=DEVICE_MEMORY_ENV, show_default=False,
+        help=f"Memory the device may use (12GB, 150MiB; env {DEVICE_MEMORY_ENV}): a step that does not fit is "
              "profiled with its candidates checkpointed (a memory-safe profile). CUDA: a per-process cap; "
              "CPU: profiled in a child process whose address space is capped.")], None),
     _param("target", Annotated[str | None, typer.Option(

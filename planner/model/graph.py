@@ -16,6 +16,7 @@ among nested candidates (a block, or any set of its children, never both).
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from typing import Iterable
 
@@ -203,7 +204,7 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
     import bisect
 
     lo = bisect.bisect_left(saves_by_seq, (u.fwd_start_seq, -1))
-    hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, 1 << 62))
+    hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, math.inf))  # after every tensor id at that seq
     saved = frozenset(t for _, t in saves_by_seq[lo:hi])
     inputs = frozenset(u.input_ids)
     return NodeAttrs(

@@ -579,7 +579,7 @@ class Plan(_Model):
     sharding: Sharding = "none"
     fsdp_units: list[str] = Field(default_factory=list, description=(
         "With sharding 'fsdp': the modules the per-rank prediction assumes each wrapped in fully_shard, "
-        "in forward order, before the root (planner.sharding.shard_for_plan wraps exactly these)."))
+        "in forward order, before the root (planner.act.sharding.shard_for_plan wraps exactly these)."))
     step_changes: list[StepChange] = Field(default_factory=list,
                                            description="What apply_plan changes in the training step, as the "
                                                        "profile did (see planner/profiling/step_changes.py).")

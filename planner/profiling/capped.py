@@ -39,6 +39,7 @@ from typing import Any
 
 from planner.children import die_with_parent, run_child
 from planner.errors import ProfileError, RematError
+from planner.files import atomic_write_text
 
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 """glibc settings for the child (NOTE [ CPU memory cap ])."""
@@ -47,9 +48,6 @@ OVERHEAD_ALLOWANCE_BYTES = 80 * 2**20
 """Address space the cap leaves for what a profiled step allocates besides tensors: the CPU
 profiler's event buffers, autograd nodes, Python objects (about 70 MiB for
 benchmarks/models/llama8.py; see NOTE [ CPU memory cap ])."""
-
-ENV_VAR = "REMAT_DEVICE_MEMORY"
-"""Environment variable the CLI reads when --device-memory is not given."""
 
 
 def profile_capped(model_path: str | Path, *, device_memory_bytes: int, optimizer: str = "adamw", steps: int = 3,
@@ -137,13 +135,13 @@ def _child(argv: list[str]) -> int:
     try:
         prof = _profile_child(args)
     except RematError as e:
-        out.write_text(json.dumps({"error": e.template, "options": e.options}))  # worded by the caller
+        atomic_write_text(out, json.dumps({"error": e.template, "options": e.options}))  # worded by the caller
         return e.exit_code
     except MemoryError:
-        out.write_text(json.dumps({"error": "out of memory outside the step (Python's own allocations); "
+        atomic_write_text(out, json.dumps({"error": "out of memory outside the step (Python's own allocations); "
                                             "raise {device_memory_bytes}", "options": ["device_memory_bytes"]}))
         return ProfileError.exit_code
-    out.write_text(prof.model_dump_json())
+    atomic_write_text(out, prof.model_dump_json())  # the parent never reads half a profile
     return 0
 
 

@@ -1,7 +1,7 @@
 """Profile a training step that does not fit the device: measure it with the candidates checkpointed.
 
 ``profile_within(model, inputs, device_memory_bytes=M)`` (``remat plan --device-memory M``) profiles
-as ``planner.profiling.profiler.profile`` does when the step fits. When it does not (a fake-tensor pass
+as ``planner.profiling.profile`` does when the step fits. When it does not (a fake-tensor pass
 predicts a peak above M, or the step runs out of memory), it measures the step with every
 default candidate checkpointed, then with their children, and returns a profile of the
 *unplanned* step, as a full profile would have measured it (NOTE [ Memory-safe profile ]).
@@ -110,7 +110,7 @@ def profile_within(
 ) -> schema.Profile:
     """Profile one training step of ``model``; under checkpointing when it does not fit the device.
 
-    Without ``device_memory_bytes`` the step is run as ``planner.profiling.profiler.profile`` runs it, and
+    Without ``device_memory_bytes`` the step is run as ``planner.profiling.profile`` runs it, and
     only running out of memory leads to the memory-safe profile. With it, a fake-tensor pass
     (``planner.profiling.meta``, following this device's rules) predicts the unplanned peak first; on
     CUDA the cap is also enforced (``torch.cuda.set_per_process_memory_fraction``); on the CPU

@@ -45,7 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from planner.model import schema
-from planner.profiling.devices import Calibration, DeviceSpec, get_device, load_calibration
+from planner.profiling.devices import (Calibration, DeviceSpec, calibration_path, calibration_source, get_device,
+                                       load_calibration)
 from planner.errors import BadInput, ProfileError
 from planner.profiling.measure import Measured, make_optimizer, make_step, resolve_recipe
 from planner.profiling.model_file import Inputs
@@ -67,7 +68,8 @@ Progress = Callable[[str], None]
 # the device lacks (bf16 on a T4) falls back to fp32. Kernel launch overhead (a few us per
 # op) is not modelled: small models come out faster than they run.
 # How sure: the two efficiencies come from the device's calibration file
-# (``planner.profiling.devices.load_calibration``: profiles/devices/calibration/<name>.json, fitted on a
+# (``planner.profiling.devices.load_calibration``: this machine's ``user_calibration_dir()``, else the
+# shipped profiles/devices/calibration/<name>.json, fitted on a
 # real step of that GPU by benchmarks/gpu_check.py). Without one they are the assumptions
 # below, and the profile, the plan and the CLI say "uncalibrated" (``Profile.time_calibration``
 # is None).
@@ -203,7 +205,7 @@ def profile_meta(
                             source="tracker")
         prof = assemble_profile(model, inputs, dev, optimizer, recipe, times, mem, measured, 1, 1)
     units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
-    source = f"profiles/devices/calibration/{spec.name}.json" if calibration else None
+    source = calibration_source(calibration_path(spec)) if calibration else None
     return prof.model_copy(update={
         "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units,
         "notes": [*prof.notes, *_notes(spec, rules, roofline, source)], "time_source": "roofline",
