@@ -124,3 +124,24 @@ def test_calibrations_made_here_go_outside_the_package(monkeypatch, tmp_path):
     assert devices.calibration_path(spec) == mine
     assert devices.load_calibration(spec).matmul_efficiency == 0.5
     assert devices.calibration_source(mine) == str(mine)
+
+
+def test_every_cited_note_is_defined_once():
+    """A NOTE cited anywhere (by its name in brackets) is written once, as a comment beside its code."""
+    defined: dict[str, list[str]] = {}
+    for path in LIBRARY + sorted((ROOT / "benchmarks").glob("*.py")):
+        for name in re.findall(r"^\s*# NOTE \[ (.+?) \]\s*$", path.read_text(), flags=re.M):
+            defined.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    twice = {n: where for n, where in defined.items() if len(where) > 1}
+    assert not twice, twice
+    cited = {(n, str(path.relative_to(ROOT))) for path in TEXTS + sorted((ROOT / "tests").glob("*.py"))
+             for n in re.findall(r"NOTE \[ (.+?) \]", " ".join(re.sub(r"\n\s*#+ ?", " ", path.read_text()).split()))}
+    unknown = sorted(f"{n} ({where})" for n, where in cited if n not in defined)
+    assert not unknown, unknown
+
+
+def test_notes_are_comments_not_docstrings():
+    """A module docstring says what the module does; its NOTEs sit beside the code they govern."""
+    for path in LIBRARY:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert not re.search(r"^\s*(# )?NOTE \[ .+? \]\s*$", doc, flags=re.M), path.relative_to(ROOT)

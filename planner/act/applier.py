@@ -17,96 +17,6 @@ Each planned module is checkpointed as one region on every call, with non-reentr
 ``torch.utils.checkpoint`` (keyword arguments and non-tensor outputs pass through). The model
 keeps its structure: no wrapper modules, so parameter names, ``state_dict`` keys and parameter
 objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` still match.
-
-# NOTE [ Checkpointing by instance forward ]
-#
-# ``nn.Module.__call__`` runs hooks and then ``self.forward``. ``apply_plan`` sets an instance
-# attribute ``forward`` on each planned module: a ``CheckpointedForward`` object that calls the
-# module's previous forward (the bound class method, or an instance-level forward someone else
-# installed) inside ``checkpoint(..., use_reentrant=False, preserve_rng_state=True)``. So:
-#   - the module's own hooks stay outside the region and run once (as Hugging Face's
-#     ``GradientCheckpointingLayer`` does, and for the same reason: FSDP2's hooks);
-#   - ``remove()`` deletes the attribute (or puts back the instance forward it replaced);
-#     ``type(module).forward`` is never touched;
-#   - it is an object, not a closure: ``copy.deepcopy(model)`` gives a copy whose forward is
-#     rebound to the copy's own module (bound methods deep-copy that way; a closure would keep
-#     calling the original model's module), and ``torch.save(model)`` can pickle it.
-# Tensors passed as keyword arguments are handed to ``checkpoint`` positionally, because
-# ``checkpoint`` looks for the device whose RNG state it must preserve in the positional
-# arguments only: a dropout inside a region called as ``block(x=h)`` on a GPU would otherwise
-# draw a different mask when recomputed (silently wrong gradients).
-# A recomputation is recognised without any global flag: every call builds a fresh inner
-# function for ``checkpoint``; its first run is the forward, any later run of the same function
-# is ``checkpoint`` replaying it during backward. The forward notes numpy's and Python's
-# generators, and the replay runs from that state and puts the current one back, as
-# ``preserve_rng_state`` does for torch's (NOTE [ Randomness outside torch ] in
-# planner/profiling/rng.py). Under ``torch.compile`` the region becomes a
-# ``tag_activation_checkpoint`` higher-order op and the compiled backward recomputes it, so no
-# Python runs at recompute time and nothing is counted.
-#
-# NOTE [ BatchNorm under recomputation ]
-#
-# A training-mode BatchNorm updates ``running_mean``, ``running_var`` and
-# ``num_batches_tracked`` in place on every forward, so recomputing a region would update them
-# twice per step. While a region is recomputed (eager mode), the running statistics of the
-# norm layers inside it are copied beforehand and copied back afterwards (also when the
-# recomputation stops early, which ``checkpoint`` does by raising inside it). The output of a
-# training-mode BatchNorm does not read the running statistics, so the recomputed activations
-# are unaffected; after the step the statistics equal the unplanned model's exactly. Other
-# in-place updates of module state inside a region (a custom counter, a KV cache) are not
-# undone: the profiler's validation step keeps such modules out of plans (NOTE [ Validation
-# step ]), and a Hugging Face cache is turned off while training (NOTE [ Step changes ]).
-#
-# NOTE [ Selective regions ]
-#
-# A plan's ``selective`` modules are checkpointed the same way, with one more argument:
-# ``checkpoint(..., context_fn=...)`` builds torch's selective-checkpointing modes
-# (``create_selective_checkpoint_contexts``) around a fresh ``_KeepListed`` policy per call.
-# The policy marks MUST_SAVE the op calls the plan lists, by overload name and index among
-# that overload's calls in the module's forward (the profiler counts the same way, NOTE [ Op
-# records ]), and PREFER_RECOMPUTE everything else. Dropout replays its RNG state as in full
-# checkpointing (or is kept, if listed). Under ``torch.compile`` the marks become hints for
-# the partitioner on the traced graph, whose op calls may be numbered differently (fused,
-# decomposed): the gradients stay exact, the memory is what the compiler makes of the hints.
-#
-# NOTE [ Plans under FSDP2 and DDP ]
-#
-# A plan applies to the model before or after it is wrapped for data parallelism, by the same
-# FQNs:
-#   - FSDP2's ``fully_shard`` keeps the module tree and names. It swaps each wrapped module's
-#     class for a subclass ``FSDP<Class>`` in place and its parameters for DTensors, whose
-#     ``.shape`` is the global shape. The fingerprint check uses the original class name and
-#     those global shapes, so a plan made on the plain model matches on every rank.
-#   - ``DistributedDataParallel`` holds the model as ``.module`` (its FQNs gain a ``module.``
-#     prefix); ``apply_plan`` looks through the wrapper and plans ``ddp.module``.
-# With FSDP2 the checkpoint sits inside the FSDP unit, as in torchtitan: the unit's hooks are
-# module hooks around ``__call__``, so the all-gather (pre-forward) and the reshard
-# (post-forward) surround the region, and the recompute re-runs only ``forward``, without the
-# hooks. It happens in the unit's backward, when autograd first unpacks a tensor the region
-# saved, and FSDP2's pre-backward hook, a hook on the unit's outputs, has by then all-gathered
-# the parameters again: the gradient reaches an output (firing the hook) before autograd runs
-# anything inside the unit. So the recompute reads unsharded parameters and nothing is
-# all-gathered twice, whichever of ``apply_plan`` and ``fully_shard`` runs first. Regions must
-# not contain an FSDP unit (its hooks would run inside the recompute); the default candidates,
-# the repeated blocks and the modules around them, never do when each block is a unit.
-#
-# NOTE [ Runtime shape guard ]
-#
-# A plan's prediction holds for the input shapes it was profiled with. Training jobs pad
-# dynamically, so a batch can be longer or wider than the planned one, and activations grow
-# with it: the planned peak no longer holds and the step may run out of memory.
-# ``apply_plan(..., guard=...)`` puts a forward pre-hook on the planned model that compares
-# each training forward's tensor inputs with ``plan.fingerprint.inputs``. The call is first bound
-# to forward's signature, so an input is found whether the plan named it by position ('0', '1',
-# ...) or by key ('images') and whether the job passes it positionally or by keyword:
-#   - an input larger than planned in any dimension (more tokens, a bigger batch) is reported
-#     once per handle, with the planned and the actual shapes: a warning under "warn" (the
-#     default), ``PlanMismatch`` under "error";
-#   - equal or smaller inputs pass silently: activations shrink with them;
-#   - inputs the plan does not name (an attention mask it was made without) are not checked.
-# Forwards without grad (evaluation) and forwards traced by ``torch.compile`` are not checked.
-# To plan for variable-length data, plan at the largest shape the job will see, or plan several
-# shapes in one bucketed plan (NOTE [ Bucketed plans ] in planner/act/buckets.py).
 """
 
 from __future__ import annotations
@@ -153,6 +63,32 @@ class RegionCounts:
     recomputes: int = 0
     """Forwards ``checkpoint`` replayed during backward (eager mode only)."""
 
+
+# NOTE [ Checkpointing by instance forward ]
+#
+# ``nn.Module.__call__`` runs hooks and then ``self.forward``. ``apply_plan`` sets an instance
+# attribute ``forward`` on each planned module: a ``CheckpointedForward`` object that calls the
+# module's previous forward (the bound class method, or an instance-level forward someone else
+# installed) inside ``checkpoint(..., use_reentrant=False, preserve_rng_state=True)``. So:
+#   - the module's own hooks stay outside the region and run once (as Hugging Face's
+#     ``GradientCheckpointingLayer`` does, and for the same reason: FSDP2's hooks);
+#   - ``remove()`` deletes the attribute (or puts back the instance forward it replaced);
+#     ``type(module).forward`` is never touched;
+#   - it is an object, not a closure: ``copy.deepcopy(model)`` gives a copy whose forward is
+#     rebound to the copy's own module (bound methods deep-copy that way; a closure would keep
+#     calling the original model's module), and ``torch.save(model)`` can pickle it.
+# Tensors passed as keyword arguments are handed to ``checkpoint`` positionally, because
+# ``checkpoint`` looks for the device whose RNG state it must preserve in the positional
+# arguments only: a dropout inside a region called as ``block(x=h)`` on a GPU would otherwise
+# draw a different mask when recomputed (silently wrong gradients).
+# A recomputation is recognised without any global flag: every call builds a fresh inner
+# function for ``checkpoint``; its first run is the forward, any later run of the same function
+# is ``checkpoint`` replaying it during backward. The forward notes numpy's and Python's
+# generators, and the replay runs from that state and puts the current one back, as
+# ``preserve_rng_state`` does for torch's (NOTE [ Randomness outside torch ] in
+# planner/profiling/rng.py). Under ``torch.compile`` the region becomes a
+# ``tag_activation_checkpoint`` higher-order op and the compiled backward recomputes it, so no
+# Python runs at recompute time and nothing is counted.
 
 class CheckpointedForward:
     """The instance-level ``forward`` of a planned module; see NOTE [ Checkpointing by instance forward ]."""
@@ -228,6 +164,18 @@ class CheckpointedForward:
         return run
 
 
+# NOTE [ Selective regions ]
+#
+# A plan's ``selective`` modules are checkpointed the same way, with one more argument:
+# ``checkpoint(..., context_fn=...)`` builds torch's selective-checkpointing modes
+# (``create_selective_checkpoint_contexts``) around a fresh ``_KeepListed`` policy per call.
+# The policy marks MUST_SAVE the op calls the plan lists, by overload name and index among
+# that overload's calls in the module's forward (the profiler counts the same way, NOTE [ Op
+# records ]), and PREFER_RECOMPUTE everything else. Dropout replays its RNG state as in full
+# checkpointing (or is kept, if listed). Under ``torch.compile`` the marks become hints for
+# the partitioner on the traced graph, whose op calls may be numbered differently (fused,
+# decomposed): the gradients stay exact, the memory is what the compiler makes of the hints.
+
 def _selective_contexts(saved: frozenset[tuple[str, int]], keeps_written: bool) -> tuple[Any, Any]:
     """``context_fn`` of a selective region: torch's modes around a fresh ``_KeepListed``.
 
@@ -262,6 +210,19 @@ class _KeepListed:
         return CheckpointPolicy.MUST_SAVE if (name, k) in self.saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# NOTE [ BatchNorm under recomputation ]
+#
+# A training-mode BatchNorm updates ``running_mean``, ``running_var`` and
+# ``num_batches_tracked`` in place on every forward, so recomputing a region would update them
+# twice per step. While a region is recomputed (eager mode), the running statistics of the
+# norm layers inside it are copied beforehand and copied back afterwards (also when the
+# recomputation stops early, which ``checkpoint`` does by raising inside it). The output of a
+# training-mode BatchNorm does not read the running statistics, so the recomputed activations
+# are unaffected; after the step the statistics equal the unplanned model's exactly. Other
+# in-place updates of module state inside a region (a custom counter, a KV cache) are not
+# undone: the profiler's validation step keeps such modules out of plans (NOTE [ Validation
+# step ]), and a Hugging Face cache is turned off while training (NOTE [ Step changes ]).
+
 class _running_stats_kept:
     """Restore the running statistics of ``norms`` on exit; see NOTE [ BatchNorm under recomputation ]."""
 
@@ -288,6 +249,24 @@ def _outside_modes():
 
 # ----------------------------------------------------------------------------- the shape guard
 
+
+# NOTE [ Runtime shape guard ]
+#
+# A plan's prediction holds for the input shapes it was profiled with. Training jobs pad
+# dynamically, so a batch can be longer or wider than the planned one, and activations grow
+# with it: the planned peak no longer holds and the step may run out of memory.
+# ``apply_plan(..., guard=...)`` puts a forward pre-hook on the planned model that compares
+# each training forward's tensor inputs with ``plan.fingerprint.inputs``. The call is first bound
+# to forward's signature, so an input is found whether the plan named it by position ('0', '1',
+# ...) or by key ('images') and whether the job passes it positionally or by keyword:
+#   - an input larger than planned in any dimension (more tokens, a bigger batch) is reported
+#     once per handle, with the planned and the actual shapes: a warning under "warn" (the
+#     default), ``PlanMismatch`` under "error";
+#   - equal or smaller inputs pass silently: activations shrink with them;
+#   - inputs the plan does not name (an attention mask it was made without) are not checked.
+# Forwards without grad (evaluation) and forwards traced by ``torch.compile`` are not checked.
+# To plan for variable-length data, plan at the largest shape the job will see, or plan several
+# shapes in one bucketed plan (NOTE [ Bucketed plans ] in planner/act/buckets.py).
 
 class ShapeGuard:
     """A forward pre-hook comparing input shapes with the plan's; see NOTE [ Runtime shape guard ]."""
@@ -647,6 +626,27 @@ def _step_changes(model: nn.Module, plan: Plan) -> list[StepChange]:
                        ", ".join(f"{c.kind} on {c.module or 'the model'}" for c in missing))
     return [*plan.step_changes, *missing]
 
+
+# NOTE [ Plans under FSDP2 and DDP ]
+#
+# A plan applies to the model before or after it is wrapped for data parallelism, by the same
+# FQNs:
+#   - FSDP2's ``fully_shard`` keeps the module tree and names. It swaps each wrapped module's
+#     class for a subclass ``FSDP<Class>`` in place and its parameters for DTensors, whose
+#     ``.shape`` is the global shape. The fingerprint check uses the original class name and
+#     those global shapes, so a plan made on the plain model matches on every rank.
+#   - ``DistributedDataParallel`` holds the model as ``.module`` (its FQNs gain a ``module.``
+#     prefix); ``apply_plan`` looks through the wrapper and plans ``ddp.module``.
+# With FSDP2 the checkpoint sits inside the FSDP unit, as in torchtitan: the unit's hooks are
+# module hooks around ``__call__``, so the all-gather (pre-forward) and the reshard
+# (post-forward) surround the region, and the recompute re-runs only ``forward``, without the
+# hooks. It happens in the unit's backward, when autograd first unpacks a tensor the region
+# saved, and FSDP2's pre-backward hook, a hook on the unit's outputs, has by then all-gathered
+# the parameters again: the gradient reaches an output (firing the hook) before autograd runs
+# anything inside the unit. So the recompute reads unsharded parameters and nothing is
+# all-gathered twice, whichever of ``apply_plan`` and ``fully_shard`` runs first. Regions must
+# not contain an FSDP unit (its hooks would run inside the recompute); the default candidates,
+# the repeated blocks and the modules around them, never do when each block is a unit.
 
 def _unwrap_ddp(model: nn.Module) -> nn.Module:
     """``ddp.module`` for a ``DistributedDataParallel`` wrapper (see NOTE [ Plans under FSDP2 and DDP ])."""

@@ -5,6 +5,22 @@
 model, caps its address space so that at most the given bytes remain for the model's tensors,
 and runs ``planner.profiling.memsafe.profile_within``: a step that needs more fails as it would on a
 smaller machine (``RuntimeError: DefaultCPUAllocator: can't allocate memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from planner.children import die_with_parent, run_child
+from planner.errors import ProfileError, RematError
+from planner.files import atomic_write_text
 
 # NOTE [ CPU memory cap ]
 #
@@ -24,22 +40,6 @@ smaller machine (``RuntimeError: DefaultCPUAllocator: can't allocate memory``).
 # These are environment variables read when the process starts, hence a child process.
 # So the cap is approximate, to the allowance: docs/benchmarks.md measures how many tensor bytes
 # fit under a cap (benchmarks/memory_safe.py --cap-check).
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import resource
-import sys
-import tempfile
-from pathlib import Path
-from typing import Any
-
-from planner.children import die_with_parent, run_child
-from planner.errors import ProfileError, RematError
-from planner.files import atomic_write_text
 
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 """glibc settings for the child (NOTE [ CPU memory cap ])."""

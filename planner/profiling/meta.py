@@ -6,28 +6,6 @@ model costs nothing to build), its parameters are swapped for fake tensors, and 
 warm-up step and memory step as ``planner.profiling.profiler`` run under
 ``torch._subclasses.fake_tensor.FakeTensorMode``: every aten op computes output shapes,
 dtypes and strides, and nothing is allocated. See docs/meta.md for what comes out.
-
-NOTE [ Meta profiling ]
-Bytes. The live-bytes tracker (NOTE [ Live-bytes tracker ]) runs on the fake tensors, whose
-storages carry real ``nbytes``: saved-for-backward tensors, unit inputs and outputs, the
-timeline, gradients and the optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` created by
-the optimizer's own first ``step()`` in the warm-up, under the fake mode) are the bytes a
-real step would allocate, byte for byte, as far as the dispatcher sees them. Not seen: a
-kernel's internal workspace (cuBLAS, flash-attention backward scratch), allocator
-fragmentation and the CUDA context (see ``planner.profiling.devices.usable_bytes``).
-
-Whose rules. The step follows the *target's* rules: a GPU target gets 512-byte allocation
-blocks, the foreach optimizer (torch's default on CUDA) and CUDA's choice of
-scaled-dot-product-attention kernel (flash for fp16/bf16 without a mask, memory-efficient
-otherwise: they save the output and a log-sum-exp, where the CPU's math path with dropout
-saves the S x S attention matrix). The fake tensors themselves are CUDA tensors when this
-PyTorch has CUDA, else CPU tensors: autograd on fake CUDA tensors needs the CUDA runtime
-(without it, ``InputMetadata`` aborts the process, uncatchably), so on a CPU-only machine
-the rules above are applied by hand and autocast uses the CPU's op lists (the CUDA lists
-also run softmax, layer_norm and losses in fp32; see docs/meta.md).
-
-Times. One roofline per aten op (``Roofline``), summed between the same module hooks the
-profiler times real steps with; see NOTE [ Roofline ].
 """
 
 from __future__ import annotations
@@ -129,6 +107,29 @@ def build_on_meta(build_model: Callable[[], nn.Module]) -> nn.Module:
     with torch.device("meta"):
         return build_model()
 
+
+# NOTE [ Meta profiling ]
+#
+# Bytes. The live-bytes tracker (NOTE [ Live-bytes tracker ]) runs on the fake tensors, whose
+# storages carry real ``nbytes``: saved-for-backward tensors, unit inputs and outputs, the
+# timeline, gradients and the optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` created by
+# the optimizer's own first ``step()`` in the warm-up, under the fake mode) are the bytes a
+# real step would allocate, byte for byte, as far as the dispatcher sees them. Not seen: a
+# kernel's internal workspace (cuBLAS, flash-attention backward scratch), allocator
+# fragmentation and the CUDA context (see ``planner.profiling.devices.usable_bytes``).
+#
+# Whose rules. The step follows the *target's* rules: a GPU target gets 512-byte allocation
+# blocks, the foreach optimizer (torch's default on CUDA) and CUDA's choice of
+# scaled-dot-product-attention kernel (flash for fp16/bf16 without a mask, memory-efficient
+# otherwise: they save the output and a log-sum-exp, where the CPU's math path with dropout
+# saves the S x S attention matrix). The fake tensors themselves are CUDA tensors when this
+# PyTorch has CUDA, else CPU tensors: autograd on fake CUDA tensors needs the CUDA runtime
+# (without it, ``InputMetadata`` aborts the process, uncatchably), so on a CPU-only machine
+# the rules above are applied by hand and autocast uses the CPU's op lists (the CUDA lists
+# also run softmax, layer_norm and losses in fp32; see docs/meta.md).
+#
+# Times. One roofline per aten op (``Roofline``), summed between the same module hooks the
+# profiler times real steps with; see NOTE [ Roofline ].
 
 def profile_meta(
     model: nn.Module,

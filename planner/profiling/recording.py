@@ -1,22 +1,6 @@
 """Recording one training step, shared by real profiling (``profiler.py``) and fake-tensor
 profiling (``meta.py``): the module-call bookkeeping (NOTE [ Units ]), the memory step under
 the live-bytes tracker, and assembling the ``schema.Profile`` from what was recorded.
-
-NOTE [ Units ]
-A unit is one call of a module: the candidate for checkpointing. Its id is the module's
-FQN ('<root>' for the model itself), with '#k' appended for the k-th call (k >= 1) of the
-same module in the step (a shared block, a tied embedding). ``loss_fn`` runs as the
-pseudo-unit '<loss>'. Units are listed in the order their forward started; ``parent`` is
-the innermost unit running when the call started.
-
-Backward boundaries come from gradient hooks registered during the forward:
-``bwd_start`` is when the gradient of the first of the unit's outputs is complete;
-``bwd_end`` is when the gradients of all its inputs that require grad are complete (the
-last such hook to fire). A unit whose inputs need no gradient (an embedding of token ids,
-the first conv on images) ends its backward when the gradients of its parameters are
-complete, if its call is their first use in the step; otherwise ``bwd_end`` stays None.
-An input also consumed by a later sibling (q/k/v projections of one tensor) completes its
-gradient only after that sibling's backward, so the earlier sibling's ``bwd_end`` is late.
 """
 
 from __future__ import annotations
@@ -58,6 +42,23 @@ _ROUND_TO = {"cuda": 512}
 
 # ----------------------------------------------------------------------------- units
 
+
+# NOTE [ Units ]
+#
+# A unit is one call of a module: the candidate for checkpointing. Its id is the module's
+# FQN ('<root>' for the model itself), with '#k' appended for the k-th call (k >= 1) of the
+# same module in the step (a shared block, a tied embedding). ``loss_fn`` runs as the
+# pseudo-unit '<loss>'. Units are listed in the order their forward started; ``parent`` is
+# the innermost unit running when the call started.
+#
+# Backward boundaries come from gradient hooks registered during the forward:
+# ``bwd_start`` is when the gradient of the first of the unit's outputs is complete;
+# ``bwd_end`` is when the gradients of all its inputs that require grad are complete (the
+# last such hook to fire). A unit whose inputs need no gradient (an embedding of token ids,
+# the first conv on images) ends its backward when the gradients of its parameters are
+# complete, if its call is their first use in the step; otherwise ``bwd_end`` stays None.
+# An input also consumed by a later sibling (q/k/v projections of one tensor) completes its
+# gradient only after that sibling's backward, so the earlier sibling's ``bwd_end`` is late.
 
 class UnitCall:
     """One module call while a step runs. ``fwd_*``/``bwd_*`` hold clock stamps or seqs."""

@@ -1,5 +1,18 @@
 """Every random number generator a model can draw from: torch's (CPU and CUDA), numpy's global one and
 Python's ``random``; seeded together, saved and restored together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
 
 # NOTE [ Randomness outside torch ]
 #
@@ -18,19 +31,6 @@ Python's ``random``; seeded together, saved and restored together.
 #     call until its backward), not device memory.
 # Generators a model creates for itself (``np.random.default_rng()``, a ``torch.Generator``) are
 # its own business: remat can neither seed nor see them.
-"""
-
-from __future__ import annotations
-
-import contextlib
-import random
-import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-
 
 @dataclass(frozen=True)
 class HostRngState:

@@ -1,4 +1,25 @@
-"""What remat changes in the user's training step, the same way when it profiles and when it applies a plan.
+"""What remat changes in the user's training step, the same way when it profiles and when it applies a plan."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.model.schema import StepChange
+
+logger = logging.getLogger("remat")
+
+HF_CACHE_OFF = "hf_use_cache_off"
+LAYERDROP_OFF = "hf_layerdrop_off"
+
 
 # NOTE [ Step changes ]
 #
@@ -24,28 +45,6 @@
 # ``apply_plan``; 'measure' changes only while remat measures the step (profiling, its
 # validation step, ``remat verify``), never in the user's training: see NOTE [ Worst step ] in
 # planner/profiling/recording.py for the one there is (layerdrop off, so every layer runs).
-"""
-
-from __future__ import annotations
-
-import contextlib
-import inspect
-import logging
-import sys
-import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
-
-import torch
-from torch import nn
-
-from planner.model.schema import StepChange
-
-logger = logging.getLogger("remat")
-
-HF_CACHE_OFF = "hf_use_cache_off"
-LAYERDROP_OFF = "hf_layerdrop_off"
-
 
 def find_step_changes(model: nn.Module, *, measuring: bool = False) -> list[StepChange]:
     """The changes remat makes to ``model``'s training step (see NOTE [ Step changes ]); with ``measuring``,

@@ -1,32 +1,4 @@
-"""Measure what checkpointing frees instead of assuming it: the profiler's validation step.
-
-# NOTE [ Validation step ]
-#
-# The cost model assumes a checkpointed unit keeps nothing of its own (NOTE [ Peak-memory
-# model ]). That is false when something outside the region still references the tensors
-# the unit creates: a cache, an attribute set in forward (``self.attn = probs``), a hook
-# that stores outputs, an extra output kept by the caller. And recomputing a unit is unsafe
-# when it changes state (a counter, a buffer updated in place) or saves other tensors when
-# replayed (``CheckpointError``). So after profiling, ``validate`` runs one more step on the
-# same device, forward and backward, with every top-level candidate checkpointed (as
-# ``apply_plan`` does it), under the live-bytes tracker. Each storage allocated while a
-# checkpointed unit c runs its forward is attributed to c. When backward starts (the model's
-# output already dropped, see ``planner.profiling.measure.make_step``), the storages still alive that
-# were allocated inside c and are not c's outputs are what checkpointing c did not free:
-# c's *retained bytes* r(c) (kept when over ``RETAINED_MIN_BYTES``). On the CPU every region also
-# keeps the RNG state for its replay (``_rng_state_bytes``): ``Profile.region_state_bytes``, the
-# same for every unit, so it is one figure and not a line per unit. Outputs flow on as the
-# inputs of later units, which the cost model already counts. The cost model counts r(c) as
-# a tensor c keeps when checkpointed, like its inputs (see "Retained bytes" in the NOTE [
-# Peak-memory model ]); ``remat verify`` then compares its prediction with the measured step.
-# A unit whose replay raises, or changes a buffer, a parameter or a plain-number attribute of
-# its modules, or whose forward writes one of its inputs in place (``nn.Dropout(inplace=True)``
-# as a candidate of its own: the region keeps that input to replay from, and autograd's version
-# check fails in backward), is excluded from every plan with the reason (``Profile.excluded``,
-# shown by ``remat plan`` and ``remat show``); the step is re-run without it. BatchNorm running
-# statistics are restored by the applier (NOTE [ BatchNorm under recomputation ]) and are not a
-# reason.
-"""
+"""Measure what checkpointing frees instead of assuming it: the profiler's validation step."""
 
 from __future__ import annotations
 
@@ -61,6 +33,33 @@ class Validation(NamedTuple):
     region_state_bytes: int
     """Device bytes every checkpointed region keeps for its replay (the RNG state), whatever the unit."""
 
+
+# NOTE [ Validation step ]
+#
+# The cost model assumes a checkpointed unit keeps nothing of its own (NOTE [ Peak-memory
+# model ]). That is false when something outside the region still references the tensors
+# the unit creates: a cache, an attribute set in forward (``self.attn = probs``), a hook
+# that stores outputs, an extra output kept by the caller. And recomputing a unit is unsafe
+# when it changes state (a counter, a buffer updated in place) or saves other tensors when
+# replayed (``CheckpointError``). So after profiling, ``validate`` runs one more step on the
+# same device, forward and backward, with every top-level candidate checkpointed (as
+# ``apply_plan`` does it), under the live-bytes tracker. Each storage allocated while a
+# checkpointed unit c runs its forward is attributed to c. When backward starts (the model's
+# output already dropped, see ``planner.profiling.measure.make_step``), the storages still alive that
+# were allocated inside c and are not c's outputs are what checkpointing c did not free:
+# c's *retained bytes* r(c) (kept when over ``RETAINED_MIN_BYTES``). On the CPU every region also
+# keeps the RNG state for its replay (``_rng_state_bytes``): ``Profile.region_state_bytes``, the
+# same for every unit, so it is one figure and not a line per unit. Outputs flow on as the
+# inputs of later units, which the cost model already counts. The cost model counts r(c) as
+# a tensor c keeps when checkpointed, like its inputs (see "Retained bytes" in the NOTE [
+# Peak-memory model ]); ``remat verify`` then compares its prediction with the measured step.
+# A unit whose replay raises, or changes a buffer, a parameter or a plain-number attribute of
+# its modules, or whose forward writes one of its inputs in place (``nn.Dropout(inplace=True)``
+# as a candidate of its own: the region keeps that input to replay from, and autograd's version
+# check fails in backward), is excluded from every plan with the reason (``Profile.excluded``,
+# shown by ``remat plan`` and ``remat show``); the step is re-run without it. BatchNorm running
+# statistics are restored by the applier (NOTE [ BatchNorm under recomputation ]) and are not a
+# reason.
 
 def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
              amp: str | None, dev: torch.device) -> Validation:
