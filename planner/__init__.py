@@ -24,6 +24,7 @@ _LAZY = {
     "Plan": ("planner.model.schema", "Plan"),
     "Estimate": ("solvers.cost_model", "Estimate"),
     "parse_bytes": ("planner.sizes", "parse_bytes"),
+    "load_model_file": ("planner.profiling.model_file", "load_model_file"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

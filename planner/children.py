@@ -107,3 +107,6 @@ def _reap(proc: Any, timeout: float | None = 0) -> bool:
             return False
     proc.join(timeout)
     return not proc.is_alive()
+
+
+__all__ = ["child_env", "die_with_parent", "end", "GRACE_S", "PARENT_ENV", "run_child", "signals_raise"]

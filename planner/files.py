@@ -127,3 +127,6 @@ def _temp_beside(given: Path, target: Path) -> tuple[int, str]:
         return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
     except OSError as e:
         raise BadInput(f"cannot write {given}: {e.strerror}; pick a writable location") from None
+
+
+__all__ = ["atomic_write", "atomic_write_text", "check_writable"]

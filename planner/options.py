@@ -43,3 +43,6 @@ def parse_optimizer(value: str) -> OptimizerName:
     if v not in OPTIMIZER_NAMES:
         raise BadInput(f"unknown optimizer {value!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
     return v  # type: ignore[return-value]
+
+
+__all__ = ["Amp", "OPTIMIZER_NAMES", "OptimizerName", "parse_amp", "parse_optimizer", "parse_sharding"]

@@ -68,3 +68,6 @@ def format_bytes(n: int | float) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+__all__ = ["format_bytes", "MAX_SIZE_BYTES", "parse_bytes"]

@@ -82,3 +82,6 @@ def leaf_graph(g: nx.DiGraph) -> nx.DiGraph:
         h.nodes[n].update(parent=None, order=order)
     h.graph["cost_model"] = CostModel.build(h)
     return h
+
+
+__all__ = ["leaf_graph", "solve_auto"]

@@ -53,3 +53,6 @@ def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, s
         seconds=seconds, peak_bytes=est.peak_bytes, recompute_ms=est.recompute_ms, detail=detail,
         selective=dict(est.selective),
     )
+
+
+__all__ = ["judged", "Solution", "top_level"]

@@ -47,3 +47,6 @@ def solve_every_k(g: nx.DiGraph, budget_bytes: int, *, k: int = 2, **_: object) 
     t0 = time.perf_counter()
     chosen = indexed_blocks(g)[::k]
     return judged(f"every-{k}", g, chosen, budget_bytes, time.perf_counter() - t0)
+
+
+__all__ = ["indexed_blocks", "solve_all", "solve_every_k", "solve_none"]

@@ -225,3 +225,7 @@ def min_feasible(t: ChainTerms, *, max_states: int = 1 << 16,
             best = (float(peak[j]), a, j)
     assert best is not None
     return int(best[0]), _backtrack(history, best[1], best[2])
+
+
+__all__ = ["lowest_peak", "MAX_TIED_GROUPS", "min_feasible", "min_feasible_bytes", "solve",
+           "tied_assignments"]

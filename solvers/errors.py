@@ -34,3 +34,6 @@ class RematError(Exception):
 
 class SolverError(RematError):
     """An unknown solver, or a solver that cannot handle this graph."""
+
+
+__all__ = ["RematError", "SolverError"]

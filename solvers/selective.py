@@ -341,3 +341,6 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
         keeps_written=any(op.inplace for op, _ in members),
         spread_ms=price.spread_ms(*recomputed),
     )
+
+
+__all__ = ["build_menu", "category", "describe", "indexed", "keepable", "MENU_STEPS", "OpCall", "Policy"]

@@ -67,3 +67,6 @@ def solve_greedy(g: nx.DiGraph, budget_bytes: int, **_: object) -> Solution:
     if best is None:  # nothing fits: report the lowest-peak attempt
         best = judged("sqrt-greedy", g, units, budget_bytes, 0.0)
     return Solution(**{**best.__dict__, "seconds": time.perf_counter() - t0})
+
+
+__all__ = ["solve", "solve_greedy"]

@@ -145,3 +145,11 @@ def test_notes_are_comments_not_docstrings():
     for path in LIBRARY:
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert not re.search(r"^\s*(# )?NOTE \[ .+? \]\s*$", doc, flags=re.M), path.relative_to(ROOT)
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_declares_its_public_names(path: Path):
+    tree = ast.parse(path.read_text())
+    names = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    assert "__all__" in names, f"{path.relative_to(ROOT)} has no __all__"

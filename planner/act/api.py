@@ -506,3 +506,9 @@ def _version() -> str:
     from planner import __version__
 
     return __version__
+
+
+__all__ = ["AMP_HEADROOM", "budget_with_headroom", "canonical", "check_profile_matches", "check_ranks",
+           "DEFAULT_HEADROOM", "difference_spread_ms", "graph_for", "headroom_for", "infeasible",
+           "META_HEADROOM", "MULTI_RANK_SELECTIVE", "NESTING_SOLVERS", "plan", "plan_buckets",
+           "plan_from_profile", "resolve_budget", "selective_regions", "solve_graph", "usable_budget"]

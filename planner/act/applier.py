@@ -764,3 +764,7 @@ def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
         + (f", {len(plan.buckets)} buckets (the largest's figures follow)" if plan.buckets else ""),
         format_bytes(p.peak_bytes), format_bytes(plan.budget_bytes), p.recompute_ms,
     )
+
+
+__all__ = ["AppliedPlan", "apply_plan", "CheckpointedForward", "GUARDS", "logger", "PlanAlreadyApplied",
+           "planned_modules", "RegionCounts", "ShapeGuard", "TWICE_FIX", "TwiceGuard"]

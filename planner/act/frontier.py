@@ -133,3 +133,7 @@ def compare(g: nx.DiGraph, budget_bytes: int, *, solvers: Iterable[str] | None =
     """All solvers and baselines side by side at one budget, ``headroom`` of it kept free."""
     names = list(solvers if solvers is not None else default_solvers()) + list(baselines)
     return [run_solver(g, n, budget_bytes, time_limit_s=time_limit_s, headroom=headroom) for n in names]
+
+
+__all__ = ["BASELINES", "budgets", "compare", "default_solvers", "frontier", "FrontierPoint",
+           "OPTIMAL_SOLVERS", "run_solver", "sweep_graph", "Tradeoff", "tradeoff"]

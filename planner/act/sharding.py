@@ -92,3 +92,6 @@ def _unmodelled_fsdp_option(module: nn.Module | None) -> str:
     if isinstance(group.offload_policy, CPUOffloadPolicy):
         return "CPUOffloadPolicy"
     return ""
+
+
+__all__ = ["check_fsdp_options", "shard_for_plan"]

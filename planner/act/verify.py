@@ -483,3 +483,7 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
         worst_window_measured_bytes=worst[2] if worst else None,
         problems=problems, notes=notes, ok=not problems,
     )
+
+
+__all__ = ["BucketsReport", "DEFAULT_PREDICTION_TOLERANCE", "max_abs_diff", "PREDICTION_SLACK_BYTES",
+           "RECOMPUTE_FLOOR_MS", "RECOMPUTE_TOLERANCE", "SEED", "verify", "VerifyReport"]

@@ -388,3 +388,6 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
         fsdp_units=plan.fsdp_units, launched=launched, peak_source=results[0]["source"], steps=args.steps,
         budget_bytes=plan.budget_bytes, peak_tolerance=peak_tolerance, grad_tolerance=grad_tolerance,
         rows=rows, loss_diff=loss_diff, max_grad_diff=grad_diff, problems=problems, notes=[], ok=not problems)
+
+
+__all__ = ["RankRow", "RanksReport", "SEED", "verify_ranks"]

@@ -138,3 +138,6 @@ def _selective_indices(g: nx.DiGraph, plan: Plan) -> dict[str, int]:
                 out[region.unit] = k
                 break
     return out
+
+
+__all__ = ["explain", "MAX_UNITS"]

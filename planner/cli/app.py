@@ -610,3 +610,7 @@ def _progress(log: Any) -> Callable[[str], None]:
 
 if __name__ == "__main__":
     app(prog_name="remat")
+
+
+__all__ = ["app", "check_profile_options", "command", "compare_cmd", "devices_cmd", "frontier_cmd",
+           "MEASURING_OPTIONS", "plan_cmd", "profile_cmd", "show_cmd", "TRAINER_NOTE", "verify_cmd"]

@@ -468,3 +468,10 @@ DEVICES_CMD = [*OUTPUT_SWITCHES]
 FLAGS = {**_cli_flags(PLAN, PROFILE_CMD, FRONTIER, COMPARE, VERIFY), "device_memory_bytes": "--device-memory"}
 """Field (and library parameter) name -> the flag this command line spells it as: how a ``RematError``'s
 ``options`` are worded for the user."""
+
+
+__all__ = ["BUDGET", "COMPARE", "CompareOptions", "DEVICE", "DEVICE_MEMORY_ENV", "DEVICES", "DEVICES_CMD",
+           "FLAGS", "FRONTIER", "FrontierOptions", "GRANULARITY", "HEADROOM", "HF_SOURCE", "HfSource",
+           "MEASURED_STEP", "MODEL_HELP", "Options", "OUTPUT_SWITCHES", "PLAN", "PlanOptions", "PROFILE",
+           "PROFILE_CMD", "ProfileOptions", "RankOptions", "RANKS", "RECIPE", "SHOW", "ShowOptions",
+           "SOLVERS", "StepOptions", "STEPS", "SweepOptions", "THREADS", "VERIFY", "VerifyOptions", "WHY"]

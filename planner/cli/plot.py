@@ -126,3 +126,6 @@ def _save_png(fig: Any, path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return atomic_write(path, buf.getvalue())
+
+
+__all__ = ["GIB", "MIB", "plot_frontier", "require_matplotlib"]

@@ -615,3 +615,11 @@ def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "ok" if value else "FAIL"
     return "" if value is None else str(value)
+
+
+__all__ = ["baselines_table", "buckets_table", "budget_line", "checkpoints_table", "compare_table",
+           "consoles", "counter", "devices_table", "error_line", "frontier_table", "headroom_line",
+           "json_stdout", "json_text", "MIB", "peak_lines", "plain", "print_json", "recipe_line",
+           "recompute_line", "selective_table", "show_buckets_verify", "show_compare", "show_devices",
+           "show_frontier", "show_plan", "show_profile", "show_rank_verify", "show_verify", "solver_line",
+           "stages", "step_lines", "time_line", "units_table", "verify_table", "written_line"]

@@ -148,3 +148,6 @@ def _optimizer(optim: Any) -> str | None:
 
 def _text(value: Any) -> str:
     return str(getattr(value, "value", value) or "")
+
+
+__all__ = ["check_training_arguments", "DoubleCheckpointing", "logger", "RematCallback", "training_recipe"]

@@ -226,3 +226,6 @@ def _max_positions(config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+__all__ = ["load_hf_config", "TASKS"]

@@ -131,3 +131,6 @@ def training_recipe(trainer: pl.Trainer, optimizer: Any = None) -> Recipe:
     impl = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "default"
     return Recipe(grad_accum=trainer.accumulate_grad_batches, amp=_AMP[precision],
                   clip_grad_norm=float(clip) if clip and by_norm else None, optimizer_impl=impl)
+
+
+__all__ = ["logger", "RematCallback", "training_recipe"]

@@ -35,3 +35,6 @@ def refuse_other_recipe(plan: Plan, job: Recipe, *, framework: str, settings: Ma
     raise PlanMismatch(f"the plan was made for another training step than {framework} run:\n  {listing}\n"
                        f"re-plan with their step: remat plan <model> --budget <budget> {flags} "
                        f"(in Python: planner.plan(..., recipe={python_call})), or change {framework}", diffs)
+
+
+__all__ = ["refuse_other_recipe"]

@@ -94,3 +94,6 @@ def _plain_fingerprint(fp: Fingerprint) -> Fingerprint:
     modules = list(dict.fromkeys(m for m in map(plain_name, fp.modules) if m))
     params = [p.model_copy(update={"name": plain_name(p.name)}) for p in fp.params]
     return fp.model_copy(update={"modules": modules, "params": params})
+
+
+__all__ = ["fingerprint", "input_tensors", "model_differences", "plain_name", "WRAPPED_ATTR"]

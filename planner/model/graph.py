@@ -381,3 +381,7 @@ def _merged_window_peaks(bounds: list[int | None], peak) -> list[int | None]:
             out[k] = v
         i = j
     return out
+
+
+__all__ = ["build_graph", "candidate_levels", "is_ancestor", "repeated_blocks", "unit_children",
+           "window_peaks"]

@@ -728,3 +728,11 @@ def _field_error(e: ValidationError) -> str:
     got = first.get("input")
     shown = "" if isinstance(got, (dict, list)) or first["type"] == "missing" else f" (got {got!r})"
     return f"{loc or '<top>'}: {first['msg'][:1].lower()}{first['msg'][1:]}{shown}"
+
+
+__all__ = ["Bytes", "Count", "ExcludedUnit", "Fingerprint", "LOSS_ID", "MAX_BYTES", "MAX_COUNT",
+           "MAX_WORLD_SIZE", "MemoryEvent", "Ms", "NonNegFloat", "now_iso", "OpRecord", "OpRef",
+           "ParamRecord", "Plan", "PLAN_SCHEMA_VERSION", "PlanBucket", "Predicted", "Profile",
+           "PROFILE_SCHEMA_VERSION", "Recipe", "RetainedBytes", "ROOT_ID", "RunStamp", "SaveRecord",
+           "SelectiveRegion", "Seq", "SINGLE_SHAPE_PLAN_VERSION", "SolverInfo", "StepChange", "StepRecord",
+           "StepStructure", "TensorRecord", "TensorSig", "Threads", "UnitRecord"]

@@ -187,3 +187,6 @@ def random_tied(rng: random.Random, n: int, *, shared: int = 1, max_bytes: int =
             k = calls[u.name] = calls.get(u.name, -1) + 1
             u.name += f"#{k}" if k else ""
     return units
+
+
+__all__ = ["random_chain", "random_dag", "random_tied", "synthetic_profile", "SynUnit"]

@@ -133,3 +133,6 @@ def _profile_meta(model: torch.nn.Module, inputs: Inputs, target: Any, **kwargs:
         raise BadInput(f"device 'meta' models times for a target device: give {{target}} NAME (one of: {names})",
                        options=("target",))
     return profile_meta(model, inputs, target=target, **kwargs)
+
+
+__all__ = ["Progress", "profile"]

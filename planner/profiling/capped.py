@@ -169,3 +169,7 @@ def _profile_child(args: argparse.Namespace) -> Any:
 if __name__ == "__main__":
     die_with_parent()
     sys.exit(_child(sys.argv[1:]))
+
+
+__all__ = ["cap_address_space", "MALLOC_ENV", "OVERHEAD_ALLOWANCE_BYTES", "prepare", "profile_capped",
+           "vm_size_bytes"]

@@ -439,3 +439,8 @@ def _measure_cpu_total(step_fn: Callable[[], Any], device: torch.device, static_
     totals = [e["args"]["Total Allocated"] for e in events
               if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0]
     return Measured(int(max(totals, default=static_bytes)), ms, "cpu-allocator-total")
+
+
+__all__ = ["AMP_DTYPES", "count_cpu_allocations", "cpu_allocations", "free", "is_oom", "make_optimizer",
+           "make_step", "Mark", "measure_step", "Measured", "OPTIMIZERS", "quiet_stderr", "resolve_recipe",
+           "SCALER_INIT_SCALE", "Step", "STEP_MARKS", "sync", "to_device", "user_code"]

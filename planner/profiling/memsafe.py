@@ -751,3 +751,6 @@ def _free(model: torch.nn.Module, dev: torch.device) -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+
+
+__all__ = ["candidate_modules", "CHECK_KEY", "profile_checkpointed", "profile_within", "Progress"]

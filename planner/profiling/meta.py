@@ -601,3 +601,7 @@ def _times(rec: Any, stamps: dict[int, tuple[float, float]]) -> tuple[Any, dict[
         unit_ids=[[u.id for u in rec.units]],
     )
     return times, {u.id: span(u.fwd_start, u.fwd_end, 1) for u in rec.units}
+
+
+__all__ = ["BANDWIDTH_EFFICIENCY", "build_on_meta", "fit_calibration", "MATMUL_EFFICIENCY", "profile_meta",
+           "Progress", "Roofline", "Rules", "rules_for"]

@@ -394,3 +394,8 @@ def check_devices(model: torch.nn.Module, inputs: Inputs) -> torch.device:
             raise ModelLoadError(f"example_inputs() returns a tensor on {t.device} but the model is on {device}; "
                                  f"return CPU tensors (remat moves the model and the inputs to the device)")
     return device
+
+
+__all__ = ["call_model", "called_exit", "check_devices", "check_loss", "check_materialized",
+           "check_shape_keywords", "compute_loss", "default_loss", "Inputs", "load_model_file", "loss_arity",
+           "LOSS_SIGNATURES", "ModelFile", "SHAPE_KEYWORDS", "TEMPLATE", "user_frames"]

@@ -242,3 +242,7 @@ def restoring_model(model: torch.nn.Module, dev: torch.device) -> Iterator[None]
                     saved = buffers.get(name)
                     if saved is not None and saved.shape == b.shape:
                         b.copy_(saved)
+
+
+__all__ = ["measure_profile", "profile_real", "reconcile", "RECONCILE_TOLERANCE", "resolve_device",
+           "restoring_model", "TimingRecorder"]

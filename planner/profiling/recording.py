@@ -1069,3 +1069,6 @@ def _dtype(model: torch.nn.Module) -> str:
     return str(max(sizes, key=sizes.__getitem__)).removeprefix("torch.") if sizes else "float32"
 
 
+__all__ = ["as_run_timeline", "AsRun", "assemble_profile", "counted_op", "io_tensors", "memory_step",
+           "MemoryRecorder", "OP_TIMING_STEPS", "op_timing_steps", "Progress", "Recorder", "release_grads",
+           "step_structure", "StepTimes", "UnitCall"]

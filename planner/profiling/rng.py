@@ -72,3 +72,6 @@ def seed_all(seed: int) -> None:
     if np is not None:
         np.random.seed(seed % 2**32)
     random.seed(seed)
+
+
+__all__ = ["HostRngState", "kept", "seed_all"]

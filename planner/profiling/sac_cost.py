@@ -150,3 +150,6 @@ def _region(inner: Callable[..., Any], contexts: Callable[[], Any] | None, *args
         return inner(*args, **kwargs)
     extra = {} if contexts is None else {"context_fn": contexts}
     return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+
+__all__ = ["measure_sac_cost", "SAC_ROUNDS", "SacCost", "with_sac_cost"]

@@ -234,3 +234,7 @@ def describe(changes: list[StepChange]) -> None:
         what = "with use_cache=False" if c.kind == HF_CACHE_OFF else "with every layer (layerdrop 0) while measured"
         logger.warning("remat: training steps of %s run %s: %s", repr(c.module) if c.module else "the model",
                        what, c.reason)
+
+
+__all__ = ["describe", "find_step_changes", "HF_CACHE_OFF", "install", "Installed", "LAYERDROP_OFF", "logger",
+           "profiled_with_step_changes"]

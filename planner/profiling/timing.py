@@ -280,3 +280,8 @@ def time_interleaved(steps: Mapping[str, Callable[[], Any]], *, rounds: int, clo
             out[name][1].append((time.perf_counter() - wall) * 1e3)
             out[name][0].append(clock.ms(start, end))
     return out
+
+
+__all__ = ["calibrated", "clock_of", "CudaEventClock", "describe", "num_threads", "pick_clock",
+           "profile_clock", "robust_ms", "ScaledCpuClock", "signature", "spread_ms", "ThreadCpuClock",
+           "time_interleaved", "TIME_SOURCES", "timing_threads", "unit_costs", "UnitCost", "WallClock"]

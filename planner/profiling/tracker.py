@@ -275,3 +275,6 @@ def iter_tensors(*trees: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(*obj)
         elif isinstance(obj, dict):
             yield from iter_tensors(*obj.values())
+
+
+__all__ = ["iter_tensors", "LiveBytesTracker", "Observer", "storage_bytes", "StorageEntry"]

@@ -248,3 +248,6 @@ def _state(module: nn.Module) -> dict[str, Any]:
 def _changes(before: dict[str, Any], after: dict[str, Any]) -> str:
     names = [k for k in after if before.get(k) != after[k]]
     return ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+
+
+__all__ = ["RETAINED_MIN_BYTES", "validate", "Validation", "VALIDATION_SEED"]
