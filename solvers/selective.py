@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 MENU_STEPS = 8
 """Byte levels per unit menu: at most MENU_STEPS - 1 policies (NOTE [ Selective menus ])."""
@@ -37,6 +37,26 @@ class OpCall:
     mutated: bool = False
     writes: int | None = None
     read_between_writes: bool = False
+
+
+@dataclass(frozen=True)
+class UnitOps:
+    """One unit's forward as its menu sees it."""
+
+    ops: Sequence[OpCall]
+    """The op calls of the unit's forward, in order (children's included)."""
+    forward_ms: float
+    """The unit's forward time (its full recompute)."""
+    end_seq: int
+    """The unit's ``fwd_end_seq``."""
+    saved_bytes: int
+    """Bytes the unit holds for backward when not checkpointed."""
+    first_save_inside: dict[int, int]
+    """Tensor id -> seq of its first save inside the unit."""
+    saved_outside: frozenset[int] = frozenset()
+    """Tensors that something outside the unit saves."""
+    forward_spread_ms: float = 0.0
+    """The spread of ``forward_ms`` (``UnitRecord.forward_spread_ms``)."""
 
 
 @dataclass(frozen=True)
@@ -176,32 +196,25 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # at all, or cost as much time as full checkpointing, are never useful and are left out. The solvers choose per unit among none, full and
 # the menu, so their optimality is proven over this menu.
 
-def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_bytes: int,
-               tensor_bytes: dict[int, int], first_save_inside: dict[int, int],
-               saved_outside: Iterable[int], writers: dict[int, int] | None = None,
+def build_menu(unit: UnitOps, *, tensor_bytes: dict[int, int], writers: dict[int, int] | None = None,
                op_cost_ms: tuple[float, float] = (0.0, 0.0), steps: int = MENU_STEPS,
-               forward_spread_ms: float = 0.0,
                op_cost_spread_ms: tuple[float, float] = (0.0, 0.0)) -> tuple[Policy, ...]:
     """The menu of one unit (NOTE [ Selective menus ]), cheapest in bytes first.
 
     Args:
-        ops: the op calls of the unit's forward, in order (children's included).
-        forward_ms: the unit's forward time (its full recompute).
-        end_seq: the unit's ``fwd_end_seq``.
-        saved_bytes: bytes the unit holds for backward when not checkpointed.
+        unit: the unit's op calls, times and saves (``UnitOps``).
         tensor_bytes: tensor id -> bytes.
-        first_save_inside: tensor id -> seq of its first save inside the unit.
-        saved_outside: tensors that something outside the unit saves.
         writers: allocating op's seq -> how many in-place ops write its output, in the whole
             step (a group is kept only when all of them are inside the unit).
         op_cost_ms: what selective checkpointing adds per op call it recomputes and per op call
             it keeps (``Profile.sac_recomputed_op_ms``, ``sac_kept_op_ms``; NOTE [ Selective
             dispatch cost ] in planner/profiling/sac_cost.py).
         steps: byte levels (at most ``steps - 1`` policies).
-        forward_spread_ms: the spread of ``forward_ms`` (``UnitRecord.forward_spread_ms``).
         op_cost_spread_ms: the spreads of the two ``op_cost_ms`` figures (Rule (noise) of the NOTE).
     """
-    outside = frozenset(saved_outside)
+    ops, forward_ms, end_seq, saved_bytes = unit.ops, unit.forward_ms, unit.end_seq, unit.saved_bytes
+    first_save_inside, outside, forward_spread_ms = unit.first_save_inside, frozenset(unit.saved_outside), \
+        unit.forward_spread_ms
     calls = indexed(ops)
     total_ms = sum(op.forward_ms for op in ops)
     price = _Price(forward_ms, total_ms, len(calls), op_cost_ms, forward_spread_ms, op_cost_spread_ms)
@@ -343,4 +356,4 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
     )
 
 
-__all__ = ["build_menu", "category", "describe", "indexed", "keepable", "MENU_STEPS", "OpCall", "Policy"]
+__all__ = ["build_menu", "category", "describe", "indexed", "keepable", "MENU_STEPS", "OpCall", "Policy", "UnitOps"]

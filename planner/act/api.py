@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import networkx as nx
 
@@ -23,8 +23,9 @@ from solvers.cost_model import simulate, tie_groups, window_bytes
 from solvers.dp import min_feasible_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
-from planner.model.schema import LOSS_ID, ROOT_ID, OpRef, Plan, Predicted, Profile, Recipe, RunStamp, SelectiveRegion, SolverInfo, now_iso
+from planner.model.schema import LOSS_ID, ROOT_ID, OpRef, Plan, Predicted, Profile, RunStamp, SelectiveRegion, SolverInfo, now_iso
 from planner.options import parse_sharding
+from planner.spec import SOLVE_FIELDS, STEP_FIELDS, SolveSpec, StepSpec, solve_spec, step_spec
 from planner.sizes import format_bytes, parse_bytes
 
 # NOTE [ Headroom from evidence ]
@@ -61,16 +62,16 @@ NESTING_SOLVERS = ("ilp", "auto")
 """Solvers that choose among nested candidates; the others get the single level ``granularity``."""
 
 
-def graph_for(profile: Profile, *, solver: str = "auto", granularity: int = 0, world_size: int = 1,
-              sharding: str = "none", selective: bool = True) -> nx.DiGraph:
-    """The candidate graph a solver works on: nested levels for the ILP, one level otherwise;
-    with op-level menus (``selective``) where the profile has op records, for one process only
-    (``MULTI_RANK_SELECTIVE``)."""
-    check_ranks(world_size, sharding)
-    nested = granularity > 0 and solver in NESTING_SOLVERS
-    selective = selective and (MULTI_RANK_SELECTIVE or (world_size == 1 and sharding == "none"))
-    return build_graph(profile, granularity=granularity, nested=nested, world_size=world_size,
-                       sharding=sharding, selective=selective)
+def graph_for(profile: Profile, *, solve: SolveSpec | None = None, **solve_fields: Any) -> nx.DiGraph:
+    """The candidate graph ``solve``'s solver works on (``solve_fields`` replace its fields): nested
+    levels for the ILP, one level otherwise; with op-level menus (``selective``) where the profile
+    has op records, for one process only (``MULTI_RANK_SELECTIVE``)."""
+    spec = solve_spec(solve, **solve_fields)
+    check_ranks(spec.world_size, spec.sharding)
+    nested = spec.granularity > 0 and spec.solver in NESTING_SOLVERS
+    one_process = spec.world_size == 1 and spec.sharding == "none"
+    return build_graph(profile, granularity=spec.granularity, nested=nested, world_size=spec.world_size,
+                       sharding=spec.sharding, selective=spec.selective and (MULTI_RANK_SELECTIVE or one_process))
 
 
 MULTI_RANK_SELECTIVE = False
@@ -116,44 +117,34 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
     return sol
 
 
-def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "auto", granularity: int = 0,
-                      time_limit_s: float | None = 60.0, world_size: int = 1, sharding: str = "none",
-                      headroom: float | None = None, graph: nx.DiGraph | None = None,
-                      selective: bool = True) -> Plan:
+def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec | None = None,
+                      graph: nx.DiGraph | None = None, **solve_fields: Any) -> Plan:
     """Plan on a measured profile. Raises ``BudgetInfeasible`` when nothing fits ``budget``.
 
-    ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]).
-    The solver plans for ``budget * (1 - headroom)``; None: ``headroom_for(profile)`` (NOTE [ Headroom
-    from evidence ]).
+    ``solve`` says how (``planner.spec.SolveSpec``: the solver, granularity, time limit, ranks,
+    headroom, op-level regions); ``solve_fields`` replace its fields (``solver="ilp"``, ...).
+    ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]). The solver plans for
+    ``budget * (1 - headroom)``; headroom None: ``headroom_for(profile)`` (NOTE [ Headroom from
+    evidence ]). ``graph``: the candidate graph to plan on, when the caller has built it.
+
+    Example::
+
+        plan = plan_from_profile(Profile.load("profile.json"), "12GB", solver="ilp", time_limit_s=30)
     """
+    spec = solve_spec(solve, **solve_fields)
+    solver = spec.solver
     budget_bytes = parse_bytes(budget)
-    if headroom is None:
-        headroom = headroom_for(profile)
+    headroom = headroom_for(profile) if spec.headroom is None else spec.headroom
     usable, headroom_bytes = usable_budget(budget_bytes, headroom)
-    g = graph if graph is not None else graph_for(profile, solver=solver, granularity=granularity,
-                                                  world_size=world_size, sharding=sharding, selective=selective)
+    g = graph if graph is not None else graph_for(profile, solve=spec)
     t0 = time.perf_counter()
-    sol = solve_graph(g, usable, solver=solver, time_limit_s=time_limit_s)
+    sol = solve_graph(g, usable, solver=solver, time_limit_s=spec.time_limit_s)
     seconds = time.perf_counter() - t0
     if sol.status == "infeasible":
-        lowest_peak = sol.min_feasible_bytes if sol.min_feasible_bytes is not None else min_feasible_bytes(g)
-        lowest = budget_with_headroom(lowest_peak, headroom)
-        if lowest <= budget_bytes:
-            raise SolverError(
-                f"solver {sol.solver!r} found no plan within its limits ({sol.detail or 'no detail'}), "
-                f"although a plan with a peak of {lowest} bytes exists; "
-                f"raise {{time_limit_s}} or use {{solver}} dp",
-                options=("time_limit_s", "solver"))
-        raise infeasible(profile, g, budget_bytes, lowest_peak, headroom)
+        raise _no_plan(profile, g, sol, budget_bytes, headroom)
     est = simulate(g, sol.checkpointed, sol.selective)  # every call of a module, or none (NOTE [ Tied calls ])
     if est.selective and solver in _OPTIMISERS:  # NOTE [ Robust choice ]
-        wg = graph_for(profile, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding,
-                       selective=False)
-        whole = solve_graph(wg, usable, solver=solver, time_limit_s=time_limit_s)
-        if whole.status != "infeasible":
-            plain = simulate(wg, whole.checkpointed)
-            if plain.peak_bytes <= usable and plain.recompute_ms - est.recompute_ms <= difference_spread_ms(g, est, plain):
-                g, sol, est = wg, whole, plain
+        g, sol, est = _robust_choice(profile, spec, usable, g, sol, est)
     if solver in _OPTIMISERS:  # baselines (every-2, sqrt, ...) place their checkpoints by rule
         est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2
     if est.peak_bytes > usable:
@@ -184,6 +175,32 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "aut
         time_source=profile.time_source, threads=profile.threads, time_calibration=profile.time_calibration,
         created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
     )
+
+
+def _no_plan(profile: Profile, g: nx.DiGraph, sol: Any, budget_bytes: int, headroom: float) -> Exception:
+    """The error for an infeasible solution: the solver's limits when a plan exists, else why nothing fits."""
+    lowest_peak = sol.min_feasible_bytes if sol.min_feasible_bytes is not None else min_feasible_bytes(g)
+    lowest = budget_with_headroom(lowest_peak, headroom)
+    if lowest <= budget_bytes:
+        return SolverError(
+            f"solver {sol.solver!r} found no plan within its limits ({sol.detail or 'no detail'}), "
+            f"although a plan with a peak of {lowest} bytes exists; "
+            f"raise {{time_limit_s}} or use {{solver}} dp",
+            options=("time_limit_s", "solver"))
+    return infeasible(profile, g, budget_bytes, lowest_peak, headroom)
+
+
+def _robust_choice(profile: Profile, spec: SolveSpec, usable: int, g: nx.DiGraph, sol: Any,
+                   est: Any) -> tuple[nx.DiGraph, Any, Any]:
+    """The whole-module plan instead of ``est`` (with selective regions) when it fits and costs no more
+    recompute than the two differ by their spreads (NOTE [ Robust choice ])."""
+    wg = graph_for(profile, solve=spec.replace(selective=False))
+    whole = solve_graph(wg, usable, solver=spec.solver, time_limit_s=spec.time_limit_s)
+    if whole.status != "infeasible":
+        plain = simulate(wg, whole.checkpointed)
+        if plain.peak_bytes <= usable and plain.recompute_ms - est.recompute_ms <= difference_spread_ms(g, est, plain):
+            return wg, whole, plain
+    return g, sol, est
 
 
 # NOTE [ Why nothing fits ]
@@ -390,76 +407,100 @@ def check_profile_matches(profile: Profile, model_file: Any) -> None:
                            diffs)
 
 
-def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
-         loss_fn: Callable[[Any], Any] | None = None, solver: str = "auto", device: str = "auto",
-         optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
-         steps: int = 3, world_size: int = 1, sharding: str = "none",
-         headroom: float | None = None, amp: str | None = None, target: str | None = None,
-         threads: int | None = None, recipe: Recipe | None = None, selective: bool = True,
-         buckets: Sequence[Any] | None = None) -> Plan:
-    """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
+def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any = None,
+         buckets: Sequence[Any] | None = None, step: StepSpec | None = None, solve: SolveSpec | None = None,
+         **fields: Any) -> Plan:
+    """Profile a model (unless given a ``Profile``) and plan for ``budget``.
 
     Args:
-        model_or_profile: an ``nn.Module`` (then ``inputs`` or ``buckets`` is required), a ``Profile``,
-            or a list of profiles of one model at several input shapes (a bucketed plan). With
-            ``device="meta"``, build it with ``planner.profiling.meta.build_on_meta`` (no memory used).
+        model_or_profile: an ``nn.Module`` (then ``inputs`` or ``buckets`` is required), a model file
+            (``planner.load_model_file``, which gives the inputs and the loss), a ``Profile``, or a
+            list of profiles of one model at several input shapes (a bucketed plan). With device
+            'meta', build the module with ``planner.profiling.meta.build_on_meta`` (no memory used).
+        budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
+            memory of ``step.target`` (``planner.profiling.devices.usable_bytes``).
+        inputs: one training batch, as for ``planner.profile``.
         buckets: instead of ``inputs``, one training batch per input shape the job sees (e.g. 128,
             256 and 512 tokens): each is profiled and planned under ``budget``, and the plans go into
             one bucketed plan; ``apply_plan`` runs each batch under the smallest bucket that holds it
             (NOTE [ Bucketed plans ] in planner/act/buckets.py).
-        budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
-            memory of ``target`` (``planner.profiling.devices.usable_bytes``).
-        amp: None, ``"bf16"`` or ``"fp16"``: forward and loss under ``torch.autocast``.
-        recipe: the training step to plan for (``schema.Recipe``: gradient accumulation, zero_grad,
-            amp, clipping, optimizer implementation); default the plain loop (with ``amp``).
-        target: a device spec name (``remat devices``): with ``device="meta"`` the times are
-            modelled for it (see docs/meta.md); on any device it gives the default budget.
-        solver: ``auto`` (DP on chains, ILP otherwise), ``dp``, ``ilp``, ``sqrt``, ``all``, ``none``...
-        granularity: extra depth below the default candidates (repeated blocks and their neighbours).
-        threads: torch intra-op threads while profiling (None: as set); on the CPU, 1 times units by
-            the thread's CPU time, which load from other processes does not change.
-        selective: let the solver checkpoint units op by op too (``plan.selective``); False: whole
-            modules only.
+        step: the training step and where it runs (``planner.spec.StepSpec``: device, device
+            memory cap, optimizer, recipe with amp, steps, threads, loss); its ``target`` gives the
+            default budget on any device and the modelled times on 'meta' (see docs/meta.md).
+        solve: how to plan (``planner.spec.SolveSpec``: solver, granularity, time limit, ranks,
+            headroom, op-level regions).
+        **fields: fields of either spec by name (``device="cpu"``, ``solver="ilp"``, ``progress``, ...).
     Returns:
         The ``Plan``; ``plan.save(path)`` writes it atomically.
     Raises:
         BudgetInfeasible: nothing fits; ``.min_feasible_bytes`` says what would.
+
+    Example::
+
+        plan = planner.plan(model, "2GB", inputs=batch, device="cpu", solver="ilp")
     """
-    budget, _ = resolve_budget(budget, target)  # before minutes of profiling, not after
+    progress = fields.pop("progress", None)
+    given = {k: v for k, v in fields.items() if k not in SOLVE_FIELDS}
+    spec = step_spec(step, **given)  # BadInput naming an argument of neither spec
+    solving = solve_spec(solve, **{k: v for k, v in fields.items() if k in SOLVE_FIELDS})
+    budget, _ = resolve_budget(budget, spec.target)  # before minutes of profiling, not after
     if isinstance(model_or_profile, (list, tuple)):
         profiles = list(model_or_profile)
     elif isinstance(model_or_profile, Profile):
-        prof = model_or_profile
-        ignored = [name for name, value, default in (
-            ("inputs", inputs, None), ("loss_fn", loss_fn, None), ("device", device, "auto"), ("steps", steps, 3),
-            ("threads", threads, None)) if value is not default and value != default]
-        if optimizer not in ("adamw", prof.optimizer):
-            ignored.append(f"optimizer ({prof.optimizer} in the profile)")
-        if (amp is not None and amp != prof.recipe.amp) or (recipe is not None and recipe != prof.recipe):
-            ignored.append(f"amp/recipe (the profile's: {prof.recipe.describe()})")
-        if ignored:
-            raise BadInput(f"plan(profile, ...) plans the step the profile measured; these arguments would change "
-                           f"what is measured, and nothing is: {', '.join(ignored)}. Drop them, or profile again")
-        profiles = [prof]
+        _refuse_step_fields(model_or_profile, inputs, {**_changed(step), **given})
+        profiles = [model_or_profile]
     else:
-        if (inputs is None) == (buckets is None):
+        from planner.profiling import profile
+
+        if (inputs is None) == (buckets is None) and not _is_model_file(model_or_profile):
             raise BadInput("plan(model, ...) needs inputs=<one training batch> or buckets=[<one batch per shape>]; "
                            "or pass a Profile")
-        from planner.profiling import profile as run_profile
-
-        meta = str(device).strip().lower() == "meta"
-        profiles = [run_profile(model_or_profile, batch, loss_fn=loss_fn, device=device, optimizer=optimizer,
-                                steps=steps, amp=amp, recipe=recipe, target=target if meta else None, threads=threads)
+        meta = str(spec.device).strip().lower() == "meta"
+        run = spec if meta else spec.replace(target=None)
+        profiles = [profile(model_or_profile, batch, step=run, progress=progress)
                     for batch in ([inputs] if buckets is None else buckets)]
-    return plan_buckets(profiles, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
-                        world_size=world_size, sharding=sharding, headroom=headroom, selective=selective)
+    return plan_buckets(profiles, budget, solve=solving)
+
+
+def _is_model_file(obj: Any) -> bool:
+    from planner.profiling.model_file import ModelFile
+
+    return isinstance(obj, ModelFile)
+
+
+def _changed(step: StepSpec | None) -> dict[str, Any]:
+    """The fields of ``step`` that differ from ``StepSpec()``'s."""
+    if step is None:
+        return {}
+    default = StepSpec()
+    return {name: getattr(step, name) for name in STEP_FIELDS if getattr(step, name) != getattr(default, name)}
+
+
+def _refuse_step_fields(prof: Profile, inputs: Any, given: dict[str, Any]) -> None:
+    """``plan(profile, ...)`` plans the step the profile measured: refuse what would measure another."""
+    ignored = ["inputs"] if inputs is not None else []
+    for name, value in given.items():
+        if name == "target" or value == getattr(StepSpec(), name):
+            continue
+        if name == "optimizer":
+            if value != prof.optimizer:
+                ignored.append(f"optimizer ({prof.optimizer} in the profile)")
+        elif name == "recipe":
+            if value != prof.recipe:
+                ignored.append(f"recipe (the profile's: {prof.recipe.describe()})")
+        else:
+            ignored.append(name)
+    if ignored:
+        raise BadInput(f"plan(profile, ...) plans the step the profile measured; these arguments would change "
+                       f"what is measured, and nothing is: {', '.join(ignored)}. Drop them, or profile again")
 
 
 def plan_buckets(profiles: Sequence[Profile], budget: int | str, *, shapes: Sequence[dict[str, int]] | None = None,
                  **options: Any) -> Plan:
     """One plan per profile (one input shape each) under one ``budget``, as one bucketed plan
     (NOTE [ Bucketed plans ]); one profile gives its plan. ``shapes``: the ``example_inputs()``
-    keyword arguments of each profile's batch. ``options``: those of ``plan_from_profile``.
+    keyword arguments of each profile's batch. ``options``: those of ``plan_from_profile`` (``solve=``
+    and its fields).
     Raises ``BudgetInfeasible`` naming the shape that does not fit."""
     from planner.act.buckets import combine
 

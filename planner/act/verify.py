@@ -47,6 +47,7 @@ from pydantic import BaseModel, Field
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
 from planner.errors import BadInput
+from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
 from planner.profiling.profiler import resolve_device
@@ -153,11 +154,10 @@ class VerifyReport(BaseModel):
         ]
 
 
-def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: Plan | str | Path, *, steps: int = 3,
-           device: str | torch.device = "cpu", tolerance: float = 1e-5, inputs: Inputs | None = None,
-           loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
-           progress: Callable[[str], None] | None = None,
-           prediction_tolerance: float = DEFAULT_PREDICTION_TOLERANCE) -> VerifyReport | BucketsReport | RanksReport:
+def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: Plan | str | Path, *,
+           inputs: Inputs | None = None, step: StepSpec | None = None, tolerance: float = 1e-5,
+           prediction_tolerance: float = DEFAULT_PREDICTION_TOLERANCE, progress: Callable[[str], None] | None = None,
+           **step_fields: Any) -> VerifyReport | BucketsReport | RanksReport:
     """Train with and without ``plan`` and report predicted vs measured memory, time and gradients.
 
     A per-rank plan (made with ``world_size``/``sharding``) is verified on its ranks by
@@ -168,19 +168,21 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
             ``loss_fn``), a loaded ``ModelFile`` (``load_model_file``, ``load_hf_config``), or an ``nn.Module`` without a plan (it is deep-copied, never changed;
             then ``inputs`` is required).
         plan: a ``Plan`` or the path of a plan file.
-        steps: timed steps per run (>= 1).
-        device: 'cpu', 'cuda', 'cuda:1', 'auto' or a ``torch.device``.
+        step: how to run (``planner.spec.StepSpec``; default device 'cpu'): ``steps``, timed steps
+            per run (>= 1); ``device``, 'cpu', 'cuda', 'cuda:1', 'auto' or a ``torch.device``;
+            ``threads``, torch intra-op threads for the timed steps (default the plan's, the
+            profile's); ``loss_fn``, for an ``nn.Module``. The step itself is the plan's recipe.
         tolerance: largest allowed absolute difference of any gradient or buffer element after
             the compared step. On the CPU the difference is 0 (recomputation is bitwise); on
             CUDA nondeterministic kernels (atomic adds in embedding or scatter backward) differ
             slightly between any two runs.
         prediction_tolerance: largest allowed |predicted - measured| / measured peak with the
             plan; beyond it the report is not ok and names the window that differs most.
-        inputs, loss_fn: for an ``nn.Module``; a model file brings its own. For a bucketed plan,
+        inputs: for an ``nn.Module``; a model file brings its own. For a bucketed plan,
             ``inputs`` is a list of one batch per bucket, smallest first; a model file makes them
             with ``example_inputs(**bucket.shape)``.
-        threads: torch intra-op threads for the timed steps; default the plan's (the profile's).
         progress: called with a short message as each run starts.
+        **step_fields: ``StepSpec`` fields replacing ``step``'s (``device="cuda"``, ``steps=1``).
 
     Returns:
         A ``VerifyReport``; ``.ok`` is False when the measured peak is over ``plan.budget_bytes``
@@ -193,6 +195,8 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
         PlanAlreadyApplied: the model given already carries a plan.
         BadInput, ModelLoadError, ProfileError: bad arguments, model file or training step.
     """
+    spec = step_spec(step or StepSpec(device="cpu"), **step_fields)
+    steps, device, threads, loss_fn = spec.steps, spec.device, spec.threads, spec.loss_fn
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if plan.sharding != "none":
         if plan.buckets:

@@ -160,11 +160,9 @@ def plan_cmd(o: PlanOptions) -> None:
         plan, graph = _plan_buckets(o, budget_bytes, log), None
     else:
         prof = _profile_source(o, log)
-        graph = graph_for(prof, solver=o.solver, granularity=o.granularity, world_size=o.world_size,
-                          sharding=o.sharding, selective=not o.no_selective)
+        graph = graph_for(prof, solve=o.solve_spec)
         render.plain(log, f"solving with {o.solver} over {graph.number_of_nodes()} candidates ...")
-        plan = plan_from_profile(prof, budget_bytes, solver=o.solver, granularity=o.granularity,
-                                 time_limit_s=o.time_limit_s, headroom=o.headroom, graph=graph)
+        plan = plan_from_profile(prof, budget_bytes, solve=o.solve_spec, graph=graph)
     if o.output is not None:
         plan.save(o.output)
     if o.as_json:
@@ -190,9 +188,7 @@ def _plan_buckets(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
         render.plain(log, f"shape {i + 1}/{len(sources)}: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
         profiles.append(_run_profiler(mf, o, log))
     render.plain(log, f"solving with {o.solver} for {len(profiles)} shapes ...")
-    return plan_buckets(profiles, budget_bytes, shapes=[shape for shape, _ in sources], solver=o.solver,
-                        granularity=o.granularity, time_limit_s=o.time_limit_s, headroom=o.headroom,
-                        world_size=o.world_size, sharding=o.sharding, selective=not o.no_selective)
+    return plan_buckets(profiles, budget_bytes, shapes=[shape for shape, _ in sources], solve=o.solve_spec)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -540,10 +536,11 @@ def _profile_args(path: Path) -> str:
 
 
 def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
-    from planner.profiling import profile
-    from planner.profiling.memsafe import profile_within
-    from planner.profiling.meta import build_on_meta
-    from planner.profiling.profiler import resolve_device
+    """``planner.profile`` on the model file with the step the options describe; the library picks
+    how to measure it (``planner.spec.profiling_path``), this refuses flags that cannot apply and
+    announces it."""
+    from planner.profiling import check_step, profile
+    from planner.spec import is_plain, profiling_path
 
     meta = o.device == "meta"
     if meta and o.target is None:
@@ -556,35 +553,24 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
         raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} time a real step; --device meta runs two "
                        f"steps on fake tensors and models the times for --target: drop "
                        f"{'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
-    cap = _device_memory(o.device_memory, meta)
-    recipe = o.recipe
-    plain = recipe == recipe.__class__(amp=o.amp)
-    if cap is not None and not plain:
+    step = o.step_spec(device_memory_bytes=_device_memory(o.device_memory, meta))
+    if step.device_memory_bytes is not None and not is_plain(step.recipe):
         raise BadInput("--device-memory measures the plain training step (with --amp) for now; drop it, or drop "
                        "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach")
-    if cap is not None and resolve_device(o.device).type == "cpu":
-        from planner.profiling.capped import profile_capped
-
+    how = profiling_path(step, check_step(step).type)
+    if how == "capped":
         if mf.path.suffix != ".py":  # the child process imports a model file
             raise BadInput("--device-memory on the CPU profiles a model file in a child process; with --hf, "
                            "write a model.py that builds the model (or drop --device-memory)")
-        render.plain(log, f"profiling {mf.path} on cpu within {cap} bytes (a capped child process) ...")
-        return profile_capped(mf.path, device_memory_bytes=cap, optimizer=o.optimizer, steps=o.steps, amp=o.amp,
-                              threads=o.threads, quiet=log.quiet)
+        render.plain(log, f"profiling {mf.path} on cpu within {step.device_memory_bytes} bytes "
+                          f"(a capped child process) ...")
+        return profile(mf, step=step, progress=None if log.quiet else (lambda _msg: None))
     # stages the profiler announces: a warm-up step, the timing steps, the memory step, the peak,
     # the validation step (meta: a warm-up step and one memory-and-roofline step on fake tensors)
     title = (f"profiling {mf.path} on fake tensors for {o.target}" if meta
              else f"profiling {mf.path} on {o.device} ({o.steps} steps)")
     with render.stages(log, f"{title} ...", total=2 if meta else o.steps + 4) as say:
-        net = build_on_meta(mf.build_model) if meta else mf.build_model()
-        if meta or not plain:  # the memory-safe profile measures the plain step (with amp) only
-            return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=o.device, optimizer=o.optimizer,
-                           steps=o.steps, recipe=recipe, target=o.target if meta else None, threads=o.threads,
-                           progress=say)
-        # a step that does not fit (cap, or out of memory) is measured under checkpointing (planner/profiling/memsafe.py)
-        return profile_within(net, mf.example_inputs(), device_memory_bytes=cap, loss_fn=mf.loss_fn,
-                              device=o.device, optimizer=o.optimizer, steps=o.steps, amp=o.amp, threads=o.threads,
-                              progress=say)
+        return profile(mf, step=step, progress=say)
 
 
 def _device_memory(text: str | None, meta: bool) -> int | None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from planner.errors import BadInput
 from planner.model.schema import Recipe
 from planner.options import Amp, OptimizerName, Sharding, parse_amp, parse_optimizer, parse_sharding
+from planner.spec import SolveSpec, StepSpec
 
 DEVICES = ("auto", "cpu", "cuda", "meta")
 
@@ -294,6 +295,13 @@ class StepOptions(Options, HfSource):
         return Recipe(grad_accum=self.grad_accum, zero_grad_set_to_none=self.zero_grad_set_to_none, amp=self.amp,
                       clip_grad_norm=self.clip_grad_norm, optimizer_impl=impl)
 
+    def step_spec(self, *, device_memory_bytes: int | None = None) -> StepSpec:
+        """The ``planner.spec.StepSpec`` the options describe (the model file gives the loss): its
+        ``target`` only for ``--device meta`` (elsewhere ``--target`` is the default budget's device)."""
+        return StepSpec(device=self.device, target=self.target if self.device == "meta" else None,
+                        device_memory_bytes=device_memory_bytes, optimizer=self.optimizer, recipe=self.recipe,
+                        steps=self.steps, threads=self.threads)
+
 
 class ProfileOptions(StepOptions):
     output: Path | None = None
@@ -340,6 +348,13 @@ class PlanOptions(StepOptions, RankOptions):
     @classmethod
     def _headroom(cls, text: Any) -> float | None:
         return _headroom_option(text)
+
+    @property
+    def solve_spec(self) -> SolveSpec:
+        """The ``planner.spec.SolveSpec`` the options describe."""
+        return SolveSpec(solver=self.solver, granularity=self.granularity, time_limit_s=self.time_limit_s,
+                         world_size=self.world_size, sharding=self.sharding, headroom=self.headroom,
+                         selective=not self.no_selective)
 
 
 def _headroom_option(text: Any) -> float | None:

@@ -226,7 +226,7 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
     more than once get none: the applier applies one policy to every call of a module."""
     import bisect
 
-    from solvers.selective import OpCall, build_menu
+    from solvers.selective import OpCall, UnitOps, build_menu
 
     if not p.ops:
         return
@@ -253,13 +253,14 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
                 first_inside.setdefault(t, seq)
             else:
                 outside.add(t)
-        a["menu"] = build_menu(
+        unit = UnitOps(
             [OpCall(o.seq, o.name, tuple(o.output_ids), o.forward_ms, o.random, o.inplace, o.view, o.mutated,
                     o.writes, o.read_between_writes) for o in inside],
-            forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], tensor_bytes=tb,
-            first_save_inside=first_inside, saved_outside=outside, writers=writers,
-            op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms), forward_spread_ms=a["forward_spread_ms"],
-            op_cost_spread_ms=(p.sac_recomputed_op_spread_ms, p.sac_kept_op_spread_ms))
+            forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], first_save_inside=first_inside,
+            saved_outside=frozenset(outside), forward_spread_ms=a["forward_spread_ms"])
+        a["menu"] = build_menu(unit, tensor_bytes=tb, writers=writers,
+                               op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms),
+                               op_cost_spread_ms=(p.sac_recomputed_op_spread_ms, p.sac_kept_op_spread_ms))
 
 
 def _link_tree(g: nx.DiGraph, chosen: list[str], units: dict[str, UnitRecord]) -> None:

@@ -23,11 +23,12 @@ from planner.model import schema
 from planner.errors import BadInput, ProfileError
 from planner.profiling.measure import is_oom
 from planner.profiling.model_file import Inputs, check_devices
-from planner.profiling import profile
+from planner.profiling import profile_as_run
 from planner.profiling.profiler import measure_profile, restoring_model, TimingRecorder, resolve_device
 from planner.profiling.timing import num_threads, profile_clock
 from planner.profiling.recording import io_tensors, MemoryRecorder, UnitCall
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry
+from planner.spec import StepSpec, step_spec
 
 Progress = Callable[[str], None]
 
@@ -94,27 +95,16 @@ Private to torch: ``torch.utils.checkpoint._allowed_determinism_checks_to_fns``,
 against torch 2.13."""
 
 
-def profile_within(
-    model: torch.nn.Module,
-    inputs: Inputs,
-    *,
-    device_memory_bytes: int | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    device: str | torch.device = "auto",
-    optimizer: str = "adamw",
-    warmup_steps: int = 1,
-    steps: int = 3,
-    amp: str | None = None,
-    threads: int | None = None,
-    progress: Progress | None = None,
-) -> schema.Profile:
+def profile_within(model: torch.nn.Module, inputs: Inputs, *, step: StepSpec | None = None,
+                   progress: Progress | None = None, **step_fields: Any) -> schema.Profile:
     """Profile one training step of ``model``; under checkpointing when it does not fit the device.
 
-    Without ``device_memory_bytes`` the step is run as ``planner.profiling.profile`` runs it, and
-    only running out of memory leads to the memory-safe profile. With it, a fake-tensor pass
+    Without ``step.device_memory_bytes`` the step is run as ``planner.profiling.profile_as_run`` runs it,
+    and only running out of memory leads to the memory-safe profile. With it, a fake-tensor pass
     (``planner.profiling.meta``, following this device's rules) predicts the unplanned peak first; on
     CUDA the cap is also enforced (``torch.cuda.set_per_process_memory_fraction``); on the CPU
     run this in a process whose address space is capped (``planner.profiling.capped``) to enforce it.
+    ``step_fields`` replace fields of ``step`` (``planner.spec.StepSpec``), as for ``planner.profile``.
 
     Returns a profile of the unplanned step; ``measured_with_checkpoints`` lists what was
     checkpointed while measuring (empty for a full profile). See NOTE [ Memory-safe profile ].
@@ -122,19 +112,20 @@ def profile_within(
     Raises:
         ProfileError: user code failed, or nothing fits and no fake-tensor fallback exists.
     """
+    from planner.profiling import check_step
     from planner.profiling.step_changes import profiled_with_step_changes
 
+    spec = step_spec(step, **step_fields)
+    check_step(spec)
     # see NOTE [ Step changes ]: every path below (the full profile, the checkpointed one, the fake-tensor
-    # ones) profiles the step the plan will run; ``profile`` finds the same changes already installed
+    # ones) profiles the step the plan will run; ``profile_as_run`` finds the same changes already installed
     with profiled_with_step_changes(model) as changes:
-        prof = _profile_within(model, inputs, device_memory_bytes=device_memory_bytes, loss_fn=loss_fn,
-                               device=device, optimizer=optimizer, warmup_steps=warmup_steps, steps=steps,
-                               amp=amp, threads=threads, progress=progress)
+        prof = _profile_within(model, inputs, spec, progress)
     return prof.model_copy(update={"step_changes": changes})
 
 
-def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, loss_fn: Any, amp: str | None,
-               dev: torch.device, progress: Progress | None) -> schema.Profile:
+def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, step: StepSpec, dev: torch.device,
+               progress: Progress | None) -> schema.Profile:
     """``prof`` with the validation step's retained bytes and excluded units (NOTE [ Validation step ]), as
     ``profile`` measures them: the validation step runs with the candidates checkpointed, so it fits
     where the checkpointed profile did."""
@@ -143,6 +134,7 @@ def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, 
     from planner.profiling.timing import clock_of, timing_threads
     from planner.profiling.validate import validate
 
+    loss_fn, amp = step.loss_fn, step.recipe.amp
     (progress or (lambda _msg: None))("validation step: what checkpointing frees")
     try:
         found = validate(model, to_device(inputs, dev), prof, loss_fn=loss_fn, amp=amp, dev=dev)
@@ -169,13 +161,11 @@ def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, *, 
     return with_sac_cost(prof, cost)
 
 
-def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_bytes: int | None,
-                    loss_fn: Callable[[Any], torch.Tensor] | None, device: str | torch.device, optimizer: str,
-                    warmup_steps: int, steps: int, amp: str | None, threads: int | None,
+def _profile_within(model: torch.nn.Module, inputs: Inputs, step: StepSpec,
                     progress: Progress | None) -> schema.Profile:
-    dev = resolve_device(device)
-    kw = dict(loss_fn=loss_fn, optimizer=optimizer, warmup_steps=warmup_steps, steps=steps, amp=amp,
-              threads=threads, progress=progress)
+    dev = resolve_device(step.device)
+    device_memory_bytes = step.device_memory_bytes
+    step = step.replace(device=dev)
     if dev.type == "meta":
         raise BadInput("device 'meta' runs nothing, so there is nothing to keep within a device's memory; "
                        "use planner.profile(..., device='meta', target=...)")
@@ -185,14 +175,14 @@ def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_byt
         estimate = None
         why = ""
         if device_memory_bytes is not None:
-            estimate = _fake_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp)
+            estimate = _fake_profile(model, inputs, dev, step)
             predicted = estimate.step.measured_peak_bytes or 0
             if predicted > device_memory_bytes:
                 why = (f"the unplanned step needs {predicted} bytes (fake-tensor pass), more than the "
                        f"device's {device_memory_bytes}")
         if not why:
             try:
-                return profile(model, inputs, device=dev, **kw)
+                return profile_as_run(model, inputs, step=step, progress=progress)
             except (ProfileError, RuntimeError, MemoryError) as e:
                 if not _out_of_memory(e):
                     raise
@@ -200,7 +190,7 @@ def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_byt
             _free(model, dev)
         say(f"memory-safe profile: {why}")
         if estimate is None:
-            estimate = _fake_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp)
+            estimate = _fake_profile(model, inputs, dev, step)
         tried = []
         for level in (0, 1):
             fqns = candidate_modules(estimate, level)
@@ -209,7 +199,7 @@ def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_byt
             tried.append(fqns)
             say(f"profiling with {len(fqns)} modules checkpointed")
             try:
-                prof = profile_checkpointed(model, inputs, checkpointed=fqns, device=dev, **kw)
+                prof = profile_checkpointed(model, inputs, checkpointed=fqns, step=step, progress=progress)
             except (ProfileError, RuntimeError, MemoryError) as e:
                 if not _out_of_memory(e):
                     raise
@@ -219,43 +209,30 @@ def _profile_within(model: torch.nn.Module, inputs: Inputs, *, device_memory_byt
                 _free(model, dev)  # outside the except block: the failed step's frames are gone
                 continue
             return prof.model_copy(update={"notes": [*prof.notes, f"memory-safe profile: {why}"]})
-    return _meta_fallback(model, inputs, dev, why, loss_fn=loss_fn, optimizer=optimizer, amp=amp)
+    return _meta_fallback(model, inputs, dev, why, step)
 
 
-def profile_checkpointed(
-    model: torch.nn.Module,
-    inputs: Inputs,
-    *,
-    checkpointed: Sequence[str],
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    device: str | torch.device = "auto",
-    optimizer: str = "adamw",
-    warmup_steps: int = 1,
-    steps: int = 3,
-    amp: str | None = None,
-    threads: int | None = None,
-    progress: Progress | None = None,
-) -> schema.Profile:
+def profile_checkpointed(model: torch.nn.Module, inputs: Inputs, *, checkpointed: Sequence[str],
+                         step: StepSpec | None = None, progress: Progress | None = None,
+                         **step_fields: Any) -> schema.Profile:
     """Measure the step with the modules ``checkpointed`` (FQNs) checkpointed; return the
-    profile of the unplanned step (NOTE [ Memory-safe profile ]).
+    profile of the unplanned step (NOTE [ Memory-safe profile ]). ``step`` and ``step_fields``
+    as for ``profile_within``.
 
     The modules must not nest (one inside another). Every call of each is checkpointed. The step
     runs with the model's step changes (NOTE [ Step changes ]), as ``profile_within`` runs it.
     """
     from planner.profiling.step_changes import profiled_with_step_changes
 
+    spec = step_spec(step, **step_fields)
     with profiled_with_step_changes(model) as changes:  # nothing new (and nothing said) under profile_within
-        prof = _profile_checkpointed(model, inputs, checkpointed=checkpointed, loss_fn=loss_fn, device=device,
-                                     optimizer=optimizer, warmup_steps=warmup_steps, steps=steps, amp=amp,
-                                     threads=threads, progress=progress)
+        prof = _profile_checkpointed(model, inputs, checkpointed, spec, progress)
     return prof.model_copy(update={"step_changes": changes})
 
 
-def _profile_checkpointed(model: torch.nn.Module, inputs: Inputs, *, checkpointed: Sequence[str],
-                          loss_fn: Callable[[Any], torch.Tensor] | None, device: str | torch.device, optimizer: str,
-                          warmup_steps: int, steps: int, amp: str | None, threads: int | None,
+def _profile_checkpointed(model: torch.nn.Module, inputs: Inputs, checkpointed: Sequence[str], step: StepSpec,
                           progress: Progress | None) -> schema.Profile:
-    dev = resolve_device(device)
+    dev = resolve_device(step.device)
     if dev.type == "meta":
         raise BadInput("a checkpointed profile runs the step; use cpu or cuda")
     fqns = list(dict.fromkeys(checkpointed))
@@ -276,14 +253,13 @@ def _profile_checkpointed(model: torch.nn.Module, inputs: Inputs, *, checkpointe
         timing.append(_CheckpointedTiming(m, clock, ckpt))
         return timing[-1]
 
-    with restoring_model(model, dev), num_threads(threads), ckpt:
-        prof = measure_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, amp=amp,
-                        warmup_steps=warmup_steps, steps=steps, say=say,
+    with restoring_model(model, dev), num_threads(step.threads), ckpt:
+        prof = measure_profile(model, inputs, dev, step=step, say=say,
                         clock=_PausingClock(profile_clock(dev, torch.get_num_threads())),
                         timing_recorder=timing_recorder,
                         memory_recorder=lambda m, tracker: _CheckpointedMemory(m, tracker, ckpt))
     prof = _as_unplanned(prof, fqns, timing[-1].recompute_ms if timing else {})
-    return _validated(model, inputs, prof, loss_fn=loss_fn, amp=amp, dev=dev, progress=progress)
+    return _validated(model, inputs, prof, step, dev, progress)
 
 
 def candidate_modules(prof: schema.Profile, granularity: int = 0) -> list[str]:
@@ -688,7 +664,7 @@ def _as_unplanned(prof: schema.Profile, fqns: list[str], recompute_ms: dict[str,
 # ----------------------------------------------------------------------------- helpers
 
 
-def _fake_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, **kw: Any) -> schema.Profile:
+def _fake_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, step: StepSpec) -> schema.Profile:
     """The unplanned step on fake tensors with ``dev``'s rules: its bytes and its module calls.
 
     The roofline's times (for whichever spec) are not used."""
@@ -696,11 +672,17 @@ def _fake_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, **k
     from planner.profiling.meta import profile_meta
 
     spec = load_devices()[0]
-    return profile_meta(model, inputs, target=spec, device_type=dev.type,
-                        fake_device="cpu" if dev.type == "cpu" else None, **kw)
+    return profile_meta(model, inputs, step=_fake_step(step, spec), device_type=dev.type,
+                        fake_device="cpu" if dev.type == "cpu" else None)
 
 
-def _meta_fallback(model: torch.nn.Module, inputs: Inputs, dev: torch.device, why: str, **kw: Any) -> schema.Profile:
+def _fake_step(step: StepSpec, spec: Any) -> StepSpec:
+    """``step`` on fake tensors with times for device spec ``spec``: its loss, optimizer and recipe."""
+    return StepSpec(device="meta", target=spec, loss_fn=step.loss_fn, optimizer=step.optimizer, recipe=step.recipe)
+
+
+def _meta_fallback(model: torch.nn.Module, inputs: Inputs, dev: torch.device, why: str,
+                   step: StepSpec) -> schema.Profile:
     """Neither the step nor its checkpointed versions fit: fake tensors, with this GPU's spec."""
     from planner.profiling.devices import load_devices
     from planner.profiling.meta import profile_meta
@@ -714,7 +696,7 @@ def _meta_fallback(model: torch.nn.Module, inputs: Inputs, dev: torch.device, wh
         raise ProfileError(f"the step does not fit this device even with its candidates checkpointed ({why}); "
                            f"plan without running it: {{device}} meta {{target}} NAME (remat devices lists them)",
                            options=("device", "target"))
-    prof = profile_meta(model, inputs, target=spec, device_type=dev.type, **kw)
+    prof = profile_meta(model, inputs, step=_fake_step(step, spec), device_type=dev.type)
     return prof.model_copy(update={"notes": [*prof.notes, f"memory-safe profile fell back to fake tensors: {why}"]})
 
 

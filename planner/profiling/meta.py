@@ -26,10 +26,11 @@ from planner.model import schema
 from planner.profiling.devices import (Calibration, DeviceSpec, calibration_path, calibration_source, get_device,
                                        load_calibration)
 from planner.errors import BadInput, ProfileError
-from planner.profiling.measure import Measured, make_optimizer, make_step, resolve_recipe
+from planner.profiling.measure import Measured, make_optimizer, make_step
 from planner.profiling.model_file import Inputs
 from planner.profiling.recording import assemble_profile, memory_step, MemoryRecorder, StepTimes
 from planner.profiling.tracker import LiveBytesTracker, iter_tensors
+from planner.spec import StepSpec, step_spec
 
 Progress = Callable[[str], None]
 
@@ -135,15 +136,12 @@ def profile_meta(
     model: nn.Module,
     inputs: Inputs,
     *,
-    target: str | DeviceSpec,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer: str = "adamw",
-    amp: str | None = None,
-    recipe: schema.Recipe | None = None,
+    step: StepSpec | None = None,
     device_type: str = "cuda",
     fake_device: str | None = None,
     calibrated: bool = True,
     progress: Progress | None = None,
+    **step_fields: Any,
 ) -> schema.Profile:
     """Profile one training step of ``model`` on fake tensors, with times modelled for ``target``.
 
@@ -154,9 +152,9 @@ def profile_meta(
     Args:
         model: the model, ideally built with ``build_on_meta``.
         inputs: as for ``planner.profiling.profile``; real tensors (turned into fake ones).
-        target: a device spec or its name/alias (``planner.profiling.devices``): peak FLOP/s and
-            bandwidth for the roofline.
-        loss_fn, optimizer, amp, recipe: as for ``planner.profiling.profile``.
+        step: the step (``planner.spec.StepSpec``): its ``target``, a device spec or its name/alias
+            (``planner.profiling.devices``), gives the peak FLOP/s and bandwidth of the roofline;
+            its loss, optimizer and recipe the step. ``device``, ``steps`` and the cap are not read.
         device_type: whose rules the step follows (NOTE [ Meta profiling ]): 'cuda' for a
             GPU target; 'cpu' makes the faked step the same as a real CPU step (to compare).
         fake_device: the fake tensors' device type; default 'cuda' where this PyTorch has
@@ -165,6 +163,7 @@ def profile_meta(
         calibrated: use the target's calibration file when it has one (NOTE [ Roofline ]);
             False: the assumed efficiencies (what benchmarks/gpu_check.py fits against).
         progress: called with a short message as each stage starts.
+        **step_fields: ``StepSpec`` fields replacing ``step``'s (``target="h100"``, ``loss_fn=...``).
 
     Returns:
         A ``schema.Profile`` with ``device='meta'``, ``target`` the spec's name,
@@ -177,9 +176,13 @@ def profile_meta(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    step = step_spec(step, **step_fields)
+    target = step.target
+    if target is None:
+        raise BadInput("profile_meta models times for a target device: give target=NAME (remat devices lists them)")
     spec = target if isinstance(target, DeviceSpec) else get_device(target)
     rules = rules_for(device_type, fake_device)
-    recipe = resolve_recipe(recipe, amp)
+    recipe = step.recipe
     say = progress or (lambda _msg: None)
     dev = torch.device(rules.fake_device)
     calibration = load_calibration(spec) if calibrated else None
@@ -187,24 +190,24 @@ def profile_meta(
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, _RealKernelOutputs(rules), _fake_state(model, dev), \
             _sdpa(rules), _hf_unpacked(inputs), _explaining_fake_errors():
         fake_inputs = _fake_inputs(fake, inputs, dev)
-        opt = make_optimizer(optimizer, model, impl=recipe.optimizer_impl)
+        opt = make_optimizer(step.optimizer, model, impl=recipe.optimizer_impl)
         if rules.device_type == "cuda" and opt is not None and recipe.optimizer_impl == "default":
             for group in opt.param_groups:  # torch picks foreach for CUDA tensors, but not for FakeTensors
                 group["foreach"] = True
-        step = make_step(model, fake_inputs, loss_fn=loss_fn, optimizer=opt, recipe=recipe)
+        run = make_step(model, fake_inputs, loss_fn=step.loss_fn, optimizer=opt, recipe=recipe)
         say("warm-up step (fake tensors)")
-        step()
+        run()
         say("memory and roofline step (fake tensors)")
         stamps: dict[int, tuple[float, float]] = {}
         with roofline:
             mem = memory_step(
-                model, step, fake_inputs, opt, dev, recipe=recipe, round_to=rules.round_to,
+                model, run, fake_inputs, opt, dev, recipe=recipe, round_to=rules.round_to,
                 recorder=lambda m, tracker: _RooflineRecorder(m, tracker, roofline, stamps))
         times, flops = _times(mem.recorder, stamps)
         peak = max((e.peak_bytes for e in mem.recorder.events), default=0)
         measured = Measured(peak_bytes=peak, step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
                             source="tracker")
-        prof = assemble_profile(model, inputs, dev, optimizer, recipe, times, mem, measured, 1, 1)
+        prof = assemble_profile(model, inputs, dev, step.replace(warmup_steps=1, steps=1), times, mem, measured)
     units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
     source = calibration_source(calibration_path(spec)) if calibration else None
     return prof.model_copy(update={

@@ -9,7 +9,6 @@ import contextlib
 import functools
 import gc
 import platform
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from planner.profiling.measure import OPTIMIZERS, Measured
 from planner.profiling.model_file import Inputs
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 from planner.profiling.timing import UnitCost, WallClock, describe, signature, unit_costs
+from planner.spec import StepSpec
 
 Progress = Callable[[str], None]
 
@@ -909,14 +909,13 @@ def release_grads(model: torch.nn.Module, dev: torch.device, recipe: schema.Reci
 # ----------------------------------------------------------------------------- assembling
 
 
-def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimizer: str, recipe: schema.Recipe,
-              times: StepTimes, mem: _Memory, measured: Measured, warmup_steps: int, steps: int, *,
-              as_run: AsRun | None = None) -> schema.Profile:
-    """The ``schema.Profile`` of what the steps recorded; ``as_run`` is what ``as_run_timeline`` saw, if it ran."""
+def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, step: StepSpec, times: StepTimes,
+                     mem: _Memory, measured: Measured, *, as_run: AsRun | None = None) -> schema.Profile:
+    """The ``schema.Profile`` of what the steps recorded, for ``step`` run on ``dev``: ``mem`` (the memory
+    step's recorder), the timing steps' ``times``, the device's ``measured`` peak and ``as_run``, what
+    ``as_run_timeline`` saw, if it ran."""
     rec = mem.recorder
-    notes: list[str] = []
-    if opt_note := _OPTIMIZER_NOTE.get(optimizer.lower()):
-        notes.append(opt_note)
+    notes = _profile_notes(mem, times, measured, step.optimizer, as_run)
     rec.register_op_outputs()
     # Ids in creation order, so reading the list follows the step.
     order = sorted(rec.tensors.values(), key=lambda t: (t.created_seq, t.id))
@@ -927,6 +926,37 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
     costs = _pooled_costs(times, rec.signatures)
     units = [_unit_record(u, costs.get(u.id, UnitCost(0.0, 0.0, 0)), rec.signatures.get(u.id, ""), remap) for u in rec.units]
     saves = [schema.SaveRecord(tensor_id=remap[tid], seq=seq, unit=unit) for tid, seq, unit in rec.saves]
+    structure = step_structure({**{f"timing step {i + 1}": ids for i, ids in enumerate(times.unit_ids)},
+                                "memory step": [u.id for u in rec.units],
+                                **({"as-run step": as_run.unit_ids} if as_run else {})})
+    return schema.Profile(
+        fingerprint=fingerprint(model, inputs),
+        device=dev.type,
+        device_name=_device_name(dev),
+        dtype=_dtype(model),
+        recipe=step.recipe,
+        optimizer=step.optimizer.lower(),
+        torch_version=torch.__version__,
+        created_at=schema.now_iso(),
+        units=units,
+        tensors=tensors,
+        saves=saves,
+        params=mem.param_records,
+        ops=rec.op_records(remap),
+        timeline=rec.timeline(),
+        step=_step_record(mem, times, measured, step, as_run),
+        step_structure=structure,
+        notes=notes,
+    )
+
+
+def _profile_notes(mem: _Memory, times: StepTimes, measured: Measured, optimizer: str,
+                   as_run: AsRun | None) -> list[str]:
+    """What a reader of the profile should know about how its step ran."""
+    rec = mem.recorder
+    notes: list[str] = []
+    if opt_note := _OPTIMIZER_NOTE.get(optimizer.lower()):
+        notes.append(opt_note)
     memory_ids = [u.id for u in rec.units]
     if any(ids != memory_ids for ids in times.unit_ids):
         notes.append("the module calls differed between steps (data-dependent control flow?); "
@@ -949,9 +979,14 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
     if measured.peak_bytes and abs(measured.peak_bytes - timeline_peak) > 0.02 * measured.peak_bytes:
         notes.append(f"{'as-run' if matched else 'tracked'} peak {timeline_peak} bytes differs from the "
                      f"{measured.source} peak {measured.peak_bytes} bytes by more than 2%")
-    structure = step_structure({**{f"timing step {i + 1}": ids for i, ids in enumerate(times.unit_ids)},
-                                "memory step": memory_ids, **({"as-run step": as_run.unit_ids} if as_run else {})})
-    step = schema.StepRecord(
+    return notes
+
+
+def _step_record(mem: _Memory, times: StepTimes, measured: Measured, step: StepSpec,
+                 as_run: AsRun | None) -> schema.StepRecord:
+    rec = mem.recorder
+    matched = as_run is not None and as_run.matched
+    return schema.StepRecord(
         params_bytes=mem.params_bytes,
         buffers_bytes=mem.buffers_bytes + mem.found_bytes,
         batch_bytes=mem.batch_bytes,
@@ -963,34 +998,15 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
         optimizer_ms=times.optimizer_ms,
         forward_spread_ms=times.phase_spread_ms.get("forward", 0.0),
         backward_spread_ms=times.phase_spread_ms.get("backward", 0.0),
-        step_ms=recipe.grad_accum * (times.forward_ms + times.backward_ms) + times.optimizer_ms,
+        step_ms=step.recipe.grad_accum * (times.forward_ms + times.backward_ms) + times.optimizer_ms,
         forward_end_seq=rec.marks["forward_end"],
         backward_start_seq=rec.marks["backward_start"],
         measured_peak_bytes=measured.peak_bytes,
         peak_source=measured.source,
-        warmup_steps=warmup_steps,
-        measured_steps=steps,
+        warmup_steps=step.warmup_steps,
+        measured_steps=step.steps,
         timeline_source="as-run" if matched else "tracked",
         tracked_peak_bytes=as_run.tracked_peak_bytes if matched else None,
-    )
-    return schema.Profile(
-        fingerprint=fingerprint(model, inputs),
-        device=dev.type,
-        device_name=_device_name(dev),
-        dtype=_dtype(model),
-        recipe=recipe,
-        optimizer=optimizer.lower(),
-        torch_version=torch.__version__,
-        created_at=schema.now_iso(),
-        units=units,
-        tensors=tensors,
-        saves=saves,
-        params=mem.param_records,
-        ops=rec.op_records(remap),
-        timeline=rec.timeline(),
-        step=step,
-        step_structure=structure,
-        notes=notes,
     )
 
 
