@@ -29,7 +29,7 @@ from planner.errors import BadInput
 # Rule 4. The bytes go to a temp file in the target's folder (same filesystem), are fsynced and
 #   renamed over the target: a reader sees the old file or the new one, never half of one. The
 #   temp file is removed on every exit path, an exception or a signal that raises included
-#   (SIGINT and SIGTERM raise in remat, see NOTE [ Signals and children ] in planner/cli/app.py).
+#   (SIGINT and SIGTERM raise in remat, see NOTE [ Signals and children ] in planner/children.py).
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from planner.cli import render
+from planner.cli import output
 from planner.act.api import DEFAULT_HEADROOM, budget_with_headroom, graph_for
 from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers, run_solver
 from solvers import SOLVERS
@@ -212,16 +212,16 @@ def test_frontier_on_a_real_tiny_model(tmp_path: Path):
 def test_stages_draw_a_bar_on_a_terminal_and_lines_elsewhere():
     buf = io.StringIO()
     tty = Console(file=buf, force_terminal=True, width=100)
-    with render.stages(tty, "profiling", total=3) as say:
+    with output.stages(tty, "profiling", total=3) as say:
         for m in ("a", "b", "c", "d"):  # one more stage than announced: the bar grows
             say(m)
     assert "4/4" in buf.getvalue()
     buf = io.StringIO()
-    with render.stages(Console(file=buf, force_terminal=False), "profiling", total=3) as say:
+    with output.stages(Console(file=buf, force_terminal=False), "profiling", total=3) as say:
         say("warm-up step 1/1")
     assert buf.getvalue().splitlines() == ["profiling", "warm-up step 1/1"]
     buf = io.StringIO()
-    with render.counter(Console(file=buf, force_terminal=True, width=100), "sweeping") as tick:
+    with output.counter(Console(file=buf, force_terminal=True, width=100), "sweeping") as tick:
         tick(5, 10)
         tick(10, 10)
     assert "10/10" in buf.getvalue()

@@ -153,3 +153,26 @@ def test_every_module_declares_its_public_names(path: Path):
     names = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
     assert "__all__" in names, f"{path.relative_to(ROOT)} has no __all__"
+
+
+def test_the_readme_layout_names_every_module():
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("The code follows the same path"):]
+    block = block[:block.index("```", block.index("```") + 3)]
+    missing = sorted(str(p.relative_to(ROOT)) for p in LIBRARY
+                     if p.stem != "__init__" and not re.search(rf"\b{p.stem}\b", block))
+    assert not missing, f"README's layout block does not name {missing}"
+
+
+def test_functions_parameter_lists_and_modules_are_short():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from code_shape import MAX_FUNCTION_LINES, MAX_PUBLIC_PARAMETERS, measure
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    shape = measure(ROOT)
+    assert shape["public_parameter_lists_over_limit"] == [], f"over {MAX_PUBLIC_PARAMETERS} names"
+    assert shape["longest"][0][0] <= MAX_FUNCTION_LINES, shape["longest"][:3]
+    assert shape["modules_over_limit"] == [], shape["largest_modules"][:3]

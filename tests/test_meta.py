@@ -19,7 +19,8 @@ from torch import nn
 from tests.conftest import invoke
 from planner.profiling.devices import get_device, usable_bytes
 from planner.errors import BadInput, ProfileError
-from planner.profiling.meta import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, build_on_meta, profile_meta
+from planner.profiling.meta import build_on_meta, profile_meta
+from planner.profiling.roofline import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY
 from planner.profiling.model_file import load_model_file
 from planner.profiling import profile
 from planner.model.schema import Plan, Profile, Recipe

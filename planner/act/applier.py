@@ -22,7 +22,6 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -34,10 +33,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.act import buckets
+from planner.act.existing import (ancestors, checkpointed_by, hf_checkpointing, listing, modules_by_plain_name, overlap,
+                                   user_checkpointed)
 from planner.act.sharding import check_fsdp_options
+from planner.act.shape_guard import ShapeGuard
 from planner.errors import BadInput, PlanMismatch
-from planner.model.fingerprint import input_tensors, model_differences, plain_name
-from planner.model.schema import Plan, StepChange, TensorSig
+from planner.model.fingerprint import model_differences
+from planner.model.schema import Plan, StepChange
 from planner.profiling.rng import HostRngState
 from planner.profiling.step_changes import Installed, find_step_changes, install
 from planner.sizes import format_bytes
@@ -138,7 +140,6 @@ class CheckpointedForward:
         self.counts.calls += 1
         return checkpoint(self._replayable(len(args), tuple(kwargs)), *args, *kwargs.values(),
                           use_reentrant=False, preserve_rng_state=True, **self.options, **extra)
-
 
 
     def _replayable(self, n_args: int, keys: tuple[str, ...]):
@@ -245,116 +246,6 @@ def _outside_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
-
-
-# ----------------------------------------------------------------------------- the shape guard
-
-
-# NOTE [ Runtime shape guard ]
-#
-# A plan's prediction holds for the input shapes it was profiled with. Training jobs pad
-# dynamically, so a batch can be longer or wider than the planned one, and activations grow
-# with it: the planned peak no longer holds and the step may run out of memory.
-# ``apply_plan(..., guard=...)`` puts a forward pre-hook on the planned model that compares
-# each training forward's tensor inputs with ``plan.fingerprint.inputs``. The call is first bound
-# to forward's signature, so an input is found whether the plan named it by position ('0', '1',
-# ...) or by key ('images') and whether the job passes it positionally or by keyword:
-#   - an input larger than planned in any dimension (more tokens, a bigger batch) is reported
-#     once per handle, with the planned and the actual shapes: a warning under "warn" (the
-#     default), ``PlanMismatch`` under "error";
-#   - equal or smaller inputs pass silently: activations shrink with them;
-#   - inputs the plan does not name (an attention mask it was made without) are not checked.
-# Forwards without grad (evaluation) and forwards traced by ``torch.compile`` are not checked.
-# To plan for variable-length data, plan at the largest shape the job will see, or plan several
-# shapes in one bucketed plan (NOTE [ Bucketed plans ] in planner/act/buckets.py).
-
-class ShapeGuard:
-    """A forward pre-hook comparing input shapes with the plan's; see NOTE [ Runtime shape guard ]."""
-
-    def __init__(self, planned: list[TensorSig], mode: str, peak_bytes: int, forward: Any = None):
-        self.planned = {sig.name: sig.shape for sig in planned}
-        self.mode = mode
-        self.peak_bytes = peak_bytes
-        self.reported = False
-        self.signature = _signature(forward)
-
-    def named_arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """The call's arguments under every name the plan may use for them: a positional argument by its
-        index and by its parameter's name, a keyword argument by its key and by its parameter's index
-        (``inspect.Signature.bind``), so ``model(x)`` is checked as ``model(images=x)`` is."""
-        given: dict[str, Any] = {str(i): a for i, a in enumerate(args)}
-        given.update(kwargs)
-        if self.signature is None:
-            return given
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError:  # the call does not fit forward's signature; forward itself will say so
-            return given
-        positional = 0
-        for name, param in self.signature.parameters.items():
-            if param.kind is param.VAR_POSITIONAL:
-                break
-            if param.kind is param.KEYWORD_ONLY or param.kind is param.VAR_KEYWORD:
-                continue
-            if name in bound.arguments:
-                given.setdefault(str(positional), bound.arguments[name])
-                given.setdefault(name, bound.arguments[name])
-            positional += 1
-        for name, param in self.signature.parameters.items():
-            if param.kind is param.KEYWORD_ONLY and name in bound.arguments:
-                given.setdefault(name, bound.arguments[name])
-        return given
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return
-        larger = self.larger_inputs(args, kwargs)
-        if not larger:
-            return
-        self.reported = True
-        listing = "; ".join(f"input {name}: planned {planned}, got {actual}" for name, planned, actual in larger)
-        message = (f"remat: a batch is larger than the plan was made for ({listing}); the predicted peak "
-                   f"({format_bytes(self.peak_bytes)}) no longer holds. Plan at the largest shape the job will "
-                   f"see (e.g. pad or cap to it)")
-        if self.mode == "error":
-            self.reported = False  # raise on every such batch
-            raise PlanMismatch(message + ", or pass guard='warn'", [f"input {n}: planned {p}, got {a}"
-                                                                     for n, p, a in larger])
-        warnings.warn(message + "; reported once", stacklevel=3)
-
-    def larger_inputs(self, args: tuple, kwargs: dict) -> list[tuple[str, list[int], list[int]]]:
-        """``(name, planned shape, actual shape)`` of every input larger than planned."""
-        given = self.named_arguments(args, kwargs)
-        out = []
-        for name, t in input_tensors(given):
-            planned = self.planned.get(name)
-            if planned is not None and _exceeds(list(t.shape), planned):
-                out.append((name, planned, list(t.shape)))
-        return out
-
-
-def _signature(forward: Any) -> inspect.Signature | None:
-    """``forward``'s signature, or None when Python cannot read it (a builtin, a C extension)."""
-    if forward is None:
-        return None
-    try:
-        return inspect.signature(forward)
-    except (TypeError, ValueError):
-        return None
-
-
-def _exceeds(actual: list[int], planned: list[int]) -> bool:
-    """More elements along any dimension (or in all, when the ranks differ) than planned."""
-    if len(actual) != len(planned):
-        return _numel(actual) > _numel(planned)
-    return any(a > p for a, p in zip(actual, planned))
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # ----------------------------------------------------------------------------- the handle
@@ -491,12 +382,12 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     plans = buckets.bucket_plans(plan)  # see NOTE [ Bucketed plans ]; [plan] without buckets
     bucket_modes = [buckets.modes(p) for p in plans]
     wanted = list(dict.fromkeys(name for m in reversed(bucket_modes) for name in _check_antichain(list(m))))
-    modules = _modules_by_plain_name(model)
+    modules = modules_by_plain_name(model)
     _check_fingerprint(buckets.matching(plans, inputs), model, inputs, [n for n in wanted if n not in modules],
                        strict=strict)
     check_fsdp_options(model, plan)
 
-    already = _user_checkpointed(model, modules)
+    already = user_checkpointed(model, modules)
     skipped: dict[str, str] = {}
     changes = _step_changes(model, plan)
     handle = AppliedPlan(checkpointed=[], skipped=skipped, step_changes=changes)
@@ -507,7 +398,7 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         if module is None:
             skipped[name] = "not in the model"
             continue
-        reason = _overlap(name, already)
+        reason = overlap(name, already)
         if reason:
             skipped[name] = reason
             continue
@@ -563,53 +454,27 @@ class TwiceGuard:
         self.model = model
         planned = list(handle._forwards)
         self.planned = set(planned)
-        names = {a for name in planned for a in _ancestors(name)} | self.planned
+        names = {a for name in planned for a in ancestors(name)} | self.planned
         self.watch = {n: modules[n] for n in names if n in modules}
         self.reported = False
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        if not (any(_checkpointed_by(m) for m in self.watch.values()) or _hf_checkpointing(self.model)):
+        if not (any(checkpointed_by(m) for m in self.watch.values()) or hf_checkpointing(self.model)):
             return
-        found = _user_checkpointed(self.model, _modules_by_plain_name(self.model))  # once: every module
+        found = user_checkpointed(self.model, modules_by_plain_name(self.model))  # once: every module
         if not found:
             return
         self.reported = True
-        twice = sorted(n for n in found if _overlap(n, dict.fromkeys(self.planned, "")) or n in self.planned)
-        warnings.warn(f"remat: checkpointing was enabled on the planned model ({_listing(found)}): "
+        twice = sorted(n for n in found if overlap(n, dict.fromkeys(self.planned, "")) or n in self.planned)
+        warnings.warn(f"remat: checkpointing was enabled on the planned model ({listing(found)}): "
                       f"{'modules checkpointed twice: ' + ', '.join(twice) + '; ' if twice else ''}the plan's "
                       f"predicted peak and recompute no longer hold. {TWICE_FIX}; reported once", stacklevel=2)
 
 
 TWICE_FIX = ("Call model.gradient_checkpointing_disable() (or drop the wrapper) and let the plan choose what to "
              "checkpoint, or handle.remove() the plan")
-
-
-def _hf_checkpointing(model: nn.Module) -> bool:
-    """A Hugging Face model with its gradient (activation, in transformers 5) checkpointing on."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the new name first: no warning
-        if hasattr(type(model), name):
-            return getattr(model, name) is True
-    return False
-
-
-def _ancestors(name: str) -> list[str]:
-    """'a.b.c' -> ['', 'a', 'a.b']."""
-    parts = name.split(".") if name else []
-    return ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]
-
-
-def _listing(found: dict[str, str]) -> str:
-    """``Hugging Face gradient_checkpointing_enable() on h.0, h.1 and 2 more``."""
-    by_how: dict[str, list[str]] = {}
-    for name, how in found.items():
-        by_how.setdefault(how, []).append(name or "<root>")
-    parts = []
-    for how, names in by_how.items():
-        shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        parts.append(f"{how} on {shown}")
-    return "; ".join(parts)
 
 
 def _step_changes(model: nn.Module, plan: Plan) -> list[StepChange]:
@@ -696,63 +561,12 @@ def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[
                   stacklevel=3)
 
 
-def _modules_by_plain_name(model: nn.Module) -> dict[str, nn.Module]:
-    """FQN -> module; a ``CheckpointWrapper`` takes the name of the module it wraps."""
-    out: dict[str, nn.Module] = {}
-    for name, m in model.named_modules():
-        out.setdefault(plain_name(name), m)
-    return out
-
-
-def _user_checkpointed(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, str]:
-    """Modules the user already checkpoints: plain FQN -> how."""
-    found: dict[str, str] = {}
-    for name, m in modules.items():
-        how = _checkpointed_by(m)
-        if how:
-            found[name] = how
-    hf_layer = any(_is_hf_layer(m) for m in modules.values())
-    if not hf_layer and _hf_checkpointing(model):
-        # Older Hugging Face models: the container calls checkpoint on its layers itself.
-        for name, m in modules.items():
-            if getattr(m, "gradient_checkpointing", False) is True:
-                found.setdefault(name, "Hugging Face gradient checkpointing (inside this module)")
-    return found
-
-
-def _checkpointed_by(m: nn.Module) -> str | None:
-    if any(c.__name__ == "CheckpointWrapper" for c in type(m).__mro__):  # FSDPCheckpointWrapper too
-        return "torch checkpoint_wrapper"
-    if _is_hf_layer(m) and getattr(m, "gradient_checkpointing", False) is True:
-        return "Hugging Face gradient_checkpointing_enable()"
-    registry = getattr(m, "__composable_api_registry", None)
-    if isinstance(registry, dict) and "checkpoint" in registry:
-        return "torch.distributed._composable checkpoint"
-    return None
-
-
-def _is_hf_layer(m: nn.Module) -> bool:
-    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
-
-
-def _overlap(name: str, already: dict[str, str]) -> str | None:
-    """Why ``name`` must be left alone: it is, is inside, or contains a user-checkpointed module."""
-    for other, how in already.items():
-        if other == name:
-            return f"already checkpointed ({how})"
-        if name == "" or other.startswith(name + "."):
-            return f"contains {other!r}, already checkpointed ({how})"
-        if other == "" or name.startswith(other + "."):
-            return f"inside {other or '<root>'!r}, already checkpointed ({how})"
-    return None
-
-
 def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
     user_skips = {n: r for n, r in handle.skipped.items() if r != "not in the model"}
     if already:  # NOTE [ Checkpointed twice ]: one warning, every module the user checkpoints
         left = (f"; {len(user_skips)} planned module(s) left to it, not checkpointed twice: "
                 + ", ".join(user_skips)) if user_skips else ""
-        warnings.warn(f"remat: the model already checkpoints {len(already)} module(s) itself ({_listing(already)})"
+        warnings.warn(f"remat: the model already checkpoints {len(already)} module(s) itself ({listing(already)})"
                       f"{left}; the plan's predicted peak and recompute assume only its own checkpoints. "
                       f"{TWICE_FIX}", stacklevel=3)
     p = plan.predicted
@@ -767,4 +581,4 @@ def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
 
 
 __all__ = ["AppliedPlan", "apply_plan", "CheckpointedForward", "GUARDS", "logger", "PlanAlreadyApplied",
-           "planned_modules", "RegionCounts", "ShapeGuard", "TWICE_FIX", "TwiceGuard"]
+           "planned_modules", "RegionCounts", "TWICE_FIX", "TwiceGuard"]

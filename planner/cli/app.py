@@ -33,11 +33,11 @@ from typing import Any
 
 import typer
 
-from planner.cli import render
+from planner.cli import output, render
 from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, Terminated, VerificationFailed
 from planner.cli.options import (COMPARE, DEVICES_CMD, FLAGS, FRONTIER, PLAN, PROFILE_CMD, SHOW, VERIFY,
                                  CompareOptions, FrontierOptions, HfSource, Options, PlanOptions, ProfileOptions,
-                                 ShowOptions, StepOptions, VerifyOptions)
+                                 ShowOptions, StepOptions, VerifyOptions, check_profile_options)
 
 app = typer.Typer(
     name="remat",
@@ -123,7 +123,7 @@ def command(name: str, options: type[Options], params: list[inspect.Parameter]) 
         @functools.wraps(fn)
         def run(ctx: typer.Context, **kwargs: Any) -> None:
             opts = options(**kwargs, given=_given_on_command_line(ctx, kwargs))
-            with render.json_stdout(opts.as_json):  # NOTE [ JSON on stdout ]
+            with output.json_stdout(opts.as_json):  # NOTE [ JSON on stdout ]
                 fn(opts)
 
         context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
@@ -166,7 +166,7 @@ def plan_cmd(o: PlanOptions) -> None:
     if o.output is not None:
         plan.save(o.output)
     if o.as_json:
-        render.print_json(plan)
+        output.print_json(plan)
         if o.output is not None:
             render.plain(log, render.written_line(o.output))
     else:
@@ -209,7 +209,7 @@ def profile_cmd(o: ProfileOptions) -> None:
     if o.output is not None:
         prof.save(o.output)
     if o.as_json:
-        render.print_json(prof)
+        output.print_json(prof)
         if o.output is not None:
             render.plain(log, render.written_line(o.output, "profile"))
     else:
@@ -240,7 +240,7 @@ def frontier_cmd(o: FrontierOptions) -> None:
     graph = sweep_graph(prof, o.solvers, granularity=o.granularity, world_size=o.world_size, sharding=o.sharding)
     headroom = o.headroom if o.headroom is not None else headroom_for(prof)
     t0 = time.perf_counter()
-    with render.counter(log, f"sweeping {o.points} budgets") as tick:
+    with output.counter(log, f"sweeping {o.points} budgets") as tick:
         pts = frontier(graph, points=o.points, solvers=o.solvers, time_limit_s=o.time_limit_s, headroom=headroom,
                        progress=tick)
     report = tradeoff(graph, pts, kind="remat-frontier", model=prof.fingerprint.model_class,
@@ -250,13 +250,13 @@ def frontier_cmd(o: FrontierOptions) -> None:
                       f"({len(pts)} plans) in {report.seconds:.2f} s")
     written = []
     if o.output is not None:
-        written.append(atomic_write_text(o.output, render.json_text(report)))
+        written.append(atomic_write_text(o.output, output.json_text(report)))
     if o.plot is not None:
         from planner.cli.plot import plot_frontier
 
         written.append(plot_frontier(report, o.plot))
     if o.as_json:
-        render.print_json(report)
+        output.print_json(report)
         for path in written:
             render.plain(log, render.written_line(path))
     else:
@@ -286,7 +286,7 @@ def compare_cmd(o: CompareOptions) -> None:
     report = tradeoff(graph, pts, kind="remat-compare", model=prof.fingerprint.model_class,
                       device=_device_text(prof), budget_bytes=budget_bytes, seconds=time.perf_counter() - t0,
                       headroom=headroom)
-    render.print_json(report) if o.as_json else render.show_compare(out, report)
+    output.print_json(report) if o.as_json else render.show_compare(out, report)
 
 
 # ----------------------------------------------------------------------------- show
@@ -303,7 +303,7 @@ def show_cmd(o: ShowOptions) -> None:
         if o.why:
             raise BadInput("--why explains a plan: remat show plan.json --why --profile profile.json")
         prof = Profile.load(o.path)
-        render.print_json(prof) if o.as_json else render.show_profile(out, prof, graph_for(prof))
+        output.print_json(prof) if o.as_json else render.show_profile(out, prof, graph_for(prof))
         return
     plan = Plan.load(o.path)
     if o.why and o.profile is None:
@@ -311,7 +311,7 @@ def show_cmd(o: ShowOptions) -> None:
                        "profile.json (or remat plan ... --why)")
     if o.profile is not None and not o.why:
         raise BadInput("--profile with remat show only serves --why: add --why, or drop --profile")
-    render.print_json(plan) if o.as_json else render.show_plan(out, plan)
+    output.print_json(plan) if o.as_json else render.show_plan(out, plan)
     if o.why:
         prof = Profile.load(o.profile)
         if prof.fingerprint.digest() != plan.fingerprint_digest:
@@ -344,7 +344,7 @@ def verify_cmd(o: VerifyOptions) -> None:
     if per_rank and report.launched == "torchrun" and os.environ.get("RANK", "0") != "0":
         pass  # every rank has the report; rank 0 prints it
     elif o.as_json:
-        render.print_json(report)
+        output.print_json(report)
     elif per_rank:
         render.show_rank_verify(out, report)
     elif isinstance(report, BucketsReport):
@@ -366,7 +366,7 @@ def devices_cmd(o: Options) -> None:
     out, _ = render.consoles(quiet=o.quiet)
     specs = load_devices()
     if o.as_json:
-        render.print_json([{**s.model_dump(mode="json"), "reserve_bytes": reserve_bytes(s),
+        output.print_json([{**s.model_dump(mode="json"), "reserve_bytes": reserve_bytes(s),
                             "usable_bytes": usable_bytes(s)} for s in specs])
     else:
         render.show_devices(out, specs)
@@ -483,53 +483,6 @@ def _profile_source(o: StepOptions, log: Any) -> Any:
     return prof
 
 
-# NOTE [ Options a saved profile cannot honour ]
-#
-# With --profile nothing runs: the profile was measured once, on one device, for one step.
-# Rule 1. Options that say how to measure (--device, --device-memory, --steps, --threads) cannot
-#   change it: typed with --profile, they are refused by name (the environment's
-#   REMAT_DEVICE_MEMORY is a machine-wide default, not a request, and is not refused).
-# Rule 2. Options that say which step (--optimizer and the recipe: --amp, --grad-accum,
-#   --no-zero-grad-set-to-none, --clip-grad-norm, --fused/--foreach) are honoured when the profile
-#   measured that step and refused, naming the difference, when it did not. An option left at its
-#   default plans the profile's own step.
-# Rule 3. --target is honoured (it sets the default budget); a meta profile, whose times were
-#   modelled for one target, refuses another.
-
-MEASURING_OPTIONS = ("device", "device_memory", "steps", "threads")
-"""Options that only say how a step is measured (Rule 1)."""
-
-
-def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
-    """BadInput when an option cannot be honoured on the saved profile ``prof`` (NOTE above)."""
-    from planner.model.schema import Recipe
-
-    typed = [name for name in MEASURING_OPTIONS if name in o.given]
-    if typed:
-        raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} {'say' if len(typed) > 1 else 'says'} how to "
-                       f"measure a step, and {path} was "
-                       f"measured already (nothing runs with --profile): drop {'them' if len(typed) > 1 else 'it'}, "
-                       f"or re-profile with {'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
-    wrong = [f"{{optimizer}} {o.optimizer} (the profile has {prof.optimizer})"
-             if "optimizer" in o.given and o.optimizer != prof.optimizer else ""]
-    default, typed_recipe = Recipe(), {"optimizer_impl" if n in ("fused", "foreach") else n for n in o.given}
-    named = ["optimizer", "target"]
-    for name in prof.recipe.differing_fields(o.recipe):
-        if name in typed_recipe or getattr(o.recipe, name) != getattr(default, name):
-            said = "the optimizer implementation" if name == "optimizer_impl" else "{" + name + "}"
-            named.append(name)
-            wrong.append(f"{said} {getattr(o.recipe, name)!r} (the profile has {getattr(prof.recipe, name)!r})")
-    if prof.device == "meta" and "target" in o.given and o.target is not None:
-        from planner.profiling.devices import get_device
-
-        if get_device(o.target).name != prof.target:
-            wrong.append(f"{{target}} {o.target} (the profile's times were modelled for {prof.target})")
-    wrong = [w for w in wrong if w]
-    if wrong:
-        raise BadInput(f"{path} was measured for another training step: {'; '.join(wrong)}; re-profile with "
-                       f"these options, or drop them to plan the profile's step", options=tuple(named))
-
-
 def _profile_args(path: Path) -> str:
     """How ``remat profile`` names this model: the model file, or --hf with its config."""
     return str(path) if path.suffix == ".py" else f"--hf {path} --batch N --seq-len N"
@@ -569,7 +522,7 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
     # the validation step (meta: a warm-up step and one memory-and-roofline step on fake tensors)
     title = (f"profiling {mf.path} on fake tensors for {o.target}" if meta
              else f"profiling {mf.path} on {o.device} ({o.steps} steps)")
-    with render.stages(log, f"{title} ...", total=2 if meta else o.steps + 4) as say:
+    with output.stages(log, f"{title} ...", total=2 if meta else o.steps + 4) as say:
         return profile(mf, step=step, progress=say)
 
 
@@ -598,5 +551,5 @@ if __name__ == "__main__":
     app(prog_name="remat")
 
 
-__all__ = ["app", "check_profile_options", "command", "compare_cmd", "devices_cmd", "frontier_cmd",
-           "MEASURING_OPTIONS", "plan_cmd", "profile_cmd", "show_cmd", "TRAINER_NOTE", "verify_cmd"]
+__all__ = ["app", "command", "compare_cmd", "devices_cmd", "frontier_cmd",
+           "plan_cmd", "profile_cmd", "show_cmd", "TRAINER_NOTE", "verify_cmd"]

@@ -3,7 +3,8 @@
 ``profile`` chooses how (``planner.spec.profiling_path``): on a real device (``profiler.py``,
 measured; ``memsafe.py`` when the step may not fit; ``capped.py`` for a CPU with a memory cap), or
 on fake tensors with times modelled for a target device (``meta.py``). All record the step with
-``recording.py``; ``tracker.py`` counts live bytes, ``measure.py`` builds and measures the step,
+``units.py`` (module calls) and ``recording.py`` (the memory step), ``as_run.py`` replays it as the
+user runs it and ``assemble.py`` builds the Profile; ``tracker.py`` counts live bytes, ``measure.py`` builds and measures the step,
 ``model_file.py`` loads a user's model.py and ``devices.py`` holds the accelerator specs.
 Importing this package does not import torch (``devices`` is torch-free).
 

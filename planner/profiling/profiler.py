@@ -13,7 +13,7 @@
    of live memory;
 4. one step as the user runs it, with the module and gradient hooks of step 3 but no dispatch
    mode: its events carry the device allocator's live and peak bytes, the timeline the cost
-   model calibrates on (NOTE [ Step as run ] in ``planner/profiling/recording.py``);
+   model calibrates on (NOTE [ Step as run ] in ``planner/profiling/as_run.py``);
 5. one plain step measured by the device itself (``planner.profiling.measure.measure_step``).
    The timeline's peak must agree with it within ``RECONCILE_TOLERANCE`` (``reconcile``), and
    the memory step must have run every unit the other steps ran (NOTE [ Worst step ]); a
@@ -38,11 +38,12 @@ from planner.errors import BadInput, ProfileError
 from planner.model import schema
 from planner.profiling.measure import make_optimizer, make_step, measure_step, to_device
 from planner.profiling.model_file import Inputs, check_devices
+from planner.profiling.as_run import AsRun, as_run_timeline
+from planner.profiling.assemble import assemble_profile
 from planner.profiling.recording import (
-    OP_TIMING_STEPS, op_timing_steps, Progress, AsRun, as_run_timeline, assemble_profile, memory_step, MemoryRecorder,
-    Recorder, release_grads,
-    StepTimes, UnitCall,
+    OP_TIMING_STEPS, MemoryRecorder, Progress, memory_step, op_timing_steps, release_grads,
 )
+from planner.profiling.units import Recorder, StepTimes, UnitCall
 from planner.profiling.timing import (
     calibrated, num_threads, profile_clock, robust_ms, spread_ms, timing_threads, unit_costs,
 )

@@ -44,7 +44,7 @@ LAYERDROP_OFF = "hf_layerdrop_off"
 # Rule 2. Changes have a scope. 'train' changes (Rule 1) are made when profiling and again by
 # ``apply_plan``; 'measure' changes only while remat measures the step (profiling, its
 # validation step, ``remat verify``), never in the user's training: see NOTE [ Worst step ] in
-# planner/profiling/recording.py for the one there is (layerdrop off, so every layer runs).
+# planner/profiling/assemble.py for the one there is (layerdrop off, so every layer runs).
 
 def find_step_changes(model: nn.Module, *, measuring: bool = False) -> list[StepChange]:
     """The changes remat makes to ``model``'s training step (see NOTE [ Step changes ]); with ``measuring``,

@@ -12,7 +12,7 @@ from torch import nn
 
 from planner.errors import ProfileError
 from planner.model.schema import ExcludedUnit, Profile, RetainedBytes
-from planner.profiling.recording import io_tensors
+from planner.profiling.units import io_tensors
 from planner.profiling.rng import seed_all
 
 RETAINED_MIN_BYTES = 4096
@@ -193,23 +193,27 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
                 hooks.callback(m.register_forward_hook(ended).remove)
         step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
         model.zero_grad(set_to_none=True)
-        tracker.register_static(model.parameters())
-        tracker.register_static(model.buffers())
-        tracker.register_static(iter_tensors(inputs))
+        for static in (model.parameters(), model.buffers(), iter_tensors(inputs)):
+            tracker.register_static(static)
         seed_all(VALIDATION_SEED)  # restoring_model puts every generator back (NOTE [ Randomness outside torch ])
         try:
             with tracker:
                 step(mark)
         except ProfileError as e:
-            if run.writes_inputs and run.phase == "backward":  # autograd's version check; excluded by the caller
-                run.failed = ("", str(e))
-                return run
-            if run.phase != "backward" or run.replaying is None:
-                raise
-            cause = e.__cause__ or e
-            first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            run.failed = (run.replaying, f"its recomputation raised {type(cause).__name__}: {first}")
+            _failed(run, e)
     return run
+
+
+def _failed(run: _Run, e: ProfileError) -> None:
+    """Note in ``run`` why the checkpointed step failed; re-raise ``e`` when the failure is not a recompute's."""
+    if run.writes_inputs and run.phase == "backward":  # autograd's version check; excluded by the caller
+        run.failed = ("", str(e))
+        return
+    if run.phase != "backward" or run.replaying is None:
+        raise e
+    cause = e.__cause__ or e
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    run.failed = (run.replaying, f"its recomputation raised {type(cause).__name__}: {first}")
 
 
 @contextlib.contextmanager
