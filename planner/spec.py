@@ -46,7 +46,7 @@ class StepSpec:
     """'adamw', 'adam', 'sgd' (momentum 0.9) or 'none'."""
     recipe: Recipe = field(default_factory=Recipe)
     """The step: gradient accumulation, zero_grad, amp (bf16/fp16 autocast), clipping, the
-    optimizer's implementation (``schema.Recipe``)."""
+    optimizer's implementation (``schema.Recipe``); None is read as the plain loop."""
     steps: int = 3
     """Timing steps; unit times are medians over them (NOTE [ Unit costs ])."""
     warmup_steps: int = 1
@@ -59,6 +59,13 @@ class StepSpec:
     None: ``output.loss``, else the sum of the float outputs."""
     # A compiled step (torch.compile) would be one more field here: the profiler and the applier
     # read the step from this object only.
+
+    def __post_init__(self) -> None:
+        if self.recipe is None:  # None is the plain loop, as before there was a spec
+            object.__setattr__(self, "recipe", Recipe())
+        elif not isinstance(self.recipe, Recipe):
+            raise BadInput(f"recipe must be a planner.model.schema.Recipe (or None: the plain loop), got "
+                           f"{type(self.recipe).__name__}")
 
     def replace(self, **changes: Any) -> StepSpec:
         """A copy with ``changes``."""

@@ -38,6 +38,7 @@ def test_specs_are_frozen_and_name_unknown_fields():
         step_spec(None, amp="bf16")
     with pytest.raises(BadInput, match=r"unknown SolveSpec field\(s\) budget;"):
         solve_spec(None, budget=1)
+    assert StepSpec(recipe=None).recipe == Recipe()  # None: the plain loop, as the keyword always meant
 
 
 def _tiny(tmp_path: Path) -> Path:
