@@ -1,6 +1,11 @@
 """Signals and child processes: a remat command that is interrupted or terminated leaves nothing behind.
 
 See NOTE [ Signals and children ]. No torch import.
+
+Example::
+
+    with signals_raise():
+        rc = run_child([sys.executable, "-m", "planner.profiling.capped", ...])   # ended with remat
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Writing files the user names (``-o``, ``--plot``): one helper for every writer.
 
 See NOTE [ Writing output files ]. None of this imports torch.
+
+Example::
+
+    atomic_write_text("plan.json", plan.to_json())   # readers see the old file or the new one
 """
 
 from __future__ import annotations

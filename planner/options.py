@@ -2,6 +2,10 @@
 
 The library, the profiler and the CLI all validate through these, so an option means the same
 everywhere and is refused with the same message. Torch-free.
+
+Example::
+
+    parse_sharding("FSDP")                    # 'fsdp'; BadInput naming the choices otherwise
 """
 
 from __future__ import annotations

@@ -2,6 +2,11 @@
 
 GB/TB/MB/KB are read as binary units (GiB...), as GPU memory is sold and as PyTorch
 reports it; KiB/MiB/GiB/TiB are accepted too. Plain integers are bytes.
+
+Example::
+
+    parse_bytes("12GB")                        # 12884901888 (GB is read as GiB)
+    format_bytes(150 * 2**20)                  # '150.00 MiB'
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@
 
 ``Solution.solver`` is the solver that produced the plan ("dp" or "ilp": 'auto' resolves to
 one, as ``planner.model.schema.SolverInfo`` says); ``Solution.detail`` starts with why it was chosen.
+
+Example::
+
+    sol = solve_auto(graph, budget_bytes=2 << 30, time_limit_s=60)   # the DP on chains, the ILP otherwise
 """
 
 from __future__ import annotations

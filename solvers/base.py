@@ -1,4 +1,10 @@
-"""The ``Solution`` every solver returns, and helpers shared by the solvers."""
+"""The ``Solution`` every solver returns, and helpers shared by the solvers.
+
+Example::
+
+    sol = SOLVERS["dp"](graph, 2 << 30)
+    sol.status, sol.checkpointed, sol.peak_bytes
+"""
 
 from __future__ import annotations
 

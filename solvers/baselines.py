@@ -3,6 +3,10 @@
 "Every layer" is what Hugging Face's ``gradient_checkpointing_enable()`` does; "every k-th
 layer" is torchtitan's selective option. They take no decision from the budget; the status
 only says whether the result fits. O(S log S) each (one ``simulate``).
+
+Example::
+
+    solve_every_k(graph, 2 << 30, k=2)        # every other block, judged by the cost model
 """
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ leaves pinned, and keeps the best: still exact.
 
 ``min_feasible_bytes``: the same recurrence with the front over (H, worst probe so far) gives
 the lowest peak any plan reaches; it is reported with every solution.
+
+Example::
+
+    sol = solve(graph, 2 << 30)                 # optimal on a chain
+    min_feasible_bytes(graph)                  # the lowest peak any plan reaches
 """
 
 from __future__ import annotations

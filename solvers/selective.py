@@ -7,6 +7,11 @@ ops marked MUST_SAVE and the others PREFER_RECOMPUTE (the applier, ``planner/act
 enforces exactly that). Random ops (dropout) may be kept or recomputed: the recompute replays
 the RNG state, as full checkpointing does. "Keep nothing" is full checkpointing; "none" (no
 checkpoint) is the other end.
+
+Example::
+
+    menu = build_menu(UnitOps(ops, forward_ms=4.0, end_seq=90, saved_bytes=1 << 20, first_save_inside={}),
+                      tensor_bytes=sizes)      # policies, fewest bytes kept first
 """
 
 from __future__ import annotations

@@ -176,3 +176,9 @@ def test_functions_parameter_lists_and_modules_are_short():
     assert shape["public_parameter_lists_over_limit"] == [], f"over {MAX_PUBLIC_PARAMETERS} names"
     assert shape["longest"][0][0] <= MAX_FUNCTION_LINES, shape["longest"][:3]
     assert shape["modules_over_limit"] == [], shape["largest_modules"][:3]
+
+
+@pytest.mark.parametrize("path", [p for p in LIBRARY if p.name != "__init__.py"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_says_what_it_does_with_an_example(path: Path):
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert doc.strip() and "Example::" in doc, f"{path.relative_to(ROOT)}: no docstring with an Example::"

@@ -3,6 +3,11 @@
 ``frontier`` sweeps budgets from the minimum feasible peak to the no-checkpoint peak; the
 profile and graph are built once and the DP's chain recurrence is computed once (cached on the
 graph), so a sweep costs little more than one plan. ``compare`` is one budget, every solver.
+
+Example::
+
+    g = sweep_graph(Profile.load("profile.json"))
+    points = frontier(g, points=12)          # every solver and baseline at 12 budgets
 """
 
 from __future__ import annotations

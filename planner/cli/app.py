@@ -17,6 +17,10 @@ Commands to paste (from a checkout, ``python cli.py`` works wherever ``remat`` d
 Results go to stdout, logs and progress to stderr; ``--quiet`` silences the latter and
 ``--json`` makes stdout machine-readable. Exit codes: 0 ok, 1 no plan fits / verification
 failed / internal error, 2 bad input or usage, 130 interrupted, 143 terminated. See docs/cli.md.
+
+Example::
+
+    remat plan --budget 12GB examples/gpt2.py -o plan.json    # ./cli.py, or the installed remat
 """
 
 from __future__ import annotations

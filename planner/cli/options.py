@@ -5,6 +5,11 @@ measure, the Hugging Face source, the training recipe, the ranks, the output swi
 receives them as one frozen options model, validated there once: sharding, amp and optimizer
 are ``Literal`` fields checked by ``planner.options``. A field's error names the field as
 ``{name}`` (``RematError.options``); ``FLAGS`` words it as the flag the user typed.
+
+Example::
+
+    o = PlanOptions(model=Path("model.py"), budget="12GB", given=frozenset())
+    o.step_spec(), o.solve_spec
 """
 
 from __future__ import annotations

@@ -3,6 +3,11 @@
 Results go to stdout, logs and progress to stderr (see ``consoles``). User-supplied text
 (module names, shapes such as ``[4, 256]``, error messages) is printed as plain text, never
 parsed as rich markup. No torch import.
+
+Example::
+
+    out, log = consoles(quiet=False)
+    show_plan(out, plan)                       # results on stdout, progress on stderr
 """
 
 from __future__ import annotations

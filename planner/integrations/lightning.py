@@ -15,6 +15,10 @@ A plan made for another training step than the Trainer runs (``training_recipe(t
 optimizer)``: ``accumulate_grad_batches``, ``gradient_clip_val``, ``precision``, the optimizer's
 implementation, ranks) is refused with ``PlanMismatch`` naming each difference, when fitting
 starts (the optimizers exist then), before the first step.
+
+Example::
+
+    trainer = pl.Trainer(callbacks=[RematCallback("plan.json")])
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ A plan's predicted peak holds for the step it was profiled with (``Plan.recipe``
 ``planner.model.schema.Recipe``): gradient accumulation keeps gradients alive through the
 micro-batches, autocast halves the activations, clipping and fused optimizers add temporaries.
 Each framework callback reads its Trainer's recipe and calls ``refuse_other_recipe``.
+
+Example::
+
+    refuse_other_recipe(plan, training_recipe(trainer), framework="Lightning",
+                        settings={"grad_accum": "accumulate_grad_batches"}, python_call="training_recipe(trainer)")
 """
 
 from __future__ import annotations

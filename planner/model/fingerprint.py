@@ -4,6 +4,11 @@ A plan names module FQNs and was costed for particular parameter and input shape
 fingerprint records exactly those, so ``apply``/``verify`` can refuse a plan made for another
 model (see ``Fingerprint.differences``). Devices are left out on purpose: a plan made on one
 GPU applies on another.
+
+Example::
+
+    fp = fingerprint(model, inputs)
+    model_differences(plan.fingerprint, model, inputs)   # [] when the plan fits this model
 """
 
 from __future__ import annotations

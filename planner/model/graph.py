@@ -12,6 +12,11 @@ Sequential that share a class: transformer layers, ResNet blocks) and the module
 deeper (each candidate is split into its child module calls). ``nested=True`` keeps every
 level from the default cut down to ``granularity`` in the graph, for solvers that choose
 among nested candidates (a block, or any set of its children, never both).
+
+Example::
+
+    g = build_graph(Profile.load("profile.json"), granularity=1, nested=True)
+    sorted(g.nodes)                           # the candidate units
 """
 
 from __future__ import annotations

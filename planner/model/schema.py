@@ -9,6 +9,11 @@ bumps it at every event it records (module forward start/end, module backward st
 every tensor saved for backward). They order everything that happened in the step; the cost
 model uses them to place tensors in time (see NOTE [ Peak-memory model ] in
 ``solvers/cost_model.py``).
+
+Example::
+
+    plan = Plan.load("plan.json")
+    plan.predicted.peak_bytes, plan.checkpoints
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@
 model, caps its address space so that at most the given bytes remain for the model's tensors,
 and runs ``planner.profiling.memsafe.profile_within``: a step that needs more fails as it would on a
 smaller machine (``RuntimeError: DefaultCPUAllocator: can't allocate memory``).
+
+Example::
+
+    prof = profile_capped("model.py", step=StepSpec(device="cpu", device_memory_bytes=150 << 20))
 """
 
 from __future__ import annotations

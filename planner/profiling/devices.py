@@ -3,6 +3,11 @@
 One JSON file per device, its file name the device's ``name``. ``remat devices`` lists them;
 ``get_device`` resolves a name or alias (case-insensitive); ``usable_bytes`` is the default
 budget on a device. Data only, no torch import.
+
+Example::
+
+    spec = get_device("h100")
+    usable_bytes(spec)                         # the default budget on it
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@
 hooks), ``measure_step`` here (without), ``verify`` and the benchmarks (with a plan applied).
 ``measure_step`` knows nothing of the profiler: it runs a step function and asks the
 device's allocator, so a planned model is measured exactly like a plain one.
+
+Example::
+
+    step = make_step(model, inputs, loss_fn=loss_fn, optimizer=make_optimizer("adamw", model), recipe=Recipe())
+    measured = measure_step(step, torch.device("cpu"), static_bytes=0)
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ predicts a peak above M, or the step runs out of memory), it measures the step w
 default candidate checkpointed, then with their children, and returns a profile of the
 *unplanned* step, as a full profile would have measured it (NOTE [ Memory-safe profile ], rebuilt by ``planner.profiling.unplanned``).
 Only when neither fits does it fall back to fake tensors (``--device meta``), with a note.
+
+Example::
+
+    prof = profile_within(model, inputs, step=StepSpec(device="cuda", device_memory_bytes=16 << 30))
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ model costs nothing to build), its parameters are swapped for fake tensors, and 
 warm-up step and memory step as ``planner.profiling.profiler`` run under
 ``torch._subclasses.fake_tensor.FakeTensorMode``: every aten op computes output shapes,
 dtypes and strides, and nothing is allocated. See docs/meta.md for what comes out.
+
+Example::
+
+    prof = profile_meta(build_on_meta(build_model), inputs, step=StepSpec(device="meta", target="h100"))
 """
 
 from __future__ import annotations

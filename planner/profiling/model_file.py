@@ -11,6 +11,11 @@ Everything that can go wrong with the file (missing, not Python, syntax error, a
 missing, user code raising, wrong return types) raises ``ModelLoadError`` with one message
 that names the fix. A user's exception is shown with the frames from their own file only:
 the bug is there, not in importlib or torch.
+
+Example::
+
+    mf = load_model_file("examples/gpt2.py")
+    model, batch = mf.build_model(), mf.example_inputs()
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ Profiling runs the optimizer with lr=0 (see ``make_optimizer``), restores buffer
 (BatchNorm statistics), the RNG state and every module's train/eval flag, clears the
 gradients and removes every hook, so the model comes back as it went in, moved to the
 profiling device and otherwise unchanged.
+
+Example::
+
+    prof = profile_real(model, inputs, torch.device("cpu"), step=StepSpec(steps=3))
 """
 
 from __future__ import annotations

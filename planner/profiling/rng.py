@@ -1,5 +1,10 @@
 """Every random number generator a model can draw from: torch's (CPU and CUDA), numpy's global one and
 Python's ``random``; seeded together, saved and restored together.
+
+Example::
+
+    with kept("cpu"):
+        seed_all(0)                             # torch, numpy and random; put back on exit
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""What torch's selective checkpointing costs per op call, beyond the recomputed kernels."""
+"""What torch's selective checkpointing costs per op call, beyond the recomputed kernels.
+
+Example::
+
+    cost = measure_sac_cost(model, inputs, prof, loss_fn=loss_fn, amp=None, dev=dev, clock=clock)
+    prof = with_sac_cost(prof, cost)
+"""
 
 from __future__ import annotations
 

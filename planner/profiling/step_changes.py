@@ -1,4 +1,10 @@
-"""What remat changes in the user's training step, the same way when it profiles and when it applies a plan."""
+"""What remat changes in the user's training step, the same way when it profiles and when it applies a plan.
+
+Example::
+
+    with profiled_with_step_changes(model) as changes:
+        ...                                    # the step as the plan will run it (use_cache=False)
+"""
 
 from __future__ import annotations
 

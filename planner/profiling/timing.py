@@ -3,6 +3,11 @@
 The profiler's timing steps (``planner.profiling.profiler``) stamp every unit's forward and backward
 with one of the clocks here; ``unit_costs`` turns the samples into the costs the solvers
 minimise. See NOTE [ Unit costs ].
+
+Example::
+
+    costs = unit_costs({"h.0": [(1.0, 2.0), (1.1, 2.1)]}, {"h.0": "Block"})
+    costs["h.0"].forward_ms
 """
 
 from __future__ import annotations

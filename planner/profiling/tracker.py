@@ -1,4 +1,11 @@
-"""Live-bytes tracking at the dispatcher: how much tensor memory exists after every op."""
+"""Live-bytes tracking at the dispatcher: how much tensor memory exists after every op.
+
+Example::
+
+    with LiveBytesTracker(device_type="cpu") as tracker:
+        step()
+    tracker.peak_bytes
+"""
 
 from __future__ import annotations
 

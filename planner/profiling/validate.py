@@ -1,4 +1,10 @@
-"""Measure what checkpointing frees instead of assuming it: the profiler's validation step."""
+"""Measure what checkpointing frees instead of assuming it: the profiler's validation step.
+
+Example::
+
+    prof.retained, prof.excluded, prof.region_state_bytes = validate(model, inputs, prof, loss_fn=loss_fn,
+                                                                     amp=None, dev=dev)
+"""
 
 from __future__ import annotations
 
