@@ -16,9 +16,9 @@ reports the other):
    gets) and on fake CPU tensors with CUDA's rules (what a CPU-only machine and the reference
    profiles get). Printed: modelled / measured time for the step and per candidate unit (the
    roofline's calibration), and the worst per-unit gap in saved bytes against the CUDA profile.
-3. fit the roofline's efficiencies to the measured unit times (``planner.profiling.meta.fit_calibration``,
+3. fit the roofline's efficiencies to the measured unit times (``planner.profiling.roofline.fit_calibration``,
    on the uncalibrated meta profiles of step 2) and write them to
-   ``profiles/devices/calibration/<target>.json`` (and $OUT): from then on ``--device meta
+   ``user_calibration_dir()/<target>.json`` (~/.config/remat/calibration, and $OUT): from then on ``--device meta
    --target <target>`` uses them and says "calibrated" (NOTE [ Roofline ]).
 
 3. the memory-safe profile (``planner.profiling.memsafe``) under a cap of 70% of the measured
@@ -303,14 +303,15 @@ def print_tables(results: dict[str, Any], target: str) -> None:
 
 
 def write_calibration(pairs: list[tuple[Profile, Profile]], gpu: str, models: list[str], out: str | None) -> None:
-    """Fit the roofline on this GPU's measured units and save it where --device meta finds it."""
-    from planner.profiling.devices import calibration_path, get_device
-    from planner.profiling.meta import fit_calibration
+    """Fit the roofline on this GPU's measured units and save it where --device meta on this machine
+    finds it (``user_calibration_dir()``; copy it to profiles/devices/calibration/ to ship it)."""
+    from planner.profiling.devices import user_calibration_dir
+    from planner.profiling.roofline import fit_calibration
     from planner.files import atomic_write_text
 
     cal = fit_calibration(pairs, measured_on=gpu, models=models)
     text = cal.model_dump_json(indent=2) + "\n"
-    path = calibration_path(get_device(cal.device))
+    path = user_calibration_dir() / f"{cal.device}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, text)
     print(f"calibration: modelled / measured was {cal.modelled_over_measured_before:.3f}; efficiencies now "

@@ -42,6 +42,7 @@ from torch import nn
 
 from planner.profiling.meta import build_on_meta
 from planner.profiling.model_file import load_model_file
+from planner.model.schema import Recipe  # noqa: E402
 from planner.profiling import profile
 from profiles import MODELS_DIR
 
@@ -155,8 +156,8 @@ def make(name: str) -> Path:
     ref = REFERENCES[name]()
     torch.manual_seed(0)
     model = build_on_meta(ref.build) if ref.device == "meta" else ref.build()
-    prof = profile(model, ref.inputs(), loss_fn=ref.loss_fn, device=ref.device, target=ref.target, amp=ref.amp,
-                   steps=3)
+    prof = profile(model, ref.inputs(), loss_fn=ref.loss_fn, device=ref.device, target=ref.target,
+                   recipe=Recipe(amp=ref.amp), steps=3)
     return prof.save(MODELS_DIR / f"{name}.json")
 
 

@@ -8,7 +8,7 @@ Per model: the budget halfway between the lowest feasible peak and the peak with
 while a CPU burner (``python -c 'while True: pass'``, started here and ended by its pid) runs
 unless ``--no-burner``. Prints each run's plan (whole modules, and op-level regions with their
 policies) and predicted recompute; exit 1 when a model's runs disagree. Models: an example's name
-(examples/NAME.py) or a model file's path.
+(examples/<name>.py) or a model file's path.
 """
 
 from __future__ import annotations

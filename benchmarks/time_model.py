@@ -52,7 +52,7 @@ MODELS = ("llama", "gpt2", "benchmarks/models/qwen2.py")
 
 
 def model_path(name: str) -> Path:
-    """An example's name (examples/NAME.py) or a model file's path."""
+    """An example's name (examples/<name>.py) or a model file's path."""
     return Path(name) if name.endswith(".py") else ROOT / "examples" / f"{name}.py"
 
 

@@ -3,7 +3,7 @@
 Public API (imported lazily so that ``import solvers.cost_model`` does not import torch)::
 
     import planner
-    prof = planner.profile(model, inputs)             # measure one training step
+    prof = planner.profile(model, inputs)             # measure one training step (or planner.load_model_file(path))
     plan = planner.plan(prof, budget="12GB")          # the checkpoint set that fits, at least recompute
     plan.save("plan.json")
     handle = planner.apply_plan(model, "plan.json")   # enforce it on the live model
@@ -24,6 +24,9 @@ _LAZY = {
     "Plan": ("planner.model.schema", "Plan"),
     "Estimate": ("solvers.cost_model", "Estimate"),
     "parse_bytes": ("planner.sizes", "parse_bytes"),
+    "load_model_file": ("planner.profiling.model_file", "load_model_file"),
+    "StepSpec": ("planner.spec", "StepSpec"),
+    "SolveSpec": ("planner.spec", "SolveSpec"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -1,6 +1,11 @@
 """Signals and child processes: a remat command that is interrupted or terminated leaves nothing behind.
 
 See NOTE [ Signals and children ]. No torch import.
+
+Example::
+
+    with signals_raise():
+        rc = run_child([sys.executable, "-m", "planner.profiling.capped", ...])   # ended with remat
 """
 
 from __future__ import annotations
@@ -107,3 +112,6 @@ def _reap(proc: Any, timeout: float | None = 0) -> bool:
             return False
     proc.join(timeout)
     return not proc.is_alive()
+
+
+__all__ = ["child_env", "die_with_parent", "end", "GRACE_S", "PARENT_ENV", "run_child", "signals_raise"]

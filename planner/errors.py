@@ -1,5 +1,13 @@
 """Error types. Every failure a user can cause maps to one of these; the CLI turns them
-into one line on stderr and an exit code (see ``exit_code``)."""
+into one line on stderr and an exit code (see ``exit_code``).
+
+Example::
+
+    try:
+        planner.plan(model, "1MB", inputs=batch)
+    except BudgetInfeasible as e:
+        print(e.min_feasible_bytes)
+"""
 
 from __future__ import annotations
 

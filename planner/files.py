@@ -1,6 +1,10 @@
 """Writing files the user names (``-o``, ``--plot``): one helper for every writer.
 
 See NOTE [ Writing output files ]. None of this imports torch.
+
+Example::
+
+    atomic_write_text("plan.json", plan.to_json())   # readers see the old file or the new one
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from planner.errors import BadInput
 # Rule 4. The bytes go to a temp file in the target's folder (same filesystem), are fsynced and
 #   renamed over the target: a reader sees the old file or the new one, never half of one. The
 #   temp file is removed on every exit path, an exception or a signal that raises included
-#   (SIGINT and SIGTERM raise in remat, see NOTE [ Signals and children ] in planner/cli/app.py).
+#   (SIGINT and SIGTERM raise in remat, see NOTE [ Signals and children ] in planner/children.py).
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
@@ -127,3 +131,6 @@ def _temp_beside(given: Path, target: Path) -> tuple[int, str]:
         return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
     except OSError as e:
         raise BadInput(f"cannot write {given}: {e.strerror}; pick a writable location") from None
+
+
+__all__ = ["atomic_write", "atomic_write_text", "check_writable"]

@@ -2,6 +2,10 @@
 
 The library, the profiler and the CLI all validate through these, so an option means the same
 everywhere and is refused with the same message. Torch-free.
+
+Example::
+
+    parse_sharding("FSDP")                    # 'fsdp'; BadInput naming the choices otherwise
 """
 
 from __future__ import annotations
@@ -43,3 +47,6 @@ def parse_optimizer(value: str) -> OptimizerName:
     if v not in OPTIMIZER_NAMES:
         raise BadInput(f"unknown optimizer {value!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
     return v  # type: ignore[return-value]
+
+
+__all__ = ["Amp", "OPTIMIZER_NAMES", "OptimizerName", "parse_amp", "parse_optimizer", "parse_sharding"]

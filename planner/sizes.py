@@ -2,6 +2,11 @@
 
 GB/TB/MB/KB are read as binary units (GiB...), as GPU memory is sold and as PyTorch
 reports it; KiB/MiB/GiB/TiB are accepted too. Plain integers are bytes.
+
+Example::
+
+    parse_bytes("12GB")                        # 12884901888 (GB is read as GiB)
+    format_bytes(150 * 2**20)                  # '150.00 MiB'
 """
 
 from __future__ import annotations
@@ -68,3 +73,6 @@ def format_bytes(n: int | float) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+__all__ = ["format_bytes", "MAX_SIZE_BYTES", "parse_bytes"]

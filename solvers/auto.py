@@ -11,6 +11,10 @@
 
 ``Solution.solver`` is the solver that produced the plan ("dp" or "ilp": 'auto' resolves to
 one, as ``planner.model.schema.SolverInfo`` says); ``Solution.detail`` starts with why it was chosen.
+
+Example::
+
+    sol = solve_auto(graph, budget_bytes=2 << 30, time_limit_s=60)   # the DP on chains, the ILP otherwise
 """
 
 from __future__ import annotations
@@ -112,3 +116,6 @@ def leaf_graph(g: nx.DiGraph) -> nx.DiGraph:
         h.nodes[n].update(parent=None, order=order)
     h.graph["cost_model"] = CostModel.build(h)
     return h
+
+
+__all__ = ["leaf_graph", "solve_auto"]

@@ -1,4 +1,10 @@
-"""The ``Solution`` every solver returns, and helpers shared by the solvers."""
+"""The ``Solution`` every solver returns, and helpers shared by the solvers.
+
+Example::
+
+    sol = SOLVERS["dp"](graph, 2 << 30)
+    sol.status, sol.checkpointed, sol.peak_bytes
+"""
 
 from __future__ import annotations
 
@@ -43,8 +49,7 @@ def top_level(g: nx.DiGraph) -> list[str]:
 
 def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, seconds: float,
            *, status_if_fits: Status = "feasible", detail: str = "",
-           selective: dict[str, int] | None = None, offloaded: Iterable[str] = (),
-           host_budget_bytes: int | None = None) -> Solution:
+           selective: dict[str, int] | None = None) -> Solution:
     """A ``Solution`` for ``chosen`` (and ``selective`` regions) as ``simulate`` sees it:
     infeasible when over budget.
 
@@ -52,6 +57,16 @@ def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, s
     the applier would run. The exact solvers choose tied sets themselves; for the heuristics,
     which pick calls by position, this is their plan as it would train.
     """
+    return judged_offload(name, g, (chosen, selective, ()), budget_bytes, seconds, status_if_fits=status_if_fits,
+                          detail=detail)
+
+
+def judged_offload(name: str, g: nx.DiGraph, plan: tuple[Iterable[str], dict[str, int] | None, Iterable[str]],
+                   budget_bytes: int, seconds: float, *, status_if_fits: Status = "feasible", detail: str = "",
+                   host_budget_bytes: int | None = None) -> Solution:
+    """``judged`` for ``plan`` = (checkpointed, selective, offloaded): infeasible also when its host
+    memory is over ``host_budget_bytes`` (NOTE [ Peak-memory model ], Rule 10)."""
+    chosen, selective, offloaded = plan
     est = simulate(g, close_ties(g, chosen), selective, offloaded)
     fits = est.peak_bytes <= budget_bytes and (host_budget_bytes is None or est.host_peak_bytes <= host_budget_bytes)
     return Solution(
@@ -60,3 +75,6 @@ def judged(name: str, g: nx.DiGraph, chosen: Iterable[str], budget_bytes: int, s
         selective=dict(est.selective), offloaded=tuple(est.offloaded), offload_ms=est.offload_ms,
         host_peak_bytes=est.host_peak_bytes,
     )
+
+
+__all__ = ["judged", "judged_offload", "Solution", "top_level"]

@@ -3,6 +3,10 @@
 "Every layer" is what Hugging Face's ``gradient_checkpointing_enable()`` does; "every k-th
 layer" is torchtitan's selective option. They take no decision from the budget; the status
 only says whether the result fits. O(S log S) each (one ``simulate``).
+
+Example::
+
+    solve_every_k(graph, 2 << 30, k=2)        # every other block, judged by the cost model
 """
 
 from __future__ import annotations
@@ -47,3 +51,6 @@ def solve_every_k(g: nx.DiGraph, budget_bytes: int, *, k: int = 2, **_: object) 
     t0 = time.perf_counter()
     chosen = indexed_blocks(g)[::k]
     return judged(f"every-{k}", g, chosen, budget_bytes, time.perf_counter() - t0)
+
+
+__all__ = ["indexed_blocks", "solve_all", "solve_every_k", "solve_none"]

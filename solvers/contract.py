@@ -127,9 +127,9 @@ class GraphAttrs(TypedDict):
     # the recipe (NOTE [ Peak-memory model ], Rule 8)
     grads_alive: Annotated[bool, Doc("gradients are alive all step (accumulation, zero_grad without None)")]
     micro_batches: Annotated[int, Doc("micro-batches per optimizer step: recompute runs this many times")]
-    host_link_bytes_per_s: Annotated[Optional[float], Doc("bytes/s one way between device and host memory, the "
-                                                          "copy rate of offloaded units (NOTE [ Peak-memory "
-                                                          "model ], Rule 10); None: unknown, no offload")]
+    host_link_bytes_per_s: Annotated[Optional[float], Doc(
+        "bytes/s one way between device and host memory, the copy rate of offloaded units "
+        "(NOTE [ Peak-memory model ], Rule 10); None: unknown, no offload")]
     copy_engine: Annotated[bool, Doc("copies to and from the host run beside compute (a GPU's copy engine); "
                                      "False: a memcpy on the compute thread (the CPU), all of it exposed")]
     # ranks (NOTE [ Per-rank memory ])

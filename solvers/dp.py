@@ -23,6 +23,11 @@ leaves pinned, and keeps the best: still exact.
 
 ``min_feasible_bytes``: the same recurrence with the front over (H, worst probe so far) gives
 the lowest peak any plan reaches; it is reported with every solution.
+
+Example::
+
+    sol = solve(graph, 2 << 30)                 # optimal on a chain
+    min_feasible_bytes(graph)                  # the lowest peak any plan reaches
 """
 
 from __future__ import annotations
@@ -228,3 +233,7 @@ def min_feasible(t: ChainTerms, *, max_states: int = 1 << 16,
             best = (float(peak[j]), a, j)
     assert best is not None
     return int(best[0]), _backtrack(history, best[1], best[2])
+
+
+__all__ = ["lowest_peak", "MAX_TIED_GROUPS", "min_feasible", "min_feasible_bytes", "solve",
+           "tied_assignments"]

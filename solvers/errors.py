@@ -2,6 +2,10 @@
 
 ``planner.errors`` re-exports both and adds the rest; the CLI turns any ``RematError`` into one
 line on stderr and its ``exit_code``.
+
+Example::
+
+    raise SolverError("unknown solver 'x'; choose one of: auto, dp, ilp")
 """
 
 from __future__ import annotations
@@ -34,3 +38,6 @@ class RematError(Exception):
 
 class SolverError(RematError):
     """An unknown solver, or a solver that cannot handle this graph."""
+
+
+__all__ = ["RematError", "SolverError"]

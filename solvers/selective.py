@@ -8,65 +8,10 @@ enforces exactly that). Random ops (dropout) may be kept or recomputed: the reco
 the RNG state, as full checkpointing does. "Keep nothing" is full checkpointing; "none" (no
 checkpoint) is the other end.
 
-# NOTE [ Selective menus ]
-#
-# Which ops can be kept: op calls that allocate a new storage (views and in-place ops return
-# an input's storage: nothing to keep), whose outputs are not written in place later in the
-# forward (selective checkpointing refuses a mutated cache entry), or, if they are, together
-# with every op that writes them, all inside the unit, when nothing else reads them between
-# the allocation and the last write (NOTE [ Op records ]): none of the group reruns, so the
-# kept storage holds the final values every later reader saw. The CPU's dropout (its mask
-# made by empty_like, bernoulli_ and div_) is kept that way; its random draw, 10 ms and more
-# per attention-sized mask on one CPU thread, is then not replayed.
-#
-# Random ops are kept all together or not at all. The recompute restores the RNG state of the
-# region's start and reruns only what is not kept: a random op that reruns after a kept one
-# would draw from the state the kept op consumed in the forward, a different mask, and the
-# gradients would be wrong (seen on T5 and BERT, whose blocks hold several dropouts: up to
-# 0.009 off). So all random ops of a unit are one item of the knapsack when each of them can be
-# kept, and none is kept otherwise.
-#
-# What keeping op o costs and saves, alone: its output storages are held from the forward
-# until backward passes the first save of them inside the unit (or the unit's end, if backward
-# does not need them: the recompute consumes them there), so it costs their bytes, except
-# storages that something outside the unit saves (held anyway, e.g. a block's output that the
-# next block's norm saves), which cost nothing; it saves the op's time from the recompute.
-# The recompute of a policy: the unit's forward time F is its kernels K (the op times, on the
-# same clock) and the Python around them, P = F - K (the module code, autograd's graph
-# building: examples/llama.py's blocks spend 22% of their forward there on one CPU thread).
-# A selective replay reruns the unit's whole Python, kept ops or not, and the kernels of the
-# recomputed ops; what torch's selective checkpointing adds per op call recomputed (r) and kept
-# (k) is measured on the model (NOTE [ Selective dispatch cost ] in
-# planner/profiling/sac_cost.py), k as the step that keeps every op less the plain step, which
-# holds that replayed Python, P / N per call of N. So a policy recomputing n_r of N calls, with
-# kernel time K_r, costs
-#     F * (phi * K_r / K + (1 - phi) * n_r / N) + n_r * r + n_k * k,    phi = min(1, K / F),
-# exact at both ends (recompute every op: F + N * r, the measured step; keep every op: N * k).
-# Pricing the Python by the kernel share instead (phi = 1) under-priced the policies that keep
-# the few heavy ops and recompute the many light ones, which is what a menu is made of
-# (op-level plans of examples/llama.py were measured 32 to 45% over their prediction;
-# docs/benchmarks.md, "Predicted recompute vs measured overhead").
-# Op times are least-of-a-few-steps (NOTE [ Op records ]) and F a median, so K / F is at most a
-# little low; on a profile whose op times are on another clock than F (older profiles, the
-# memory step's wall times), K / F is capped at 1, the share model.
-#
-# Rule (noise). A policy enters the menu only when it saves more than its measured spread: the
-# saving F - recompute must exceed F's spread (``UnitRecord.forward_spread_ms``) times the
-# recomputed share plus n_r and n_k times the spreads of r and k (``Profile.sac_*_spread_ms``).
-# A policy within the noise of full checkpointing is a choice the next profile may reverse: it
-# is left out, and full checkpointing (cheaper in bytes) stands. Identical units have identical
-# menus (their op times are pooled, NOTE [ Op records ]), so the solvers' order breaks their ties.
-#
-# The whole-step cost model (NOTE [ Peak-memory model ], "Selective regions") then prices
-# every policy exactly, positions included; this per-unit pricing only picks the menu.
-#
-# The menu: the Pareto front of (bytes kept, op time recomputed) over subsets of keepable ops
-# is a 0/1 knapsack; it is computed exactly (held bytes rounded up to 1/1024 of the unit's
-# saved bytes, so fronts stay small), and the menu takes, for each of MENU_STEPS byte levels
-# spread evenly below the bytes the unit holds when not checkpointed, the point of the front
-# that saves the most time within that level. Policies that keep as much as not checkpointing
-# at all, or cost as much time as full checkpointing, are never useful and are left out. The solvers choose per unit among none, full and
-# the menu, so their optimality is proven over this menu.
+Example::
+
+    menu = build_menu(UnitOps(ops, forward_ms=4.0, end_seq=90, saved_bytes=1 << 20, first_save_inside={}),
+                      tensor_bytes=sizes)      # policies, fewest bytes kept first
 """
 
 from __future__ import annotations
@@ -74,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 MENU_STEPS = 8
 """Byte levels per unit menu: at most MENU_STEPS - 1 policies (NOTE [ Selective menus ])."""
@@ -97,6 +42,26 @@ class OpCall:
     mutated: bool = False
     writes: int | None = None
     read_between_writes: bool = False
+
+
+@dataclass(frozen=True)
+class UnitOps:
+    """One unit's forward as its menu sees it."""
+
+    ops: Sequence[OpCall]
+    """The op calls of the unit's forward, in order (children's included)."""
+    forward_ms: float
+    """The unit's forward time (its full recompute)."""
+    end_seq: int
+    """The unit's ``fwd_end_seq``."""
+    saved_bytes: int
+    """Bytes the unit holds for backward when not checkpointed."""
+    first_save_inside: dict[int, int]
+    """Tensor id -> seq of its first save inside the unit."""
+    saved_outside: frozenset[int] = frozenset()
+    """Tensors that something outside the unit saves."""
+    forward_spread_ms: float = 0.0
+    """The spread of ``forward_ms`` (``UnitRecord.forward_spread_ms``)."""
 
 
 @dataclass(frozen=True)
@@ -176,32 +141,85 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
     return out
 
 
-def build_menu(ops: Sequence[OpCall], *, forward_ms: float, end_seq: int, saved_bytes: int,
-               tensor_bytes: dict[int, int], first_save_inside: dict[int, int],
-               saved_outside: Iterable[int], writers: dict[int, int] | None = None,
+# NOTE [ Selective menus ]
+#
+# Which ops can be kept: op calls that allocate a new storage (views and in-place ops return
+# an input's storage: nothing to keep), whose outputs are not written in place later in the
+# forward (selective checkpointing refuses a mutated cache entry), or, if they are, together
+# with every op that writes them, all inside the unit, when nothing else reads them between
+# the allocation and the last write (NOTE [ Op records ]): none of the group reruns, so the
+# kept storage holds the final values every later reader saw. The CPU's dropout (its mask
+# made by empty_like, bernoulli_ and div_) is kept that way; its random draw, 10 ms and more
+# per attention-sized mask on one CPU thread, is then not replayed.
+#
+# Random ops are kept all together or not at all. The recompute restores the RNG state of the
+# region's start and reruns only what is not kept: a random op that reruns after a kept one
+# would draw from the state the kept op consumed in the forward, a different mask, and the
+# gradients would be wrong (seen on T5 and BERT, whose blocks hold several dropouts: up to
+# 0.009 off). So all random ops of a unit are one item of the knapsack when each of them can be
+# kept, and none is kept otherwise.
+#
+# What keeping op o costs and saves, alone: its output storages are held from the forward
+# until backward passes the first save of them inside the unit (or the unit's end, if backward
+# does not need them: the recompute consumes them there), so it costs their bytes, except
+# storages that something outside the unit saves (held anyway, e.g. a block's output that the
+# next block's norm saves), which cost nothing; it saves the op's time from the recompute.
+# The recompute of a policy: the unit's forward time F is its kernels K (the op times, on the
+# same clock) and the Python around them, P = F - K (the module code, autograd's graph
+# building: examples/llama.py's blocks spend 22% of their forward there on one CPU thread).
+# A selective replay reruns the unit's whole Python, kept ops or not, and the kernels of the
+# recomputed ops; what torch's selective checkpointing adds per op call recomputed (r) and kept
+# (k) is measured on the model (NOTE [ Selective dispatch cost ] in
+# planner/profiling/sac_cost.py), k as the step that keeps every op less the plain step, which
+# holds that replayed Python, P / N per call of N. So a policy recomputing n_r of N calls, with
+# kernel time K_r, costs
+#     F * (phi * K_r / K + (1 - phi) * n_r / N) + n_r * r + n_k * k,    phi = min(1, K / F),
+# exact at both ends (recompute every op: F + N * r, the measured step; keep every op: N * k).
+# Pricing the Python by the kernel share instead (phi = 1) under-priced the policies that keep
+# the few heavy ops and recompute the many light ones, which is what a menu is made of
+# (op-level plans of examples/llama.py were measured 32 to 45% over their prediction;
+# docs/benchmarks.md, "Predicted recompute vs measured overhead").
+# Op times are least-of-a-few-steps (NOTE [ Op records ]) and F a median, so K / F is at most a
+# little low; on a profile whose op times are on another clock than F (older profiles, the
+# memory step's wall times), K / F is capped at 1, the share model.
+#
+# Rule (noise). A policy enters the menu only when it saves more than its measured spread: the
+# saving F - recompute must exceed F's spread (``UnitRecord.forward_spread_ms``) times the
+# recomputed share plus n_r and n_k times the spreads of r and k (``Profile.sac_*_spread_ms``).
+# A policy within the noise of full checkpointing is a choice the next profile may reverse: it
+# is left out, and full checkpointing (cheaper in bytes) stands. Identical units have identical
+# menus (their op times are pooled, NOTE [ Op records ]), so the solvers' order breaks their ties.
+#
+# The whole-step cost model (NOTE [ Peak-memory model ], "Selective regions") then prices
+# every policy exactly, positions included; this per-unit pricing only picks the menu.
+#
+# The menu: the Pareto front of (bytes kept, op time recomputed) over subsets of keepable ops
+# is a 0/1 knapsack; it is computed exactly (held bytes rounded up to 1/1024 of the unit's
+# saved bytes, so fronts stay small), and the menu takes, for each of MENU_STEPS byte levels
+# spread evenly below the bytes the unit holds when not checkpointed, the point of the front
+# that saves the most time within that level. Policies that keep as much as not checkpointing
+# at all, or cost as much time as full checkpointing, are never useful and are left out. The solvers choose per unit among none, full and
+# the menu, so their optimality is proven over this menu.
+
+def build_menu(unit: UnitOps, *, tensor_bytes: dict[int, int], writers: dict[int, int] | None = None,
                op_cost_ms: tuple[float, float] = (0.0, 0.0), steps: int = MENU_STEPS,
-               forward_spread_ms: float = 0.0,
                op_cost_spread_ms: tuple[float, float] = (0.0, 0.0)) -> tuple[Policy, ...]:
     """The menu of one unit (NOTE [ Selective menus ]), cheapest in bytes first.
 
     Args:
-        ops: the op calls of the unit's forward, in order (children's included).
-        forward_ms: the unit's forward time (its full recompute).
-        end_seq: the unit's ``fwd_end_seq``.
-        saved_bytes: bytes the unit holds for backward when not checkpointed.
+        unit: the unit's op calls, times and saves (``UnitOps``).
         tensor_bytes: tensor id -> bytes.
-        first_save_inside: tensor id -> seq of its first save inside the unit.
-        saved_outside: tensors that something outside the unit saves.
         writers: allocating op's seq -> how many in-place ops write its output, in the whole
             step (a group is kept only when all of them are inside the unit).
         op_cost_ms: what selective checkpointing adds per op call it recomputes and per op call
             it keeps (``Profile.sac_recomputed_op_ms``, ``sac_kept_op_ms``; NOTE [ Selective
             dispatch cost ] in planner/profiling/sac_cost.py).
         steps: byte levels (at most ``steps - 1`` policies).
-        forward_spread_ms: the spread of ``forward_ms`` (``UnitRecord.forward_spread_ms``).
         op_cost_spread_ms: the spreads of the two ``op_cost_ms`` figures (Rule (noise) of the NOTE).
     """
-    outside = frozenset(saved_outside)
+    ops, forward_ms, end_seq, saved_bytes = unit.ops, unit.forward_ms, unit.end_seq, unit.saved_bytes
+    first_save_inside, outside, forward_spread_ms = unit.first_save_inside, frozenset(unit.saved_outside), \
+        unit.forward_spread_ms
     calls = indexed(ops)
     total_ms = sum(op.forward_ms for op in ops)
     price = _Price(forward_ms, total_ms, len(calls), op_cost_ms, forward_spread_ms, op_cost_spread_ms)
@@ -341,3 +359,6 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
         keeps_written=any(op.inplace for op, _ in members),
         spread_ms=price.spread_ms(*recomputed),
     )
+
+
+__all__ = ["build_menu", "category", "describe", "indexed", "keepable", "MENU_STEPS", "OpCall", "Policy", "UnitOps"]

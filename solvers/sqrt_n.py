@@ -12,6 +12,10 @@ unit either keeps its saved tensors or is recomputed (checkpointed, in PyTorch's
 
 Neither is optimal under the cost model; the status is ``feasible`` when the plan fits.
 O(n) per plan; the greedy variant evaluates O(n) thresholds, O(n S log S) in all.
+
+Example::
+
+    solve(graph, 2 << 30)                      # Chen et al.: about sqrt(n) evenly spaced blocks
 """
 
 from __future__ import annotations
@@ -67,3 +71,6 @@ def solve_greedy(g: nx.DiGraph, budget_bytes: int, **_: object) -> Solution:
     if best is None:  # nothing fits: report the lowest-peak attempt
         best = judged("sqrt-greedy", g, units, budget_bytes, 0.0)
     return Solution(**{**best.__dict__, "seconds": time.perf_counter() - t0})
+
+
+__all__ = ["solve", "solve_greedy"]

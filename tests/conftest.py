@@ -1,5 +1,7 @@
 """Shared test configuration and fixtures: hypothesis profiles, the CLI in-process (``invoke``),
-and the synthetic chain most CLI tests plan on (``profile_path``) with its lowest feasible peak."""
+the synthetic chain most CLI tests plan on (``profile_path``) with its lowest feasible peak, and a
+small model profiled under bf16 with two micro-batches whose blocks have op-level menus
+(``menu_profile``)."""
 
 from __future__ import annotations
 
@@ -66,3 +68,34 @@ def signal_when_marked(cmd: list[str], marker: Path, sig: int, *, env: dict, cwd
         if proc.poll() is None:
             proc.kill()
     return proc.returncode, stderr
+
+
+@pytest.fixture(scope="session")
+def menu_profile():
+    """Three residual MLP blocks profiled on the CPU under bf16 autocast with two micro-batches:
+    autocast's cached casts, gradients alive all step, op records. Selective checkpointing's
+    dispatch cost is set aside, so that every block has a menu of op-level policies."""
+    import torch
+    from torch import nn
+
+    from planner.model.schema import Recipe
+    from planner.profiling import profile
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.out = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.out(torch.relu(self.fc(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), *(Block() for _ in range(3)), nn.Linear(16, 4))
+    inputs = torch.randn(1024, 8, generator=torch.Generator().manual_seed(0))  # activations outweigh parameters
+    prof = profile(model, inputs, loss_fn=lambda out: out.float().square().mean(), device="cpu", steps=1,
+                   recipe=Recipe(amp="bf16", grad_accum=2))
+    # and every spread: under a loaded full suite the spreads exceeded a block's saving and emptied the
+    # menus 3 runs of 4 (NOTE [ Selective menus ], Rule (noise)), which the cases using this are not about
+    units = [u.model_copy(update={"forward_spread_ms": 0.0, "backward_spread_ms": 0.0}) for u in prof.units]
+    return prof.model_copy(update={"sac_recomputed_op_ms": 0.0, "sac_kept_op_ms": 0.0, "units": units,
+                                   "sac_recomputed_op_spread_ms": 0.0, "sac_kept_op_spread_ms": 0.0})

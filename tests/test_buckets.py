@@ -20,7 +20,7 @@ from planner.model.fingerprint import fingerprint
 from planner.model.schema import Plan, Predicted, SolverInfo
 from planner.profiling.model_file import load_model_file
 from tests.conftest import invoke
-from tests.fixtures import TINY_MODEL, TINY_SEQ_MODEL
+from tests.model_files import TINY_MODEL, TINY_SEQ_MODEL
 from tests.test_guard import VOCAB, WIDTH
 from tests.test_guard import TinyLM as GuardLM
 

@@ -16,7 +16,7 @@ from planner.profiling.devices import get_device, load_devices
 from planner.errors import BadInput
 from planner.model.schema import Plan, Profile
 from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke
-from tests.fixtures import TINY_MODEL
+from tests.model_files import TINY_MODEL
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -15,12 +15,10 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-import torch
-from torch import nn
 
 from planner.act.api import graph_for, min_feasible_bytes, plan_from_profile
 from planner.model.graph import build_graph
-from planner.model.schema import Profile, Recipe
+from planner.model.schema import Profile
 from planner.model.synthetic import random_tied, synthetic_profile
 from solvers import SOLVERS
 from solvers.contract import (
@@ -128,39 +126,12 @@ def test_a_read_the_contract_lacks_fails_the_solvers():
 # ----------------------------------------------------------------------------- the cases
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc, self.out = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.out(torch.relu(self.fc(x)))
-
-
-@pytest.fixture(scope="module")
-def amp_profile() -> Profile:
-    """Three blocks profiled under bf16 autocast with two micro-batches: autocast's cached casts,
-    gradients alive all step, op records (dispatch cost set aside, so every block has a menu)."""
-    from planner.profiling import profile
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), *(_Block() for _ in range(3)), nn.Linear(16, 4))
-    inputs = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
-    prof = profile(model, inputs, loss_fn=lambda out: out.float().square().mean(), device="cpu", steps=1,
-                   recipe=Recipe(amp="bf16", grad_accum=2))
-    # and every spread: under load (a full suite beside others) the spreads exceeded a block's saving and
-    # emptied the menus (NOTE [ Selective menus ], Rule (noise)), which this case is not about
-    units = [u.model_copy(update={"forward_spread_ms": 0.0, "backward_spread_ms": 0.0}) for u in prof.units]
-    return prof.model_copy(update={"sac_recomputed_op_ms": 0.0, "sac_kept_op_ms": 0.0, "units": units,
-                                   "sac_recomputed_op_spread_ms": 0.0, "sac_kept_op_spread_ms": 0.0})
-
-
-def _cases(amp_profile: Profile) -> dict[str, tuple[Profile, dict]]:
+def _cases(menu_profile: Profile) -> dict[str, tuple[Profile, dict]]:
     gpt2 = Profile.load(REFERENCE_PROFILES / "gpt2-tiny-cpu.json")
     tied = synthetic_profile(random_tied(random.Random(0), 6, shared=2))
     return {
-        "amp, accumulation, menus": (amp_profile, {}),
-        "amp nested": (amp_profile, {"solver": "ilp", "granularity": 1}),
+        "amp, accumulation, menus": (menu_profile, {}),
+        "amp nested": (menu_profile, {"solver": "ilp", "granularity": 1}),
         "gpt2 nested": (gpt2, {"solver": "ilp", "granularity": 1}),
         "gpt2 fsdp": (gpt2, {"world_size": 2, "sharding": "fsdp"}),
         "gpt2 ddp": (gpt2, {"world_size": 4, "sharding": "ddp"}),
@@ -175,8 +146,8 @@ CASES = ["amp, accumulation, menus", "amp nested", "gpt2 nested", "gpt2 fsdp", "
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_the_builder_writes_exactly_the_contract(amp_profile, case):
-    prof, kw = _cases(amp_profile)[case]
+def test_the_builder_writes_exactly_the_contract(menu_profile, case):
+    prof, kw = _cases(menu_profile)[case]
     g = graph_for(prof, **{k: v for k, v in kw.items() if k != "offload"})
     assert contract_violations(g) == []
     if case.startswith("amp,"):  # the case is what it says
@@ -185,8 +156,8 @@ def test_the_builder_writes_exactly_the_contract(amp_profile, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_solvers_and_planner_read_only_declared_attributes(amp_profile, case):
-    prof, kw = _cases(amp_profile)[case]
+def test_solvers_and_planner_read_only_declared_attributes(menu_profile, case):
+    prof, kw = _cases(menu_profile)[case]
     offload = kw.pop("offload", False)
     g = strict(graph_for(prof, **kw))
     UNDECLARED.clear()

@@ -15,12 +15,15 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from planner.cli import render
+from planner.cli import output
 from planner.act.api import DEFAULT_HEADROOM, budget_with_headroom, graph_for
-from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers
+from planner.act.frontier import BASELINES, OPTIMAL_SOLVERS, budgets, default_solvers, run_solver
+from solvers import SOLVERS
+from solvers.cost_model import simulate
+from solvers.dp import min_feasible_bytes
 from planner.model.synthetic import random_chain, random_dag, synthetic_profile
 from tests.conftest import CHAIN_MIN_FEASIBLE_BYTES, invoke
-from tests.fixtures import TINY_MODEL
+from tests.model_files import TINY_MODEL
 
 
 
@@ -209,16 +212,34 @@ def test_frontier_on_a_real_tiny_model(tmp_path: Path):
 def test_stages_draw_a_bar_on_a_terminal_and_lines_elsewhere():
     buf = io.StringIO()
     tty = Console(file=buf, force_terminal=True, width=100)
-    with render.stages(tty, "profiling", total=3) as say:
+    with output.stages(tty, "profiling", total=3) as say:
         for m in ("a", "b", "c", "d"):  # one more stage than announced: the bar grows
             say(m)
     assert "4/4" in buf.getvalue()
     buf = io.StringIO()
-    with render.stages(Console(file=buf, force_terminal=False), "profiling", total=3) as say:
+    with output.stages(Console(file=buf, force_terminal=False), "profiling", total=3) as say:
         say("warm-up step 1/1")
     assert buf.getvalue().splitlines() == ["profiling", "warm-up step 1/1"]
     buf = io.StringIO()
-    with render.counter(Console(file=buf, force_terminal=True, width=100), "sweeping") as tick:
+    with output.counter(Console(file=buf, force_terminal=True, width=100), "sweeping") as tick:
         tick(5, 10)
         tick(10, 10)
     assert "10/10" in buf.getvalue()
+
+
+def test_a_plan_of_selective_regions_is_drawn_at_its_peak_and_recompute(menu_profile):
+    """The DP's plan at a budget between none and every block: with selective regions in it, its point
+    has the peak and recompute ``simulate`` gives the whole plan (regions included), within the budget."""
+    g = graph_for(menu_profile)
+    lo, hi = min_feasible_bytes(g), simulate(g, []).peak_bytes
+    for budget in (lo + (hi - lo) * k // 8 for k in range(1, 8)):
+        sol = SOLVERS["dp"](g, budget)
+        if sol.selective:
+            break
+    else:
+        pytest.fail("no budget gave the DP a plan with selective regions")
+    point = run_solver(g, "dp", budget)
+    est = simulate(g, sol.checkpointed, sol.selective)
+    assert (point.peak_bytes, point.recompute_ms) == (est.peak_bytes, round(est.recompute_ms, 6))
+    assert point.peak_bytes <= budget and point.recompute_ms > 0
+    assert point.checkpointed == len(sol.checkpointed) + len(sol.selective)

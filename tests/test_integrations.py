@@ -16,7 +16,7 @@ import torch
 
 from planner.errors import PlanMismatch
 from planner.profiling.model_file import compute_loss
-from tests.fixtures import TINY_MODEL
+from tests.model_files import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -266,7 +266,7 @@ def test_lightning_callback_takes_a_bucketed_plan(tmp_path):
 
     import planner
     from planner.profiling.model_file import load_model_file
-    from tests.fixtures import TINY_SEQ_MODEL
+    from tests.model_files import TINY_SEQ_MODEL
 
     path = tmp_path / "seq.py"
     path.write_text(TINY_SEQ_MODEL)

@@ -98,7 +98,7 @@ def test_out_of_memory_leads_to_a_checkpointed_profile(monkeypatch):
         except RuntimeError as e:
             raise ProfileError(f"out of memory in the model's forward: {OOM_HINT}") from e
 
-    monkeypatch.setattr(memsafe, "profile", out_of_memory)
+    monkeypatch.setattr(memsafe, "profile_as_run", out_of_memory)
     prof = profile_within(model, inputs, device="cpu", steps=1)
     assert prof.measured_with_checkpoints
     assert any("ran out of memory" in note for note in prof.notes)
@@ -107,7 +107,7 @@ def test_out_of_memory_leads_to_a_checkpointed_profile(monkeypatch):
 def test_a_predicted_overflow_skips_the_unplanned_step(monkeypatch, profiles):
     full, _ = profiles
     model, inputs = tiny_gpt()
-    monkeypatch.setattr(memsafe, "profile", lambda *a, **k: pytest.fail("the unplanned step was run"))
+    monkeypatch.setattr(memsafe, "profile_as_run", lambda *a, **k: pytest.fail("the unplanned step was run"))
     prof = profile_within(model, inputs, device="cpu", steps=1,
                           device_memory_bytes=full.step.measured_peak_bytes // 2)
     assert prof.measured_with_checkpoints
@@ -120,7 +120,7 @@ def test_other_errors_are_not_taken_for_out_of_memory(monkeypatch):
     def broken(*args, **kwargs):
         raise ProfileError("the model's forward raised ValueError: bad shape")
 
-    monkeypatch.setattr(memsafe, "profile", broken)
+    monkeypatch.setattr(memsafe, "profile_as_run", broken)
     with pytest.raises(ProfileError, match="bad shape"):
         profile_within(model, inputs, device="cpu", steps=1)
 
@@ -150,7 +150,7 @@ def test_cli_out_of_memory_hint_and_exit_code(monkeypatch, tmp_path):
         raise RuntimeError(CPU_OOM)
 
     monkeypatch.setattr(cli, "_run_profiler", oom)
-    from tests.fixtures import TINY_MODEL
+    from tests.model_files import TINY_MODEL
 
     model = tmp_path / "m.py"
     model.write_text(TINY_MODEL)  # a model file that loads: the CLI reads it before profiling

@@ -19,10 +19,11 @@ from torch import nn
 from tests.conftest import invoke
 from planner.profiling.devices import get_device, usable_bytes
 from planner.errors import BadInput, ProfileError
-from planner.profiling.meta import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, build_on_meta, profile_meta
+from planner.profiling.meta import build_on_meta, profile_meta
+from planner.profiling.roofline import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY
 from planner.profiling.model_file import load_model_file
 from planner.profiling import profile
-from planner.model.schema import Plan, Profile
+from planner.model.schema import Plan, Profile, Recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -93,9 +94,9 @@ def _worst_unit_gap(real: Profile, fake: Profile) -> tuple[float, str]:
 @pytest.mark.parametrize("case", CASES)
 def test_fake_bytes_equal_a_real_cpu_step(case: str):
     build, inputs, loss_fn, amp = CASES[case]()
-    real = profile(build(), inputs(), loss_fn=loss_fn, device="cpu", steps=1, amp=amp)
+    real = profile(build(), inputs(), loss_fn=loss_fn, device="cpu", steps=1, recipe=Recipe(amp=amp))
     fake = profile_meta(build_on_meta(build), inputs(), loss_fn=loss_fn, target="h100", device_type="cpu",
-                        amp=amp)
+                        recipe=Recipe(amp=amp))
     worst, where = _worst_unit_gap(real, fake)
     assert worst <= 0.01, f"{case}: {worst:.2%} at {where}"
     for field in ("params_bytes", "buffers_bytes", "batch_bytes", "grads_bytes", "optimizer_bytes"):
@@ -171,7 +172,7 @@ def test_cuda_rules_use_cudas_attention_kernels():
 def test_amp_lowers_bytes_and_picks_the_half_precision_column():
     build, inputs = _small_transformer, _transformer_inputs
     fp32 = profile_meta(build_on_meta(build), inputs(), loss_fn=lambda x: x, target="h100")
-    bf16 = profile_meta(build_on_meta(build), inputs(), loss_fn=lambda x: x, target="h100", amp="bf16")
+    bf16 = profile_meta(build_on_meta(build), inputs(), loss_fn=lambda x: x, target="h100", recipe=Recipe(amp="bf16"))
     assert bf16.amp == "bf16" and fp32.amp is None
     assert sum(_saved_bytes(bf16).values()) < sum(_saved_bytes(fp32).values())
     assert bf16.unit("blocks.0.mlp").forward_ms < fp32.unit("blocks.0.mlp").forward_ms
@@ -326,7 +327,7 @@ def test_api_plan_on_meta_with_the_default_budget():
     import planner
 
     plan = planner.plan(_mlp(), None, inputs=torch.randn(32, 64), loss_fn=_sum, device="meta", target="t4",
-                        amp="bf16")
+                        recipe=Recipe(amp="bf16"))
     assert (plan.device, plan.target, plan.amp) == ("meta", "t4", "bf16")
     assert plan.budget_bytes == usable_bytes(get_device("t4"))
     with pytest.raises(BadInput, match="needs a budget"):

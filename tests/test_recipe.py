@@ -22,7 +22,7 @@ from planner.model.schema import Plan, Profile, Recipe
 from planner.profiling import profile
 from planner.profiling.measure import make_optimizer, make_step
 from solvers.cost_model import simulate
-from tests.fixtures import TINY_MODEL
+from tests.model_files import TINY_MODEL
 
 PREDICTION_TOLERANCE = 0.02
 

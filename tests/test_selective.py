@@ -7,6 +7,7 @@ output to the next block.
 
 from __future__ import annotations
 
+from dataclasses import replace
 import itertools
 import json
 
@@ -25,7 +26,7 @@ from planner.model.schema import SINGLE_SHAPE_PLAN_VERSION, OpRef, Plan, Selecti
 from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.sizes import format_bytes
 from solvers import SOLVERS
-from solvers.selective import OpCall, build_menu, describe
+from solvers.selective import OpCall, UnitOps, build_menu, describe
 
 D, HEADS, LAYERS, BATCH, SEQ = 32, 4, 3, 4, 24
 RNG_STATE_BYTES = 5056
@@ -201,8 +202,8 @@ def test_menu_is_a_front_and_keeps_only_keepable_ops():
            _op(3, "aten.mm.default", 3, 5.0), _op(4, "aten.add_.Tensor", None, 0.1, inplace=True),
            _op(5, "aten.empty_like.default", 4, 0.0, mutated=True), _op(6, "aten.view.default", None, 0.0, view=True)]
     tb = {1: 400, 2: 400, 3: 100, 4: 100}
-    menu = build_menu(ops, forward_ms=22.0, end_seq=9, saved_bytes=1000, tensor_bytes=tb,
-                      first_save_inside={1: 2, 2: 3}, saved_outside=[])
+    menu = build_menu(UnitOps(ops, forward_ms=22.0, end_seq=9, saved_bytes=1000, first_save_inside={1: 2, 2: 3}),
+                      tensor_bytes=tb)
     assert menu, "a unit with matmuls gets policies"
     kept = [p.kept_bytes for p in menu]
     assert kept == sorted(kept) and all(k < 1000 for k in kept)
@@ -221,15 +222,15 @@ def test_a_policy_within_its_spread_of_full_checkpointing_stays_out():
     """NOTE [ Selective menus ], Rule (noise): a policy enters the menu only when it saves more than its
     measured spread; without op times on the forward's clock (K > F) it is the kernel-share model."""
     ops = [_op(1, "aten.mm.default", 1, 5.0), _op(2, "aten.gelu.default", 2, 0.5), _op(3, "aten.mm.default", 3, 5.0)]
-    kw = dict(end_seq=9, saved_bytes=1000, tensor_bytes={1: 400, 2: 400, 3: 100}, first_save_inside={1: 2, 2: 3},
-              saved_outside=[])
-    quiet = build_menu(ops, forward_ms=10.0, **kw)
+    unit = UnitOps(ops, forward_ms=10.0, end_seq=9, saved_bytes=1000, first_save_inside={1: 2, 2: 3})
+    kw = dict(tensor_bytes={1: 400, 2: 400, 3: 100})
+    quiet = build_menu(unit, **kw)
     assert quiet and quiet[0].recompute_ms == pytest.approx(10.0 * (1 - 5.0 / 10.5))  # phi capped at 1
     share = quiet[0].recompute_ms / 10.0  # its spread is the forward's spread times the share it reruns
     at = 10.0 * (1 - share) / share  # ... equal to its saving at this forward spread
-    assert any(p.saved == quiet[0].saved for p in build_menu(ops, forward_ms=10.0, forward_spread_ms=0.9 * at, **kw))
-    assert all(p.saved != quiet[0].saved for p in build_menu(ops, forward_ms=10.0, forward_spread_ms=1.1 * at, **kw))
-    dispatch = build_menu(ops, forward_ms=10.0, op_cost_ms=(0.01, 0.01), op_cost_spread_ms=(4.0, 4.0), **kw)
+    assert any(p.saved == quiet[0].saved for p in build_menu(replace(unit, forward_spread_ms=0.9 * at), **kw))
+    assert all(p.saved != quiet[0].saved for p in build_menu(replace(unit, forward_spread_ms=1.1 * at), **kw))
+    dispatch = build_menu(unit, op_cost_ms=(0.01, 0.01), op_cost_spread_ms=(4.0, 4.0), **kw)
     assert dispatch == ()  # 4 ms of spread per call: no policy saves more than that
 
 

@@ -14,7 +14,7 @@ from planner.act.applier import apply_plan
 from planner.act.verify import verify
 from planner.errors import ProfileError
 from planner.profiling.measure import make_optimizer, make_step, measure_step
-from planner.profiling.recording import step_structure
+from planner.profiling.assemble import step_structure
 from planner.profiling.tracker import storage_bytes
 from solvers.cost_model import simulate
 

@@ -13,7 +13,8 @@ from torch import nn
 import planner.profiling.devices
 from planner.act.api import graph_for, plan_from_profile
 from planner.profiling.devices import get_device, load_calibration
-from planner.profiling.meta import fit_calibration, profile_meta
+from planner.profiling.meta import profile_meta
+from planner.profiling.roofline import fit_calibration
 from planner.profiling import profile
 from planner.cli.render import time_line
 from planner.profiling.timing import spread_ms, unit_costs

@@ -15,17 +15,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import networkx as nx
 
-from solvers.cost_model import CostModel, simulate, tie_groups, window_bytes
+from solvers.cost_model import simulate, tie_groups, window_bytes
 from solvers.dp import min_feasible_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
-from planner.model.schema import (LOSS_ID, OFFLOAD_PLAN_VERSION, ROOT_ID, OffloadedUnit, OpRef, Plan, Predicted,
-                                  Profile, Recipe, RunStamp, SelectiveRegion, SolverInfo, now_iso)
+from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
+from planner.model.schema import (LOSS_ID, OFFLOAD_PLAN_VERSION, ROOT_ID, OpRef, Plan, Predicted, Profile, RunStamp,
+                                  SelectiveRegion, SolverInfo, now_iso)
 from planner.options import parse_sharding
+from planner.spec import SOLVE_FIELDS, STEP_FIELDS, SolveSpec, StepSpec, solve_spec, step_spec
 from planner.sizes import format_bytes, parse_bytes
 
 # NOTE [ Headroom from evidence ]
@@ -62,16 +64,16 @@ NESTING_SOLVERS = ("ilp", "auto")
 """Solvers that choose among nested candidates; the others get the single level ``granularity``."""
 
 
-def graph_for(profile: Profile, *, solver: str = "auto", granularity: int = 0, world_size: int = 1,
-              sharding: str = "none", selective: bool = True) -> nx.DiGraph:
-    """The candidate graph a solver works on: nested levels for the ILP, one level otherwise;
-    with op-level menus (``selective``) where the profile has op records, for one process only
-    (``MULTI_RANK_SELECTIVE``)."""
-    check_ranks(world_size, sharding)
-    nested = granularity > 0 and solver in NESTING_SOLVERS
-    selective = selective and (MULTI_RANK_SELECTIVE or (world_size == 1 and sharding == "none"))
-    return build_graph(profile, granularity=granularity, nested=nested, world_size=world_size,
-                       sharding=sharding, selective=selective)
+def graph_for(profile: Profile, *, solve: SolveSpec | None = None, **solve_fields: Any) -> nx.DiGraph:
+    """The candidate graph ``solve``'s solver works on (``solve_fields`` replace its fields): nested
+    levels for the ILP, one level otherwise; with op-level menus (``selective``) where the profile
+    has op records, for one process only (``MULTI_RANK_SELECTIVE``)."""
+    spec = solve_spec(solve, **solve_fields)
+    check_ranks(spec.world_size, spec.sharding)
+    nested = spec.granularity > 0 and spec.solver in NESTING_SOLVERS
+    one_process = spec.world_size == 1 and spec.sharding == "none"
+    return build_graph(profile, granularity=spec.granularity, nested=nested, world_size=spec.world_size,
+                       sharding=spec.sharding, selective=spec.selective and (MULTI_RANK_SELECTIVE or one_process))
 
 
 MULTI_RANK_SELECTIVE = False
@@ -99,33 +101,19 @@ def check_ranks(world_size: int, sharding: str) -> None:
                        options=("sharding",))
 
 
-OFFLOAD_SOLVERS = ("auto", "ilp")
-"""Solvers that choose offload as a third option (NOTE [ ILP formulation ], Rule 8)."""
-
-OFFLOAD_ONE_PROCESS = ("{offload} plans one process: under DDP or FSDP2 the ranks' host memory and copies are "
-                       "not modelled; drop {offload}, or plan without {sharding}")
-"""Offload is planned for one process (NOTE [ Peak-memory model ], Rule 10 models one device and its host)."""
-
-
 def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
                 time_limit_s: float | None = None, host_budget_bytes: int | None = None):
     """Run one solver by name; returns a ``solvers.Solution``. ``host_budget_bytes``: offload allowed
-    within it (``OFFLOAD_SOLVERS`` only)."""
+    within it (``OFFLOAD_SOLVERS`` only; see NOTE [ Offload and the DP ] in solvers/auto.py)."""
     from solvers import SOLVERS
 
-    if host_budget_bytes is not None:
-        if solver not in OFFLOAD_SOLVERS:
-            raise BadInput(f"solver {solver!r} has no offload choice: use {{solver}} auto or ilp with {{offload}}",
-                           options=("solver", "offload"))
-        return SOLVERS["ilp"](g, budget_bytes, time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes)
-    name = solver
-    if name == "auto" and "auto" not in SOLVERS:
-        name = "dp"
-    fn = SOLVERS.get(name)
+    check_offload(host_budget_bytes is not None, solver=solver)
+    fn = SOLVERS.get(solver)
     if fn is None:
         choices = ", ".join(["auto", *sorted(k for k in SOLVERS if k != "auto")])
         raise SolverError(f"unknown solver {solver!r}; choose one of: {choices}")
-    sol = fn(g, budget_bytes, time_limit_s=time_limit_s)  # raises SolverError for a graph it cannot plan
+    host = {} if host_budget_bytes is None else {"host_budget_bytes": host_budget_bytes}
+    sol = fn(g, budget_bytes, time_limit_s=time_limit_s, **host)  # raises SolverError for a graph it cannot plan
     if sol.status != "infeasible" and not (math.isfinite(sol.recompute_ms) and sol.recompute_ms >= 0
                                            and sol.peak_bytes >= 0):
         raise SolverError(f"solver {sol.solver!r} found a plan with a recompute of {sol.recompute_ms} ms and a peak "
@@ -134,103 +122,62 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
     return sol
 
 
-def resolve_host_budget(profile: Profile, offload: bool, host_memory: int | str | None) -> int | None:
-    """The host budget of an offload plan (None: no offload), or ``BadInput`` naming the fix.
-
-    Default: ``HOST_MEMORY_FRACTION`` of this machine's available memory for a measured profile; a
-    meta profile plans for another machine, so it needs ``host_memory``.
-    """
-    from planner.profiling.devices import HOST_MEMORY_FRACTION, available_host_bytes
-
-    if not offload:
-        if host_memory is not None:
-            raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
-                           options=("host_memory", "offload"))
-        return None
-    if not profile.host_link_bytes_per_s:
-        where = f"device spec {profile.target!r}" if profile.device == "meta" else "this profile"
-        raise BadInput(f"{{offload}} needs the bandwidth between device and host memory, and {where} has none: "
-                       f"re-profile with this remat (it measures it), or use a device spec with "
-                       f"host_link_bytes_per_s (remat devices)", options=("offload",))
-    if host_memory is not None:
-        try:
-            host = parse_bytes(host_memory)
-        except BadInput as e:
-            raise BadInput(f"{{host_memory}}: {e}", options=("host_memory",)) from None
-        if host <= 0:
-            raise BadInput(f"{{host_memory}} must be positive, got {host_memory!r}", options=("host_memory",))
-        return host
-    if profile.device == "meta":
-        raise BadInput("{offload} on a meta profile needs {host_memory} SIZE: the host memory of the machine that "
-                       "will train, not this one's", options=("host_memory", "offload"))
-    free = available_host_bytes()
-    if free is None:
-        raise BadInput("cannot read this machine's available memory: give {host_memory} SIZE with {offload}",
-                       options=("host_memory", "offload"))
-    return int(free * HOST_MEMORY_FRACTION)
-
-
-def plan_from_profile(profile: Profile, budget: int | str, *, solver: str = "auto", granularity: int = 0,
-                      time_limit_s: float | None = 60.0, world_size: int = 1, sharding: str = "none",
-                      headroom: float | None = None, graph: nx.DiGraph | None = None,
-                      selective: bool = True, offload: bool = False,
-                      host_memory: int | str | None = None) -> Plan:
+def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec | None = None,
+                      graph: nx.DiGraph | None = None, **solve_fields: Any) -> Plan:
     """Plan on a measured profile. Raises ``BudgetInfeasible`` when nothing fits ``budget``.
 
-    ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]).
-    The solver plans for ``budget * (1 - headroom)``; None: ``headroom_for(profile)`` (NOTE [ Headroom
-    from evidence ]). ``offload``: each unit may also move its saved tensors to host memory, within
-    ``host_memory`` (default: ``resolve_host_budget``; NOTE [ Peak-memory model ], Rule 10).
+    ``solve`` says how (``planner.spec.SolveSpec``: the solver, granularity, time limit, ranks,
+    headroom, op-level regions); ``solve_fields`` replace its fields (``solver="ilp"``, ...).
+    ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]). The solver plans for
+    ``budget * (1 - headroom)``; headroom None: ``headroom_for(profile)`` (NOTE [ Headroom from
+    evidence ]). ``graph``: the candidate graph to plan on, when the caller has built it. ``offload``:
+    each unit may also move its saved tensors to host memory, within ``host_memory`` (default:
+    ``planner.act.offload_plan.resolve_host_budget``; NOTE [ Peak-memory model ], Rule 10).
+
+    Example::
+
+        plan = plan_from_profile(Profile.load("profile.json"), "12GB", solver="ilp", time_limit_s=30)
     """
+    spec = solve_spec(solve, **solve_fields)
+    solver = spec.solver
     budget_bytes = parse_bytes(budget)
-    if offload and (world_size > 1 or sharding != "none"):
-        raise BadInput(OFFLOAD_ONE_PROCESS, options=("offload", "sharding"))
-    host_budget = resolve_host_budget(profile, offload, host_memory)
-    if headroom is None:
-        headroom = headroom_for(profile)
+    check_offload(spec.offload, solver=solver, world_size=spec.world_size, sharding=spec.sharding)
+    host_budget = resolve_host_budget(profile, spec.offload, spec.host_memory)
+    headroom = headroom_for(profile) if spec.headroom is None else spec.headroom
     usable, headroom_bytes = usable_budget(budget_bytes, headroom)
-    g = graph if graph is not None else graph_for(profile, solver=solver, granularity=granularity,
-                                                  world_size=world_size, sharding=sharding, selective=selective)
+    g = graph if graph is not None else graph_for(profile, solve=spec)
     t0 = time.perf_counter()
-    sol = solve_graph(g, usable, solver=solver, time_limit_s=time_limit_s, host_budget_bytes=host_budget)
+    sol = solve_graph(g, usable, solver=solver, time_limit_s=spec.time_limit_s, host_budget_bytes=host_budget)
     seconds = time.perf_counter() - t0
     if sol.status == "infeasible" and host_budget is not None:
-        _host_too_small(g, usable, budget_bytes, host_budget, time_limit_s)
+        host_too_small(g, usable, budget_bytes, host_budget, spec.time_limit_s)
     if sol.status == "infeasible":
-        lowest_peak = sol.min_feasible_bytes if sol.min_feasible_bytes is not None else min_feasible_bytes(g)
-        lowest = budget_with_headroom(lowest_peak, headroom)
-        if lowest <= budget_bytes:
-            raise SolverError(
-                f"solver {sol.solver!r} found no plan within its limits ({sol.detail or 'no detail'}), "
-                f"although a plan with a peak of {lowest} bytes exists; "
-                f"raise {{time_limit_s}} or use {{solver}} dp",
-                options=("time_limit_s", "solver"))
-        raise infeasible(profile, g, budget_bytes, lowest_peak, headroom)
+        raise _no_plan(profile, g, sol, budget_bytes, headroom)
     est = simulate(g, sol.checkpointed, sol.selective, sol.offloaded)  # every call of a module, or none
     if est.selective and solver in _OPTIMISERS:  # NOTE [ Robust choice ]
-        wg = graph_for(profile, solver=solver, granularity=granularity, world_size=world_size, sharding=sharding,
-                       selective=False)
-        whole = solve_graph(wg, usable, solver=solver, time_limit_s=time_limit_s, host_budget_bytes=host_budget)
-        if whole.status != "infeasible":
-            plain = simulate(wg, whole.checkpointed, offloaded=whole.offloaded)
-            if plain.peak_bytes <= usable and plain.overhead_ms - est.overhead_ms <= difference_spread_ms(g, est, plain):
-                g, sol, est = wg, whole, plain
+        g, sol, est = _robust_choice(profile, spec, usable, g, sol, est, host_budget)
     if solver in _OPTIMISERS:  # baselines (every-2, sqrt, ...) place their checkpoints by rule
         est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2
     if est.peak_bytes > usable:
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
             f"{budget_bytes}; please report this with the profile and the traceback")
-    return plan_of(profile, g, est, budget_bytes, headroom_bytes=headroom_bytes, host_budget_bytes=host_budget,
-                   solver=SolverInfo(name=sol.solver, status=sol.status, gap=sol.gap, detail=sol.detail),
-                   min_feasible=sol.min_feasible_bytes, seconds=seconds)
+    return _plan_of(profile, g, est, budget_bytes, headroom_bytes=headroom_bytes, host_budget_bytes=host_budget,
+                    solver=SolverInfo(name=sol.solver, status=sol.status, gap=sol.gap, detail=sol.detail),
+                    min_feasible=sol.min_feasible_bytes, seconds=seconds)
 
 
 def plan_of(profile: Profile, g: nx.DiGraph, est: Any, budget_bytes: int, *, solver: SolverInfo,
-            headroom_bytes: int = 0, host_budget_bytes: int | None = None, min_feasible: int | None = None,
-            seconds: float = 0.0) -> Plan:
-    """The ``Plan`` of one estimate (``simulate``'s) on ``g``: what the solver chose, or a set chosen by
-    hand (benchmarks compare fixed rules, such as offloading every block, this way)."""
+            host_budget_bytes: int | None = None) -> Plan:
+    """The ``Plan`` of a set chosen by hand (``simulate``'s estimate ``est`` on ``g``), without headroom:
+    benchmarks compare fixed rules, such as offloading every block, this way."""
+    return _plan_of(profile, g, est, budget_bytes, solver=solver, host_budget_bytes=host_budget_bytes)
+
+
+def _plan_of(profile: Profile, g: nx.DiGraph, est: Any, budget_bytes: int, *, solver: SolverInfo,
+             headroom_bytes: int = 0, host_budget_bytes: int | None = None, min_feasible: int | None = None,
+             seconds: float = 0.0) -> Plan:
+    """The ``Plan`` of one estimate (``simulate``'s) on ``g``."""
     return Plan(
         fingerprint=profile.fingerprint, fingerprint_digest=profile.fingerprint.digest(),
         budget_bytes=budget_bytes, headroom_bytes=headroom_bytes,
@@ -259,6 +206,32 @@ def plan_of(profile: Profile, g: nx.DiGraph, est: Any, budget_bytes: int, *, sol
         created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
         **({"schema_version": OFFLOAD_PLAN_VERSION} if est.offloaded else {}),
     )
+
+
+def _no_plan(profile: Profile, g: nx.DiGraph, sol: Any, budget_bytes: int, headroom: float) -> Exception:
+    """The error for an infeasible solution: the solver's limits when a plan exists, else why nothing fits."""
+    lowest_peak = sol.min_feasible_bytes if sol.min_feasible_bytes is not None else min_feasible_bytes(g)
+    lowest = budget_with_headroom(lowest_peak, headroom)
+    if lowest <= budget_bytes:
+        return SolverError(
+            f"solver {sol.solver!r} found no plan within its limits ({sol.detail or 'no detail'}), "
+            f"although a plan with a peak of {lowest} bytes exists; "
+            f"raise {{time_limit_s}} or use {{solver}} dp",
+            options=("time_limit_s", "solver"))
+    return infeasible(profile, g, budget_bytes, lowest_peak, headroom)
+
+
+def _robust_choice(profile: Profile, spec: SolveSpec, usable: int, g: nx.DiGraph, sol: Any,
+                   est: Any, host_budget: int | None = None) -> tuple[nx.DiGraph, Any, Any]:
+    """The whole-module plan instead of ``est`` (with selective regions) when it fits and costs no more
+    recompute (and exposed copies) than the two differ by their spreads (NOTE [ Robust choice ])."""
+    wg = graph_for(profile, solve=spec.replace(selective=False))
+    whole = solve_graph(wg, usable, solver=spec.solver, time_limit_s=spec.time_limit_s, host_budget_bytes=host_budget)
+    if whole.status != "infeasible":
+        plain = simulate(wg, whole.checkpointed, offloaded=whole.offloaded)
+        if plain.peak_bytes <= usable and plain.overhead_ms - est.overhead_ms <= difference_spread_ms(g, est, plain):
+            return wg, whole, plain
+    return g, sol, est
 
 
 # NOTE [ Why nothing fits ]
@@ -466,97 +439,109 @@ def check_profile_matches(profile: Profile, model_file: Any) -> None:
                            diffs)
 
 
-def plan(model_or_profile: Any, budget: int | str | None, *, inputs: Any = None,
-         loss_fn: Callable[[Any], Any] | None = None, solver: str = "auto", device: str = "auto",
-         optimizer: str = "adamw", granularity: int = 0, time_limit_s: float | None = 60.0,
-         steps: int = 3, world_size: int = 1, sharding: str = "none",
-         headroom: float | None = None, amp: str | None = None, target: str | None = None,
-         threads: int | None = None, recipe: Recipe | None = None, selective: bool = True,
-         buckets: Sequence[Any] | None = None, offload: bool = False,
-         host_memory: int | str | None = None) -> Plan:
-    """Profile ``model`` on ``inputs`` (unless given a ``Profile``) and plan for ``budget``.
+def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any = None,
+         buckets: Sequence[Any] | None = None, step: StepSpec | None = None, solve: SolveSpec | None = None,
+         **fields: Any) -> Plan:
+    """Profile a model (unless given a ``Profile``) and plan for ``budget``.
 
     Args:
-        model_or_profile: an ``nn.Module`` (then ``inputs`` or ``buckets`` is required), a ``Profile``,
-            or a list of profiles of one model at several input shapes (a bucketed plan). With
-            ``device="meta"``, build it with ``planner.profiling.meta.build_on_meta`` (no memory used).
+        model_or_profile: an ``nn.Module`` (then ``inputs`` or ``buckets`` is required), a model file
+            (``planner.load_model_file``, which gives the inputs and the loss), a ``Profile``, or a
+            list of profiles of one model at several input shapes (a bucketed plan). With device
+            'meta', build the module with ``planner.profiling.meta.build_on_meta`` (no memory used).
+        budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
+            memory of ``step.target`` (``planner.profiling.devices.usable_bytes``).
+        inputs: one training batch, as for ``planner.profile``.
         buckets: instead of ``inputs``, one training batch per input shape the job sees (e.g. 128,
             256 and 512 tokens): each is profiled and planned under ``budget``, and the plans go into
             one bucketed plan; ``apply_plan`` runs each batch under the smallest bucket that holds it
             (NOTE [ Bucketed plans ] in planner/act/buckets.py).
-        budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
-            memory of ``target`` (``planner.profiling.devices.usable_bytes``).
-        amp: None, ``"bf16"`` or ``"fp16"``: forward and loss under ``torch.autocast``.
-        recipe: the training step to plan for (``schema.Recipe``: gradient accumulation, zero_grad,
-            amp, clipping, optimizer implementation); default the plain loop (with ``amp``).
-        target: a device spec name (``remat devices``): with ``device="meta"`` the times are
-            modelled for it (see docs/meta.md); on any device it gives the default budget.
-        solver: ``auto`` (DP on chains, ILP otherwise), ``dp``, ``ilp``, ``sqrt``, ``all``, ``none``...
-        granularity: extra depth below the default candidates (repeated blocks and their neighbours).
-        threads: torch intra-op threads while profiling (None: as set); on the CPU, 1 times units by
-            the thread's CPU time, which load from other processes does not change.
-        selective: let the solver checkpoint units op by op too (``plan.selective``); False: whole
-            modules only.
-        offload: let each unit move its saved tensors to host memory instead (``plan.offload``;
-            NOTE [ Peak-memory model ], Rule 10); the ILP decides keep, recompute or offload together.
-        host_memory: the host budget for offloaded tensors (bytes or "64GB"); default 80% of this
-            machine's available memory, required for a meta profile.
+        step: the training step and where it runs (``planner.spec.StepSpec``: device, device
+            memory cap, optimizer, recipe with amp, steps, threads, loss); its ``target`` gives the
+            default budget on any device and the modelled times on 'meta' (see docs/meta.md).
+        solve: how to plan (``planner.spec.SolveSpec``: solver, granularity, time limit, ranks,
+            headroom, op-level regions).
+        **fields: fields of either spec by name (``device="cpu"``, ``solver="ilp"``, ``progress``, ...).
     Returns:
         The ``Plan``; ``plan.save(path)`` writes it atomically.
     Raises:
         BudgetInfeasible: nothing fits; ``.min_feasible_bytes`` says what would.
+
+    Example::
+
+        plan = planner.plan(model, "2GB", inputs=batch, device="cpu", solver="ilp")
     """
-    budget, _ = resolve_budget(budget, target)  # before minutes of profiling, not after
+    progress = fields.pop("progress", None)
+    given = {k: v for k, v in fields.items() if k not in SOLVE_FIELDS}
+    spec = step_spec(step, **given)  # BadInput naming an argument of neither spec
+    solving = solve_spec(solve, **{k: v for k, v in fields.items() if k in SOLVE_FIELDS})
+    budget, _ = resolve_budget(budget, spec.target)  # before minutes of profiling, not after
     n_shapes = len(model_or_profile) if isinstance(model_or_profile, (list, tuple)) else len(buckets or [None])
-    check_offload_shapes(offload, n_shapes)
+    check_offload_shapes(solving.offload, n_shapes)
     if isinstance(model_or_profile, (list, tuple)):
         profiles = list(model_or_profile)
     elif isinstance(model_or_profile, Profile):
-        prof = model_or_profile
-        ignored = [name for name, value, default in (
-            ("inputs", inputs, None), ("loss_fn", loss_fn, None), ("device", device, "auto"), ("steps", steps, 3),
-            ("threads", threads, None)) if value is not default and value != default]
-        if optimizer not in ("adamw", prof.optimizer):
-            ignored.append(f"optimizer ({prof.optimizer} in the profile)")
-        if (amp is not None and amp != prof.recipe.amp) or (recipe is not None and recipe != prof.recipe):
-            ignored.append(f"amp/recipe (the profile's: {prof.recipe.describe()})")
-        if ignored:
-            raise BadInput(f"plan(profile, ...) plans the step the profile measured; these arguments would change "
-                           f"what is measured, and nothing is: {', '.join(ignored)}. Drop them, or profile again")
-        profiles = [prof]
+        _refuse_step_fields(model_or_profile, inputs, {**_changed(step), **given})
+        profiles = [model_or_profile]
     else:
-        if (inputs is None) == (buckets is None):
+        from planner.profiling import profile
+
+        if (inputs is None) == (buckets is None) and not _is_model_file(model_or_profile):
             raise BadInput("plan(model, ...) needs inputs=<one training batch> or buckets=[<one batch per shape>]; "
                            "or pass a Profile")
-        from planner.profiling import profile as run_profile
-
-        meta = str(device).strip().lower() == "meta"
-        profiles = [run_profile(model_or_profile, batch, loss_fn=loss_fn, device=device, optimizer=optimizer,
-                                steps=steps, amp=amp, recipe=recipe, target=target if meta else None, threads=threads)
+        meta = str(spec.device).strip().lower() == "meta"
+        run = spec if meta else spec.replace(target=None)
+        profiles = [profile(model_or_profile, batch, step=run, progress=progress)
                     for batch in ([inputs] if buckets is None else buckets)]
-    return plan_buckets(profiles, budget, solver=solver, granularity=granularity, time_limit_s=time_limit_s,
-                        world_size=world_size, sharding=sharding, headroom=headroom, selective=selective,
-                        offload=offload, host_memory=host_memory)
+    return plan_buckets(profiles, budget, solve=solving)
 
 
-def check_offload_shapes(offload: bool, n_shapes: int) -> None:
-    """An offload plan holds one input shape: ``BadInput`` for offload with several (NOTE [ Bucketed plans ])."""
-    if offload and n_shapes > 1:
-        raise BadInput(f"{{offload}} plans one input shape, and {n_shapes} were given: plan each shape on its own "
-                       f"with {{offload}}, or bucket the shapes without it", options=("offload",))
+def _is_model_file(obj: Any) -> bool:
+    from planner.profiling.model_file import ModelFile
+
+    return isinstance(obj, ModelFile)
+
+
+def _changed(step: StepSpec | None) -> dict[str, Any]:
+    """The fields of ``step`` that differ from ``StepSpec()``'s."""
+    if step is None:
+        return {}
+    default = StepSpec()
+    return {name: getattr(step, name) for name in STEP_FIELDS if getattr(step, name) != getattr(default, name)}
+
+
+def _refuse_step_fields(prof: Profile, inputs: Any, given: dict[str, Any]) -> None:
+    """``plan(profile, ...)`` plans the step the profile measured: refuse what would measure another."""
+    ignored = ["inputs"] if inputs is not None else []
+    for name, value in given.items():
+        if name == "target" or value == getattr(StepSpec(), name):
+            continue
+        if name == "optimizer":
+            if value != prof.optimizer:
+                ignored.append(f"optimizer ({prof.optimizer} in the profile)")
+        elif name == "recipe":
+            if value != prof.recipe:
+                ignored.append(f"recipe (the profile's: {prof.recipe.describe()})")
+        else:
+            ignored.append(name)
+    if ignored:
+        raise BadInput(f"plan(profile, ...) plans the step the profile measured; these arguments would change "
+                       f"what is measured, and nothing is: {', '.join(ignored)}. Drop them, or profile again")
 
 
 def plan_buckets(profiles: Sequence[Profile], budget: int | str, *, shapes: Sequence[dict[str, int]] | None = None,
                  **options: Any) -> Plan:
     """One plan per profile (one input shape each) under one ``budget``, as one bucketed plan
     (NOTE [ Bucketed plans ]); one profile gives its plan. ``shapes``: the ``example_inputs()``
-    keyword arguments of each profile's batch. ``options``: those of ``plan_from_profile``.
+    keyword arguments of each profile's batch. ``options``: those of ``plan_from_profile`` (``solve=``
+    and its fields).
     Raises ``BudgetInfeasible`` naming the shape that does not fit."""
     from planner.act.buckets import combine
 
     if not profiles:
         raise BadInput("plan needs at least one profile")
-    check_offload_shapes(bool(options.get("offload")), len(profiles))
+    offload = options["solve"].offload if options.get("solve") is not None else options.get("offload", False)
+    check_offload_shapes(bool(offload), len(profiles))
     shapes = list(shapes) if shapes is not None else [{} for _ in profiles]
     plans = []
     for prof, shape in zip(profiles, shapes):
@@ -585,35 +570,6 @@ def selective_regions(g: nx.DiGraph, selective: dict[str, int]) -> list[Selectiv
     return out
 
 
-def offloaded_units(g: nx.DiGraph, offloaded: list[str]) -> list[OffloadedUnit]:
-    """The plan's ``offload`` entries, with the cost model's bytes and copy times (Rule 10)."""
-    model = CostModel.of(g)
-    out = []
-    for u in offloaded:
-        s = model.sync_leaf(u)
-        fwd, bwd = model.hidden_ms(u)
-        out.append(OffloadedUnit(fqn=g.nodes[u]["fqn"], unit=u, host_bytes=model.offload_bytes(u),
-                                 d2h_ms=round(model.copy_ms(u), 6), h2d_ms=round(model.copy_ms(u), 6),
-                                 hidden_ms=round(fwd + bwd, 6), exposed_ms=round(model.exposed_ms(u), 6),
-                                 sync_fqn=g.nodes[model.leaves[s]]["fqn"] if s < len(model.leaves) else None))
-    return out
-
-
-def _host_too_small(g: nx.DiGraph, usable: int, budget_bytes: int, host_budget: int,
-                    time_limit_s: float | None) -> None:
-    """No plan fits: ``BudgetInfeasible`` naming ``--host-memory`` when more host memory would make one fit."""
-    every = CostModel.of(g).host_bytes(list(g.nodes))
-    if every <= host_budget:
-        return
-    roomy = solve_graph(g, usable, time_limit_s=time_limit_s, host_budget_bytes=every)
-    if roomy.status == "infeasible":
-        return
-    raise BudgetInfeasible(
-        f"no plan fits the budget of {format_bytes(budget_bytes)} within {format_bytes(host_budget)} of host "
-        f"memory; one fits with {format_bytes(roomy.host_peak_bytes)} of host memory: raise {{host_memory}} or "
-        f"{{budget}}", budget_bytes=budget_bytes, min_feasible_bytes=None, options=("host_memory", "budget"))
-
-
 def _fqns(g: nx.DiGraph, chosen) -> list[str]:
     seen: list[str] = []
     for n in chosen:
@@ -627,3 +583,9 @@ def _version() -> str:
     from planner import __version__
 
     return __version__
+
+
+__all__ = ["AMP_HEADROOM", "budget_with_headroom", "canonical", "check_profile_matches", "check_ranks",
+           "DEFAULT_HEADROOM", "difference_spread_ms", "graph_for", "headroom_for", "infeasible",
+           "META_HEADROOM", "MULTI_RANK_SELECTIVE", "NESTING_SOLVERS", "plan", "plan_buckets",
+           "plan_from_profile", "plan_of", "resolve_budget", "selective_regions", "solve_graph", "usable_budget"]

@@ -17,6 +17,54 @@ Each planned module is checkpointed as one region on every call, with non-reentr
 ``torch.utils.checkpoint`` (keyword arguments and non-tensor outputs pass through). The model
 keeps its structure: no wrapper modules, so parameter names, ``state_dict`` keys and parameter
 objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` still match.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.act import buckets
+from planner.act.existing import (TWICE_FIX, TwiceGuard, listing, modules_by_plain_name, overlap,  # noqa: F401
+                                   user_checkpointed)
+from planner.act.sharding import check_fsdp_options
+from planner.act.shape_guard import ShapeGuard
+from planner.errors import BadInput, PlanMismatch
+from planner.model.fingerprint import model_differences
+from planner.model.schema import Plan, StepChange
+from planner.profiling.rng import HostRngState
+from planner.profiling.step_changes import Installed, find_step_changes, install
+from planner.sizes import format_bytes
+
+logger = logging.getLogger("remat")
+
+GUARDS = ("warn", "error", "off")
+"""``apply_plan(guard=...)`` values; see NOTE [ Runtime shape guard ]."""
+
+class PlanAlreadyApplied(BadInput):
+    """``apply_plan`` was called on a model that already carries a remat plan."""
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+
+@dataclass
+class RegionCounts:
+    """How often one checkpointed module ran, since ``apply_plan`` or ``reset_counts()``."""
+
+    calls: int = 0
+    """Checkpointed forward calls (with grad enabled; eager mode only)."""
+    recomputes: int = 0
+    """Forwards ``checkpoint`` replayed during backward (eager mode only)."""
+
 
 # NOTE [ Checkpointing by instance forward ]
 #
@@ -43,118 +91,6 @@ objects are unchanged, and optimizers or checkpoints made before ``apply_plan`` 
 # planner/profiling/rng.py). Under ``torch.compile`` the region becomes a
 # ``tag_activation_checkpoint`` higher-order op and the compiled backward recomputes it, so no
 # Python runs at recompute time and nothing is counted.
-#
-# NOTE [ BatchNorm under recomputation ]
-#
-# A training-mode BatchNorm updates ``running_mean``, ``running_var`` and
-# ``num_batches_tracked`` in place on every forward, so recomputing a region would update them
-# twice per step. While a region is recomputed (eager mode), the running statistics of the
-# norm layers inside it are copied beforehand and copied back afterwards (also when the
-# recomputation stops early, which ``checkpoint`` does by raising inside it). The output of a
-# training-mode BatchNorm does not read the running statistics, so the recomputed activations
-# are unaffected; after the step the statistics equal the unplanned model's exactly. Other
-# in-place updates of module state inside a region (a custom counter, a KV cache) are not
-# undone: the profiler's validation step keeps such modules out of plans (NOTE [ Validation
-# step ]), and a Hugging Face cache is turned off while training (NOTE [ Step changes ]).
-#
-# NOTE [ Selective regions ]
-#
-# A plan's ``selective`` modules are checkpointed the same way, with one more argument:
-# ``checkpoint(..., context_fn=...)`` builds torch's selective-checkpointing modes
-# (``create_selective_checkpoint_contexts``) around a fresh ``_KeepListed`` policy per call.
-# The policy marks MUST_SAVE the op calls the plan lists, by overload name and index among
-# that overload's calls in the module's forward (the profiler counts the same way, NOTE [ Op
-# records ]), and PREFER_RECOMPUTE everything else. Dropout replays its RNG state as in full
-# checkpointing (or is kept, if listed). Under ``torch.compile`` the marks become hints for
-# the partitioner on the traced graph, whose op calls may be numbered differently (fused,
-# decomposed): the gradients stay exact, the memory is what the compiler makes of the hints.
-#
-# NOTE [ Plans under FSDP2 and DDP ]
-#
-# A plan applies to the model before or after it is wrapped for data parallelism, by the same
-# FQNs:
-#   - FSDP2's ``fully_shard`` keeps the module tree and names. It swaps each wrapped module's
-#     class for a subclass ``FSDP<Class>`` in place and its parameters for DTensors, whose
-#     ``.shape`` is the global shape. The fingerprint check uses the original class name and
-#     those global shapes, so a plan made on the plain model matches on every rank.
-#   - ``DistributedDataParallel`` holds the model as ``.module`` (its FQNs gain a ``module.``
-#     prefix); ``apply_plan`` looks through the wrapper and plans ``ddp.module``.
-# With FSDP2 the checkpoint sits inside the FSDP unit, as in torchtitan: the unit's hooks are
-# module hooks around ``__call__``, so the all-gather (pre-forward) and the reshard
-# (post-forward) surround the region, and the recompute re-runs only ``forward``, without the
-# hooks. It happens in the unit's backward, when autograd first unpacks a tensor the region
-# saved, and FSDP2's pre-backward hook, a hook on the unit's outputs, has by then all-gathered
-# the parameters again: the gradient reaches an output (firing the hook) before autograd runs
-# anything inside the unit. So the recompute reads unsharded parameters and nothing is
-# all-gathered twice, whichever of ``apply_plan`` and ``fully_shard`` runs first. Regions must
-# not contain an FSDP unit (its hooks would run inside the recompute); the default candidates,
-# the repeated blocks and the modules around them, never do when each block is a unit.
-#
-# NOTE [ Runtime shape guard ]
-#
-# A plan's prediction holds for the input shapes it was profiled with. Training jobs pad
-# dynamically, so a batch can be longer or wider than the planned one, and activations grow
-# with it: the planned peak no longer holds and the step may run out of memory.
-# ``apply_plan(..., guard=...)`` puts a forward pre-hook on the planned model that compares
-# each training forward's tensor inputs with ``plan.fingerprint.inputs``. The call is first bound
-# to forward's signature, so an input is found whether the plan named it by position ('0', '1',
-# ...) or by key ('images') and whether the job passes it positionally or by keyword:
-#   - an input larger than planned in any dimension (more tokens, a bigger batch) is reported
-#     once per handle, with the planned and the actual shapes: a warning under "warn" (the
-#     default), ``PlanMismatch`` under "error";
-#   - equal or smaller inputs pass silently: activations shrink with them;
-#   - inputs the plan does not name (an attention mask it was made without) are not checked.
-# Forwards without grad (evaluation) and forwards traced by ``torch.compile`` are not checked.
-# To plan for variable-length data, plan at the largest shape the job will see, or plan several
-# shapes in one bucketed plan (NOTE [ Bucketed plans ] in planner/act/buckets.py).
-"""
-
-from __future__ import annotations
-
-import functools
-import inspect
-import logging
-import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from planner.act import buckets
-from planner.act.offload import HostMemoryError, HostStore, StaticRecorder, SyncPoint, _Group, host_memory_fix
-from planner.profiling.devices import available_host_bytes
-from planner.act.sharding import check_fsdp_options
-from planner.errors import BadInput, PlanMismatch
-from planner.model.fingerprint import input_tensors, model_differences, plain_name
-from planner.model.schema import Plan, StepChange, TensorSig
-from planner.profiling.rng import HostRngState
-from planner.profiling.step_changes import Installed, find_step_changes, install
-from planner.sizes import format_bytes
-
-logger = logging.getLogger("remat")
-
-GUARDS = ("warn", "error", "off")
-"""``apply_plan(guard=...)`` values; see NOTE [ Runtime shape guard ]."""
-
-class PlanAlreadyApplied(BadInput):
-    """``apply_plan`` was called on a model that already carries a remat plan."""
-
-
-# ----------------------------------------------------------------------------- the wrapper
-
-
-@dataclass
-class RegionCounts:
-    """How often one checkpointed module ran, since ``apply_plan`` or ``reset_counts()``."""
-
-    calls: int = 0
-    """Checkpointed forward calls (with grad enabled; eager mode only)."""
-    recomputes: int = 0
-    """Forwards ``checkpoint`` replayed during backward (eager mode only)."""
-
 
 class CheckpointedForward:
     """The instance-level ``forward`` of a planned module; see NOTE [ Checkpointing by instance forward ]."""
@@ -206,7 +142,6 @@ class CheckpointedForward:
                           use_reentrant=False, preserve_rng_state=True, **self.options, **extra)
 
 
-
     def _replayable(self, n_args: int, keys: tuple[str, ...]):
         first_run = True
         host = None  # numpy's and Python's generators as the forward found them (NOTE [ Randomness outside torch ])
@@ -230,29 +165,17 @@ class CheckpointedForward:
         return run
 
 
-class OffloadedForward(CheckpointedForward):
-    """The instance-level ``forward`` of an offloaded module: its saved tensors go to host memory
-    (see NOTE [ Offloaded units ] in planner/act/offload.py). Nothing is recomputed."""
-
-    def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts, store: HostStore,
-                 sync: SyncPoint):
-        super().__init__(module, previous, counts, norms=[])
-        self.store, self.sync = store, sync
-
-    def __reduce__(self) -> tuple:
-        return type(self), (self.module, self.previous, self.counts, self.store, self.sync)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self.inner(*args, **kwargs)  # nothing saved; or traced, where hooks do not run
-        self.counts.calls += 1
-        group = _Group(self.store)
-        with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
-            out = self.inner(*args, **kwargs)
-        if group.entries:
-            self.sync.waiting.append(group)
-        return out
-
+# NOTE [ Selective regions ]
+#
+# A plan's ``selective`` modules are checkpointed the same way, with one more argument:
+# ``checkpoint(..., context_fn=...)`` builds torch's selective-checkpointing modes
+# (``create_selective_checkpoint_contexts``) around a fresh ``_KeepListed`` policy per call.
+# The policy marks MUST_SAVE the op calls the plan lists, by overload name and index among
+# that overload's calls in the module's forward (the profiler counts the same way, NOTE [ Op
+# records ]), and PREFER_RECOMPUTE everything else. Dropout replays its RNG state as in full
+# checkpointing (or is kept, if listed). Under ``torch.compile`` the marks become hints for
+# the partitioner on the traced graph, whose op calls may be numbered differently (fused,
+# decomposed): the gradients stay exact, the memory is what the compiler makes of the hints.
 
 def _selective_contexts(saved: frozenset[tuple[str, int]], keeps_written: bool) -> tuple[Any, Any]:
     """``context_fn`` of a selective region: torch's modes around a fresh ``_KeepListed``.
@@ -288,6 +211,19 @@ class _KeepListed:
         return CheckpointPolicy.MUST_SAVE if (name, k) in self.saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# NOTE [ BatchNorm under recomputation ]
+#
+# A training-mode BatchNorm updates ``running_mean``, ``running_var`` and
+# ``num_batches_tracked`` in place on every forward, so recomputing a region would update them
+# twice per step. While a region is recomputed (eager mode), the running statistics of the
+# norm layers inside it are copied beforehand and copied back afterwards (also when the
+# recomputation stops early, which ``checkpoint`` does by raising inside it). The output of a
+# training-mode BatchNorm does not read the running statistics, so the recomputed activations
+# are unaffected; after the step the statistics equal the unplanned model's exactly. Other
+# in-place updates of module state inside a region (a custom counter, a KV cache) are not
+# undone: the profiler's validation step keeps such modules out of plans (NOTE [ Validation
+# step ]), and a Hugging Face cache is turned off while training (NOTE [ Step changes ]).
+
 class _running_stats_kept:
     """Restore the running statistics of ``norms`` on exit; see NOTE [ BatchNorm under recomputation ]."""
 
@@ -312,98 +248,6 @@ def _outside_modes():
     return _disable_current_modes()
 
 
-# ----------------------------------------------------------------------------- the shape guard
-
-
-class ShapeGuard:
-    """A forward pre-hook comparing input shapes with the plan's; see NOTE [ Runtime shape guard ]."""
-
-    def __init__(self, planned: list[TensorSig], mode: str, peak_bytes: int, forward: Any = None):
-        self.planned = {sig.name: sig.shape for sig in planned}
-        self.mode = mode
-        self.peak_bytes = peak_bytes
-        self.reported = False
-        self.signature = _signature(forward)
-
-    def named_arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """The call's arguments under every name the plan may use for them: a positional argument by its
-        index and by its parameter's name, a keyword argument by its key and by its parameter's index
-        (``inspect.Signature.bind``), so ``model(x)`` is checked as ``model(images=x)`` is."""
-        given: dict[str, Any] = {str(i): a for i, a in enumerate(args)}
-        given.update(kwargs)
-        if self.signature is None:
-            return given
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError:  # the call does not fit forward's signature; forward itself will say so
-            return given
-        positional = 0
-        for name, param in self.signature.parameters.items():
-            if param.kind is param.VAR_POSITIONAL:
-                break
-            if param.kind is param.KEYWORD_ONLY or param.kind is param.VAR_KEYWORD:
-                continue
-            if name in bound.arguments:
-                given.setdefault(str(positional), bound.arguments[name])
-                given.setdefault(name, bound.arguments[name])
-            positional += 1
-        for name, param in self.signature.parameters.items():
-            if param.kind is param.KEYWORD_ONLY and name in bound.arguments:
-                given.setdefault(name, bound.arguments[name])
-        return given
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return
-        larger = self.larger_inputs(args, kwargs)
-        if not larger:
-            return
-        self.reported = True
-        listing = "; ".join(f"input {name}: planned {planned}, got {actual}" for name, planned, actual in larger)
-        message = (f"remat: a batch is larger than the plan was made for ({listing}); the predicted peak "
-                   f"({format_bytes(self.peak_bytes)}) no longer holds. Plan at the largest shape the job will "
-                   f"see (e.g. pad or cap to it)")
-        if self.mode == "error":
-            self.reported = False  # raise on every such batch
-            raise PlanMismatch(message + ", or pass guard='warn'", [f"input {n}: planned {p}, got {a}"
-                                                                     for n, p, a in larger])
-        warnings.warn(message + "; reported once", stacklevel=3)
-
-    def larger_inputs(self, args: tuple, kwargs: dict) -> list[tuple[str, list[int], list[int]]]:
-        """``(name, planned shape, actual shape)`` of every input larger than planned."""
-        given = self.named_arguments(args, kwargs)
-        out = []
-        for name, t in input_tensors(given):
-            planned = self.planned.get(name)
-            if planned is not None and _exceeds(list(t.shape), planned):
-                out.append((name, planned, list(t.shape)))
-        return out
-
-
-def _signature(forward: Any) -> inspect.Signature | None:
-    """``forward``'s signature, or None when Python cannot read it (a builtin, a C extension)."""
-    if forward is None:
-        return None
-    try:
-        return inspect.signature(forward)
-    except (TypeError, ValueError):
-        return None
-
-
-def _exceeds(actual: list[int], planned: list[int]) -> bool:
-    """More elements along any dimension (or in all, when the ranks differ) than planned."""
-    if len(actual) != len(planned):
-        return _numel(actual) > _numel(planned)
-    return any(a > p for a, p in zip(actual, planned))
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 # ----------------------------------------------------------------------------- the handle
 
 
@@ -425,8 +269,9 @@ class AppliedPlan:
     """What the plan changes in the training step (see NOTE [ Step changes ]), as its profile did."""
     offloaded: list[str] = field(default_factory=list)
     """FQNs of the modules whose saved tensors now go to host memory (the plan's ``offload``)."""
-    host_store: HostStore | None = None
-    """The host buffers of the offloaded tensors: ``.peak_bytes``, ``.live_bytes``, ``.reset_peak()``."""
+    host_store: Any = None
+    """``planner.act.offload.HostStore`` of the offloaded tensors: ``.peak_bytes``, ``.live_bytes``,
+    ``.reset_peak()``; None without offload."""
     _hooks: list[Any] = field(default_factory=list, repr=False)
     _forwards: dict[str, CheckpointedForward] = field(default_factory=dict, repr=False)
     _changes: Installed | None = field(default=None, repr=False)
@@ -542,50 +387,32 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     _check_model(model)
     plans = buckets.bucket_plans(plan)  # see NOTE [ Bucketed plans ]; [plan] without buckets
     bucket_modes = [buckets.modes(p) for p in plans]
-    offloads = {u.fqn: u for u in plan.offload}  # never with buckets (the schema refuses both)
-    wanted = list(dict.fromkeys(name for m in reversed(bucket_modes) for name in _check_antichain(list(m))))
-    if offloads:
-        wanted = _check_antichain([*wanted, *offloads])
-    _check_host_memory(plan)
-    modules = _modules_by_plain_name(model)
+    wanted = _wanted(plan, bucket_modes)
+    modules = modules_by_plain_name(model)
     _check_fingerprint(buckets.matching(plans, inputs), model, inputs, [n for n in wanted if n not in modules],
                        strict=strict)
     check_fsdp_options(model, plan)
 
-    already = _user_checkpointed(model, modules)
+    already = user_checkpointed(model, modules)
     skipped: dict[str, str] = {}
     changes = _step_changes(model, plan)
     handle = AppliedPlan(checkpointed=[], skipped=skipped, step_changes=changes)
     handle._changes = install(model, changes)  # before the checkpoints: they wrap it
-    syncs = _offload_store(model, plan, modules, handle) if offloads else {}
+    offloads = _offload_store(model, plan, modules, handle)
     seen: set[int] = set()
     for name in wanted:
         module = modules.get(name)
         if module is None:
             skipped[name] = "not in the model"
             continue
-        reason = _overlap(name, already)
+        reason = overlap(name, already)
         if reason:
             skipped[name] = reason
             continue
         if id(module) in seen:  # one module registered under two names: wrapped once
             continue
         seen.add(id(module))
-        if name in offloads:
-            fwd: CheckpointedForward = OffloadedForward(module, module.__dict__.get("forward"), RegionCounts(),
-                                                        handle.host_store, syncs[offloads[name].sync_fqn])
-            module.forward = fwd
-            handle._forwards[name] = fwd
-            handle.offloaded.append(name)
-            continue
-        on, saved, keeps_written = bucket_modes[-1].get(name, buckets.OFF)  # the largest bucket's
-        fwd = CheckpointedForward(module, module.__dict__.get("forward"), RegionCounts(), saved=saved,
-                                  keeps_written=keeps_written)
-        fwd.on = on
-        module.forward = fwd
-        handle._forwards[name] = fwd
-        full = any(m.get(name, buckets.OFF)[:2] == (True, None) for m in bucket_modes)
-        (handle.checkpointed if full else handle.selective).append(name)
+        _wrap(handle, name, module, bucket_modes, offloads)
 
     shape_guard = None
     if guard != "off" and plan.fingerprint.inputs:
@@ -605,98 +432,42 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     return handle
 
 
-# NOTE [ Checkpointed twice ]
-#
-# A plan is the model's only checkpointing: its prediction assumes no other. Hugging Face's
-# ``gradient_checkpointing_enable()`` (and torch's checkpoint wrappers) checkpoint modules too:
-#   - enabled before ``apply_plan``: planned modules it covers are left to it (never wrapped twice),
-#     and one warning names every module it checkpoints, planned or not, since all of them change
-#     the step the plan predicted;
-#   - enabled after ``apply_plan``: a forward pre-hook (``TwiceGuard``) notices at the next training
-#     forward and warns once, naming the modules now checkpointed twice or beyond the plan. It
-#     checks the planned modules and their ancestors, and a Hugging Face model's
-#     ``is_gradient_checkpointing``, not every module: a few attribute reads per step.
-# The fix in both orders is the same: ``model.gradient_checkpointing_disable()`` and let the plan
-# choose, or ``handle.remove()`` and use the other.
+def _wanted(plan: Plan, bucket_modes: list[dict[str, Any]]) -> list[str]:
+    """Every module some bucket checkpoints (largest bucket first), then the offloaded ones: one antichain.
+    An offload plan is checked against this machine's free memory first (NOTE [ Offloaded units ])."""
+    wanted = list(dict.fromkeys(name for m in reversed(bucket_modes) for name in _check_antichain(list(m))))
+    if not plan.offload:
+        return wanted
+    from planner.act.offload import check_host_memory
+
+    check_host_memory(plan)
+    return _check_antichain([*wanted, *(u.fqn for u in plan.offload)])  # never with buckets (the schema says)
 
 
-class TwiceGuard:
-    """A forward pre-hook warning once when checkpointing is enabled on a planned model (NOTE [ Checkpointed twice ])."""
+def _offload_store(model: nn.Module, plan: Plan, modules: dict[str, nn.Module], handle: AppliedPlan) -> dict[str, Any]:
+    """``planner.act.offload.offload_store`` for an offload plan; nothing otherwise."""
+    if not plan.offload:
+        return {}
+    from planner.act.offload import offload_store
 
-    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], handle: AppliedPlan):
-        self.model = model
-        planned = list(handle._forwards)
-        self.planned = set(planned)
-        names = {a for name in planned for a in _ancestors(name)} | self.planned
-        self.watch = {n: modules[n] for n in names if n in modules}
-        self.reported = False
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return
-        if not (any(_checkpointed_by(m) for m in self.watch.values()) or _hf_checkpointing(self.model)):
-            return
-        found = _user_checkpointed(self.model, _modules_by_plain_name(self.model))  # once: every module
-        if not found:
-            return
-        self.reported = True
-        twice = sorted(n for n in found if _overlap(n, dict.fromkeys(self.planned, "")) or n in self.planned)
-        warnings.warn(f"remat: checkpointing was enabled on the planned model ({_listing(found)}): "
-                      f"{'modules checkpointed twice: ' + ', '.join(twice) + '; ' if twice else ''}the plan's "
-                      f"predicted peak and recompute no longer hold. {TWICE_FIX}; reported once", stacklevel=2)
+    return offload_store(model, plan, modules, handle)
 
 
-TWICE_FIX = ("Call model.gradient_checkpointing_disable() (or drop the wrapper) and let the plan choose what to "
-             "checkpoint, or handle.remove() the plan")
-
-
-def _hf_checkpointing(model: nn.Module) -> bool:
-    """A Hugging Face model with its gradient (activation, in transformers 5) checkpointing on."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the new name first: no warning
-        if hasattr(type(model), name):
-            return getattr(model, name) is True
-    return False
-
-
-def _ancestors(name: str) -> list[str]:
-    """'a.b.c' -> ['', 'a', 'a.b']."""
-    parts = name.split(".") if name else []
-    return ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]
-
-
-def _listing(found: dict[str, str]) -> str:
-    """``Hugging Face gradient_checkpointing_enable() on h.0, h.1 and 2 more``."""
-    by_how: dict[str, list[str]] = {}
-    for name, how in found.items():
-        by_how.setdefault(how, []).append(name or "<root>")
-    parts = []
-    for how, names in by_how.items():
-        shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        parts.append(f"{how} on {shown}")
-    return "; ".join(parts)
-
-
-def _check_host_memory(plan: Plan) -> None:
-    """An offload plan whose host store would not fit this machine's free memory: one line, the fix."""
-    need = plan.predicted.host_peak_bytes
-    have = available_host_bytes()
-    if plan.offload and need and have is not None and need > have:
-        raise HostMemoryError(host_memory_fix(need, have))
-
-
-def _offload_store(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
-                   handle: AppliedPlan) -> dict[str | None, SyncPoint]:
-    """The handle's host store, the root's batch hook, and one ``SyncPoint`` per ``sync_fqn``
-    (NOTE [ Offloaded units ], Rule 4); ``None`` is the root's forward end."""
-    store = handle.host_store = HostStore()
-    handle._hooks.append(model.register_forward_pre_hook(StaticRecorder(store), with_kwargs=True))
-    syncs: dict[str | None, SyncPoint] = {}
-    for u in plan.offload:
-        if u.sync_fqn not in syncs:
-            syncs[u.sync_fqn] = SyncPoint(store)
-            target = modules.get(u.sync_fqn, model) if u.sync_fqn is not None else model
-            handle._hooks.append(target.register_forward_hook(syncs[u.sync_fqn]))
-    return syncs
+def _wrap(handle: AppliedPlan, name: str, module: nn.Module, bucket_modes: list[dict[str, Any]],
+          offloads: dict[str, Any]) -> None:
+    """Install the planned forward of ``module``: offloaded, or checkpointed as the buckets say."""
+    if name in offloads:
+        handle._forwards[name] = module.forward = offloads[name](module)
+        handle.offloaded.append(name)
+        return
+    on, saved, keeps_written = bucket_modes[-1].get(name, buckets.OFF)  # the largest bucket's
+    fwd = CheckpointedForward(module, module.__dict__.get("forward"), RegionCounts(), saved=saved,
+                              keeps_written=keeps_written)
+    fwd.on = on
+    module.forward = fwd
+    handle._forwards[name] = fwd
+    full = any(m.get(name, buckets.OFF)[:2] == (True, None) for m in bucket_modes)
+    (handle.checkpointed if full else handle.selective).append(name)
 
 
 def _step_changes(model: nn.Module, plan: Plan) -> list[StepChange]:
@@ -713,6 +484,27 @@ def _step_changes(model: nn.Module, plan: Plan) -> list[StepChange]:
                        ", ".join(f"{c.kind} on {c.module or 'the model'}" for c in missing))
     return [*plan.step_changes, *missing]
 
+
+# NOTE [ Plans under FSDP2 and DDP ]
+#
+# A plan applies to the model before or after it is wrapped for data parallelism, by the same
+# FQNs:
+#   - FSDP2's ``fully_shard`` keeps the module tree and names. It swaps each wrapped module's
+#     class for a subclass ``FSDP<Class>`` in place and its parameters for DTensors, whose
+#     ``.shape`` is the global shape. The fingerprint check uses the original class name and
+#     those global shapes, so a plan made on the plain model matches on every rank.
+#   - ``DistributedDataParallel`` holds the model as ``.module`` (its FQNs gain a ``module.``
+#     prefix); ``apply_plan`` looks through the wrapper and plans ``ddp.module``.
+# With FSDP2 the checkpoint sits inside the FSDP unit, as in torchtitan: the unit's hooks are
+# module hooks around ``__call__``, so the all-gather (pre-forward) and the reshard
+# (post-forward) surround the region, and the recompute re-runs only ``forward``, without the
+# hooks. It happens in the unit's backward, when autograd first unpacks a tensor the region
+# saved, and FSDP2's pre-backward hook, a hook on the unit's outputs, has by then all-gathered
+# the parameters again: the gradient reaches an output (firing the hook) before autograd runs
+# anything inside the unit. So the recompute reads unsharded parameters and nothing is
+# all-gathered twice, whichever of ``apply_plan`` and ``fully_shard`` runs first. Regions must
+# not contain an FSDP unit (its hooks would run inside the recompute); the default candidates,
+# the repeated blocks and the modules around them, never do when each block is a unit.
 
 def _unwrap_ddp(model: nn.Module) -> nn.Module:
     """``ddp.module`` for a ``DistributedDataParallel`` wrapper (see NOTE [ Plans under FSDP2 and DDP ])."""
@@ -762,63 +554,12 @@ def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[
                   stacklevel=3)
 
 
-def _modules_by_plain_name(model: nn.Module) -> dict[str, nn.Module]:
-    """FQN -> module; a ``CheckpointWrapper`` takes the name of the module it wraps."""
-    out: dict[str, nn.Module] = {}
-    for name, m in model.named_modules():
-        out.setdefault(plain_name(name), m)
-    return out
-
-
-def _user_checkpointed(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, str]:
-    """Modules the user already checkpoints: plain FQN -> how."""
-    found: dict[str, str] = {}
-    for name, m in modules.items():
-        how = _checkpointed_by(m)
-        if how:
-            found[name] = how
-    hf_layer = any(_is_hf_layer(m) for m in modules.values())
-    if not hf_layer and _hf_checkpointing(model):
-        # Older Hugging Face models: the container calls checkpoint on its layers itself.
-        for name, m in modules.items():
-            if getattr(m, "gradient_checkpointing", False) is True:
-                found.setdefault(name, "Hugging Face gradient checkpointing (inside this module)")
-    return found
-
-
-def _checkpointed_by(m: nn.Module) -> str | None:
-    if any(c.__name__ == "CheckpointWrapper" for c in type(m).__mro__):  # FSDPCheckpointWrapper too
-        return "torch checkpoint_wrapper"
-    if _is_hf_layer(m) and getattr(m, "gradient_checkpointing", False) is True:
-        return "Hugging Face gradient_checkpointing_enable()"
-    registry = getattr(m, "__composable_api_registry", None)
-    if isinstance(registry, dict) and "checkpoint" in registry:
-        return "torch.distributed._composable checkpoint"
-    return None
-
-
-def _is_hf_layer(m: nn.Module) -> bool:
-    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
-
-
-def _overlap(name: str, already: dict[str, str]) -> str | None:
-    """Why ``name`` must be left alone: it is, is inside, or contains a user-checkpointed module."""
-    for other, how in already.items():
-        if other == name:
-            return f"already checkpointed ({how})"
-        if name == "" or other.startswith(name + "."):
-            return f"contains {other!r}, already checkpointed ({how})"
-        if other == "" or name.startswith(other + "."):
-            return f"inside {other or '<root>'!r}, already checkpointed ({how})"
-    return None
-
-
 def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
     user_skips = {n: r for n, r in handle.skipped.items() if r != "not in the model"}
     if already:  # NOTE [ Checkpointed twice ]: one warning, every module the user checkpoints
         left = (f"; {len(user_skips)} planned module(s) left to it, not checkpointed twice: "
                 + ", ".join(user_skips)) if user_skips else ""
-        warnings.warn(f"remat: the model already checkpoints {len(already)} module(s) itself ({_listing(already)})"
+        warnings.warn(f"remat: the model already checkpoints {len(already)} module(s) itself ({listing(already)})"
                       f"{left}; the plan's predicted peak and recompute assume only its own checkpoints. "
                       f"{TWICE_FIX}", stacklevel=3)
     p = plan.predicted
@@ -830,3 +571,7 @@ def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
         + (f", {len(plan.buckets)} buckets (the largest's figures follow)" if plan.buckets else ""),
         format_bytes(p.peak_bytes), format_bytes(plan.budget_bytes), p.recompute_ms,
     )
+
+
+__all__ = ["AppliedPlan", "apply_plan", "CheckpointedForward", "GUARDS", "logger", "PlanAlreadyApplied",
+           "planned_modules", "RegionCounts", "TWICE_FIX", "TwiceGuard"]

@@ -268,3 +268,7 @@ def switch_for(plans: list[Plan], wrappers: dict[str, Any], guard: Any, forward:
         shapes = {s.name: tuple(s.shape) for s in p.fingerprint.inputs}
         buckets.append((shapes, [(fwd.module, m.get(name, OFF)) for name, fwd in wrappers.items()]))
     return BucketSwitch(buckets, guard, forward)
+
+
+__all__ = ["bucket_plans", "BucketSwitch", "combine", "describe", "describe_inputs", "matching", "Mode",
+           "modes", "OFF", "switch_for"]

@@ -7,6 +7,11 @@ With a host budget (``remat frontier --offload``) the sweep is three-way: one mo
 ILP choosing keep, recompute or offload per unit (``OFFLOAD_SERIES``), and one more baseline,
 every layer offloaded (``OFFLOAD_BASELINE``); the budgets start at the lower of the two lowest
 feasible peaks, and every point's cost is its overhead (recompute plus exposed copies).
+
+Example::
+
+    g = sweep_graph(Profile.load("profile.json"))
+    points = frontier(g, points=12)          # every solver and baseline at 12 budgets
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class FrontierPoint(_OffloadFieldsOptional):
     peak_bytes: int = Field(description="Predicted peak of the solver's plan (also when over budget).")
     recompute_ms: float
     status: Status
-    checkpointed: int = Field(description="Number of checkpointed units.")
+    checkpointed: int = Field(description="Number of checkpointed units, selective regions included.")
     offload_ms: float | None = Field(None, description="Exposed copy time of the offloaded units per step "
                                                        "(sweeps with --offload only).")
     offloaded: int | None = Field(None, description="Number of offloaded units (sweeps with --offload only).")
@@ -97,19 +102,24 @@ class Tradeoff(_OffloadFieldsOptional):
 
 
 def tradeoff(g: nx.DiGraph, points: list[FrontierPoint], *, kind: str, model: str, device: str,
-             budget_bytes: int | None = None, seconds: float = 0.0, headroom: float = 0.0,
-             host_budget_bytes: int | None = None, time_limit_s: float | None = 30.0) -> Tradeoff:
-    """Wrap ``frontier``/``compare`` output with the no-checkpoint peak, the minimum and the step time
-    (and, with ``host_budget_bytes``, the lowest peak with offload)."""
+             budget_bytes: int | None = None, seconds: float = 0.0, headroom: float = 0.0) -> Tradeoff:
+    """Wrap ``frontier``/``compare`` output with the no-checkpoint peak, the minimum and the step time."""
     base = simulate(g, [])
     optimal = next((p.solver for p in points if p.solver in OPTIMAL_SOLVERS), None)
-    offload_lowest = (offload_min_feasible_bytes(g, host_budget_bytes, time_limit_s=time_limit_s)
-                      if host_budget_bytes is not None else None)
     return Tradeoff(kind=kind, model=model, device=device, budget_bytes=budget_bytes,
                     no_checkpoint_peak_bytes=base.peak_bytes, min_feasible_bytes=min_feasible_bytes(g),
                     step_ms=round(base.step_ms, 6), optimal_solver=optimal, seconds=round(seconds, 6),
-                    headroom=headroom, host_budget_bytes=host_budget_bytes,
-                    offload_min_feasible_bytes=offload_lowest, points=points)
+                    headroom=headroom, points=points)
+
+
+def with_offload(report: Tradeoff, g: nx.DiGraph, host_budget_bytes: int | None, *,
+                 time_limit_s: float | None = 30.0) -> Tradeoff:
+    """``report`` of a sweep with ``host_budget_bytes`` (``frontier --offload``): the host budget and
+    offload's lowest peak added; unchanged without one."""
+    if host_budget_bytes is None:
+        return report
+    lowest = offload_min_feasible_bytes(g, host_budget_bytes, time_limit_s=time_limit_s)
+    return report.model_copy(update={"host_budget_bytes": host_budget_bytes, "offload_min_feasible_bytes": lowest})
 
 
 _OFFLOAD_LOWEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -157,7 +167,7 @@ def run_solver(g: nx.DiGraph, name: str, budget_bytes: int, *, time_limit_s: flo
     sweep offloads (``OFFLOAD_SERIES`` and ``OFFLOAD_BASELINE`` need it; every point gets the offload fields)."""
     from planner.act.api import solve_graph
     from solvers import SOLVERS
-    from solvers.base import judged
+    from solvers.base import judged_offload
     from solvers.baselines import solve_every_k
 
     usable, _ = usable_budget(budget_bytes, headroom)
@@ -166,17 +176,18 @@ def run_solver(g: nx.DiGraph, name: str, budget_bytes: int, *, time_limit_s: flo
     if name == OFFLOAD_SERIES:
         sol = solve_graph(g, usable, solver="ilp", time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes)
     elif name == OFFLOAD_BASELINE:
-        sol = judged(name, g, [], usable, 0.0, offloaded=offloadable_blocks(g), host_budget_bytes=host_budget_bytes)
+        sol = judged_offload(name, g, ([], None, offloadable_blocks(g)), usable, 0.0,
+                             host_budget_bytes=host_budget_bytes)
     elif name.startswith("every-") and name not in SOLVERS:
         sol = solve_every_k(g, usable, k=int(name.split("-", 1)[1]))
     else:
         sol = solve_graph(g, usable, solver=name, time_limit_s=time_limit_s)
-    est = simulate(g, sol.checkpointed, sol.selective, sol.offloaded)
+    est = simulate(g, sol.checkpointed, sol.selective, sol.offloaded)  # the whole plan: regions, offloads
     offload = {} if host_budget_bytes is None else {
         "offload_ms": round(est.offload_ms, 6), "offloaded": len(est.offloaded), "host_peak_bytes": est.host_peak_bytes}
     return FrontierPoint(solver=name, budget_bytes=budget_bytes, peak_bytes=est.peak_bytes,
                          recompute_ms=round(est.recompute_ms, 6), status=sol.status,
-                         checkpointed=len(sol.checkpointed), **offload)
+                         checkpointed=len(sol.checkpointed) + len(sol.selective), **offload)
 
 
 def offloadable_blocks(g: nx.DiGraph) -> list[str]:
@@ -229,3 +240,8 @@ def compare(g: nx.DiGraph, budget_bytes: int, *, solvers: Iterable[str] | None =
     """All solvers and baselines side by side at one budget, ``headroom`` of it kept free."""
     names = list(solvers if solvers is not None else default_solvers()) + list(baselines)
     return [run_solver(g, n, budget_bytes, time_limit_s=time_limit_s, headroom=headroom) for n in names]
+
+
+__all__ = ["BASELINES", "budgets", "compare", "default_solvers", "frontier", "FrontierPoint", "OFFLOAD_BASELINE",
+           "OFFLOAD_SERIES", "offload_min_feasible_bytes", "offloadable_blocks", "OPTIMAL_SOLVERS", "run_solver",
+           "sweep_graph", "Tradeoff", "tradeoff", "with_offload"]

@@ -4,6 +4,12 @@ back for its backward, through ``torch.autograd.graph.saved_tensors_hooks``.
 ``apply_plan`` installs an ``OffloadedForward`` on each module of ``plan.offload``; all of them
 share one ``HostStore`` per handle (``AppliedPlan.host_store``), which owns the host buffers and
 measures their peak. See NOTE [ Offloaded units ].
+
+Example::
+
+    handle = apply_plan(model, "offload-plan.json")   # a plan made with remat plan --offload
+    loss_fn(model(batch)).backward()
+    print(handle.offloaded, handle.host_store.peak_bytes)
 """
 
 # NOTE [ Offloaded units ]
@@ -50,7 +56,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from planner.act.applier import AppliedPlan, CheckpointedForward, RegionCounts
 from planner.errors import RematError
+from planner.model.schema import Plan
 from planner.profiling.devices import available_host_bytes
 from planner.sizes import format_bytes
 
@@ -293,3 +301,61 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     if hasattr(tree, "to_tuple"):  # Hugging Face ModelOutput
         return _tensors(tree.to_tuple())
     return []
+
+
+# ----------------------------------------------------------------------------- in apply_plan
+
+
+class OffloadedForward(CheckpointedForward):
+    """The instance-level ``forward`` of an offloaded module: its saved tensors go to host memory
+    (NOTE [ Offloaded units ]). Nothing is recomputed."""
+
+    def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts, store: HostStore,
+                 sync: SyncPoint):
+        super().__init__(module, previous, counts, norms=[])
+        self.store, self.sync = store, sync
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.module, self.previous, self.counts, self.store, self.sync)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.inner(*args, **kwargs)  # nothing saved; or traced, where hooks do not run
+        self.counts.calls += 1
+        group = _Group(self.store)
+        with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
+            out = self.inner(*args, **kwargs)
+        if group.entries:
+            self.sync.waiting.append(group)
+        return out
+
+
+def check_host_memory(plan: Plan) -> None:
+    """An offload plan whose host store would not fit this machine's free memory: one line, the fix."""
+    need = plan.predicted.host_peak_bytes
+    have = available_host_bytes()
+    if plan.offload and need and have is not None and need > have:
+        raise HostMemoryError(host_memory_fix(need, have))
+
+
+def offload_store(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
+                  handle: AppliedPlan) -> dict[str, Any]:
+    """The handle's host store, the root's static hook, one ``SyncPoint`` per ``sync_fqn`` (Rule 4; None
+    is the root's forward end), and per offloaded FQN the function that wraps its module."""
+    store = handle.host_store = HostStore()
+    handle._hooks.append(model.register_forward_pre_hook(StaticRecorder(store), with_kwargs=True))
+    syncs: dict[str | None, SyncPoint] = {}
+    for u in plan.offload:
+        if u.sync_fqn not in syncs:
+            syncs[u.sync_fqn] = SyncPoint(store)
+            target = modules.get(u.sync_fqn, model) if u.sync_fqn is not None else model
+            handle._hooks.append(target.register_forward_hook(syncs[u.sync_fqn]))
+
+    def wrapper(sync: SyncPoint) -> Any:
+        return lambda module: OffloadedForward(module, module.__dict__.get("forward"), RegionCounts(), store, sync)
+
+    return {u.fqn: wrapper(syncs[u.sync_fqn]) for u in plan.offload}
+
+
+__all__ = ["HostMemoryError", "HostStore", "OffloadedForward", "StaticRecorder", "SyncPoint", "check_host_memory",
+           "host_memory_fix", "offload_store"]

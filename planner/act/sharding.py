@@ -6,6 +6,11 @@ NOTE [ Per-rank memory ]): FSDP2 with ``fully_shard`` on each module in
 defaults. ``shard_for_plan`` builds exactly that layout, so ``remat verify`` and training
 scripts (``examples/train_distributed.py``) measure what was predicted. Call it after
 ``torch.distributed`` is initialised and, like ``fully_shard``, after ``apply_plan`` or before.
+
+Example::
+
+    model = shard_for_plan(model, plan)      # the FSDP2 units (or DDP) the plan's prediction assumed
+    apply_plan(model, plan)
 """
 
 from __future__ import annotations
@@ -92,3 +97,6 @@ def _unmodelled_fsdp_option(module: nn.Module | None) -> str:
     if isinstance(group.offload_policy, CPUOffloadPolicy):
         return "CPUOffloadPolicy"
     return ""
+
+
+__all__ = ["check_fsdp_options", "shard_for_plan"]

@@ -47,6 +47,7 @@ from pydantic import BaseModel, Field
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
 from planner.errors import BadInput
+from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
 from planner.profiling.profiler import resolve_device
@@ -171,11 +172,10 @@ class VerifyReport(BaseModel):
                 ("copies (exposed)", f"+{self.predicted_offload_ms:.1f} ms", "", f"{len(self.offloaded)} unit(s)")]
 
 
-def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: Plan | str | Path, *, steps: int = 3,
-           device: str | torch.device = "cpu", tolerance: float = 1e-5, inputs: Inputs | None = None,
-           loss_fn: Callable[[Any], torch.Tensor] | None = None, threads: int | None = None,
-           progress: Callable[[str], None] | None = None,
-           prediction_tolerance: float = DEFAULT_PREDICTION_TOLERANCE) -> VerifyReport | BucketsReport | RanksReport:
+def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: Plan | str | Path, *,
+           inputs: Inputs | None = None, step: StepSpec | None = None, tolerance: float = 1e-5,
+           prediction_tolerance: float = DEFAULT_PREDICTION_TOLERANCE, progress: Callable[[str], None] | None = None,
+           **step_fields: Any) -> VerifyReport | BucketsReport | RanksReport:
     """Train with and without ``plan`` and report predicted vs measured memory, time and gradients.
 
     A per-rank plan (made with ``world_size``/``sharding``) is verified on its ranks by
@@ -186,19 +186,21 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
             ``loss_fn``), a loaded ``ModelFile`` (``load_model_file``, ``load_hf_config``), or an ``nn.Module`` without a plan (it is deep-copied, never changed;
             then ``inputs`` is required).
         plan: a ``Plan`` or the path of a plan file.
-        steps: timed steps per run (>= 1).
-        device: 'cpu', 'cuda', 'cuda:1', 'auto' or a ``torch.device``.
+        step: how to run (``planner.spec.StepSpec``; default device 'cpu'): ``steps``, timed steps
+            per run (>= 1); ``device``, 'cpu', 'cuda', 'cuda:1', 'auto' or a ``torch.device``;
+            ``threads``, torch intra-op threads for the timed steps (default the plan's, the
+            profile's); ``loss_fn``, for an ``nn.Module``. The step itself is the plan's recipe.
         tolerance: largest allowed absolute difference of any gradient or buffer element after
             the compared step. On the CPU the difference is 0 (recomputation is bitwise); on
             CUDA nondeterministic kernels (atomic adds in embedding or scatter backward) differ
             slightly between any two runs.
         prediction_tolerance: largest allowed |predicted - measured| / measured peak with the
             plan; beyond it the report is not ok and names the window that differs most.
-        inputs, loss_fn: for an ``nn.Module``; a model file brings its own. For a bucketed plan,
+        inputs: for an ``nn.Module``; a model file brings its own. For a bucketed plan,
             ``inputs`` is a list of one batch per bucket, smallest first; a model file makes them
             with ``example_inputs(**bucket.shape)``.
-        threads: torch intra-op threads for the timed steps; default the plan's (the profile's).
         progress: called with a short message as each run starts.
+        **step_fields: ``StepSpec`` fields replacing ``step``'s (``device="cuda"``, ``steps=1``).
 
     Returns:
         A ``VerifyReport``; ``.ok`` is False when the measured peak is over ``plan.budget_bytes``
@@ -211,6 +213,8 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
         PlanAlreadyApplied: the model given already carries a plan.
         BadInput, ModelLoadError, ProfileError: bad arguments, model file or training step.
     """
+    spec = step_spec(step or StepSpec(device="cpu"), **step_fields)
+    steps, device, threads, loss_fn = spec.steps, spec.device, spec.threads, spec.loss_fn
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if plan.sharding != "none":
         if plan.buckets:
@@ -295,6 +299,31 @@ class _Run:
     """The host store's peak during the measured step (offload plans only)."""
 
 
+def _peaks(step: Any, dev: torch.device, static: int, handle: Any) -> tuple[Measured, int | None]:
+    """The measured step's device peak and, for an offload plan, its host store's peak."""
+    store = handle.host_store if handle else None
+    if store is not None:
+        store.reset_peak()
+    peak = measure_step(step, dev, static_bytes=static)
+    return peak, (store.peak_bytes if store is not None else None)
+
+
+def _host_problems(p: Any, mine: _Run, prediction_tolerance: float) -> list[str]:
+    """An offload plan's host peak off the measured one by more than the tolerance: one problem."""
+    if p.host_peak_bytes is None:
+        return []
+    host = mine.host_peak_bytes or 0
+    if abs(p.host_peak_bytes - host) <= max(prediction_tolerance * host, PREDICTION_SLACK_BYTES):
+        return []
+    return [f"predicted host memory {p.host_peak_bytes} bytes is off the measured {host} bytes "
+            f"(tolerance {prediction_tolerance:.1%})"]
+
+
+def _offload_fields(p: Any, mine: _Run) -> dict[str, Any]:
+    return {"offloaded": mine.offloaded, "predicted_offload_ms": p.offload_ms or 0.0,
+            "predicted_host_peak_bytes": p.host_peak_bytes, "measured_host_peak_bytes": mine.host_peak_bytes}
+
+
 def _steps_run(plan: Plan, steps: int, *, planned: bool) -> int:
     """Steps ``_run`` trains: the compared one, ``steps`` timed, one for the peak, one for the windows (planned)."""
     return 1 + steps + 1 + (1 if planned and plan.predicted.windows else 0)
@@ -362,11 +391,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     static = storage_bytes(itertools.chain(model.parameters(), model.buffers(), kept,
                                            iter_tensors(*opt.state.values()) if opt else (), iter_tensors(batch)))
     rng.seed_all(SEED)
-    store = handle.host_store if handle else None
-    if store is not None:
-        store.reset_peak()
-    peak = measure_step(step, dev, static_bytes=static)
-    host_peak = store.peak_bytes if store is not None else None
+    peak, host_peak = _peaks(step, dev, static, handle)
     windows: dict[str, int | None] = {}
     if planned and plan.predicted.windows:
         rng.seed_all(SEED)
@@ -471,11 +496,7 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
                  if worst else "")
         problems.append(f"predicted peak {p.peak_bytes} bytes is {error:+.2%} off the measured {mine.peak.peak_bytes} "
                         f"bytes (tolerance {prediction_tolerance:.1%}){where}")
-    if p.host_peak_bytes is not None:
-        host = mine.host_peak_bytes or 0
-        if abs(p.host_peak_bytes - host) > max(prediction_tolerance * host, PREDICTION_SLACK_BYTES):
-            problems.append(f"predicted host memory {p.host_peak_bytes} bytes is off the measured {host} bytes "
-                            f"(tolerance {prediction_tolerance:.1%})")
+    problems += _host_problems(p, mine, prediction_tolerance)
     if grad_diff > tolerance:
         problems.append(f"gradients differ from the unplanned model's by up to {grad_diff:.3g} "
                         f"(tolerance {tolerance:g})")
@@ -512,7 +533,9 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
         prediction_tolerance=prediction_tolerance, prediction_error=error, prediction_ok=prediction_ok,
         worst_window=worst[0] if worst else None, worst_window_predicted_bytes=worst[1] if worst else None,
         worst_window_measured_bytes=worst[2] if worst else None,
-        offloaded=mine.offloaded, predicted_offload_ms=p.offload_ms or 0.0,
-        predicted_host_peak_bytes=p.host_peak_bytes, measured_host_peak_bytes=mine.host_peak_bytes,
-        problems=problems, notes=notes, ok=not problems,
+        **_offload_fields(p, mine), problems=problems, notes=notes, ok=not problems,
     )
+
+
+__all__ = ["BucketsReport", "DEFAULT_PREDICTION_TOLERANCE", "max_abs_diff", "PREDICTION_SLACK_BYTES",
+           "RECOMPUTE_FLOOR_MS", "RECOMPUTE_TOLERANCE", "SEED", "verify", "VerifyReport"]

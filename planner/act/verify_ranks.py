@@ -42,6 +42,7 @@ from pydantic import BaseModel, Field
 
 from planner.children import PARENT_ENV, die_with_parent, end
 from planner.errors import BadInput, ProfileError
+from planner.files import atomic_write_text
 from planner.model.schema import Plan
 from planner.profiling import rng
 from planner.sizes import format_bytes
@@ -193,7 +194,7 @@ def _child(rank: int, world_size: int, port: int, args: _Args, out_dir: str) -> 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no waiting on a hostname that resolves elsewhere
     torch.set_num_threads(1)
     result = _rank_main(args, Path(out_dir, "grads.pt"))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    atomic_write_text(Path(out_dir, f"rank{rank}.json"), json.dumps(result))
 
 
 def _rank_main(args: _Args, grads_path: Path) -> dict:
@@ -387,3 +388,6 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
         fsdp_units=plan.fsdp_units, launched=launched, peak_source=results[0]["source"], steps=args.steps,
         budget_bytes=plan.budget_bytes, peak_tolerance=peak_tolerance, grad_tolerance=grad_tolerance,
         rows=rows, loss_diff=loss_diff, max_grad_diff=grad_diff, problems=problems, notes=[], ok=not problems)
+
+
+__all__ = ["RankRow", "RanksReport", "SEED", "verify_ranks"]

@@ -1,6 +1,11 @@
 """Why this plan: one line per candidate unit, derived from the cost model (``remat plan --why``).
 
 See NOTE [ Why this plan ]. No torch import.
+
+Example::
+
+    for line in explain(graph_for(profile), plan):
+        print(line)                            # why each unit is (or is not) checkpointed
 """
 
 from __future__ import annotations
@@ -158,3 +163,6 @@ def _selective_indices(g: nx.DiGraph, plan: Plan) -> dict[str, int]:
                 out[region.unit] = k
                 break
     return out
+
+
+__all__ = ["explain", "MAX_UNITS"]

@@ -1,1 +1,4 @@
 """The ``remat`` command line: its commands (``app``) and how results look (``render``, ``plot``)."""
+
+
+__all__ = []

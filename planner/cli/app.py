@@ -17,6 +17,10 @@ Commands to paste (from a checkout, ``python cli.py`` works wherever ``remat`` d
 Results go to stdout, logs and progress to stderr; ``--quiet`` silences the latter and
 ``--json`` makes stdout machine-readable. Exit codes: 0 ok, 1 no plan fits / verification
 failed / internal error, 2 bad input or usage, 130 interrupted, 143 terminated. See docs/cli.md.
+
+Example::
+
+    remat plan --budget 12GB examples/gpt2.py -o plan.json    # ./cli.py, or the installed remat
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ from typing import Any
 
 import typer
 
-from planner.cli import render
+from planner.cli import output, render
 from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, Terminated, VerificationFailed
 from planner.cli.options import (COMPARE, DEVICES_CMD, FLAGS, FRONTIER, PLAN, PROFILE_CMD, SHOW, VERIFY,
                                  CompareOptions, FrontierOptions, HfSource, Options, PlanOptions, ProfileOptions,
-                                 ShowOptions, StepOptions, VerifyOptions)
+                                 ShowOptions, StepOptions, VerifyOptions, check_profile_options)
 
 app = typer.Typer(
     name="remat",
@@ -123,7 +127,7 @@ def command(name: str, options: type[Options], params: list[inspect.Parameter]) 
         @functools.wraps(fn)
         def run(ctx: typer.Context, **kwargs: Any) -> None:
             opts = options(**kwargs, given=_given_on_command_line(ctx, kwargs))
-            with render.json_stdout(opts.as_json):  # NOTE [ JSON on stdout ]
+            with output.json_stdout(opts.as_json):  # NOTE [ JSON on stdout ]
                 fn(opts)
 
         context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
@@ -160,16 +164,13 @@ def plan_cmd(o: PlanOptions) -> None:
         plan, graph = _plan_buckets(o, budget_bytes, log), None
     else:
         prof = _profile_source(o, log)
-        graph = graph_for(prof, solver=o.solver, granularity=o.granularity, world_size=o.world_size,
-                          sharding=o.sharding, selective=not o.no_selective)
+        graph = graph_for(prof, solve=o.solve_spec)
         render.plain(log, f"solving with {o.solver} over {graph.number_of_nodes()} candidates ...")
-        plan = plan_from_profile(prof, budget_bytes, solver=o.solver, granularity=o.granularity,
-                                 time_limit_s=o.time_limit_s, headroom=o.headroom, graph=graph,
-                                 offload=o.offload, host_memory=o.host_memory)
+        plan = plan_from_profile(prof, budget_bytes, solve=o.solve_spec, graph=graph)
     if o.output is not None:
         plan.save(o.output)
     if o.as_json:
-        render.print_json(plan)
+        output.print_json(plan)
         if o.output is not None:
             render.plain(log, render.written_line(o.output))
     else:
@@ -191,9 +192,7 @@ def _plan_buckets(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
         render.plain(log, f"shape {i + 1}/{len(sources)}: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
         profiles.append(_run_profiler(mf, o, log))
     render.plain(log, f"solving with {o.solver} for {len(profiles)} shapes ...")
-    return plan_buckets(profiles, budget_bytes, shapes=[shape for shape, _ in sources], solver=o.solver,
-                        granularity=o.granularity, time_limit_s=o.time_limit_s, headroom=o.headroom,
-                        world_size=o.world_size, sharding=o.sharding, selective=not o.no_selective)
+    return plan_buckets(profiles, budget_bytes, shapes=[shape for shape, _ in sources], solve=o.solve_spec)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -214,7 +213,7 @@ def profile_cmd(o: ProfileOptions) -> None:
     if o.output is not None:
         prof.save(o.output)
     if o.as_json:
-        render.print_json(prof)
+        output.print_json(prof)
         if o.output is not None:
             render.plain(log, render.written_line(o.output, "profile"))
     else:
@@ -229,8 +228,9 @@ def frontier_cmd(o: FrontierOptions) -> None:
     """Sweep budgets: recompute and peak of every solver and baseline, as a table, JSON or a plot."""
     import time
 
-    from planner.act.api import headroom_for, resolve_host_budget
-    from planner.act.frontier import frontier, sweep_graph, tradeoff
+    from planner.act.api import headroom_for
+    from planner.act.offload_plan import resolve_host_budget
+    from planner.act.frontier import frontier, sweep_graph, tradeoff, with_offload
     from planner.files import atomic_write_text
 
     out, log = render.consoles(quiet=o.quiet)
@@ -246,24 +246,24 @@ def frontier_cmd(o: FrontierOptions) -> None:
     headroom = o.headroom if o.headroom is not None else headroom_for(prof)
     host = resolve_host_budget(prof, o.offload, o.host_memory)  # None without --offload
     t0 = time.perf_counter()
-    with render.counter(log, f"sweeping {o.points} budgets") as tick:
+    with output.counter(log, f"sweeping {o.points} budgets") as tick:
         pts = frontier(graph, points=o.points, solvers=o.solvers, time_limit_s=o.time_limit_s, headroom=headroom,
                        progress=tick, host_budget_bytes=host)
     report = tradeoff(graph, pts, kind="remat-frontier", model=prof.fingerprint.model_class,
-                      device=_device_text(prof), seconds=time.perf_counter() - t0, headroom=headroom,
-                      host_budget_bytes=host, time_limit_s=o.time_limit_s)
+                      device=_device_text(prof), seconds=time.perf_counter() - t0, headroom=headroom)
+    report = with_offload(report, graph, host, time_limit_s=o.time_limit_s)
     budgets = len({p.budget_bytes for p in pts})
     render.plain(log, f"swept {budgets} budgets x {len(pts) // max(budgets, 1)} solvers and baselines "
                       f"({len(pts)} plans) in {report.seconds:.2f} s")
     written = []
     if o.output is not None:
-        written.append(atomic_write_text(o.output, render.json_text(report)))
+        written.append(atomic_write_text(o.output, output.json_text(report)))
     if o.plot is not None:
         from planner.cli.plot import plot_frontier
 
         written.append(plot_frontier(report, o.plot))
     if o.as_json:
-        render.print_json(report)
+        output.print_json(report)
         for path in written:
             render.plain(log, render.written_line(path))
     else:
@@ -293,7 +293,7 @@ def compare_cmd(o: CompareOptions) -> None:
     report = tradeoff(graph, pts, kind="remat-compare", model=prof.fingerprint.model_class,
                       device=_device_text(prof), budget_bytes=budget_bytes, seconds=time.perf_counter() - t0,
                       headroom=headroom)
-    render.print_json(report) if o.as_json else render.show_compare(out, report)
+    output.print_json(report) if o.as_json else render.show_compare(out, report)
 
 
 # ----------------------------------------------------------------------------- show
@@ -310,7 +310,7 @@ def show_cmd(o: ShowOptions) -> None:
         if o.why:
             raise BadInput("--why explains a plan: remat show plan.json --why --profile profile.json")
         prof = Profile.load(o.path)
-        render.print_json(prof) if o.as_json else render.show_profile(out, prof, graph_for(prof))
+        output.print_json(prof) if o.as_json else render.show_profile(out, prof, graph_for(prof))
         return
     plan = Plan.load(o.path)
     if o.why and o.profile is None:
@@ -318,7 +318,7 @@ def show_cmd(o: ShowOptions) -> None:
                        "profile.json (or remat plan ... --why)")
     if o.profile is not None and not o.why:
         raise BadInput("--profile with remat show only serves --why: add --why, or drop --profile")
-    render.print_json(plan) if o.as_json else render.show_plan(out, plan)
+    output.print_json(plan) if o.as_json else render.show_plan(out, plan)
     if o.why:
         prof = Profile.load(o.profile)
         if prof.fingerprint.digest() != plan.fingerprint_digest:
@@ -351,7 +351,7 @@ def verify_cmd(o: VerifyOptions) -> None:
     if per_rank and report.launched == "torchrun" and os.environ.get("RANK", "0") != "0":
         pass  # every rank has the report; rank 0 prints it
     elif o.as_json:
-        render.print_json(report)
+        output.print_json(report)
     elif per_rank:
         render.show_rank_verify(out, report)
     elif isinstance(report, BucketsReport):
@@ -373,7 +373,7 @@ def devices_cmd(o: Options) -> None:
     out, _ = render.consoles(quiet=o.quiet)
     specs = load_devices()
     if o.as_json:
-        render.print_json([{**s.model_dump(mode="json"), "reserve_bytes": reserve_bytes(s),
+        output.print_json([{**s.model_dump(mode="json"), "reserve_bytes": reserve_bytes(s),
                             "usable_bytes": usable_bytes(s)} for s in specs])
     else:
         render.show_devices(out, specs)
@@ -490,63 +490,17 @@ def _profile_source(o: StepOptions, log: Any) -> Any:
     return prof
 
 
-# NOTE [ Options a saved profile cannot honour ]
-#
-# With --profile nothing runs: the profile was measured once, on one device, for one step.
-# Rule 1. Options that say how to measure (--device, --device-memory, --steps, --threads) cannot
-#   change it: typed with --profile, they are refused by name (the environment's
-#   REMAT_DEVICE_MEMORY is a machine-wide default, not a request, and is not refused).
-# Rule 2. Options that say which step (--optimizer and the recipe: --amp, --grad-accum,
-#   --no-zero-grad-set-to-none, --clip-grad-norm, --fused/--foreach) are honoured when the profile
-#   measured that step and refused, naming the difference, when it did not. An option left at its
-#   default plans the profile's own step.
-# Rule 3. --target is honoured (it sets the default budget); a meta profile, whose times were
-#   modelled for one target, refuses another.
-
-MEASURING_OPTIONS = ("device", "device_memory", "steps", "threads")
-"""Options that only say how a step is measured (Rule 1)."""
-
-
-def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
-    """BadInput when an option cannot be honoured on the saved profile ``prof`` (NOTE above)."""
-    from planner.model.schema import Recipe
-
-    typed = [name for name in MEASURING_OPTIONS if name in o.given]
-    if typed:
-        raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} {'say' if len(typed) > 1 else 'says'} how to "
-                       f"measure a step, and {path} was "
-                       f"measured already (nothing runs with --profile): drop {'them' if len(typed) > 1 else 'it'}, "
-                       f"or re-profile with {'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
-    wrong = [f"{{optimizer}} {o.optimizer} (the profile has {prof.optimizer})"
-             if "optimizer" in o.given and o.optimizer != prof.optimizer else ""]
-    default, typed_recipe = Recipe(), {"optimizer_impl" if n in ("fused", "foreach") else n for n in o.given}
-    named = ["optimizer", "target"]
-    for name in prof.recipe.differing_fields(o.recipe):
-        if name in typed_recipe or getattr(o.recipe, name) != getattr(default, name):
-            said = "the optimizer implementation" if name == "optimizer_impl" else "{" + name + "}"
-            named.append(name)
-            wrong.append(f"{said} {getattr(o.recipe, name)!r} (the profile has {getattr(prof.recipe, name)!r})")
-    if prof.device == "meta" and "target" in o.given and o.target is not None:
-        from planner.profiling.devices import get_device
-
-        if get_device(o.target).name != prof.target:
-            wrong.append(f"{{target}} {o.target} (the profile's times were modelled for {prof.target})")
-    wrong = [w for w in wrong if w]
-    if wrong:
-        raise BadInput(f"{path} was measured for another training step: {'; '.join(wrong)}; re-profile with "
-                       f"these options, or drop them to plan the profile's step", options=tuple(named))
-
-
 def _profile_args(path: Path) -> str:
     """How ``remat profile`` names this model: the model file, or --hf with its config."""
     return str(path) if path.suffix == ".py" else f"--hf {path} --batch N --seq-len N"
 
 
 def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
-    from planner.profiling import profile
-    from planner.profiling.memsafe import profile_within
-    from planner.profiling.meta import build_on_meta
-    from planner.profiling.profiler import resolve_device
+    """``planner.profile`` on the model file with the step the options describe; the library picks
+    how to measure it (``planner.spec.profiling_path``), this refuses flags that cannot apply and
+    announces it."""
+    from planner.profiling import check_step, profile
+    from planner.spec import is_plain, profiling_path
 
     meta = o.device == "meta"
     if meta and o.target is None:
@@ -559,35 +513,24 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
         raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} time a real step; --device meta runs two "
                        f"steps on fake tensors and models the times for --target: drop "
                        f"{'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
-    cap = _device_memory(o.device_memory, meta)
-    recipe = o.recipe
-    plain = recipe == recipe.__class__(amp=o.amp)
-    if cap is not None and not plain:
+    step = o.step_spec(device_memory_bytes=_device_memory(o.device_memory, meta))
+    if step.device_memory_bytes is not None and not is_plain(step.recipe):
         raise BadInput("--device-memory measures the plain training step (with --amp) for now; drop it, or drop "
                        "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach")
-    if cap is not None and resolve_device(o.device).type == "cpu":
-        from planner.profiling.capped import profile_capped
-
+    how = profiling_path(step, check_step(step).type)
+    if how == "capped":
         if mf.path.suffix != ".py":  # the child process imports a model file
             raise BadInput("--device-memory on the CPU profiles a model file in a child process; with --hf, "
                            "write a model.py that builds the model (or drop --device-memory)")
-        render.plain(log, f"profiling {mf.path} on cpu within {cap} bytes (a capped child process) ...")
-        return profile_capped(mf.path, device_memory_bytes=cap, optimizer=o.optimizer, steps=o.steps, amp=o.amp,
-                              threads=o.threads, quiet=log.quiet)
+        render.plain(log, f"profiling {mf.path} on cpu within {step.device_memory_bytes} bytes "
+                          f"(a capped child process) ...")
+        return profile(mf, step=step, progress=None if log.quiet else (lambda _msg: None))
     # stages the profiler announces: a warm-up step, the timing steps, the memory step, the peak,
     # the validation step (meta: a warm-up step and one memory-and-roofline step on fake tensors)
     title = (f"profiling {mf.path} on fake tensors for {o.target}" if meta
              else f"profiling {mf.path} on {o.device} ({o.steps} steps)")
-    with render.stages(log, f"{title} ...", total=2 if meta else o.steps + 4) as say:
-        net = build_on_meta(mf.build_model) if meta else mf.build_model()
-        if meta or not plain:  # the memory-safe profile measures the plain step (with amp) only
-            return profile(net, mf.example_inputs(), loss_fn=mf.loss_fn, device=o.device, optimizer=o.optimizer,
-                           steps=o.steps, recipe=recipe, target=o.target if meta else None, threads=o.threads,
-                           progress=say)
-        # a step that does not fit (cap, or out of memory) is measured under checkpointing (planner/profiling/memsafe.py)
-        return profile_within(net, mf.example_inputs(), device_memory_bytes=cap, loss_fn=mf.loss_fn,
-                              device=o.device, optimizer=o.optimizer, steps=o.steps, amp=o.amp, threads=o.threads,
-                              progress=say)
+    with output.stages(log, f"{title} ...", total=2 if meta else o.steps + 4) as say:
+        return profile(mf, step=step, progress=say)
 
 
 def _device_memory(text: str | None, meta: bool) -> int | None:
@@ -613,3 +556,7 @@ def _progress(log: Any) -> Callable[[str], None]:
 
 if __name__ == "__main__":
     app(prog_name="remat")
+
+
+__all__ = ["app", "command", "compare_cmd", "devices_cmd", "frontier_cmd",
+           "plan_cmd", "profile_cmd", "show_cmd", "TRAINER_NOTE", "verify_cmd"]

@@ -5,6 +5,11 @@ measure, the Hugging Face source, the training recipe, the ranks, the output swi
 receives them as one frozen options model, validated there once: sharding, amp and optimizer
 are ``Literal`` fields checked by ``planner.options``. A field's error names the field as
 ``{name}`` (``RematError.options``); ``FLAGS`` words it as the flag the user typed.
+
+Example::
+
+    o = PlanOptions(model=Path("model.py"), budget="12GB", given=frozenset())
+    o.step_spec(), o.solve_spec
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from planner.errors import BadInput
 from planner.model.schema import Recipe
 from planner.options import Amp, OptimizerName, Sharding, parse_amp, parse_optimizer, parse_sharding
+from planner.spec import SolveSpec, StepSpec
 
 DEVICES = ("auto", "cpu", "cuda", "meta")
+
+DEVICE_MEMORY_ENV = "REMAT_DEVICE_MEMORY"
+"""Environment variable read when --device-memory is not given."""
 
 
 def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
@@ -113,8 +122,8 @@ HF_SOURCE = [
 MEASURED_STEP = [
     DEVICE,
     _param("device_memory", Annotated[str | None, typer.Option(
-        "--device-memory", envvar="REMAT_DEVICE_MEMORY", show_default=False,
-        help="Memory the device may use (12GB, 150MiB; env REMAT_DEVICE_MEMORY): a step that does not fit is "
+        "--device-memory", envvar=DEVICE_MEMORY_ENV, show_default=False,
+        help=f"Memory the device may use (12GB, 150MiB; env {DEVICE_MEMORY_ENV}): a step that does not fit is "
              "profiled with its candidates checkpointed (a memory-safe profile). CUDA: a per-process cap; "
              "CPU: profiled in a child process whose address space is capped.")], None),
     _param("target", Annotated[str | None, typer.Option(
@@ -299,6 +308,13 @@ class StepOptions(Options, HfSource):
         return Recipe(grad_accum=self.grad_accum, zero_grad_set_to_none=self.zero_grad_set_to_none, amp=self.amp,
                       clip_grad_norm=self.clip_grad_norm, optimizer_impl=impl)
 
+    def step_spec(self, *, device_memory_bytes: int | None = None) -> StepSpec:
+        """The ``planner.spec.StepSpec`` the options describe (the model file gives the loss): its
+        ``target`` only for ``--device meta`` (elsewhere ``--target`` is the default budget's device)."""
+        return StepSpec(device=self.device, target=self.target if self.device == "meta" else None,
+                        device_memory_bytes=device_memory_bytes, optimizer=self.optimizer, recipe=self.recipe,
+                        steps=self.steps, threads=self.threads)
+
 
 class ProfileOptions(StepOptions):
     output: Path | None = None
@@ -331,7 +347,7 @@ class OffloadOptions(StepOptions, RankOptions):
     @model_validator(mode="after")
     def _offload(self) -> OffloadOptions:
         """The offload options that need no profile, checked before any profiling."""
-        from planner.act.api import OFFLOAD_ONE_PROCESS, check_offload_shapes
+        from planner.act.offload_plan import OFFLOAD_ONE_PROCESS, check_offload_shapes
 
         if self.host_memory is not None and not self.offload:
             raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
@@ -357,7 +373,7 @@ class PlanOptions(OffloadOptions):
 
     @model_validator(mode="after")
     def _offload_solver(self) -> PlanOptions:
-        from planner.act.api import OFFLOAD_SOLVERS
+        from planner.act.offload_plan import OFFLOAD_SOLVERS
 
         if self.offload and self.solver not in OFFLOAD_SOLVERS:
             raise BadInput(f"solver {self.solver!r} has no offload choice: use {{solver}} auto or ilp with {{offload}}",
@@ -377,6 +393,13 @@ class PlanOptions(OffloadOptions):
     @classmethod
     def _headroom(cls, text: Any) -> float | None:
         return _headroom_option(text)
+
+    @property
+    def solve_spec(self) -> SolveSpec:
+        """The ``planner.spec.SolveSpec`` the options describe."""
+        return SolveSpec(solver=self.solver, granularity=self.granularity, time_limit_s=self.time_limit_s,
+                         world_size=self.world_size, sharding=self.sharding, headroom=self.headroom,
+                         selective=not self.no_selective, offload=self.offload, host_memory=self.host_memory)
 
 
 def _headroom_option(text: Any) -> float | None:
@@ -505,3 +528,56 @@ DEVICES_CMD = [*OUTPUT_SWITCHES]
 FLAGS = {**_cli_flags(PLAN, PROFILE_CMD, FRONTIER, COMPARE, VERIFY), "device_memory_bytes": "--device-memory"}
 """Field (and library parameter) name -> the flag this command line spells it as: how a ``RematError``'s
 ``options`` are worded for the user."""
+
+
+# NOTE [ Options a saved profile cannot honour ]
+#
+# With --profile nothing runs: the profile was measured once, on one device, for one step.
+# Rule 1. Options that say how to measure (--device, --device-memory, --steps, --threads) cannot
+#   change it: typed with --profile, they are refused by name (the environment's
+#   REMAT_DEVICE_MEMORY is a machine-wide default, not a request, and is not refused).
+# Rule 2. Options that say which step (--optimizer and the recipe: --amp, --grad-accum,
+#   --no-zero-grad-set-to-none, --clip-grad-norm, --fused/--foreach) are honoured when the profile
+#   measured that step and refused, naming the difference, when it did not. An option left at its
+#   default plans the profile's own step.
+# Rule 3. --target is honoured (it sets the default budget); a meta profile, whose times were
+#   modelled for one target, refuses another.
+
+MEASURING_OPTIONS = ("device", "device_memory", "steps", "threads")
+"""Options that only say how a step is measured (Rule 1)."""
+
+
+def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
+    """BadInput when an option cannot be honoured on the saved profile ``prof`` (NOTE above)."""
+    typed = [name for name in MEASURING_OPTIONS if name in o.given]
+    if typed:
+        raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} {'say' if len(typed) > 1 else 'says'} how to "
+                       f"measure a step, and {path} was "
+                       f"measured already (nothing runs with --profile): drop {'them' if len(typed) > 1 else 'it'}, "
+                       f"or re-profile with {'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
+    wrong = [f"{{optimizer}} {o.optimizer} (the profile has {prof.optimizer})"
+             if "optimizer" in o.given and o.optimizer != prof.optimizer else ""]
+    default, typed_recipe = Recipe(), {"optimizer_impl" if n in ("fused", "foreach") else n for n in o.given}
+    named = ["optimizer", "target"]
+    for name in prof.recipe.differing_fields(o.recipe):
+        if name in typed_recipe or getattr(o.recipe, name) != getattr(default, name):
+            said = "the optimizer implementation" if name == "optimizer_impl" else "{" + name + "}"
+            named.append(name)
+            wrong.append(f"{said} {getattr(o.recipe, name)!r} (the profile has {getattr(prof.recipe, name)!r})")
+    if prof.device == "meta" and "target" in o.given and o.target is not None:
+        from planner.profiling.devices import get_device
+
+        if get_device(o.target).name != prof.target:
+            wrong.append(f"{{target}} {o.target} (the profile's times were modelled for {prof.target})")
+    wrong = [w for w in wrong if w]
+    if wrong:
+        raise BadInput(f"{path} was measured for another training step: {'; '.join(wrong)}; re-profile with "
+                       f"these options, or drop them to plan the profile's step", options=tuple(named))
+
+
+__all__ = ["BUDGET", "check_profile_options", "COMPARE", "CompareOptions", "DEVICE", "DEVICE_MEMORY_ENV",
+           "DEVICES", "DEVICES_CMD", "FLAGS", "FRONTIER", "FrontierOptions", "GRANULARITY", "HEADROOM",
+           "HF_SOURCE", "HfSource", "MEASURED_STEP", "MEASURING_OPTIONS", "MODEL_HELP", "Options",
+           "OUTPUT_SWITCHES", "PLAN", "PlanOptions", "PROFILE", "PROFILE_CMD", "ProfileOptions",
+           "RankOptions", "RANKS", "RECIPE", "SHOW", "ShowOptions", "SOLVERS", "StepOptions", "STEPS",
+           "SweepOptions", "THREADS", "VERIFY", "VerifyOptions", "WHY"]

@@ -4,6 +4,11 @@ matplotlib is an optional extra (``pip install 'remat[plot]'``): it is imported 
 when a plot is asked for, with the non-interactive Agg backend (no display needed). Call
 ``require_matplotlib`` before any long work so that a missing extra fails in a second, not
 after profiling. No torch import.
+
+Example::
+
+    report = tradeoff(graph, points, kind="remat-frontier", model="GPT2LMHeadModel", device="cpu")
+    plot_frontier(report, "frontier.png")
 """
 
 from __future__ import annotations
@@ -135,3 +140,6 @@ def _save_png(fig: Any, path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return atomic_write(path, buf.getvalue())
+
+
+__all__ = ["GIB", "MIB", "plot_frontier", "require_matplotlib"]

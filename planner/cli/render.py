@@ -3,22 +3,22 @@
 Results go to stdout, logs and progress to stderr (see ``consoles``). User-supplied text
 (module names, shapes such as ``[4, 256]``, error messages) is printed as plain text, never
 parsed as rich markup. No torch import.
+
+Example::
+
+    out, log = consoles(quiet=False)
+    show_plan(out, plan)                       # results on stdout, progress on stderr
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
-from pydantic import BaseModel
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -47,122 +47,6 @@ def error_line(message: str, *, prefix: str = "error") -> None:
     """``error: ...`` on stderr, written directly so that nothing (rich, quiet) can swallow it."""
     sys.stderr.write(f"{prefix}: {message.rstrip()}\n")
     sys.stderr.flush()
-
-
-# ----------------------------------------------------------------------------- progress
-
-
-def _bar(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console)
-
-
-@contextlib.contextmanager
-def stages(console: Console, title: str, total: int) -> Iterator[Callable[[str], None]]:
-    """Progress through ``total`` named stages; yields ``say(message)``, called as each one starts.
-
-    On a terminal: one rich bar on ``console`` (stderr), its description the current stage.
-    Elsewhere (a pipe, a CI log, ``--quiet``): ``title`` and each message as a plain line.
-    """
-    if not console.is_terminal or console.quiet:
-        plain(console, title)
-        yield lambda message: plain(console, message)
-        return
-    with _bar(console) as bar:
-        task = bar.add_task(title, total=total)
-        started = 0
-
-        def say(message: str) -> None:
-            nonlocal started
-            started += 1
-            if started > bar.tasks[0].total:
-                bar.update(task, total=started)
-            bar.update(task, completed=started - 1, description=f"{title} {message}")
-
-        yield say
-        bar.update(task, completed=bar.tasks[0].total, description=title)
-
-
-@contextlib.contextmanager
-def counter(console: Console, title: str) -> Iterator[Callable[[int, int], None]]:
-    """Yields ``tick(done, total)``: a rich bar on a terminal, nothing elsewhere (say the result after)."""
-    if not console.is_terminal or console.quiet:
-        yield lambda done, total: None
-        return
-    with _bar(console) as bar:
-        task = bar.add_task(title, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
-
-
-# ----------------------------------------------------------------------------- JSON
-
-
-def json_text(obj: BaseModel | Sequence[BaseModel] | dict | list) -> str:
-    """Machine-readable JSON (indent 2, trailing newline) for a model, a list of models or plain data."""
-    if isinstance(obj, Plan):
-        return obj.to_json()
-    if isinstance(obj, BaseModel):
-        return obj.model_dump_json(indent=2) + "\n"
-    if isinstance(obj, (list, tuple)):
-        obj = [o.model_dump(mode="json") if isinstance(o, BaseModel) else o for o in obj]
-    return json.dumps(obj, indent=2, default=str) + "\n"
-
-
-# NOTE [ JSON on stdout ]
-#
-# With --json, stdout is one JSON document and nothing else, whatever else runs: the model file's
-# prints at import and in forward, a library's print, a child process (the capped profiling
-# child, verify's ranks) writing to the stdout it inherits. While the command runs, ``json_stdout``
-# points ``sys.stdout`` at stderr and, where stdout is a real file descriptor, fd 1 at stderr's
-# too (a copy of the real stdout kept aside); ``print_json`` writes to that copy. Both are
-# restored when the command ends, however it ends.
-
-_json_out: Any = None
-"""Where ``print_json`` writes while ``json_stdout`` is active: the real stdout."""
-
-
-@contextlib.contextmanager
-def json_stdout(active: bool = True) -> Iterator[None]:
-    """NOTE [ JSON on stdout ]: everything but ``print_json`` goes to stderr while active."""
-    global _json_out
-    if not active:
-        yield
-        return
-    real = sys.stdout
-    real.flush()
-    fds = _fds(real, sys.stderr)
-    saved = os.dup(fds[0]) if fds else None
-    if fds:
-        os.dup2(fds[1], fds[0])
-    _json_out = os.fdopen(os.dup(saved), "w", encoding="utf-8") if saved is not None else real
-    sys.stdout = sys.stderr
-    try:
-        yield
-    finally:
-        sys.stdout = real
-        _json_out.flush()
-        if saved is not None:
-            _json_out.close()
-            sys.stderr.flush()
-            os.dup2(saved, fds[0])
-            os.close(saved)
-        _json_out = None
-
-
-def _fds(out: Any, err: Any) -> tuple[int, int] | None:
-    """The file descriptors of ``out`` and ``err``, or None when either has none (a test's capture)."""
-    try:
-        return out.fileno(), err.fileno()
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def print_json(obj: Any) -> None:
-    """Write ``json_text(obj)`` to stdout (the real one under ``json_stdout``), bypassing rich so that
-    nothing is wrapped or coloured."""
-    stream = _json_out if _json_out is not None else sys.stdout
-    stream.write(json_text(obj))
-    stream.flush()
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -657,3 +541,6 @@ def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "ok" if value else "FAIL"
     return "" if value is None else str(value)
+
+
+__all__ = ["baselines_table", "buckets_table", "budget_line", "checkpoints_table", "compare_table", "consoles", "devices_table", "error_line", "frontier_table", "headroom_line", "MIB", "peak_lines", "plain", "recipe_line", "recompute_line", "selective_table", "show_buckets_verify", "show_compare", "show_devices", "show_frontier", "show_plan", "show_profile", "show_rank_verify", "show_verify", "solver_line", "step_lines", "time_line", "units_table", "verify_table", "written_line"]

@@ -2,3 +2,6 @@
 
 Each module imports its framework when it is imported; ``planner`` itself never does.
 """
+
+
+__all__ = []

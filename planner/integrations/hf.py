@@ -19,6 +19,10 @@ refuses, with a ``RematError`` naming the fix, when:
   and its implementation, ranks): its predicted peak is for that step. The Trainer clips
   gradients by default (``max_grad_norm=1.0``) and uses fused AdamW with torch >= 2.8, so plan
   with ``recipe=training_recipe(args)`` (or the ``remat plan`` options the refusal names).
+
+Example::
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[RematCallback("plan.json")])
 """
 
 from __future__ import annotations
@@ -148,3 +152,6 @@ def _optimizer(optim: Any) -> str | None:
 
 def _text(value: Any) -> str:
     return str(getattr(value, "value", value) or "")
+
+
+__all__ = ["check_training_arguments", "DoubleCheckpointing", "logger", "RematCallback", "training_recipe"]

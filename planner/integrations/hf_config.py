@@ -12,6 +12,11 @@ included); the inputs are one random batch of the model's main inputs:
   ``num_channels``, and class ids for classification.
 
 The model class is the config's ``architectures[0]``, or the ``task``'s auto class.
+
+Example::
+
+    mf = load_hf_config("config.json", batch_size=8, seq_len=2048)
+    prof = planner.profile(mf, step=StepSpec(device="meta", target="h100"))
 """
 
 from __future__ import annotations
@@ -226,3 +231,6 @@ def _max_positions(config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+__all__ = ["load_hf_config", "TASKS"]

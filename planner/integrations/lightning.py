@@ -15,6 +15,10 @@ A plan made for another training step than the Trainer runs (``training_recipe(t
 optimizer)``: ``accumulate_grad_batches``, ``gradient_clip_val``, ``precision``, the optimizer's
 implementation, ranks) is refused with ``PlanMismatch`` naming each difference, when fitting
 starts (the optimizers exist then), before the first step.
+
+Example::
+
+    trainer = pl.Trainer(callbacks=[RematCallback("plan.json")])
 """
 
 from __future__ import annotations
@@ -131,3 +135,6 @@ def training_recipe(trainer: pl.Trainer, optimizer: Any = None) -> Recipe:
     impl = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "default"
     return Recipe(grad_accum=trainer.accumulate_grad_batches, amp=_AMP[precision],
                   clip_grad_norm=float(clip) if clip and by_norm else None, optimizer_impl=impl)
+
+
+__all__ = ["logger", "RematCallback", "training_recipe"]

@@ -4,6 +4,11 @@ A plan's predicted peak holds for the step it was profiled with (``Plan.recipe``
 ``planner.model.schema.Recipe``): gradient accumulation keeps gradients alive through the
 micro-batches, autocast halves the activations, clipping and fused optimizers add temporaries.
 Each framework callback reads its Trainer's recipe and calls ``refuse_other_recipe``.
+
+Example::
+
+    refuse_other_recipe(plan, training_recipe(trainer), framework="Lightning",
+                        settings={"grad_accum": "accumulate_grad_batches"}, python_call="training_recipe(trainer)")
 """
 
 from __future__ import annotations
@@ -35,3 +40,6 @@ def refuse_other_recipe(plan: Plan, job: Recipe, *, framework: str, settings: Ma
     raise PlanMismatch(f"the plan was made for another training step than {framework} run:\n  {listing}\n"
                        f"re-plan with their step: remat plan <model> --budget <budget> {flags} "
                        f"(in Python: planner.plan(..., recipe={python_call})), or change {framework}", diffs)
+
+
+__all__ = ["refuse_other_recipe"]

@@ -4,6 +4,11 @@ A plan names module FQNs and was costed for particular parameter and input shape
 fingerprint records exactly those, so ``apply``/``verify`` can refuse a plan made for another
 model (see ``Fingerprint.differences``). Devices are left out on purpose: a plan made on one
 GPU applies on another.
+
+Example::
+
+    fp = fingerprint(model, inputs)
+    model_differences(plan.fingerprint, model, inputs)   # [] when the plan fits this model
 """
 
 from __future__ import annotations
@@ -94,3 +99,6 @@ def _plain_fingerprint(fp: Fingerprint) -> Fingerprint:
     modules = list(dict.fromkeys(m for m in map(plain_name, fp.modules) if m))
     params = [p.model_copy(update={"name": plain_name(p.name)}) for p in fp.params]
     return fp.model_copy(update={"modules": modules, "params": params})
+
+
+__all__ = ["fingerprint", "input_tensors", "model_differences", "plain_name", "WRAPPED_ATTR"]

@@ -12,10 +12,16 @@ Sequential that share a class: transformer layers, ResNet blocks) and the module
 deeper (each candidate is split into its child module calls). ``nested=True`` keeps every
 level from the default cut down to ``granularity`` in the graph, for solvers that choose
 among nested candidates (a block, or any set of its children, never both).
+
+Example::
+
+    g = build_graph(Profile.load("profile.json"), granularity=1, nested=True)
+    sorted(g.nodes)                           # the candidate units
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from typing import Iterable
 
@@ -204,7 +210,7 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
     import bisect
 
     lo = bisect.bisect_left(saves_by_seq, (u.fwd_start_seq, -1))
-    hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, 1 << 62))
+    hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, math.inf))  # after every tensor id at that seq
     saved = frozenset(t for _, t in saves_by_seq[lo:hi])
     inputs = frozenset(u.input_ids)
     return NodeAttrs(
@@ -226,7 +232,7 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
     more than once get none: the applier applies one policy to every call of a module."""
     import bisect
 
-    from solvers.selective import OpCall, build_menu
+    from solvers.selective import OpCall, UnitOps, build_menu
 
     if not p.ops:
         return
@@ -253,13 +259,14 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
                 first_inside.setdefault(t, seq)
             else:
                 outside.add(t)
-        a["menu"] = build_menu(
+        unit = UnitOps(
             [OpCall(o.seq, o.name, tuple(o.output_ids), o.forward_ms, o.random, o.inplace, o.view, o.mutated,
                     o.writes, o.read_between_writes) for o in inside],
-            forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], tensor_bytes=tb,
-            first_save_inside=first_inside, saved_outside=outside, writers=writers,
-            op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms), forward_spread_ms=a["forward_spread_ms"],
-            op_cost_spread_ms=(p.sac_recomputed_op_spread_ms, p.sac_kept_op_spread_ms))
+            forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], first_save_inside=first_inside,
+            saved_outside=frozenset(outside), forward_spread_ms=a["forward_spread_ms"])
+        a["menu"] = build_menu(unit, tensor_bytes=tb, writers=writers,
+                               op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms),
+                               op_cost_spread_ms=(p.sac_recomputed_op_spread_ms, p.sac_kept_op_spread_ms))
 
 
 def _link_tree(g: nx.DiGraph, chosen: list[str], units: dict[str, UnitRecord]) -> None:
@@ -381,3 +388,7 @@ def _merged_window_peaks(bounds: list[int | None], peak) -> list[int | None]:
             out[k] = v
         i = j
     return out
+
+
+__all__ = ["build_graph", "candidate_levels", "is_ancestor", "repeated_blocks", "unit_children",
+           "window_peaks"]

@@ -1,29 +1,36 @@
 """Data at the edges: the measured ``Profile`` and the ``Plan`` file.
 
 All are pydantic models that serialise to JSON. Field names carry their units
-(``_bytes``, ``_ms``, ``_seq``). None of this imports torch.
+(``_bytes``, ``_ms``, ``_seq``). The profile's records are in ``records.py``, what each number may
+be (NOTE [ Numbers in files ]) and how a file is loaded in ``fields.py``. None of this imports torch.
 
 Sequence numbers (``*_seq``): the profiler keeps one counter for the whole training step and
 bumps it at every event it records (module forward start/end, module backward start/end,
 every tensor saved for backward). They order everything that happened in the step; the cost
 model uses them to place tensors in time (see NOTE [ Peak-memory model ] in
 ``solvers/cost_model.py``).
+
+Example::
+
+    plan = Plan.load("plan.json")
+    plan.predicted.peak_bytes, plan.checkpoints
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, model_validator
 
-from planner.errors import PlanFileError
 from planner.files import atomic_write_text
-from planner.sizes import MAX_SIZE_BYTES
+from planner.model.fields import MAX_BYTES, MAX_COUNT, MAX_WORLD_SIZE, Bytes, Count, Ms, NonNegFloat, Seq, Threads, now_iso
+from planner.model.fields import FileModel as _Model  # the base of every model below: unknown fields are an error
+from planner.model.fields import bad_field as _bad, load_versioned as _load_versioned
+from planner.model.records import (MemoryEvent, OpRecord, ParamRecord, SaveRecord, StepRecord, StepStructure,
+                                   TensorRecord, UnitRecord)
 from solvers.contract import Sharding, Status
 
 PROFILE_SCHEMA_VERSION = 3
@@ -45,43 +52,6 @@ ROOT_ID = "<root>"
 """Unit id of the model's root module call."""
 LOSS_ID = "<loss>"
 """Unit id of the pseudo-unit that stands for ``loss_fn`` (code run outside the model)."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
-
-
-# NOTE [ Numbers in files ]
-#
-# A profile or plan file may be hand-edited, truncated by hand, or written by another tool, and a
-# plan drives a training job: every number is checked where it is loaded, so that an impossible
-# figure (a NaN time, a negative size, an absurd world size) is one line naming its field rather
-# than a plan labelled optimal with "recompute nan ms".
-# Rule 1. Sizes are integers in [0, MAX_BYTES]; times, FLOPs and seconds are finite and >= 0;
-#   sequence numbers, indices and counts are integers in [0, MAX_COUNT]; thread counts >= 1.
-# Rule 2. Figures that must agree with their neighbours are checked together (``_check_profile``,
-#   ``_check_plan``): a unit ends after it starts, records point at tensors and units that exist,
-#   a plan's predicted peak is its breakdown's sum and fits its budget less the headroom.
-# Rule 3. An error names the path into the file (``units.3.forward_ms``) and the value found.
-
-MAX_BYTES = MAX_SIZE_BYTES
-"""1 EiB: above any device or host memory; a larger size in a file is an error."""
-MAX_WORLD_SIZE = 2**20
-"""Ranks: above any data-parallel job run so far; a larger world size in a plan is an error."""
-
-Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
-Ms = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-MAX_COUNT = 2**53
-"""Sequence numbers, ids and counts: a step records far fewer events; a larger one in a file is an error."""
-Seq = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-Threads = Annotated[int, Field(ge=1, le=4096)]
-
-
-def _bad(path: str, message: str) -> PydanticCustomError:
-    """A consistency error for ``_load_versioned`` to word: ``path`` into the file, then what is wrong."""
-    return PydanticCustomError("remat_consistency", "{path}: {message}", {"path": path, "message": message})
 
 
 # ----------------------------------------------------------------------------- fingerprint
@@ -258,141 +228,6 @@ class ExcludedUnit(_Model):
 # ----------------------------------------------------------------------------- profile
 
 
-class UnitRecord(_Model):
-    """One module call (a candidate for checkpointing), in forward execution order."""
-
-    id: str = Field(description="FQN, with '#k' appended for the k-th (k>=1) call of the same module; "
-                                "'<root>' for the model itself, '<loss>' for loss_fn.")
-    fqn: str = Field(description="Module FQN as in named_modules(); '' for the root.")
-    call_index: Count = Field(0, description="0 for the first call of this module in the step, 1 for the next...")
-    module_type: str
-    parent: str | None = Field(description="Id of the innermost enclosing unit; None for the root and <loss>.")
-    depth: Count = Field(description="0 for the root, 1 for its children, ...")
-    fwd_start_seq: Seq
-    fwd_end_seq: Seq
-    bwd_start_seq: Seq | None = Field(None, description="Seq when gradients reached the unit's outputs.")
-    bwd_end_seq: Seq | None = Field(None, description="Seq when gradients w.r.t. the unit's inputs were ready.")
-    forward_ms: Ms = Field(0.0, description="Forward time, inclusive of submodules: the median over the "
-                                               "measured steps, pooled over the unit's cost group.")
-    backward_ms: Ms = Field(0.0, description="Backward time, inclusive (median, pooled like forward_ms).")
-    cost_group: str = Field("", description="Signature shared by units with the same module type, parameter, "
-                                            "input and output shapes and op sequence; they get one price from "
-                                            "their pooled samples (NOTE [ Unit costs ] in planner/profiling/timing.py).")
-    timing_samples: Count = Field(0, description="Samples behind forward_ms/backward_ms (steps x group members).")
-    flops: NonNegFloat = Field(0.0, description="Forward FLOPs, inclusive (when counted).")
-    forward_spread_ms: Ms = Field(0.0, description="Interquartile range of the samples behind forward_ms (NOTE "
-                                                   "[ Unit costs ], Rule 4); 0: one sample, or not measured.")
-    backward_spread_ms: Ms = Field(0.0, description="Interquartile range of the samples behind backward_ms.")
-    input_ids: list[int] = Field(default_factory=list,
-                                 description="Tensors (ids into Profile.tensors) passed in as inputs and created "
-                                             "during the step. Pre-existing tensors (batch, parameters) are static.")
-    output_ids: list[int] = Field(default_factory=list, description="Tensors returned, created during the step.")
-    input_bytes: Bytes = Field(0, description="Bytes of all tensor inputs (unique storages), pre-existing included.")
-    output_bytes: Bytes = Field(0, description="Bytes of all tensor outputs (unique storages).")
-    param_bytes: Bytes = Field(0, description="Bytes of the parameters of this module and its submodules.")
-
-
-class TensorRecord(_Model):
-    """One storage created during the step that matters to the memory model."""
-
-    id: Count
-    nbytes: Bytes
-    created_seq: Seq
-    producer: str | None = Field(None, description="Unit id innermost when it was created.")
-    autocast_cached: bool = Field(False, description="A parameter's cast made by autocast in the forward: the "
-                                                     "autocast cache keeps it alive until the forward ends.")
-
-
-class SaveRecord(_Model):
-    """A tensor saved for backward (autograd pack hook), attributed to the innermost unit."""
-
-    tensor_id: Count
-    seq: Seq
-    unit: str
-
-
-class OpRecord(_Model):
-    """One aten op run inside a unit's forward, as a dispatch mode sees it (and as
-    ``torch.utils.checkpoint``'s selective checkpointing counts it: its ignored ops, such as
-    ``aten.detach``, are left out). In forward order; see NOTE [ Op records ] in the profiler."""
-
-    seq: Seq
-    unit: str = Field(description="Innermost unit running the op.")
-    name: str = Field(description="Op overload, e.g. 'aten.mm.default'.")
-    output_ids: list[int] = Field(default_factory=list,
-                                  description="Tensors (ids into Profile.tensors) whose storage the op allocated.")
-    output_bytes: Bytes = Field(0, description="Bytes of the storages the op allocated.")
-    forward_ms: Ms = Field(0.0, description="Time of the op (measured on real devices, roofline on meta).")
-    flops: NonNegFloat = Field(0.0, description="FLOPs of the op, where torch's flop counter knows it.")
-    random: bool = Field(False, description="Draws random numbers (dropout): tagged nondeterministic_seeded.")
-    inplace: bool = Field(False, description="Writes one of its inputs (mutable schema: add_, copy_, out=).")
-    view: bool = Field(False, description="Returns a view of an input (no new storage).")
-    mutated: bool = Field(False, description="A storage it allocated is written in place later in the forward: "
-                                             "it can be kept only together with its writers.")
-    writes: Seq | None = Field(None, description="In-place ops: seq of the op that allocated what it writes.")
-    read_between_writes: bool = Field(False, description="Mutated outputs: another op read it before a write, "
-                                                         "so it cannot be kept even with its writers.")
-    data_dependent: bool = Field(False, description="Its output shape depends on tensor values (nonzero: MoE "
-                                                    "routing); its unit gets no selective policies.")
-
-
-class ParamRecord(_Model):
-    name: str
-    nbytes: Bytes
-    grad_seq: Seq = Field(description="Seq of the last forward use: its gradient appears once backward passes it.")
-
-
-class MemoryEvent(_Model):
-    """One point of the live-memory timeline recorded during the memory-measuring step."""
-
-    seq: Seq
-    kind: Literal["step_start", "fwd_start", "fwd_end", "forward_end", "backward_start",
-                  "bwd_start", "bwd_end", "backward_end", "optimizer_end"]
-    unit: str | None = None
-    live_bytes: Bytes = Field(description="Bytes live right at this event (absolute, static memory included).")
-    peak_bytes: Bytes = Field(description="Highest live bytes since the previous event, this one included.")
-
-
-class StepRecord(_Model):
-    params_bytes: Bytes
-    buffers_bytes: Bytes = 0
-    batch_bytes: Bytes = Field(0, description="Bytes of the input batch (alive throughout the step).")
-    grads_bytes: Bytes
-    optimizer_bytes: Bytes = Field(description="Optimizer state (e.g. AdamW exp_avg + exp_avg_sq) in steady state.")
-    optimizer_step_transient_bytes: Bytes = Field(0, description="Temporaries of optimizer.step(), measured.")
-    forward_ms: Ms = Field(description="Forward and loss, median over the measured steps.")
-    backward_ms: Ms = Field(description="Backward, median over the measured steps.")
-    optimizer_ms: Ms = Field(0.0, description="optimizer.step(), median over the measured steps.")
-    forward_spread_ms: Ms = Field(0.0, description="Interquartile range of forward_ms's steps (NOTE [ Unit costs ], "
-                                                   "Rule 4); 0 when not measured.")
-    backward_spread_ms: Ms = Field(0.0, description="Interquartile range of backward_ms's steps.")
-    step_ms: Ms = Field(description="forward_ms + backward_ms + optimizer_ms.")
-    forward_end_seq: Seq
-    backward_start_seq: Seq
-    measured_peak_bytes: Bytes | None = Field(None, description="Peak of the step as the device reports it.")
-    peak_source: str = Field("none", description="'cuda-allocator', 'cpu-profiler', 'tracker' or 'none'.")
-    warmup_steps: Count = 0
-    measured_steps: Count = 0
-    timeline_source: Literal["as-run", "tracked"] = Field(
-        "tracked", description="Where the timeline's live and peak bytes come from: 'as-run', a step run as the "
-                               "user runs it (module and gradient hooks only, the device allocator's figures); "
-                               "'tracked', the memory step under the live-bytes tracker's dispatch mode, which "
-                               "some models run differently (NOTE [ Step as run ] in planner/profiling/recording.py).")
-    tracked_peak_bytes: Bytes | None = Field(None, description="Peak of the memory step under the tracker, when the "
-                                                             "timeline is 'as-run'; None otherwise.")
-
-
-class StepStructure(_Model):
-    """Which units ran in which profiled step (NOTE [ Worst step ] in planner/profiling/recording.py)."""
-
-    units_seen: list[str] = Field(default_factory=list, description="Every unit id that ran in some profiled step, "
-                                                                    "in forward order.")
-    skipped: dict[str, list[str]] = Field(default_factory=dict,
-                                          description="Profiled step ('timing step 1', 'memory step', 'as-run step') "
-                                                      "-> the units seen in other steps that it did not run; steps "
-                                                      "that ran every unit are left out.")
-
-
 class Profile(_Model):
     """Everything measured about one training step of one model on one device."""
 
@@ -431,7 +266,7 @@ class Profile(_Model):
         default_factory=list,
         description="Module FQNs checkpointed while the step was measured, because it did not fit the device "
                     "as it is (a memory-safe profile: the timeline and peak of the unplanned step are "
-                    "reconstructed, see NOTE [ Memory-safe profile ] in planner/profiling/memsafe.py); empty when the "
+                    "reconstructed, see NOTE [ Memory-safe profile ] in planner/profiling/unplanned.py); empty when the "
                     "step was measured as it is.")
     step_changes: list[StepChange] = Field(default_factory=list,
                                            description="What remat changed in the profiled step (and will change "
@@ -623,7 +458,7 @@ class Plan(_Model):
     sharding: Sharding = "none"
     fsdp_units: list[str] = Field(default_factory=list, description=(
         "With sharding 'fsdp': the modules the per-rank prediction assumes each wrapped in fully_shard, "
-        "in forward order, before the root (planner.sharding.shard_for_plan wraps exactly these)."))
+        "in forward order, before the root (planner.act.sharding.shard_for_plan wraps exactly these)."))
     step_changes: list[StepChange] = Field(default_factory=list,
                                            description="What apply_plan changes in the training step, as the "
                                                        "profile did (see planner/profiling/step_changes.py).")
@@ -734,53 +569,9 @@ def _check_plan(plan: Plan) -> None:
                 raise _bad(f"{field}.{i}", f"module {name!r} is not in the model (fingerprint.modules)")
 
 
-# ----------------------------------------------------------------------------- files
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
-
-
-def _load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str) -> Any:
-    path = Path(path)
-    if not path.exists():
-        raise PlanFileError(f"{what} file {path} does not exist; check the path")
-    if path.is_dir():
-        raise PlanFileError(f"{path} is a directory, not a {what} file")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise PlanFileError(f"{what} file {path} is empty; re-create it with `remat {what} ...`")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanFileError(
-            f"{what} file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
-            f"it may be truncated: re-create it with `remat {what} ...`"
-        ) from None
-    if not isinstance(data, dict) or data.get("kind") != kind:
-        found = data.get("kind") if isinstance(data, dict) else type(data).__name__
-        raise PlanFileError(
-            f"{path} is JSON but not a remat {what} (kind={found!r}, expected {kind!r}); "
-            f"pass a file written by `remat {what}`"
-        )
-    sv = data.get("schema_version")
-    if not isinstance(sv, int) or sv > version or sv < 1:
-        raise PlanFileError(
-            f"{what} file {path} has schema_version {sv!r}, this remat reads version {version}; "
-            f"upgrade remat (pip install -U remat) or re-create the file"
-        )
-    try:
-        return cls.model_validate(data)
-    except ValidationError as e:
-        raise PlanFileError(f"{what} file {path}: {_field_error(e)}; re-create it with `remat {what} ...`") from None
-
-
-def _field_error(e: ValidationError) -> str:
-    """The first error as ``path.into.file: what is wrong (got VALUE)`` (Rule 3 of NOTE [ Numbers in files ])."""
-    first = e.errors()[0]
-    loc = ".".join(str(x) for x in first["loc"])
-    if first["type"] == "remat_consistency":
-        return first["msg"] if not loc else f"{loc}.{first['msg']}"
-    got = first.get("input")
-    shown = "" if isinstance(got, (dict, list)) or first["type"] == "missing" else f" (got {got!r})"
-    return f"{loc or '<top>'}: {first['msg'][:1].lower()}{first['msg'][1:]}{shown}"
+__all__ = ["Bytes", "Count", "ExcludedUnit", "Fingerprint", "LOSS_ID", "MAX_BYTES", "MAX_COUNT",
+           "MAX_WORLD_SIZE", "MemoryEvent", "Ms", "NonNegFloat", "now_iso", "OpRecord", "OpRef",
+           "ParamRecord", "Plan", "PLAN_SCHEMA_VERSION", "PlanBucket", "Predicted", "Profile",
+           "PROFILE_SCHEMA_VERSION", "Recipe", "RetainedBytes", "ROOT_ID", "RunStamp", "SaveRecord",
+           "SelectiveRegion", "Seq", "SINGLE_SHAPE_PLAN_VERSION", "SolverInfo", "StepChange", "StepRecord",
+           "StepStructure", "TensorRecord", "TensorSig", "Threads", "UnitRecord"]

@@ -3,6 +3,10 @@
 Tests (brute-force oracles, property tests) and solver benchmarks use these to exercise the
 real ``build_graph`` -> ``simulate`` path on graphs of any shape: chains, skip connections
 (U-Net), encoder outputs feeding every decoder block, nested candidates.
+
+Example::
+
+    prof = synthetic_profile(random_chain(random.Random(0), 8))   # no torch needed
 """
 
 from __future__ import annotations
@@ -187,3 +191,6 @@ def random_tied(rng: random.Random, n: int, *, shared: int = 1, max_bytes: int =
             k = calls[u.name] = calls.get(u.name, -1) + 1
             u.name += f"#{k}" if k else ""
     return units
+
+
+__all__ = ["random_chain", "random_dag", "random_tied", "synthetic_profile", "SynUnit"]

@@ -6,6 +6,27 @@ model, caps its address space so that at most the given bytes remain for the mod
 and runs ``planner.profiling.memsafe.profile_within``: a step that needs more fails as it would on a
 smaller machine (``RuntimeError: DefaultCPUAllocator: can't allocate memory``).
 
+Example::
+
+    prof = profile_capped("model.py", step=StepSpec(device="cpu", device_memory_bytes=150 << 20))
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from planner.children import die_with_parent, run_child
+from planner.errors import ProfileError, RematError
+from planner.files import atomic_write_text
+from planner.spec import StepSpec
+
 # NOTE [ CPU memory cap ]
 #
 # PyTorch's CPU allocator has no limit of its own, so the kernel enforces one: RLIMIT_AS caps
@@ -24,21 +45,6 @@ smaller machine (``RuntimeError: DefaultCPUAllocator: can't allocate memory``).
 # These are environment variables read when the process starts, hence a child process.
 # So the cap is approximate, to the allowance: docs/benchmarks.md measures how many tensor bytes
 # fit under a cap (benchmarks/memory_safe.py --cap-check).
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import resource
-import sys
-import tempfile
-from pathlib import Path
-from typing import Any
-
-from planner.children import die_with_parent, run_child
-from planner.errors import ProfileError, RematError
 
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 """glibc settings for the child (NOTE [ CPU memory cap ])."""
@@ -48,13 +54,10 @@ OVERHEAD_ALLOWANCE_BYTES = 80 * 2**20
 profiler's event buffers, autograd nodes, Python objects (about 70 MiB for
 benchmarks/models/llama8.py; see NOTE [ CPU memory cap ])."""
 
-ENV_VAR = "REMAT_DEVICE_MEMORY"
-"""Environment variable the CLI reads when --device-memory is not given."""
 
-
-def profile_capped(model_path: str | Path, *, device_memory_bytes: int, optimizer: str = "adamw", steps: int = 3,
-                   amp: str | None = None, threads: int | None = None, quiet: bool = False) -> Any:
-    """Profile ``model_path`` on the CPU in a child process capped at ``device_memory_bytes``.
+def profile_capped(model_path: str | Path, *, step: StepSpec, quiet: bool = False) -> Any:
+    """Profile ``model_path`` on the CPU in a child process capped at ``step.device_memory_bytes``; the
+    model file gives the loss (``step`` has none), ``step`` the optimizer, amp, steps and threads.
 
     Returns the ``schema.Profile`` (memory-safe when the step did not fit). The child's
     progress goes to this process's stderr unless ``quiet``.
@@ -64,14 +67,16 @@ def profile_capped(model_path: str | Path, *, device_memory_bytes: int, optimize
     """
     from planner.model.schema import Profile
 
+    device_memory_bytes = step.device_memory_bytes
     with tempfile.TemporaryDirectory(prefix="remat-capped-") as tmp:
         out = Path(tmp) / "profile.json"
         cmd = [sys.executable, "-m", "planner.profiling.capped", str(Path(model_path).resolve()), str(out),
-               "--device-memory", str(device_memory_bytes), "--optimizer", optimizer, "--steps", str(steps)]
-        if amp:
-            cmd += ["--amp", amp]
-        if threads:
-            cmd += ["--threads", str(threads)]
+               "--device-memory", str(device_memory_bytes), "--optimizer", step.optimizer, "--steps", str(step.steps),
+               "--warmup-steps", str(step.warmup_steps)]
+        if step.recipe.amp:
+            cmd += ["--amp", step.recipe.amp]
+        if step.threads:
+            cmd += ["--threads", str(step.threads)]
         if quiet:
             cmd.append("--quiet")
         root = str(Path(__file__).resolve().parent.parent)
@@ -129,6 +134,7 @@ def _child(argv: list[str]) -> int:
     p.add_argument("--device-memory", type=int, required=True)
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--amp", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quiet", action="store_true")
@@ -137,17 +143,18 @@ def _child(argv: list[str]) -> int:
     try:
         prof = _profile_child(args)
     except RematError as e:
-        out.write_text(json.dumps({"error": e.template, "options": e.options}))  # worded by the caller
+        atomic_write_text(out, json.dumps({"error": e.template, "options": e.options}))  # worded by the caller
         return e.exit_code
     except MemoryError:
-        out.write_text(json.dumps({"error": "out of memory outside the step (Python's own allocations); "
+        atomic_write_text(out, json.dumps({"error": "out of memory outside the step (Python's own allocations); "
                                             "raise {device_memory_bytes}", "options": ["device_memory_bytes"]}))
         return ProfileError.exit_code
-    out.write_text(prof.model_dump_json())
+    atomic_write_text(out, prof.model_dump_json())  # the parent never reads half a profile
     return 0
 
 
 def _profile_child(args: argparse.Namespace) -> Any:
+    from planner.model.schema import Recipe
     from planner.profiling.memsafe import profile_within
     from planner.profiling.model_file import load_model_file
     from planner.profiling.tracker import iter_tensors, storage_bytes
@@ -163,11 +170,15 @@ def _profile_child(args: argparse.Namespace) -> Any:
                            f"device memory of {args.device_memory} bytes")
     limit = cap_address_space(args.device_memory, existing)
     say(f"address space capped at {limit} bytes ({args.device_memory - existing} bytes left for the step)")
-    return profile_within(model, inputs, device_memory_bytes=args.device_memory, loss_fn=mf.loss_fn,
-                          device="cpu", optimizer=args.optimizer, steps=args.steps, amp=args.amp, threads=args.threads,
-                          progress=say)
+    step = StepSpec(device="cpu", device_memory_bytes=args.device_memory, loss_fn=mf.loss_fn, optimizer=args.optimizer,
+                    steps=args.steps, warmup_steps=args.warmup_steps, recipe=Recipe(amp=args.amp), threads=args.threads)
+    return profile_within(model, inputs, step=step, progress=say)
 
 
 if __name__ == "__main__":
     die_with_parent()
     sys.exit(_child(sys.argv[1:]))
+
+
+__all__ = ["cap_address_space", "MALLOC_ENV", "OVERHEAD_ALLOWANCE_BYTES", "prepare", "profile_capped",
+           "vm_size_bytes"]

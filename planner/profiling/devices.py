@@ -3,11 +3,17 @@
 One JSON file per device, its file name the device's ``name``. ``remat devices`` lists them;
 ``get_device`` resolves a name or alias (case-insensitive); ``usable_bytes`` is the default
 budget on a device. Data only, no torch import.
+
+Example::
+
+    spec = get_device("h100")
+    usable_bytes(spec)                         # the default budget on it
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -20,7 +26,11 @@ _PLANNER_DIR = Path(__file__).resolve().parents[1]
 DEVICES_DIR = next(d / "profiles" / "devices" for d in (_PLANNER_DIR, _PLANNER_DIR.parent)
                    if (d / "profiles" / "devices").is_dir())
 CALIBRATION_DIR = DEVICES_DIR / "calibration"
-"""One ``<device name>.json`` per calibrated device (``Calibration``), written by benchmarks/gpu_check.py."""
+"""The calibrations remat ships: one ``<device name>.json`` per calibrated device (``Calibration``).
+Read only: a calibration made on this machine goes to ``user_calibration_dir()``."""
+
+CALIBRATION_ENV = "REMAT_CALIBRATION_DIR"
+"""Environment variable naming the folder of this machine's calibrations (``user_calibration_dir``)."""
 
 
 class PeakFlops(BaseModel):
@@ -70,12 +80,32 @@ class Calibration(BaseModel):
                                                              "with the constants used before this fit.")
 
 
+def user_calibration_dir() -> Path:
+    """Where calibrations made on this machine are written (benchmarks/gpu_check.py) and read first:
+    ``$REMAT_CALIBRATION_DIR``, else ``$XDG_CONFIG_HOME/remat/calibration`` (``~/.config/remat/calibration``).
+    Never inside the installed package, which may be read-only and is replaced by an upgrade."""
+    if os.environ.get(CALIBRATION_ENV):
+        return Path(os.environ[CALIBRATION_ENV]).expanduser()
+    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config) / "remat" / "calibration"
+
+
 def calibration_path(spec: DeviceSpec, directory: str | Path | None = None) -> Path:
-    return (Path(directory) if directory is not None else CALIBRATION_DIR) / f"{spec.name}.json"
+    """The calibration file of ``spec`` that ``load_calibration`` reads: in ``directory`` when given,
+    else this machine's (``user_calibration_dir``) when it has one, else the shipped one."""
+    if directory is not None:
+        return Path(directory) / f"{spec.name}.json"
+    mine = user_calibration_dir() / f"{spec.name}.json"
+    return mine if mine.exists() else CALIBRATION_DIR / f"{spec.name}.json"
+
+
+def calibration_source(path: Path) -> str:
+    """How a profile names the calibration file ``path``: shipped ones by their place in the checkout."""
+    return f"profiles/devices/calibration/{path.name}" if path.parent == CALIBRATION_DIR else str(path)
 
 
 def load_calibration(spec: DeviceSpec, directory: str | Path | None = None) -> Calibration | None:
-    """The calibration of ``spec`` (``CALIBRATION_DIR/<name>.json``), or None when it has none."""
+    """The calibration of ``spec`` (``calibration_path``), or None when it has none."""
     path = calibration_path(spec, directory)
     if not path.exists():
         return None
@@ -166,3 +196,9 @@ def _load_one(path: Path) -> DeviceSpec:
         loc = ".".join(str(x) for x in first["loc"])
         raise BadInput(f"device spec {path} is malformed at {loc or '<top>'}: {first['msg']}; "
                        f"fix or remove it") from None
+
+
+__all__ = ["CALIBRATION_DIR", "CALIBRATION_ENV", "CONTEXT_RESERVE_BYTES", "Calibration", "DEVICES_DIR",
+           "DeviceSpec", "FRAGMENTATION_FRACTION", "PeakFlops", "calibration_path", "calibration_source",
+           "get_device", "load_calibration", "load_devices", "reserve_bytes", "usable_bytes",
+           "user_calibration_dir"]

@@ -4,6 +4,11 @@
 hooks), ``measure_step`` here (without), ``verify`` and the benchmarks (with a plan applied).
 ``measure_step`` knows nothing of the profiler: it runs a step function and asks the
 device's allocator, so a planned model is measured exactly like a plain one.
+
+Example::
+
+    step = make_step(model, inputs, loss_fn=loss_fn, optimizer=make_optimizer("adamw", model), recipe=Recipe())
+    measured = measure_step(step, torch.device("cpu"), static_bytes=0)
 """
 
 from __future__ import annotations
@@ -466,3 +471,8 @@ def measure_host_link(dev: torch.device, *, repeats: int = 5) -> tuple[float, bo
         sync(dev)
         best = min(best, time.perf_counter() - start)
     return HOST_LINK_PROBE_BYTES / max(best, 1e-9), dev.type == "cuda"
+
+
+__all__ = ["AMP_DTYPES", "count_cpu_allocations", "cpu_allocations", "free", "HOST_LINK_PROBE_BYTES", "is_oom", "make_optimizer",
+           "make_step", "Mark", "measure_host_link", "measure_step", "Measured", "OPTIMIZERS", "quiet_stderr", "resolve_recipe",
+           "SCALER_INIT_SCALE", "Step", "STEP_MARKS", "sync", "to_device", "user_code"]

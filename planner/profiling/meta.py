@@ -7,27 +7,9 @@ warm-up step and memory step as ``planner.profiling.profiler`` run under
 ``torch._subclasses.fake_tensor.FakeTensorMode``: every aten op computes output shapes,
 dtypes and strides, and nothing is allocated. See docs/meta.md for what comes out.
 
-NOTE [ Meta profiling ]
-Bytes. The live-bytes tracker (NOTE [ Live-bytes tracker ]) runs on the fake tensors, whose
-storages carry real ``nbytes``: saved-for-backward tensors, unit inputs and outputs, the
-timeline, gradients and the optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` created by
-the optimizer's own first ``step()`` in the warm-up, under the fake mode) are the bytes a
-real step would allocate, byte for byte, as far as the dispatcher sees them. Not seen: a
-kernel's internal workspace (cuBLAS, flash-attention backward scratch), allocator
-fragmentation and the CUDA context (see ``planner.profiling.devices.usable_bytes``).
+Example::
 
-Whose rules. The step follows the *target's* rules: a GPU target gets 512-byte allocation
-blocks, the foreach optimizer (torch's default on CUDA) and CUDA's choice of
-scaled-dot-product-attention kernel (flash for fp16/bf16 without a mask, memory-efficient
-otherwise: they save the output and a log-sum-exp, where the CPU's math path with dropout
-saves the S x S attention matrix). The fake tensors themselves are CUDA tensors when this
-PyTorch has CUDA, else CPU tensors: autograd on fake CUDA tensors needs the CUDA runtime
-(without it, ``InputMetadata`` aborts the process, uncatchably), so on a CPU-only machine
-the rules above are applied by hand and autocast uses the CPU's op lists (the CUDA lists
-also run softmax, layer_norm and losses in fp32; see docs/meta.md).
-
-Times. One roofline per aten op (``Roofline``), summed between the same module hooks the
-profiler times real steps with; see NOTE [ Roofline ].
+    prof = profile_meta(build_on_meta(build_model), inputs, step=StepSpec(device="meta", target="h100"))
 """
 
 from __future__ import annotations
@@ -42,49 +24,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from planner.model import schema
-from planner.profiling.devices import Calibration, DeviceSpec, get_device, load_calibration
+from planner.profiling.devices import (DeviceSpec, calibration_path, calibration_source, get_device,
+                                       load_calibration)
 from planner.errors import BadInput, ProfileError
-from planner.profiling.measure import Measured, make_optimizer, make_step, resolve_recipe
+from planner.profiling.measure import Measured, make_optimizer, make_step
 from planner.profiling.model_file import Inputs
-from planner.profiling.recording import assemble_profile, memory_step, MemoryRecorder, StepTimes
-from planner.profiling.tracker import LiveBytesTracker, iter_tensors
+from planner.profiling.assemble import assemble_profile
+from planner.profiling.recording import memory_step, MemoryRecorder
+from planner.profiling.units import StepTimes
+from planner.profiling.tracker import LiveBytesTracker
+from planner.profiling.roofline import Roofline
+from planner.spec import StepSpec, step_spec
 
 Progress = Callable[[str], None]
-
-# NOTE [ Roofline ]
-# An op takes max(compute time, memory time): it is bound by whichever unit it saturates.
-#   compute = FLOPs / (peak FLOP/s of the op's dtype * MATMUL_EFFICIENCY)
-#   memory  = bytes moved / (memory bandwidth * BANDWIDTH_EFFICIENCY)
-# FLOPs are torch.utils.flop_counter's (the FlopCounterMode registry: matmuls, convolutions,
-# attention; causal attention counted in full, as it does), forward and backward. Bytes moved
-# are the bytes of the op's tensor inputs and outputs (each tensor's elements, capped by its
-# storage: an expanded tensor is read once); views and allocations without a write move
-# nothing. The dtype column is that of the op's first floating-point input (bf16/fp16;
-# fp32 uses tf32 when torch.backends.cuda.matmul.allow_tf32 is set, as in PyTorch); a column
-# the device lacks (bf16 on a T4) falls back to fp32. Kernel launch overhead (a few us per
-# op) is not modelled: small models come out faster than they run.
-# How sure: the two efficiencies come from the device's calibration file
-# (``planner.profiling.devices.load_calibration``: profiles/devices/calibration/<name>.json, fitted on a
-# real step of that GPU by benchmarks/gpu_check.py). Without one they are the assumptions
-# below, and the profile, the plan and the CLI say "uncalibrated" (``Profile.time_calibration``
-# is None).
-
-MATMUL_EFFICIENCY = 0.6
-"""Assumption: share of the datasheet's dense peak FLOP/s that large bf16 matmuls reach in
-training (cuBLAS on H100 reaches 60-75% on big GEMMs, less on the odd shapes of attention
-projections and small batches). One factor for every op with FLOPs."""
-
-BANDWIDTH_EFFICIENCY = 0.8
-"""Assumption: share of the datasheet's memory bandwidth that elementwise and reduction
-kernels reach (STREAM-like copies reach 85-90% on HBM; norms, softmax and optimizer updates
-somewhat less)."""
-
-_NO_TRAFFIC_PREFIXES = ("empty", "new_empty", "sym_")
-"""Ops that allocate without writing, or read only metadata: no bytes moved."""
-
 
 @dataclass(frozen=True)
 class Rules:
@@ -128,19 +82,39 @@ def build_on_meta(build_model: Callable[[], nn.Module]) -> nn.Module:
         return build_model()
 
 
+# NOTE [ Meta profiling ]
+#
+# Bytes. The live-bytes tracker (NOTE [ Live-bytes tracker ]) runs on the fake tensors, whose
+# storages carry real ``nbytes``: saved-for-backward tensors, unit inputs and outputs, the
+# timeline, gradients and the optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` created by
+# the optimizer's own first ``step()`` in the warm-up, under the fake mode) are the bytes a
+# real step would allocate, byte for byte, as far as the dispatcher sees them. Not seen: a
+# kernel's internal workspace (cuBLAS, flash-attention backward scratch), allocator
+# fragmentation and the CUDA context (see ``planner.profiling.devices.usable_bytes``).
+#
+# Whose rules. The step follows the *target's* rules: a GPU target gets 512-byte allocation
+# blocks, the foreach optimizer (torch's default on CUDA) and CUDA's choice of
+# scaled-dot-product-attention kernel (flash for fp16/bf16 without a mask, memory-efficient
+# otherwise: they save the output and a log-sum-exp, where the CPU's math path with dropout
+# saves the S x S attention matrix). The fake tensors themselves are CUDA tensors when this
+# PyTorch has CUDA, else CPU tensors: autograd on fake CUDA tensors needs the CUDA runtime
+# (without it, ``InputMetadata`` aborts the process, uncatchably), so on a CPU-only machine
+# the rules above are applied by hand and autocast uses the CPU's op lists (the CUDA lists
+# also run softmax, layer_norm and losses in fp32; see docs/meta.md).
+#
+# Times. One roofline per aten op (``Roofline``), summed between the same module hooks the
+# profiler times real steps with; see NOTE [ Roofline ].
+
 def profile_meta(
     model: nn.Module,
     inputs: Inputs,
     *,
-    target: str | DeviceSpec,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer: str = "adamw",
-    amp: str | None = None,
-    recipe: schema.Recipe | None = None,
+    step: StepSpec | None = None,
     device_type: str = "cuda",
     fake_device: str | None = None,
     calibrated: bool = True,
     progress: Progress | None = None,
+    **step_fields: Any,
 ) -> schema.Profile:
     """Profile one training step of ``model`` on fake tensors, with times modelled for ``target``.
 
@@ -151,9 +125,9 @@ def profile_meta(
     Args:
         model: the model, ideally built with ``build_on_meta``.
         inputs: as for ``planner.profiling.profile``; real tensors (turned into fake ones).
-        target: a device spec or its name/alias (``planner.profiling.devices``): peak FLOP/s and
-            bandwidth for the roofline.
-        loss_fn, optimizer, amp, recipe: as for ``planner.profiling.profile``.
+        step: the step (``planner.spec.StepSpec``): its ``target``, a device spec or its name/alias
+            (``planner.profiling.devices``), gives the peak FLOP/s and bandwidth of the roofline;
+            its loss, optimizer and recipe the step. ``device``, ``steps`` and the cap are not read.
         device_type: whose rules the step follows (NOTE [ Meta profiling ]): 'cuda' for a
             GPU target; 'cpu' makes the faked step the same as a real CPU step (to compare).
         fake_device: the fake tensors' device type; default 'cuda' where this PyTorch has
@@ -162,6 +136,7 @@ def profile_meta(
         calibrated: use the target's calibration file when it has one (NOTE [ Roofline ]);
             False: the assumed efficiencies (what benchmarks/gpu_check.py fits against).
         progress: called with a short message as each stage starts.
+        **step_fields: ``StepSpec`` fields replacing ``step``'s (``target="h100"``, ``loss_fn=...``).
 
     Returns:
         A ``schema.Profile`` with ``device='meta'``, ``target`` the spec's name,
@@ -174,9 +149,13 @@ def profile_meta(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    step = step_spec(step, **step_fields)
+    target = step.target
+    if target is None:
+        raise BadInput("profile_meta models times for a target device: give target=NAME (remat devices lists them)")
     spec = target if isinstance(target, DeviceSpec) else get_device(target)
     rules = rules_for(device_type, fake_device)
-    recipe = resolve_recipe(recipe, amp)
+    recipe = step.recipe
     say = progress or (lambda _msg: None)
     dev = torch.device(rules.fake_device)
     calibration = load_calibration(spec) if calibrated else None
@@ -184,26 +163,26 @@ def profile_meta(
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, _RealKernelOutputs(rules), _fake_state(model, dev), \
             _sdpa(rules), _hf_unpacked(inputs), _explaining_fake_errors():
         fake_inputs = _fake_inputs(fake, inputs, dev)
-        opt = make_optimizer(optimizer, model, impl=recipe.optimizer_impl)
+        opt = make_optimizer(step.optimizer, model, impl=recipe.optimizer_impl)
         if rules.device_type == "cuda" and opt is not None and recipe.optimizer_impl == "default":
             for group in opt.param_groups:  # torch picks foreach for CUDA tensors, but not for FakeTensors
                 group["foreach"] = True
-        step = make_step(model, fake_inputs, loss_fn=loss_fn, optimizer=opt, recipe=recipe)
+        run = make_step(model, fake_inputs, loss_fn=step.loss_fn, optimizer=opt, recipe=recipe)
         say("warm-up step (fake tensors)")
-        step()
+        run()
         say("memory and roofline step (fake tensors)")
         stamps: dict[int, tuple[float, float]] = {}
         with roofline:
             mem = memory_step(
-                model, step, fake_inputs, opt, dev, recipe=recipe, round_to=rules.round_to,
+                model, run, fake_inputs, opt, dev, recipe=recipe, round_to=rules.round_to,
                 recorder=lambda m, tracker: _RooflineRecorder(m, tracker, roofline, stamps))
         times, flops = _times(mem.recorder, stamps)
         peak = max((e.peak_bytes for e in mem.recorder.events), default=0)
         measured = Measured(peak_bytes=peak, step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
                             source="tracker")
-        prof = assemble_profile(model, inputs, dev, optimizer, recipe, times, mem, measured, 1, 1)
+        prof = assemble_profile(model, inputs, dev, step.replace(warmup_steps=1, steps=1), times, mem, measured)
     units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
-    source = f"profiles/devices/calibration/{spec.name}.json" if calibration else None
+    source = calibration_source(calibration_path(spec)) if calibration else None
     return prof.model_copy(update={
         "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units,
         "host_link_bytes_per_s": spec.host_link_bytes_per_s, "copy_engine": spec.name != "cpu",
@@ -222,44 +201,6 @@ def _notes(spec: DeviceSpec, rules: Rules, roofline: "Roofline", calibration: st
         notes.append("fake tensors on the CPU with CUDA's rules (512-byte blocks, foreach optimizer, "
                      "CUDA's attention kernels); autocast followed the CPU's op lists")
     return notes
-
-
-def fit_calibration(pairs: list[tuple[schema.Profile, schema.Profile]], *, measured_on: str,
-                    models: list[str]) -> Calibration:
-    """Efficiencies that make the roofline's time of the candidate units equal the measured one.
-
-    ``pairs``: (profile measured on the GPU, ``profile_meta(..., calibrated=False)`` of the same
-    model for its spec: the assumed efficiencies are what the factor multiplies).
-    One factor is fitted: every op's modelled time scales as 1 / efficiency (the roofline is
-    homogeneous in both), so both efficiencies are multiplied by modelled / measured, summed
-    over the forward and backward ms of every candidate unit of every model; their ratio stays
-    as assumed (a single ratio cannot tell compute-bound from memory-bound error apart).
-    """
-    from planner.model.graph import build_graph
-
-    modelled = measured = 0.0
-    target = None
-    for real, fake in pairs:
-        if fake.time_calibration is not None:
-            raise BadInput("fit the calibration on uncalibrated meta profiles: profile_meta(..., calibrated=False)")
-        target = fake.target
-        for node in build_graph(real).nodes:
-            try:
-                u, v = real.unit(node), fake.unit(node)
-            except KeyError:
-                continue
-            measured += u.forward_ms + u.backward_ms
-            modelled += v.forward_ms + v.backward_ms
-    if target is None or measured <= 0 or modelled <= 0:
-        raise BadInput("calibration needs at least one measured and modelled profile with timed candidate units")
-    ratio = modelled / measured
-    return Calibration(
-        device=get_device(target).name, measured_on=measured_on, torch_version=torch.__version__,
-        created_at=schema.now_iso(), matmul_efficiency=min(1.0, MATMUL_EFFICIENCY * ratio),
-        bandwidth_efficiency=min(1.0, BANDWIDTH_EFFICIENCY * ratio),
-        method=(f"one factor: modelled / measured forward+backward ms over the candidate units of "
-                f"{', '.join(models)} ({len(pairs)} profile pairs); efficiencies capped at 1"),
-        modelled_over_measured_before=ratio)
 
 
 # ----------------------------------------------------------------------------- fake state
@@ -448,116 +389,6 @@ def _sdpa(rules: Rules) -> contextlib.AbstractContextManager:
     return _CudaSdpa() if rules.emulate_cuda else contextlib.nullcontext()
 
 
-# ----------------------------------------------------------------------------- roofline
-
-
-def _cpu_flash_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
-
-
-def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-
-
-_EXTRA_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
-}
-"""Attention kernels the flop counter does not know (the CPU's flash attention), same formula."""
-
-
-class Roofline(TorchDispatchMode):
-    """Model each aten op's time on ``spec`` (NOTE [ Roofline ]) and keep running totals.
-
-    ``ms`` and ``flops`` only grow; differences between two readings are what ran in between.
-    """
-
-    def __init__(self, spec: DeviceSpec, calibration: Calibration | None = None):
-        super().__init__()
-        self.spec = spec
-        self.ms = 0.0
-        self.flops = 0.0
-        self.matmul_efficiency = calibration.matmul_efficiency if calibration else MATMUL_EFFICIENCY
-        self.bandwidth_efficiency = calibration.bandwidth_efficiency if calibration else BANDWIDTH_EFFICIENCY
-        self._bytes_per_ms = spec.memory_bandwidth_bytes_per_s * self.bandwidth_efficiency / 1e3
-        self._tf32 = _tf32_enabled()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.add(func, args, kwargs, out)
-        return out
-
-    def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """Account for one op (called by the mode; public so a test can feed it ops)."""
-        if _moves_nothing(func, args, out):
-            return
-        flops = self._op_flops(func, args, kwargs, out)
-        moved = sum(_moved_bytes(t) for t in iter_tensors(args, kwargs, out))
-        ms = moved / self._bytes_per_ms
-        if flops:
-            rate = self._flops_per_s(_op_dtype(args)) * self.matmul_efficiency
-            ms = max(ms, flops / rate * 1e3)
-            self.flops += flops
-        self.ms += ms
-
-    @staticmethod
-    def _op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
-        packet = func._overloadpacket
-        count = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-        return float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
-
-    def _flops_per_s(self, dtype: torch.dtype | None) -> float:
-        peak = self.spec.peak_flops
-        column = {torch.bfloat16: peak.bf16, torch.float16: peak.fp16}.get(dtype) if dtype else None
-        if dtype == torch.float32 and self._tf32:
-            column = peak.tf32
-        return column or peak.fp32
-
-
-def _moves_nothing(func: Any, args: tuple, out: Any) -> bool:
-    """Views (``_unsafe_view`` too: its output shares the input's storage), metadata queries
-    (``prim.device``), and allocations that write nothing."""
-    if func.is_view or func.namespace == "prim" or func.__name__.startswith(_NO_TRAFFIC_PREFIXES):
-        return True
-    if func._schema.is_mutable:  # in-place and out= ops return their input, and write it
-        return False
-    outs = list(iter_tensors(out))
-    if not outs:
-        return True
-    inputs = {_storage_key(t) for t in iter_tensors(args)}
-    return all(_storage_key(t) in inputs for t in outs)
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _moved_bytes(t: torch.Tensor) -> int:
-    n = t.numel() * t.element_size()
-    try:
-        return min(n, t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
-        return n
-
-
-def _op_dtype(args: tuple) -> torch.dtype | None:
-    for t in iter_tensors(args):
-        if t.is_floating_point():
-            return t.dtype
-    return None
-
-
-def _tf32_enabled() -> bool:
-    try:
-        return bool(torch.backends.cuda.matmul.allow_tf32)
-    except (AttributeError, RuntimeError):
-        return False
-
-
 # ----------------------------------------------------------------------------- times per unit
 
 
@@ -599,3 +430,6 @@ def _times(rec: Any, stamps: dict[int, tuple[float, float]]) -> tuple[Any, dict[
         unit_ids=[[u.id for u in rec.units]],
     )
     return times, {u.id: span(u.fwd_start, u.fwd_end, 1) for u in rec.units}
+
+
+__all__ = ["build_on_meta", "profile_meta", "Progress", "Rules", "rules_for"]

@@ -11,6 +11,11 @@ Everything that can go wrong with the file (missing, not Python, syntax error, a
 missing, user code raising, wrong return types) raises ``ModelLoadError`` with one message
 that names the fix. A user's exception is shown with the frames from their own file only:
 the bug is there, not in importlib or torch.
+
+Example::
+
+    mf = load_model_file("examples/gpt2.py")
+    model, batch = mf.build_model(), mf.example_inputs()
 """
 
 from __future__ import annotations
@@ -394,3 +399,8 @@ def check_devices(model: torch.nn.Module, inputs: Inputs) -> torch.device:
             raise ModelLoadError(f"example_inputs() returns a tensor on {t.device} but the model is on {device}; "
                                  f"return CPU tensors (remat moves the model and the inputs to the device)")
     return device
+
+
+__all__ = ["call_model", "called_exit", "check_devices", "check_loss", "check_materialized",
+           "check_shape_keywords", "compute_loss", "default_loss", "Inputs", "load_model_file", "loss_arity",
+           "LOSS_SIGNATURES", "ModelFile", "SHAPE_KEYWORDS", "TEMPLATE", "user_frames"]

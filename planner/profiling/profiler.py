@@ -13,7 +13,7 @@
    of live memory;
 4. one step as the user runs it, with the module and gradient hooks of step 3 but no dispatch
    mode: its events carry the device allocator's live and peak bytes, the timeline the cost
-   model calibrates on (NOTE [ Step as run ] in ``planner/profiling/recording.py``);
+   model calibrates on (NOTE [ Step as run ] in ``planner/profiling/as_run.py``);
 5. one plain step measured by the device itself (``planner.profiling.measure.measure_step``).
    The timeline's peak must agree with it within ``RECONCILE_TOLERANCE`` (``reconcile``), and
    the memory step must have run every unit the other steps ran (NOTE [ Worst step ]); a
@@ -24,6 +24,10 @@ Profiling runs the optimizer with lr=0 (see ``make_optimizer``), restores buffer
 (BatchNorm statistics), the RNG state and every module's train/eval flag, clears the
 gradients and removes every hook, so the model comes back as it went in, moved to the
 profiling device and otherwise unchanged.
+
+Example::
+
+    prof = profile_real(model, inputs, torch.device("cpu"), step=StepSpec(steps=3))
 """
 
 from __future__ import annotations
@@ -36,75 +40,63 @@ import torch
 
 from planner.errors import BadInput, ProfileError
 from planner.model import schema
-from planner.profiling.measure import make_optimizer, make_step, measure_step, resolve_recipe, to_device
+from planner.profiling.measure import make_optimizer, make_step, measure_step, to_device
 from planner.profiling.model_file import Inputs, check_devices
+from planner.profiling.as_run import AsRun, as_run_timeline
+from planner.profiling.assemble import assemble_profile
 from planner.profiling.recording import (
-    OP_TIMING_STEPS, op_timing_steps, Progress, AsRun, as_run_timeline, assemble_profile, memory_step, Recorder, release_grads,
-    StepTimes, UnitCall,
+    OP_TIMING_STEPS, MemoryRecorder, Progress, memory_step, op_timing_steps, release_grads,
 )
+from planner.profiling.units import Recorder, StepTimes, UnitCall
 from planner.profiling.timing import (
     calibrated, num_threads, profile_clock, robust_ms, spread_ms, timing_threads, unit_costs,
 )
+from planner.spec import StepSpec
 
 
-def profile_real(
-    model: torch.nn.Module,
-    inputs: Inputs,
-    dev: torch.device,
-    *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer: str = "adamw",
-    warmup_steps: int = 1,
-    steps: int = 3,
-    recipe: schema.Recipe,
-    threads: int | None = None,
-    progress: Progress | None = None,
-) -> schema.Profile:
-    """Profile one training step of ``recipe`` on ``dev`` (resolved by ``resolve_device``, not meta); the
-    arguments are checked by ``planner.profiling.profile``, which documents them."""
+def profile_real(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, step: StepSpec,
+                 progress: Progress | None = None) -> schema.Profile:
+    """Profile one training step of ``step`` on ``dev`` (resolved by ``resolve_device``, not meta); the
+    step is checked by ``planner.profiling.check_step`` and documented by ``planner.spec.StepSpec``."""
     check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
-    with restoring_model(model, dev), num_threads(threads):
+    with restoring_model(model, dev), num_threads(step.threads):
         clock = profile_clock(dev, torch.get_num_threads())
-        return measure_profile(model, inputs, dev, loss_fn=loss_fn, optimizer=optimizer, recipe=recipe, clock=clock,
-                        warmup_steps=warmup_steps, steps=steps, say=progress or (lambda _msg: None))
+        return measure_profile(model, inputs, dev, step=step, clock=clock, say=progress or (lambda _msg: None))
 
 
-def measure_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, loss_fn: Callable | None,
-             optimizer: str, warmup_steps: int, steps: int, say: Progress, clock: Any,
-             amp: str | None = None, recipe: schema.Recipe | None = None,
-             timing_recorder: Callable[..., TimingRecorder] | None = None,
-             memory_recorder: Callable[..., MemoryRecorder] | None = None) -> schema.Profile:
+def measure_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, step: StepSpec, say: Progress,
+                    clock: Any, timing_recorder: Callable[..., TimingRecorder] | None = None,
+                    memory_recorder: Callable[..., MemoryRecorder] | None = None) -> schema.Profile:
     """The stages of ``profile_real`` (inside ``restoring_model`` and ``num_threads``).
     planner/profiling/memsafe.py runs them with the candidates checkpointed, its own recorders and
-    a clock that leaves out recomputes. ``amp`` is short for ``recipe=Recipe(amp=...)``."""
-    recipe = resolve_recipe(recipe, amp)
+    a clock that leaves out recomputes."""
+    recipe = step.recipe
     model.to(dev)
     model.train()
     inputs = to_device(inputs, dev)
-    opt = make_optimizer(optimizer, model, impl=recipe.optimizer_impl)
-    step = make_step(model, inputs, loss_fn=loss_fn, optimizer=opt, recipe=recipe)
-    for i in range(warmup_steps):
-        say(f"warm-up step {i + 1}/{warmup_steps}")
-        step()
-    scaled = calibrated(clock, step)  # NOTE [ Unit costs ], Rule 1b
+    opt = make_optimizer(step.optimizer, model, impl=recipe.optimizer_impl)
+    run = make_step(model, inputs, loss_fn=step.loss_fn, optimizer=opt, recipe=recipe)
+    for i in range(step.warmup_steps):
+        say(f"warm-up step {i + 1}/{step.warmup_steps}")
+        run()
+    scaled = calibrated(clock, run)  # NOTE [ Unit costs ], Rule 1b
     with timing_threads(clock):
-        times = _timing_steps(model, step, clock, steps, say, recorder=timing_recorder)
+        times = _timing_steps(model, run, clock, step.steps, say, recorder=timing_recorder)
     say("memory step")
-    mem = memory_step(model, step, inputs, opt, dev, recipe=recipe, recorder=memory_recorder)
+    mem = memory_step(model, run, inputs, opt, dev, recipe=recipe, recorder=memory_recorder)
     say("op timing steps")
     with timing_threads(clock):
-        runs = op_timing_steps(step, dev, OP_TIMING_STEPS, clock)
+        runs = op_timing_steps(run, dev, OP_TIMING_STEPS, clock)
     if not mem.recorder.use_op_times(runs):
         mem.recorder.op_time_note = "op times from the memory step only: the op timing steps ran other ops"
     as_run = None
     if memory_recorder is None:  # planner/profiling/memsafe.py reconstructs its timeline from its own step
         say("the step as run")
-        as_run = as_run_timeline(model, step, dev, mem, recipe=recipe)
+        as_run = as_run_timeline(model, run, dev, mem, recipe=recipe)
     say("measuring the step's peak")
     release_grads(model, dev, recipe)
-    measured = measure_step(step, dev, static_bytes=mem.static_bytes)
-    result = assemble_profile(model, inputs, dev, optimizer, recipe, times, mem, measured, warmup_steps, steps,
-                              as_run=as_run)
+    measured = measure_step(run, dev, static_bytes=mem.static_bytes)
+    result = assemble_profile(model, inputs, dev, step, times, mem, measured, as_run=as_run)
     if as_run is not None:
         reconcile(result, as_run)
     return result.model_copy(update={"time_source": clock.source,
@@ -242,3 +234,7 @@ def restoring_model(model: torch.nn.Module, dev: torch.device) -> Iterator[None]
                     saved = buffers.get(name)
                     if saved is not None and saved.shape == b.shape:
                         b.copy_(saved)
+
+
+__all__ = ["measure_profile", "profile_real", "reconcile", "RECONCILE_TOLERANCE", "resolve_device",
+           "restoring_model", "TimingRecorder"]

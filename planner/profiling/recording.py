@@ -1,49 +1,32 @@
-"""Recording one training step, shared by real profiling (``profiler.py``) and fake-tensor
-profiling (``meta.py``): the module-call bookkeeping (NOTE [ Units ]), the memory step under
-the live-bytes tracker, and assembling the ``schema.Profile`` from what was recorded.
+"""The memory step: one training step under the live-bytes tracker, shared by real profiling
+(``profiler.py``) and fake-tensor profiling (``meta.py``). It records the tensors each unit
+(``units.py``) saves for backward, its inputs and outputs, the op records and a timeline of live
+memory; ``as_run.py`` replays the step as the user runs it and ``assemble.py`` builds the
+``schema.Profile``.
 
-NOTE [ Units ]
-A unit is one call of a module: the candidate for checkpointing. Its id is the module's
-FQN ('<root>' for the model itself), with '#k' appended for the k-th call (k >= 1) of the
-same module in the step (a shared block, a tied embedding). ``loss_fn`` runs as the
-pseudo-unit '<loss>'. Units are listed in the order their forward started; ``parent`` is
-the innermost unit running when the call started.
+Example::
 
-Backward boundaries come from gradient hooks registered during the forward:
-``bwd_start`` is when the gradient of the first of the unit's outputs is complete;
-``bwd_end`` is when the gradients of all its inputs that require grad are complete (the
-last such hook to fire). A unit whose inputs need no gradient (an embedding of token ids,
-the first conv on images) ends its backward when the gradients of its parameters are
-complete, if its call is their first use in the step; otherwise ``bwd_end`` stays None.
-An input also consumed by a later sibling (q/k/v projections of one tensor) completes its
-gradient only after that sibling's backward, so the earlier sibling's ``bwd_end`` is late.
+    mem = memory_step(model, step, inputs, opt, dev, recipe=recipe)
+    mem.recorder.events[-1].live_bytes
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
-import platform
-import time
-import weakref
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from typing_extensions import Self
 
 from planner.model import schema
-from planner.model.fingerprint import fingerprint
-from planner.model.schema import LOSS_ID, ROOT_ID
-from planner.profiling.measure import OPTIMIZERS, Measured
 from planner.profiling.model_file import Inputs
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
-from planner.profiling.timing import UnitCost, WallClock, describe, signature, unit_costs
+from planner.profiling.units import Recorder, UnitCall, io_tensors
+from planner.profiling.timing import WallClock, describe, signature
 
 Progress = Callable[[str], None]
 
@@ -56,252 +39,11 @@ _ROUND_TO = {"cuda": 512}
 """Allocation granularity per device type: the CUDA caching allocator rounds to 512 bytes."""
 
 
-# ----------------------------------------------------------------------------- units
-
-
-class UnitCall:
-    """One module call while a step runs. ``fwd_*``/``bwd_*`` hold clock stamps or seqs."""
-
-    __slots__ = (
-        "bwd_end",
-        "bwd_end_event",
-        "bwd_start",
-        "call_index",
-        "depth",
-        "fqn",
-        "fwd_end",
-        "fwd_start",
-        "has_input_grads",
-        "id",
-        "index",
-        "input_bytes",
-        "input_ids",
-        "key",
-        "module_type",
-        "output_bytes",
-        "output_ids",
-        "param_bytes",
-        "parent",
-    )
-
-    def __init__(self, uid: str, fqn: str, call_index: int, module_type: str, parent: str | None,
-                 depth: int, key: int | None, index: int):
-        self.id, self.fqn, self.call_index, self.module_type = uid, fqn, call_index, module_type
-        self.parent, self.depth, self.key, self.index = parent, depth, key, index
-        self.fwd_start = self.fwd_end = self.bwd_start = self.bwd_end = None
-        self.bwd_end_event: int | None = None
-        self.has_input_grads = False
-        self.input_ids: list[int] = []
-        self.output_ids: list[int] = []
-        self.input_bytes = self.output_bytes = self.param_bytes = 0
-
-
-@dataclass
-class _Point:
-    """One gradient that units listen to (see NOTE [ Gradient points ])."""
-
-    ref: weakref.ref
-    node: int | None
-    """Sequence number of the tensor's grad_fn when hooked; it changes if modified in place."""
-    units: list[UnitCall]
-
-
-class Recorder:
-    """Module-call bookkeeping shared by the timing and the memory step (see NOTE [ Units ]).
-
-    Subclasses say what a point in time is (``_note``: a clock stamp, or a seq plus a
-    timeline event) and may look at each unit's inputs and outputs.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.named = list(model.named_modules())
-        self.names = {id(m): name for name, m in self.named}
-        self.modules = {id(m): m for _, m in self.named}
-        self.handles: list[Any] = []
-        self.grad_handles: list[Any] = []
-        self.reset()
-
-    def reset(self) -> None:
-        self._remove(self.grad_handles)
-        self.units: list[UnitCall] = []
-        self.stack: list[UnitCall] = []
-        self.calls: dict[int, int] = {}
-        self.first_use: dict[torch.nn.Parameter, int] = {}
-        self.end_points: dict[int, _Point] = {}
-        self.start_points: dict[int, _Point] = {}
-        self.marks: dict[str, Any] = {}
-        self.in_forward = False
-
-    def __enter__(self) -> Self:
-        try:
-            for _, m in self.named:
-                self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
-                self.handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
-        except BaseException:
-            self._remove(self.handles)
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._remove(self.handles)
-        self._remove(self.grad_handles)
-
-    @staticmethod
-    def _remove(handles: list[Any]) -> None:
-        while handles:
-            handles.pop().remove()
-
-    # ------------------------------------------------------------- step marks
-
-    def mark(self, name: str, value: Any = None) -> None:
-        """The step's ``mark`` callback (``planner.profiling.measure.STEP_MARKS``)."""
-        if name == "step_start":
-            self.in_forward = True
-            self.marks[name] = self._note(name, None)
-        elif name == "loss_start":
-            self._enter(None, LOSS_ID, LOSS_ID, "loss_fn", (value,), {})
-        elif name == "forward_end":
-            if self.stack and self.stack[-1].key is None:
-                self._exit(self.stack[-1], (), {}, value)
-            self.in_forward = False
-            self.marks[name] = self._note(name, None)
-        else:
-            self.marks[name] = self._note(name, None)
-
-    # ------------------------------------------------------------- module hooks
-
-    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.in_forward:  # e.g. recomputation by the model's own checkpointing
-            return
-        fqn = self.names[id(module)]
-        unit = self._enter(id(module), fqn or ROOT_ID, fqn, type(module).__name__, args, kwargs)
-        for p in module.parameters(recurse=False):
-            self.first_use.setdefault(p, unit.index)
-
-    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.stack and self.stack[-1].key == id(module):
-            self._exit(self.stack[-1], args, kwargs, output, module)
-
-    def _enter(self, key: int | None, base: str, fqn: str, module_type: str, args: tuple, kwargs: dict) -> UnitCall:
-        k = self.calls.get(key, 0) if key is not None else 0
-        if key is not None:
-            self.calls[key] = k + 1
-        parent = self.stack[-1] if self.stack and key is not None else None
-        unit = UnitCall(base if k == 0 else f"{base}#{k}", fqn, k, module_type,
-                     parent.id if parent else None, len(self.stack) if key is not None else 0, key, len(self.units))
-        self.units.append(unit)
-        self.stack.append(unit)
-        unit.fwd_start = self._note("fwd_start", unit)
-        self._on_inputs(unit, args, kwargs)
-        # Hooked now, before forward runs: an in-place module (ReLU(inplace=True)) would
-        # otherwise hand us its input already turned into its output.
-        for t in io_tensors(args, kwargs):
-            if t.requires_grad:
-                unit.has_input_grads = True
-                self._listen_end(t, unit)
-        return unit
-
-    def _exit(self, unit: UnitCall, args: tuple, kwargs: dict, output: Any,
-              module: torch.nn.Module | None = None) -> None:
-        self.stack.pop()
-        self._on_outputs(unit, output)
-        unit.fwd_end = self._note("fwd_end", unit)
-        for t in io_tensors(output):
-            if t.requires_grad:
-                self._listen_start(t, unit)
-        if not unit.has_input_grads and module is not None:
-            # NOTE [ Units ]: parameters first used in this call complete their gradient
-            # when this call's backward is done.
-            for p in module.parameters():
-                if p.requires_grad and self.first_use.get(p, -1) >= unit.index:
-                    self._listen_end(p, unit)
-
-    # NOTE [ Gradient points ]
-    # Units nest and share tensors: a block's input is its first child's input, its output
-    # its last child's output, one unit's output the next one's input. Autograd runs the
-    # hooks on one gradient in the order they were registered, which is not the order of
-    # the units' backward. So each gradient gets one hook (a "point") that notes every unit
-    # listening to it in backward order: ends innermost and latest-called first, then starts
-    # outermost first. Ends hook the tensor and starts the node that made it; autograd runs
-    # a node's tensor hooks before its node hooks, so when one unit's output is the next
-    # one's input, the next unit's backward ends before this one's starts.
-
-    def _listen_end(self, t: torch.Tensor, unit: UnitCall) -> None:
-        self._listen(self.end_points, t, unit, self._fire_ends, lambda t, fn: t.register_hook(fn))
-
-    def _listen_start(self, t: torch.Tensor, unit: UnitCall) -> None:
-        def register(t: torch.Tensor, fn: Callable[[Any], None]) -> Any:
-            return t.register_hook(fn) if t.grad_fn is None else t.grad_fn.register_prehook(fn)
-
-        self._listen(self.start_points, t, unit, self._fire_starts, register)
-
-    def _listen(self, points: dict[int, _Point], t: torch.Tensor, unit: UnitCall,
-                fire: Callable[[list[UnitCall], Any], None], register: Callable[..., Any]) -> None:
-        node = t.grad_fn._sequence_nr() if t.grad_fn is not None else None
-        point = points.get(id(t))
-        if point is None or point.ref() is not t or point.node != node:  # new, or modified in place
-            point = points[id(t)] = _Point(weakref.ref(t), node, [])
-            self.grad_handles.append(register(t, functools.partial(fire, point.units)))
-        if unit not in point.units:
-            point.units.append(unit)
-
-    def _fire_ends(self, units: list[UnitCall], _grad: Any) -> None:
-        for unit in sorted(units, key=lambda u: -u.index):
-            if unit.bwd_start is None:  # an identity (shortcut, loss_fn returning its input)
-                unit.bwd_start = self._note("bwd_start", unit)
-            unit.bwd_end = self._note("bwd_end", unit)  # the last gradient to complete wins
-
-    def _fire_starts(self, units: list[UnitCall], _grads: Any) -> None:
-        for unit in sorted(units, key=lambda u: u.index):
-            if unit.bwd_start is None:
-                unit.bwd_start = self._note("bwd_start", unit)
-
-    # ------------------------------------------------------------- subclass points
-
-    def _note(self, kind: str, unit: UnitCall | None) -> Any:
-        raise NotImplementedError
-
-    def _on_inputs(self, unit: UnitCall, args: tuple, kwargs: dict) -> None:
-        pass
-
-    def _on_outputs(self, unit: UnitCall, output: Any) -> None:
-        pass
-
-
-def io_tensors(*trees: Any) -> Iterator[torch.Tensor]:
-    """Tensors among a module's inputs or outputs: pytree knows ``ModelOutput`` and friends;
-    containers it does not know are searched as plain tuples, lists and dicts."""
-    for leaf in pytree.tree_leaves(trees):
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
-        elif isinstance(leaf, (tuple, list)):
-            yield from io_tensors(*leaf)
-        elif isinstance(leaf, Mapping):
-            yield from io_tensors(*leaf.values())
-
-
-@dataclass
-class StepTimes:
-    forward_ms: float = 0.0
-    backward_ms: float = 0.0
-    optimizer_ms: float = 0.0
-    unit_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Unit id -> (forward ms, backward ms), medians over the steps it appeared in."""
-    unit_ids: list[list[str]] = field(default_factory=list)
-    """The unit ids of each timing step, to check the steps called the same modules."""
-    unit_samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    """Unit id -> its (forward ms, backward ms) in each step, for pooling (NOTE [ Unit costs ])."""
-    phase_spread_ms: dict[str, float] = field(default_factory=dict)
-    """'forward', 'backward', 'optimizer' -> the spread of the phase's times (NOTE [ Unit costs ], Rule 4)."""
-
-
-
 # ----------------------------------------------------------------------------- memory step
 
 
 @dataclass
-class _Event:
+class Event:
     seq: int
     kind: str
     unit: str | None
@@ -399,7 +141,7 @@ class MemoryRecorder(Recorder):
     def __init__(self, model: torch.nn.Module, tracker: LiveBytesTracker):
         self.tracker = tracker
         self.seq = 0
-        self.events: list[_Event] = []
+        self.events: list[Event] = []
         self.created: dict[int, tuple[int, str | None]] = {}
         """Storage serial -> (seq, innermost unit) when it was allocated in the forward."""
         self.tensors: dict[int, _Tensor] = {}
@@ -444,7 +186,7 @@ class MemoryRecorder(Recorder):
             if unit.bwd_end_event is not None:
                 self.events[unit.bwd_end_event].superseded = True
             unit.bwd_end_event = len(self.events)
-        self.events.append(_Event(seq, kind, unit.id if unit else None, live, peak))
+        self.events.append(Event(seq, kind, unit.id if unit else None, live, peak))
         if self.on_event is not None:
             self.on_event(seq)
         return seq
@@ -636,7 +378,7 @@ class MemoryRecorder(Recorder):
 
 
 @dataclass
-class _Memory:
+class MemoryRecord:
     recorder: MemoryRecorder
     params_bytes: int
     buffers_bytes: int
@@ -654,7 +396,7 @@ class _Memory:
 def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
                  opt: torch.optim.Optimizer | None, dev: torch.device, *, recipe: schema.Recipe,
                  round_to: int | None = None,
-                 recorder: Callable[[torch.nn.Module, LiveBytesTracker], MemoryRecorder] | None = None) -> _Memory:
+                 recorder: Callable[[torch.nn.Module, LiveBytesTracker], MemoryRecorder] | None = None) -> MemoryRecord:
     """One step under the tracker. ``round_to`` (default: ``dev``'s) and ``recorder`` are
     for planner/profiling/meta.py, whose fake CPU tensors follow CUDA's rules and whose recorder also
     notes the roofline's clock. Gradients a ``zero_grad(set_to_none=False)`` recipe keeps
@@ -676,7 +418,9 @@ def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
         if e is not None and p.requires_grad:
             serials[name] = e.serial
             rec.param_last_use[e.serial] = -1
-    with _allocator_view(dev) as view, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), \
+    from planner.profiling.as_run import allocator_view  # it reads this module's Event
+
+    with allocator_view(dev) as view, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), \
             tracker:
         rec.on_event = view.note
         step(rec.mark)
@@ -699,189 +443,8 @@ def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
     events = {e.kind: e for e in rec.events if e.unit is None}
     transient = events["optimizer_end"].peak_bytes - events["backward_end"].live_bytes
     static = params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + kept_grads_bytes + tracker.found_bytes
-    return _Memory(rec, params_bytes, buffers_bytes, batch_bytes, optimizer_bytes, grads_bytes, tracker.found_bytes,
+    return MemoryRecord(rec, params_bytes, buffers_bytes, batch_bytes, optimizer_bytes, grads_bytes, tracker.found_bytes,
                    max(transient, 0), static, records, unused)
-
-
-# NOTE [ Step as run ]
-#
-# The live-bytes tracker is a ``TorchDispatchMode``, and PyTorch runs some steps differently
-# while any Python dispatch mode is active: every tensor counts as "subclass-like" then, which
-# turns off autograd's in-place accumulation of gradients (each accumulation allocates a new
-# buffer). Most models never notice; a Hugging Face Mamba's reference CPU scan accumulates the
-# gradient of its whole scan input once per token, and its backward peaks one scan input
-# (batch x channels x tokens x state) higher under the tracker than as the user runs it.
-#
-# Rule 1. The memory step under the tracker gives the step's *structure*: module calls,
-# tensors, saves, op records. The forward's allocations do not change under a mode.
-# Rule 2. Its *timeline* (the live and peak bytes of every event, from which the cost model
-# calibrates its temporaries) comes from one more step run as the user runs it: the same
-# module and gradient hooks mark the same events (``as_run_timeline``), with no dispatch mode
-# and no saved-tensor hooks, and the device allocator reports the bytes (``_allocator_view``).
-# ``StepRecord.timeline_source`` is then 'as-run', and ``tracked_peak_bytes`` keeps the tracked
-# step's peak beside the measured one.
-# Rule 3. When that step's events are not the memory step's (its module calls changed: data-
-# dependent control flow) or the device has no allocator view, the tracked timeline is kept
-# ('tracked'). Either way the timeline's peak must agree with the peak the device measures on
-# the plain step (``measure_step``) within ``RECONCILE_TOLERANCE``: a plan calibrated on a
-# timeline that is not the user's step is refused, with both figures
-# (``planner.profiling.profiler.reconcile``).
-
-
-class _TrackerView:
-    """The timeline as the tracker saw it (fake tensors; or no allocator view available)."""
-
-    def note(self, seq: int) -> None:
-        pass
-
-    def apply(self, events: list[_Event], static_bytes: int) -> bool:
-        """Set the events' live and peak bytes from the allocator; False when it could not."""
-        return False
-
-
-class _CudaAllocatorView(_TrackerView):
-    """Live and peak bytes of every event from the CUDA caching allocator itself.
-
-    The tracker sees tensor storages; the allocator also sees cuBLAS/cuDNN workspaces and its
-    own block rounding, which are real memory. ``memory_allocated`` is host-side bookkeeping,
-    exact at launch time without a synchronisation.
-    """
-
-    def __init__(self, dev: torch.device):
-        self.dev, self.points = dev, {}
-        torch.cuda.reset_peak_memory_stats(dev)
-
-    def note(self, seq: int) -> None:
-        self.points[seq] = (torch.cuda.memory_allocated(self.dev), torch.cuda.max_memory_allocated(self.dev))
-        torch.cuda.reset_peak_memory_stats(self.dev)
-
-    def apply(self, events: list[_Event], static_bytes: int) -> bool:
-        for ev in events:
-            if ev.seq in self.points:
-                ev.live_bytes, ev.peak_bytes = self.points[ev.seq]
-        return True
-
-
-class _CpuAllocatorView(_TrackerView):
-    """Live and peak bytes of every event from the CPU allocator's own events.
-
-    ``torch.profiler`` with ``profile_memory=True`` records every CPU allocation and free,
-    scratch memory inside kernels included (CPU convolution backward allocates megabytes the
-    tracker cannot see); a ``record_function`` marker per event places the events among them
-    in time (nanosecond timestamps of the same clock).
-    """
-
-    PREFIX = "remat::event::"
-
-    def __init__(self, prof: Any):
-        self.prof = prof
-
-    def note(self, seq: int) -> None:
-        with torch.autograd.profiler.record_function(f"{self.PREFIX}{seq}"):
-            pass
-
-    def apply(self, events: list[_Event], static_bytes: int) -> bool:
-        from planner.profiling.measure import cpu_allocations
-
-        kev = self.prof.profiler.kineto_results.events()
-        mem = cpu_allocations(self.prof)
-        marks = {int(e.name()[len(self.PREFIX):]): e.start_ns() for e in kev if e.name().startswith(self.PREFIX)}
-        if len(marks) < len(events):
-            return False  # the profiler lost markers: keep the tracker's view
-        running = peak = 0
-        i = 0
-        for ev in events:
-            t = marks[ev.seq]
-            while i < len(mem) and mem[i][0] <= t:
-                running += mem[i][1]
-                peak = max(peak, running)
-                i += 1
-            ev.live_bytes = static_bytes + running
-            ev.peak_bytes = static_bytes + max(peak, running)
-            peak = running
-        return True
-
-
-class _AsRunRecorder(Recorder):
-    """The memory step's events, marked in the allocator's view with nothing else running (NOTE [ Step as run ])."""
-
-    def __init__(self, model: torch.nn.Module, view: _TrackerView):
-        self.view = view
-        self.events: list[_Event] = []
-        super().__init__(model)
-
-    def _note(self, kind: str, unit: UnitCall | None) -> int:
-        seq = len(self.events)
-        self.events.append(_Event(seq, kind, unit.id if unit else None, 0, 0))
-        self.view.note(seq)
-        return seq
-
-
-@dataclass
-class AsRun:
-    """What ``as_run_timeline`` saw."""
-
-    unit_ids: list[str]
-    """The units of the as-run step (NOTE [ Worst step ])."""
-    matched: bool
-    """Its events were the memory step's and the allocator gave their bytes: the memory step's events now
-    carry the as-run live and peak bytes."""
-    tracked_peak_bytes: int = 0
-    """The memory step's peak before its events took the as-run bytes."""
-    excess_live_bytes: int = 0
-    """The most the memory step had alive beyond the as-run step at one event (NOTE [ Step as run ], Rule 3)."""
-    excess_at: str = ""
-    """That event, e.g. 'fwd_end of h.0'."""
-
-
-def as_run_timeline(model: torch.nn.Module, step: Callable, dev: torch.device, mem: _Memory, *,
-                    recipe: schema.Recipe) -> AsRun:
-    """Run the step as the user runs it and, when its events are the memory step's, give those events the
-    allocator's live and peak bytes of this run (NOTE [ Step as run ])."""
-    release_grads(model, dev, recipe)
-    with _allocator_view(dev) as view, _AsRunRecorder(model, view) as rec:
-        step(rec.mark)
-    events = mem.recorder.events
-    ids = [u.id for u in rec.units]
-    if [(e.kind, e.unit) for e in rec.events] != [(e.kind, e.unit) for e in events]:
-        return AsRun(ids, False)
-    if not view.apply(rec.events, mem.static_bytes):
-        return AsRun(ids, False)
-    tracked = max((e.peak_bytes for e in events), default=0)
-    excess, at = max(((mine.live_bytes - theirs.live_bytes, f"{mine.kind} of {mine.unit}" if mine.unit else mine.kind)
-                      for mine, theirs in zip(events, rec.events)), default=(0, ""), key=lambda x: x[0])
-    for mine, theirs in zip(events, rec.events):
-        mine.live_bytes, mine.peak_bytes = theirs.live_bytes, theirs.peak_bytes
-    return AsRun(ids, True, tracked, excess, at)
-
-
-@contextlib.contextmanager
-def _allocator_view(dev: torch.device) -> Iterator[_TrackerView]:
-    """The device allocator's view of the memory step's timeline (see the view classes)."""
-    from torch._guards import detect_fake_mode
-
-    if detect_fake_mode() is not None:  # planner/profiling/meta.py: fake tensors allocate nothing; the tracker is exact
-        yield _TrackerView()
-        return
-    if dev.type == "cuda":
-        yield _CudaAllocatorView(dev)
-        return
-    if dev.type != "cpu":
-        yield _TrackerView()
-        return
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    from planner.profiling.measure import quiet_stderr
-
-    prof = torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with quiet_stderr():
-        prof.__enter__()
-    try:
-        yield _CpuAllocatorView(prof)
-    finally:
-        with quiet_stderr():
-            prof.__exit__(None, None, None)
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
@@ -905,166 +468,5 @@ def release_grads(model: torch.nn.Module, dev: torch.device, recipe: schema.Reci
         gc.collect()
 
 
-# ----------------------------------------------------------------------------- assembling
-
-
-def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, optimizer: str, recipe: schema.Recipe,
-              times: StepTimes, mem: _Memory, measured: Measured, warmup_steps: int, steps: int, *,
-              as_run: AsRun | None = None) -> schema.Profile:
-    """The ``schema.Profile`` of what the steps recorded; ``as_run`` is what ``as_run_timeline`` saw, if it ran."""
-    rec = mem.recorder
-    notes: list[str] = []
-    if opt_note := _OPTIMIZER_NOTE.get(optimizer.lower()):
-        notes.append(opt_note)
-    rec.register_op_outputs()
-    # Ids in creation order, so reading the list follows the step.
-    order = sorted(rec.tensors.values(), key=lambda t: (t.created_seq, t.id))
-    remap = {t.id: i for i, t in enumerate(order)}
-    tensors = [schema.TensorRecord(id=remap[t.id], nbytes=t.nbytes, created_seq=t.created_seq, producer=t.producer,
-                                   autocast_cached=t.id in rec.autocast_cached)
-               for t in order]
-    costs = _pooled_costs(times, rec.signatures)
-    units = [_unit_record(u, costs.get(u.id, UnitCost(0.0, 0.0, 0)), rec.signatures.get(u.id, ""), remap) for u in rec.units]
-    saves = [schema.SaveRecord(tensor_id=remap[tid], seq=seq, unit=unit) for tid, seq, unit in rec.saves]
-    memory_ids = [u.id for u in rec.units]
-    if any(ids != memory_ids for ids in times.unit_ids):
-        notes.append("the module calls differed between steps (data-dependent control flow?); "
-                     "times are matched to units by id")
-    if mem.found_bytes:
-        notes.append(f"{mem.found_bytes} bytes of tensors held outside parameters and buffers (plain attributes, "
-                     f"globals) were live before the step; counted in buffers_bytes")
-    if mem.unused_params:
-        notes.append(f"{mem.unused_params} trainable parameter(s) got no gradient (not used in the forward)")
-    if rec.op_time_note:
-        notes.append(rec.op_time_note)
-    if rec.unattributed_saves:
-        notes.append(f"{rec.unattributed_saves} tensor(s) saved for backward outside any module call were ignored")
-    timeline_peak = max((e.peak_bytes for e in rec.events), default=0)
-    matched = as_run is not None and as_run.matched
-    if matched and abs(as_run.tracked_peak_bytes - timeline_peak) > 0.02 * max(timeline_peak, 1):
-        notes.append(f"the step runs differently under remat's tracker (NOTE [ Step as run ]): it peaked at "
-                     f"{as_run.tracked_peak_bytes} bytes there and at {timeline_peak} bytes as run; the timeline is "
-                     f"the step as run")
-    if measured.peak_bytes and abs(measured.peak_bytes - timeline_peak) > 0.02 * measured.peak_bytes:
-        notes.append(f"{'as-run' if matched else 'tracked'} peak {timeline_peak} bytes differs from the "
-                     f"{measured.source} peak {measured.peak_bytes} bytes by more than 2%")
-    structure = step_structure({**{f"timing step {i + 1}": ids for i, ids in enumerate(times.unit_ids)},
-                                "memory step": memory_ids, **({"as-run step": as_run.unit_ids} if as_run else {})})
-    step = schema.StepRecord(
-        params_bytes=mem.params_bytes,
-        buffers_bytes=mem.buffers_bytes + mem.found_bytes,
-        batch_bytes=mem.batch_bytes,
-        grads_bytes=mem.grads_bytes,
-        optimizer_bytes=mem.optimizer_bytes,
-        optimizer_step_transient_bytes=mem.optimizer_transient_bytes,
-        forward_ms=times.forward_ms,
-        backward_ms=times.backward_ms,
-        optimizer_ms=times.optimizer_ms,
-        forward_spread_ms=times.phase_spread_ms.get("forward", 0.0),
-        backward_spread_ms=times.phase_spread_ms.get("backward", 0.0),
-        step_ms=recipe.grad_accum * (times.forward_ms + times.backward_ms) + times.optimizer_ms,
-        forward_end_seq=rec.marks["forward_end"],
-        backward_start_seq=rec.marks["backward_start"],
-        measured_peak_bytes=measured.peak_bytes,
-        peak_source=measured.source,
-        warmup_steps=warmup_steps,
-        measured_steps=steps,
-        timeline_source="as-run" if matched else "tracked",
-        tracked_peak_bytes=as_run.tracked_peak_bytes if matched else None,
-    )
-    return schema.Profile(
-        fingerprint=fingerprint(model, inputs),
-        device=dev.type,
-        device_name=_device_name(dev),
-        dtype=_dtype(model),
-        recipe=recipe,
-        optimizer=optimizer.lower(),
-        torch_version=torch.__version__,
-        created_at=schema.now_iso(),
-        units=units,
-        tensors=tensors,
-        saves=saves,
-        params=mem.param_records,
-        ops=rec.op_records(remap),
-        timeline=rec.timeline(),
-        step=step,
-        step_structure=structure,
-        notes=notes,
-    )
-
-
-# NOTE [ Worst step ]
-#
-# Some models run a different set of modules from one step to the next: stochastic depth
-# (Hugging Face's ``layerdrop`` in Wav2Vec2, HuBERT and others, on by default) skips whole
-# layers at random. A profile of a step that skipped layer 0 never offers it to the solver, and
-# every step that runs it peaks above the prediction.
-#
-# Rule 1. remat plans for the worst step the model can take: every layer running. It gets
-# there by switching stochastic depth off while it measures (a 'measure' step change, NOTE
-# [ Step changes ], Rule 2: Hugging Face's ``layerdrop``, as a module attribute or in the
-# config, is 0 while profiling, in the validation step and in ``remat verify``, and restored
-# after), not by profiling until every layer happened to run: a forced step is reached in one
-# step, every time, and its change is recorded where the user reads it.
-# Rule 2. The step's structure is part of the profile (``Profile.step_structure``): every
-# unit seen in some profiled step (timing steps, memory step, as-run step), and which step
-# skipped which. Skipping that remat cannot switch off shows there; when the memory step (the
-# one the plan is made from) skipped a unit another step ran, the profile is refused
-# (``planner.profiling.profiler.reconcile``) instead of planning for a lucky step.
-
-
-def step_structure(steps: Mapping[str, list[str]]) -> schema.StepStructure:
-    """Every unit seen in ``steps`` (step name -> unit ids in forward order), in forward order, and what
-    each step skipped (NOTE [ Worst step ])."""
-    seen: list[str] = []
-    for ids in steps.values():
-        at = 0
-        for uid in ids:
-            if uid in seen:
-                at = seen.index(uid) + 1
-            else:
-                seen.insert(at, uid)
-                at += 1
-    ran = {name: set(ids) for name, ids in steps.items()}
-    skipped = {name: [u for u in seen if u not in ran[name]] for name in steps}
-    return schema.StepStructure(units_seen=seen, skipped={k: v for k, v in skipped.items() if v})
-
-
-_OPTIMIZER_NOTE = {
-    name: f"{name} ran with lr=0: same state, kernels and temporaries as training, weights unchanged"
-    for name in OPTIMIZERS if name != "none"
-}
-
-
-def _pooled_costs(times: StepTimes, signatures: dict[str, str]) -> dict[str, UnitCost]:
-    """Unit id -> its ``UnitCost``: pooled over cost groups when the steps were timed (NOTE [ Unit
-    costs ], Rule 3); as given otherwise (the roofline's one modelled step: no spread)."""
-    if times.unit_samples:
-        return unit_costs(times.unit_samples, signatures)
-    return {uid: UnitCost(f, b, 1) for uid, (f, b) in times.unit_ms.items()}
-
-
-def _unit_record(u: UnitCall, cost: UnitCost, group: str, remap: dict[int, int]) -> schema.UnitRecord:
-    return schema.UnitRecord(
-        id=u.id, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, parent=u.parent, depth=u.depth,
-        fwd_start_seq=u.fwd_start, fwd_end_seq=u.fwd_end, bwd_start_seq=u.bwd_start, bwd_end_seq=u.bwd_end,
-        forward_ms=cost.forward_ms, backward_ms=cost.backward_ms, cost_group=group, timing_samples=cost.samples,
-        forward_spread_ms=cost.forward_spread_ms, backward_spread_ms=cost.backward_spread_ms,
-        input_ids=[remap[i] for i in u.input_ids], output_ids=[remap[i] for i in u.output_ids],
-        input_bytes=u.input_bytes, output_bytes=u.output_bytes, param_bytes=u.param_bytes,
-    )
-
-
-def _device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def _dtype(model: torch.nn.Module) -> str:
-    sizes: dict[torch.dtype, int] = {}
-    for p in model.parameters():
-        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    return str(max(sizes, key=sizes.__getitem__)).removeprefix("torch.") if sizes else "float32"
-
-
+__all__ = ["Event", "MemoryRecord", "MemoryRecorder", "OP_TIMING_STEPS", "Progress", "counted_op", "memory_step",
+           "op_timing_steps", "release_grads"]

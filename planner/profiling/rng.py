@@ -1,6 +1,24 @@
 """Every random number generator a model can draw from: torch's (CPU and CUDA), numpy's global one and
 Python's ``random``; seeded together, saved and restored together.
 
+Example::
+
+    with kept("cpu"):
+        seed_all(0)                             # torch, numpy and random; put back on exit
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
 # NOTE [ Randomness outside torch ]
 #
 # Models draw random numbers outside torch: Wav2Vec2's SpecAugment picks the time and feature
@@ -18,19 +36,6 @@ Python's ``random``; seeded together, saved and restored together.
 #     call until its backward), not device memory.
 # Generators a model creates for itself (``np.random.default_rng()``, a ``torch.Generator``) are
 # its own business: remat can neither seed nor see them.
-"""
-
-from __future__ import annotations
-
-import contextlib
-import random
-import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-
 
 @dataclass(frozen=True)
 class HostRngState:
@@ -72,3 +77,6 @@ def seed_all(seed: int) -> None:
     if np is not None:
         np.random.seed(seed % 2**32)
     random.seed(seed)
+
+
+__all__ = ["HostRngState", "kept", "seed_all"]

@@ -1,5 +1,42 @@
 """What torch's selective checkpointing costs per op call, beyond the recomputed kernels.
 
+Example::
+
+    cost = measure_sac_cost(model, inputs, prof, loss_fn=loss_fn, amp=None, dev=dev, clock=clock)
+    prof = with_sac_cost(prof, cost)
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from planner.model.schema import LOSS_ID, ROOT_ID, Profile
+from planner.profiling.timing import spread_ms
+
+SAC_ROUNDS = 3
+"""Interleaved rounds of the four steps; each keeps its least time (noise only raises times), and
+the per-round differences give the spread (Rule 4)."""
+
+
+class SacCost(NamedTuple):
+    """What selective checkpointing adds per op call of a region, beyond recomputed kernels, and the
+    spread of each figure over the rounds (NOTE [ Selective dispatch cost ], Rule 4)."""
+
+    recomputed_op_ms: float
+    kept_op_ms: float
+    recomputed_op_spread_ms: float = 0.0
+    kept_op_spread_ms: float = 0.0
+
+
 # NOTE [ Selective dispatch cost ]
 #
 # Rule 1. A selective region runs its forward under torch's caching dispatch mode and its
@@ -33,38 +70,6 @@
 # Rule 3. On CUDA the Python work overlaps the kernels of earlier ops as long as the GPU is
 # busy: the profile's CUDA-event clock sees only what is not hidden. Meta profiles (no device
 # to run on) and profiles without op records leave it at 0.
-"""
-
-from __future__ import annotations
-
-import bisect
-import contextlib
-import functools
-from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
-
-import torch
-from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-from planner.model.schema import LOSS_ID, ROOT_ID, Profile
-from planner.profiling.timing import spread_ms
-
-SAC_ROUNDS = 3
-"""Interleaved rounds of the four steps; each keeps its least time (noise only raises times), and
-the per-round differences give the spread (Rule 4)."""
-
-
-class SacCost(NamedTuple):
-    """What selective checkpointing adds per op call of a region, beyond recomputed kernels, and the
-    spread of each figure over the rounds (NOTE [ Selective dispatch cost ], Rule 4)."""
-
-    recomputed_op_ms: float
-    kept_op_ms: float
-    recomputed_op_spread_ms: float = 0.0
-    kept_op_spread_ms: float = 0.0
-
 
 def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
                      amp: str | None, dev: torch.device, clock: Any, rounds: int = SAC_ROUNDS) -> SacCost:
@@ -151,3 +156,6 @@ def _region(inner: Callable[..., Any], contexts: Callable[[], Any] | None, *args
         return inner(*args, **kwargs)
     extra = {} if contexts is None else {"context_fn": contexts}
     return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+
+__all__ = ["measure_sac_cost", "SAC_ROUNDS", "SacCost", "with_sac_cost"]

@@ -1,5 +1,32 @@
 """What remat changes in the user's training step, the same way when it profiles and when it applies a plan.
 
+Example::
+
+    with profiled_with_step_changes(model) as changes:
+        ...                                    # the step as the plan will run it (use_cache=False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.model.schema import StepChange
+
+logger = logging.getLogger("remat")
+
+HF_CACHE_OFF = "hf_use_cache_off"
+LAYERDROP_OFF = "hf_layerdrop_off"
+
+
 # NOTE [ Step changes ]
 #
 # A plan is only as good as the step it was measured on: profiling one setting and training
@@ -23,29 +50,7 @@
 # Rule 2. Changes have a scope. 'train' changes (Rule 1) are made when profiling and again by
 # ``apply_plan``; 'measure' changes only while remat measures the step (profiling, its
 # validation step, ``remat verify``), never in the user's training: see NOTE [ Worst step ] in
-# planner/profiling/recording.py for the one there is (layerdrop off, so every layer runs).
-"""
-
-from __future__ import annotations
-
-import contextlib
-import inspect
-import logging
-import sys
-import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
-
-import torch
-from torch import nn
-
-from planner.model.schema import StepChange
-
-logger = logging.getLogger("remat")
-
-HF_CACHE_OFF = "hf_use_cache_off"
-LAYERDROP_OFF = "hf_layerdrop_off"
-
+# planner/profiling/assemble.py for the one there is (layerdrop off, so every layer runs).
 
 def find_step_changes(model: nn.Module, *, measuring: bool = False) -> list[StepChange]:
     """The changes remat makes to ``model``'s training step (see NOTE [ Step changes ]); with ``measuring``,
@@ -235,3 +240,7 @@ def describe(changes: list[StepChange]) -> None:
         what = "with use_cache=False" if c.kind == HF_CACHE_OFF else "with every layer (layerdrop 0) while measured"
         logger.warning("remat: training steps of %s run %s: %s", repr(c.module) if c.module else "the model",
                        what, c.reason)
+
+
+__all__ = ["describe", "find_step_changes", "HF_CACHE_OFF", "install", "Installed", "LAYERDROP_OFF", "logger",
+           "profiled_with_step_changes"]

@@ -3,6 +3,11 @@
 The profiler's timing steps (``planner.profiling.profiler``) stamp every unit's forward and backward
 with one of the clocks here; ``unit_costs`` turns the samples into the costs the solvers
 minimise. See NOTE [ Unit costs ].
+
+Example::
+
+    costs = unit_costs({"h.0": [(1.0, 2.0), (1.1, 2.1)]}, {"h.0": "Block"})
+    costs["h.0"].forward_ms
 """
 
 from __future__ import annotations
@@ -280,3 +285,8 @@ def time_interleaved(steps: Mapping[str, Callable[[], Any]], *, rounds: int, clo
             out[name][1].append((time.perf_counter() - wall) * 1e3)
             out[name][0].append(clock.ms(start, end))
     return out
+
+
+__all__ = ["calibrated", "clock_of", "CudaEventClock", "describe", "num_threads", "pick_clock",
+           "profile_clock", "robust_ms", "ScaledCpuClock", "signature", "spread_ms", "ThreadCpuClock",
+           "time_interleaved", "TIME_SOURCES", "timing_threads", "unit_costs", "UnitCost", "WallClock"]

@@ -1,32 +1,10 @@
 """Live-bytes tracking at the dispatcher: how much tensor memory exists after every op.
 
-NOTE [ Live-bytes tracker ]
-A ``TorchDispatchMode`` sees every aten op below autograd, forward and backward, including
-the ops autograd runs for gradients and the optimizer's foreach kernels. Memory belongs to
-*storages*, not tensors: views (``x.t()``, ``x[1:]``, ``split``) share their base's storage
-and cost nothing. So the tracker keys everything by untyped storage, as
-``torch.distributed._tools.mem_tracker`` does:
+Example::
 
-* after each op, a storage of an output seen for the first time is counted as allocated
-  (``nbytes``) and gets a ``weakref.ref(storage, callback)``; the callback subtracts it when
-  the storage dies. PyTorch keeps one Python object per live storage (PyObject
-  preservation), so the weakref dies exactly when the memory is freed, not when Python
-  drops its last handle;
-* storages that existed before tracking started (parameters, buffers, optimizer state, the
-  batch) are registered by the caller as *static*: known, counted in ``live_bytes``, never
-  mistaken for an allocation when an op returns them (in-place ops, views);
-* a storage seen first among an op's *inputs* also predates tracking (a tensor kept in a
-  plain attribute, a global constant): it is added to the static set as *found*, not
-  counted as an allocation of that op.
-
-What it cannot see: temporaries an op allocates and frees inside its kernel, allocator
-rounding and fragmentation (``round_to`` mimics the CUDA caching allocator's 512-byte
-blocks), and ``UntypedStorage.resize_`` called outside the dispatcher (FSDP). On the CPU,
-``planner.profiling.measure.measure_step`` reads the allocator's own events to check the figures.
-
-The tracker also works under ``FakeTensorMode`` (``--device meta``): fake tensors have
-storages with the real ``nbytes``. Enter the tracker *inside* the fake mode, so it sees the
-fake tensors and not the meta tensors the fake mode computes with.
+    with LiveBytesTracker(device_type="cpu") as tracker:
+        step()
+    tracker.peak_bytes
 """
 
 from __future__ import annotations
@@ -62,6 +40,35 @@ class StorageEntry:
 Observer = Callable[[Any, list[StorageEntry], list[StorageEntry]], None]
 """``observer(func, input_entries, new_entries)``, called after every op."""
 
+
+# NOTE [ Live-bytes tracker ]
+#
+# A ``TorchDispatchMode`` sees every aten op below autograd, forward and backward, including
+# the ops autograd runs for gradients and the optimizer's foreach kernels. Memory belongs to
+# *storages*, not tensors: views (``x.t()``, ``x[1:]``, ``split``) share their base's storage
+# and cost nothing. So the tracker keys everything by untyped storage, as
+# ``torch.distributed._tools.mem_tracker`` does:
+#
+# * after each op, a storage of an output seen for the first time is counted as allocated
+#   (``nbytes``) and gets a ``weakref.ref(storage, callback)``; the callback subtracts it when
+#   the storage dies. PyTorch keeps one Python object per live storage (PyObject
+#   preservation), so the weakref dies exactly when the memory is freed, not when Python
+#   drops its last handle;
+# * storages that existed before tracking started (parameters, buffers, optimizer state, the
+#   batch) are registered by the caller as *static*: known, counted in ``live_bytes``, never
+#   mistaken for an allocation when an op returns them (in-place ops, views);
+# * a storage seen first among an op's *inputs* also predates tracking (a tensor kept in a
+#   plain attribute, a global constant): it is added to the static set as *found*, not
+#   counted as an allocation of that op.
+#
+# What it cannot see: temporaries an op allocates and frees inside its kernel, allocator
+# rounding and fragmentation (``round_to`` mimics the CUDA caching allocator's 512-byte
+# blocks), and ``UntypedStorage.resize_`` called outside the dispatcher (FSDP). On the CPU,
+# ``planner.profiling.measure.measure_step`` reads the allocator's own events to check the figures.
+#
+# The tracker also works under ``FakeTensorMode`` (``--device meta``): fake tensors have
+# storages with the real ``nbytes``. Enter the tracker *inside* the fake mode, so it sees the
+# fake tensors and not the meta tensors the fake mode computes with.
 
 class LiveBytesTracker(TorchDispatchMode):
     """Count the bytes of live tensor storages on one device type, op by op.
@@ -275,3 +282,6 @@ def iter_tensors(*trees: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(*obj)
         elif isinstance(obj, dict):
             yield from iter_tensors(*obj.values())
+
+
+__all__ = ["iter_tensors", "LiveBytesTracker", "Observer", "storage_bytes", "StorageEntry"]

@@ -1,5 +1,45 @@
 """Measure what checkpointing frees instead of assuming it: the profiler's validation step.
 
+Example::
+
+    prof.retained, prof.excluded, prof.region_state_bytes = validate(model, inputs, prof, loss_fn=loss_fn,
+                                                                     amp=None, dev=dev)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from planner.errors import ProfileError
+from planner.model.schema import ExcludedUnit, Profile, RetainedBytes
+from planner.profiling.units import io_tensors
+from planner.profiling.rng import seed_all
+
+RETAINED_MIN_BYTES = 4096
+"""Smaller differences are not reported as retained: the CPU tracker counts exact bytes, and
+CUDA rounds each storage to 512 bytes, so a few KiB is below anything a cache or an
+attribute holds."""
+
+
+VALIDATION_SEED = 1234
+"""Every generator is seeded with this before the validation step, so it draws the same numbers each time."""
+
+
+class Validation(NamedTuple):
+    """What the validation step measured (NOTE [ Validation step ])."""
+
+    retained: list[RetainedBytes]
+    excluded: list[ExcludedUnit]
+    region_state_bytes: int
+    """Device bytes every checkpointed region keeps for its replay (the RNG state), whatever the unit."""
+
+
 # NOTE [ Validation step ]
 #
 # The cost model assumes a checkpointed unit keeps nothing of its own (NOTE [ Peak-memory
@@ -26,41 +66,6 @@
 # shown by ``remat plan`` and ``remat show``); the step is re-run without it. BatchNorm running
 # statistics are restored by the applier (NOTE [ BatchNorm under recomputation ]) and are not a
 # reason.
-"""
-
-from __future__ import annotations
-
-import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
-import torch
-from torch import nn
-
-from planner.errors import ProfileError
-from planner.model.schema import ExcludedUnit, Profile, RetainedBytes
-from planner.profiling.recording import io_tensors
-from planner.profiling.rng import seed_all
-
-RETAINED_MIN_BYTES = 4096
-"""Smaller differences are not reported as retained: the CPU tracker counts exact bytes, and
-CUDA rounds each storage to 512 bytes, so a few KiB is below anything a cache or an
-attribute holds."""
-
-
-VALIDATION_SEED = 1234
-"""Every generator is seeded with this before the validation step, so it draws the same numbers each time."""
-
-
-class Validation(NamedTuple):
-    """What the validation step measured (NOTE [ Validation step ])."""
-
-    retained: list[RetainedBytes]
-    excluded: list[ExcludedUnit]
-    region_state_bytes: int
-    """Device bytes every checkpointed region keeps for its replay (the RNG state), whatever the unit."""
-
 
 def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
              amp: str | None, dev: torch.device) -> Validation:
@@ -194,23 +199,27 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
                 hooks.callback(m.register_forward_hook(ended).remove)
         step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
         model.zero_grad(set_to_none=True)
-        tracker.register_static(model.parameters())
-        tracker.register_static(model.buffers())
-        tracker.register_static(iter_tensors(inputs))
+        for static in (model.parameters(), model.buffers(), iter_tensors(inputs)):
+            tracker.register_static(static)
         seed_all(VALIDATION_SEED)  # restoring_model puts every generator back (NOTE [ Randomness outside torch ])
         try:
             with tracker:
                 step(mark)
         except ProfileError as e:
-            if run.writes_inputs and run.phase == "backward":  # autograd's version check; excluded by the caller
-                run.failed = ("", str(e))
-                return run
-            if run.phase != "backward" or run.replaying is None:
-                raise
-            cause = e.__cause__ or e
-            first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            run.failed = (run.replaying, f"its recomputation raised {type(cause).__name__}: {first}")
+            _failed(run, e)
     return run
+
+
+def _failed(run: _Run, e: ProfileError) -> None:
+    """Note in ``run`` why the checkpointed step failed; re-raise ``e`` when the failure is not a recompute's."""
+    if run.writes_inputs and run.phase == "backward":  # autograd's version check; excluded by the caller
+        run.failed = ("", str(e))
+        return
+    if run.phase != "backward" or run.replaying is None:
+        raise e
+    cause = e.__cause__ or e
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    run.failed = (run.replaying, f"its recomputation raised {type(cause).__name__}: {first}")
 
 
 @contextlib.contextmanager
@@ -249,3 +258,6 @@ def _state(module: nn.Module) -> dict[str, Any]:
 def _changes(before: dict[str, Any], after: dict[str, Any]) -> str:
     names = [k for k in after if before.get(k) != after[k]]
     return ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+
+
+__all__ = ["RETAINED_MIN_BYTES", "validate", "Validation", "VALIDATION_SEED"]

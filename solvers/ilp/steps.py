@@ -34,7 +34,7 @@ from typing import Iterable, Literal
 import networkx as nx
 import pulp
 
-from solvers.base import Solution, judged
+from solvers.base import Solution, judged_offload
 from solvers.contract import Status, StopReason
 from solvers.cost_model import Estimate, close_ties, is_tied, simulate
 from solvers.errors import SolverError
@@ -51,8 +51,7 @@ _MAX_REPAIRS = 20
 
 def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None,
           backend: Backend | None = None, mip_gap: float = 0.0, prefer_low_peak: bool = True,
-          use_relaxation: bool = True, threads: int | None = None, host_budget_bytes: int | None = None,
-          **_: object) -> Solution:
+          use_relaxation: bool = True, threads: int | None = None, **options: object) -> Solution:
     """Least-recompute checkpoint set that fits ``budget_bytes``, on any candidate graph.
 
     Args:
@@ -65,17 +64,20 @@ def solve(g: nx.DiGraph, budget_bytes: int, *, time_limit_s: float | None = None
             quarter of the time spent so far (the recompute stays optimal either way).
         use_relaxation: first try NOTE [ Sequential relaxation ] (False: the ILP alone).
         threads: solver threads (None: the solver's default).
-        host_budget_bytes: with a value, every candidate not tied may also be offloaded, its saved
-            tensors kept in at most this much host memory (NOTE [ ILP formulation ], Rule 8); None:
-            keep or recompute only.
+        options: ``host_budget_bytes``: with a value, every candidate not tied may also be
+            offloaded, its saved tensors kept in at most this much host memory (NOTE [ ILP
+            formulation ], Rule 8; the keyword every solver of ``solvers.SOLVERS`` takes, the DP to
+            refuse it); absent or None: keep or recompute only. Other keywords are ignored, as the
+            registry passes every solver the same ones.
 
     Returns:
         A ``Solution``: "optimal" when proven, "feasible" with ``gap`` when the time limit
         stopped the search, "infeasible" with ``min_feasible_bytes`` (the lowest peak any plan
         reaches; proven unless ``detail`` says otherwise).
     """
+    host_budget_bytes = options.get("host_budget_bytes")
     run = _Run(g, budget_bytes, time_limit_s, *_pick_backend(backend), mip_gap, threads, prefer_low_peak)
-    run.host_budget = host_budget_bytes
+    run.host_budget = None if host_budget_bytes is None else int(host_budget_bytes)
     if simulate(g, []).peak_bytes <= budget_bytes:  # step 1 of the module docstring
         return run.finish([], "optimal", "checkpointing nothing fits")
     run.program = build_program(g, term_bits=CBC_TERM_BITS if run.backend == "cbc" else 24,
@@ -244,9 +246,8 @@ class _Run:
             self.notes.append("min_feasible_bytes is the best peak found in time, not proven minimal")
             stopped = "time_limit" if stopped == "finished" else stopped
         self.notes.append(f"no plan fits; the minimum feasible budget is {est.peak_bytes} bytes")
-        full, sel, off = split_vars(best)
-        sol = judged("ilp", g, full, self.budget, time.perf_counter() - self.t0, selective=sel, offloaded=off,
-                     host_budget_bytes=self.host_budget)
+        sol = judged_offload("ilp", g, split_vars(best), self.budget, time.perf_counter() - self.t0,
+                             host_budget_bytes=self.host_budget)
         if search and sol.status != "infeasible":
             _loud(f"ILP found budget {self.budget} infeasible, but simulate fits {sorted(best)} "
                   f"at {est.peak_bytes} bytes (the program and simulate disagree: a bug)")
@@ -326,9 +327,8 @@ class _Run:
                stopped: StopReason = "finished") -> Solution:
         if note:
             self.notes.append(note)
-        full, sel, off = split_vars(chosen)
-        sol = judged("ilp", self.g, full, self.budget, time.perf_counter() - self.t0, status_if_fits=status,
-                     selective=sel, offloaded=off, host_budget_bytes=self.host_budget)
+        sol = judged_offload("ilp", self.g, split_vars(chosen), self.budget, time.perf_counter() - self.t0,
+                             status_if_fits=status, host_budget_bytes=self.host_budget)
         if sol.status == "infeasible":
             _loud(f"ILP plan {sorted(chosen)} is over budget under simulate: {sol.peak_bytes} > {self.budget} "
                   "bytes (the program and simulate disagree: a bug)")

@@ -1,4 +1,4 @@
-"""Model files shared by the CLI tests."""
+"""Model files (source text) the CLI tests write and run; shared fixtures are in tests/conftest.py."""
 
 # A tiny model file: 4 Linear/ReLU blocks and a head; profiles in well under a second.
 TINY_MODEL = '''\

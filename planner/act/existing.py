@@ -1,0 +1,143 @@
+"""Checkpointing the model already has: Hugging Face's ``gradient_checkpointing_enable()``, torch's
+checkpoint wrappers and composable ``checkpoint`` (NOTE [ Checkpointed twice ]). ``apply_plan`` leaves such modules to it and names them.
+
+Example::
+
+    found = user_checkpointed(model, modules_by_plain_name(model))   # {'h.0': 'torch checkpoint_wrapper', ...}
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.model.fingerprint import plain_name
+
+
+def hf_checkpointing(model: nn.Module) -> bool:
+    """A Hugging Face model with its gradient (activation, in transformers 5) checkpointing on."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the new name first: no warning
+        if hasattr(type(model), name):
+            return getattr(model, name) is True
+    return False
+
+
+def ancestors(name: str) -> list[str]:
+    """'a.b.c' -> ['', 'a', 'a.b']."""
+    parts = name.split(".") if name else []
+    return ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]
+
+
+def listing(found: dict[str, str]) -> str:
+    """``Hugging Face gradient_checkpointing_enable() on h.0, h.1 and 2 more``."""
+    by_how: dict[str, list[str]] = {}
+    for name, how in found.items():
+        by_how.setdefault(how, []).append(name or "<root>")
+    parts = []
+    for how, names in by_how.items():
+        shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        parts.append(f"{how} on {shown}")
+    return "; ".join(parts)
+
+
+def modules_by_plain_name(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN -> module; a ``CheckpointWrapper`` takes the name of the module it wraps."""
+    out: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        out.setdefault(plain_name(name), m)
+    return out
+
+
+def user_checkpointed(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, str]:
+    """Modules the user already checkpoints: plain FQN -> how."""
+    found: dict[str, str] = {}
+    for name, m in modules.items():
+        how = checkpointed_by(m)
+        if how:
+            found[name] = how
+    hf_layer = any(is_hf_layer(m) for m in modules.values())
+    if not hf_layer and hf_checkpointing(model):
+        # Older Hugging Face models: the container calls checkpoint on its layers itself.
+        for name, m in modules.items():
+            if getattr(m, "gradient_checkpointing", False) is True:
+                found.setdefault(name, "Hugging Face gradient checkpointing (inside this module)")
+    return found
+
+
+def checkpointed_by(m: nn.Module) -> str | None:
+    if any(c.__name__ == "CheckpointWrapper" for c in type(m).__mro__):  # FSDPCheckpointWrapper too
+        return "torch checkpoint_wrapper"
+    if is_hf_layer(m) and getattr(m, "gradient_checkpointing", False) is True:
+        return "Hugging Face gradient_checkpointing_enable()"
+    registry = getattr(m, "__composable_api_registry", None)
+    if isinstance(registry, dict) and "checkpoint" in registry:
+        return "torch.distributed._composable checkpoint"
+    return None
+
+
+def is_hf_layer(m: nn.Module) -> bool:
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
+
+
+def overlap(name: str, already: dict[str, str]) -> str | None:
+    """Why ``name`` must be left alone: it is, is inside, or contains a user-checkpointed module."""
+    for other, how in already.items():
+        if other == name:
+            return f"already checkpointed ({how})"
+        if name == "" or other.startswith(name + "."):
+            return f"contains {other!r}, already checkpointed ({how})"
+        if other == "" or name.startswith(other + "."):
+            return f"inside {other or '<root>'!r}, already checkpointed ({how})"
+    return None
+
+
+# NOTE [ Checkpointed twice ]
+#
+# A plan is the model's only checkpointing: its prediction assumes no other. Hugging Face's
+# ``gradient_checkpointing_enable()`` (and torch's checkpoint wrappers) checkpoint modules too:
+#   - enabled before ``apply_plan``: planned modules it covers are left to it (never wrapped twice),
+#     and one warning names every module it checkpoints, planned or not, since all of them change
+#     the step the plan predicted;
+#   - enabled after ``apply_plan``: a forward pre-hook (``TwiceGuard``) notices at the next training
+#     forward and warns once, naming the modules now checkpointed twice or beyond the plan. It
+#     checks the planned modules and their ancestors, and a Hugging Face model's
+#     ``is_gradient_checkpointing``, not every module: a few attribute reads per step.
+# The fix in both orders is the same: ``model.gradient_checkpointing_disable()`` and let the plan
+# choose, or ``handle.remove()`` and use the other.
+
+
+class TwiceGuard:
+    """A forward pre-hook warning once when checkpointing is enabled on a planned model (NOTE [ Checkpointed twice ])."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], handle: Any):
+        self.model = model
+        planned = list(handle._forwards)
+        self.planned = set(planned)
+        names = {a for name in planned for a in ancestors(name)} | self.planned
+        self.watch = {n: modules[n] for n in names if n in modules}
+        self.reported = False
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if not (any(checkpointed_by(m) for m in self.watch.values()) or hf_checkpointing(self.model)):
+            return
+        found = user_checkpointed(self.model, modules_by_plain_name(self.model))  # once: every module
+        if not found:
+            return
+        self.reported = True
+        twice = sorted(n for n in found if overlap(n, dict.fromkeys(self.planned, "")) or n in self.planned)
+        warnings.warn(f"remat: checkpointing was enabled on the planned model ({listing(found)}): "
+                      f"{'modules checkpointed twice: ' + ', '.join(twice) + '; ' if twice else ''}the plan's "
+                      f"predicted peak and recompute no longer hold. {TWICE_FIX}; reported once", stacklevel=2)
+
+
+TWICE_FIX = ("Call model.gradient_checkpointing_disable() (or drop the wrapper) and let the plan choose what to "
+             "checkpoint, or handle.remove() the plan")
+
+
+__all__ = ["TWICE_FIX", "TwiceGuard", "ancestors", "checkpointed_by", "hf_checkpointing", "is_hf_layer", "listing",
+           "modules_by_plain_name", "overlap", "user_checkpointed"]

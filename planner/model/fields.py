@@ -1,0 +1,117 @@
+"""What every number in a profile or plan file may be (NOTE [ Numbers in files ]), the base of the file
+models, and loading a versioned file with one-line errors. None of this imports torch.
+
+Example::
+
+    class Record(FileModel):
+        bytes: Bytes
+        forward_ms: Ms
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
+
+from planner.errors import PlanFileError
+from planner.sizes import MAX_SIZE_BYTES
+
+
+class FileModel(BaseModel):
+    """The base of every file model: unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+# NOTE [ Numbers in files ]
+#
+# A profile or plan file may be hand-edited, truncated by hand, or written by another tool, and a
+# plan drives a training job: every number is checked where it is loaded, so that an impossible
+# figure (a NaN time, a negative size, an absurd world size) is one line naming its field rather
+# than a plan labelled optimal with "recompute nan ms".
+# Rule 1. Sizes are integers in [0, MAX_BYTES]; times, FLOPs and seconds are finite and >= 0;
+#   sequence numbers, indices and counts are integers in [0, MAX_COUNT]; thread counts >= 1.
+# Rule 2. Figures that must agree with their neighbours are checked together (``_check_profile``,
+#   ``_check_plan``): a unit ends after it starts, records point at tensors and units that exist,
+#   a plan's predicted peak is its breakdown's sum and fits its budget less the headroom.
+# Rule 3. An error names the path into the file (``units.3.forward_ms``) and the value found.
+
+MAX_BYTES = MAX_SIZE_BYTES
+"""1 EiB: above any device or host memory; a larger size in a file is an error."""
+MAX_WORLD_SIZE = 2**20
+"""Ranks: above any data-parallel job run so far; a larger world size in a plan is an error."""
+
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Ms = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+MAX_COUNT = 2**53
+"""Sequence numbers, ids and counts: a step records far fewer events; a larger one in a file is an error."""
+Seq = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Threads = Annotated[int, Field(ge=1, le=4096)]
+
+
+def bad_field(path: str, message: str) -> PydanticCustomError:
+    """A consistency error for ``load_versioned`` to word: ``path`` into the file, then what is wrong."""
+    return PydanticCustomError("remat_consistency", "{path}: {message}", {"path": path, "message": message})
+
+
+def now_iso() -> str:
+    """Now, UTC, to the second (ISO 8601): the stamp profiles and plans carry."""
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+
+
+def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str) -> Any:
+    """``cls`` validated from the JSON file ``path`` of ``kind`` (at most schema ``version``), or ``PlanFileError``
+    naming what is wrong and how to fix it (``what``: 'profile' or 'plan', the command that writes it)."""
+    path = Path(path)
+    if not path.exists():
+        raise PlanFileError(f"{what} file {path} does not exist; check the path")
+    if path.is_dir():
+        raise PlanFileError(f"{path} is a directory, not a {what} file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise PlanFileError(f"{what} file {path} is empty; re-create it with `remat {what} ...`")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanFileError(
+            f"{what} file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+            f"it may be truncated: re-create it with `remat {what} ...`"
+        ) from None
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        found = data.get("kind") if isinstance(data, dict) else type(data).__name__
+        raise PlanFileError(
+            f"{path} is JSON but not a remat {what} (kind={found!r}, expected {kind!r}); "
+            f"pass a file written by `remat {what}`"
+        )
+    sv = data.get("schema_version")
+    if not isinstance(sv, int) or sv > version or sv < 1:
+        raise PlanFileError(
+            f"{what} file {path} has schema_version {sv!r}, this remat reads version {version}; "
+            f"upgrade remat (pip install -U remat) or re-create the file"
+        )
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise PlanFileError(f"{what} file {path}: {field_error(e)}; re-create it with `remat {what} ...`") from None
+
+
+def field_error(e: ValidationError) -> str:
+    """The first error as ``path.into.file: what is wrong (got VALUE)`` (Rule 3 of NOTE [ Numbers in files ])."""
+    first = e.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"])
+    if first["type"] == "remat_consistency":
+        return first["msg"] if not loc else f"{loc}.{first['msg']}"
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) or first["type"] == "missing" else f" (got {got!r})"
+    return f"{loc or '<top>'}: {first['msg'][:1].lower()}{first['msg'][1:]}{shown}"
+
+
+__all__ = ["bad_field", "Bytes", "Count", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
+           "MAX_COUNT", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "Seq", "Threads"]

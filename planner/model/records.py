@@ -1,0 +1,154 @@
+"""The records a ``Profile`` holds: module calls (``UnitRecord``), tensors, saves, op calls,
+parameters, the memory timeline and the step's totals. None of this imports torch.
+
+Example::
+
+    prof.unit("blocks.0").forward_ms, prof.step.measured_peak_bytes
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from planner.model.fields import Bytes, Count, FileModel, Ms, NonNegFloat, Seq
+
+
+class UnitRecord(FileModel):
+    """One module call (a candidate for checkpointing), in forward execution order."""
+
+    id: str = Field(description="FQN, with '#k' appended for the k-th (k>=1) call of the same module; "
+                                "'<root>' for the model itself, '<loss>' for loss_fn.")
+    fqn: str = Field(description="Module FQN as in named_modules(); '' for the root.")
+    call_index: Count = Field(0, description="0 for the first call of this module in the step, 1 for the next...")
+    module_type: str
+    parent: str | None = Field(description="Id of the innermost enclosing unit; None for the root and <loss>.")
+    depth: Count = Field(description="0 for the root, 1 for its children, ...")
+    fwd_start_seq: Seq
+    fwd_end_seq: Seq
+    bwd_start_seq: Seq | None = Field(None, description="Seq when gradients reached the unit's outputs.")
+    bwd_end_seq: Seq | None = Field(None, description="Seq when gradients w.r.t. the unit's inputs were ready.")
+    forward_ms: Ms = Field(0.0, description="Forward time, inclusive of submodules: the median over the "
+                                               "measured steps, pooled over the unit's cost group.")
+    backward_ms: Ms = Field(0.0, description="Backward time, inclusive (median, pooled like forward_ms).")
+    cost_group: str = Field("", description="Signature shared by units with the same module type, parameter, "
+                                            "input and output shapes and op sequence; they get one price from "
+                                            "their pooled samples (NOTE [ Unit costs ] in planner/profiling/timing.py).")
+    timing_samples: Count = Field(0, description="Samples behind forward_ms/backward_ms (steps x group members).")
+    flops: NonNegFloat = Field(0.0, description="Forward FLOPs, inclusive (when counted).")
+    forward_spread_ms: Ms = Field(0.0, description="Interquartile range of the samples behind forward_ms (NOTE "
+                                                   "[ Unit costs ], Rule 4); 0: one sample, or not measured.")
+    backward_spread_ms: Ms = Field(0.0, description="Interquartile range of the samples behind backward_ms.")
+    input_ids: list[int] = Field(default_factory=list,
+                                 description="Tensors (ids into Profile.tensors) passed in as inputs and created "
+                                             "during the step. Pre-existing tensors (batch, parameters) are static.")
+    output_ids: list[int] = Field(default_factory=list, description="Tensors returned, created during the step.")
+    input_bytes: Bytes = Field(0, description="Bytes of all tensor inputs (unique storages), pre-existing included.")
+    output_bytes: Bytes = Field(0, description="Bytes of all tensor outputs (unique storages).")
+    param_bytes: Bytes = Field(0, description="Bytes of the parameters of this module and its submodules.")
+
+
+class TensorRecord(FileModel):
+    """One storage created during the step that matters to the memory model."""
+
+    id: Count
+    nbytes: Bytes
+    created_seq: Seq
+    producer: str | None = Field(None, description="Unit id innermost when it was created.")
+    autocast_cached: bool = Field(False, description="A parameter's cast made by autocast in the forward: the "
+                                                     "autocast cache keeps it alive until the forward ends.")
+
+
+class SaveRecord(FileModel):
+    """A tensor saved for backward (autograd pack hook), attributed to the innermost unit."""
+
+    tensor_id: Count
+    seq: Seq
+    unit: str
+
+
+class OpRecord(FileModel):
+    """One aten op run inside a unit's forward, as a dispatch mode sees it (and as
+    ``torch.utils.checkpoint``'s selective checkpointing counts it: its ignored ops, such as
+    ``aten.detach``, are left out). In forward order; see NOTE [ Op records ] in the profiler."""
+
+    seq: Seq
+    unit: str = Field(description="Innermost unit running the op.")
+    name: str = Field(description="Op overload, e.g. 'aten.mm.default'.")
+    output_ids: list[int] = Field(default_factory=list,
+                                  description="Tensors (ids into Profile.tensors) whose storage the op allocated.")
+    output_bytes: Bytes = Field(0, description="Bytes of the storages the op allocated.")
+    forward_ms: Ms = Field(0.0, description="Time of the op (measured on real devices, roofline on meta).")
+    flops: NonNegFloat = Field(0.0, description="FLOPs of the op, where torch's flop counter knows it.")
+    random: bool = Field(False, description="Draws random numbers (dropout): tagged nondeterministic_seeded.")
+    inplace: bool = Field(False, description="Writes one of its inputs (mutable schema: add_, copy_, out=).")
+    view: bool = Field(False, description="Returns a view of an input (no new storage).")
+    mutated: bool = Field(False, description="A storage it allocated is written in place later in the forward: "
+                                             "it can be kept only together with its writers.")
+    writes: Seq | None = Field(None, description="In-place ops: seq of the op that allocated what it writes.")
+    read_between_writes: bool = Field(False, description="Mutated outputs: another op read it before a write, "
+                                                         "so it cannot be kept even with its writers.")
+    data_dependent: bool = Field(False, description="Its output shape depends on tensor values (nonzero: MoE "
+                                                    "routing); its unit gets no selective policies.")
+
+
+class ParamRecord(FileModel):
+    name: str
+    nbytes: Bytes
+    grad_seq: Seq = Field(description="Seq of the last forward use: its gradient appears once backward passes it.")
+
+
+class MemoryEvent(FileModel):
+    """One point of the live-memory timeline recorded during the memory-measuring step."""
+
+    seq: Seq
+    kind: Literal["step_start", "fwd_start", "fwd_end", "forward_end", "backward_start",
+                  "bwd_start", "bwd_end", "backward_end", "optimizer_end"]
+    unit: str | None = None
+    live_bytes: Bytes = Field(description="Bytes live right at this event (absolute, static memory included).")
+    peak_bytes: Bytes = Field(description="Highest live bytes since the previous event, this one included.")
+
+
+class StepRecord(FileModel):
+    params_bytes: Bytes
+    buffers_bytes: Bytes = 0
+    batch_bytes: Bytes = Field(0, description="Bytes of the input batch (alive throughout the step).")
+    grads_bytes: Bytes
+    optimizer_bytes: Bytes = Field(description="Optimizer state (e.g. AdamW exp_avg + exp_avg_sq) in steady state.")
+    optimizer_step_transient_bytes: Bytes = Field(0, description="Temporaries of optimizer.step(), measured.")
+    forward_ms: Ms = Field(description="Forward and loss, median over the measured steps.")
+    backward_ms: Ms = Field(description="Backward, median over the measured steps.")
+    optimizer_ms: Ms = Field(0.0, description="optimizer.step(), median over the measured steps.")
+    forward_spread_ms: Ms = Field(0.0, description="Interquartile range of forward_ms's steps (NOTE [ Unit costs ], "
+                                                   "Rule 4); 0 when not measured.")
+    backward_spread_ms: Ms = Field(0.0, description="Interquartile range of backward_ms's steps.")
+    step_ms: Ms = Field(description="forward_ms + backward_ms + optimizer_ms.")
+    forward_end_seq: Seq
+    backward_start_seq: Seq
+    measured_peak_bytes: Bytes | None = Field(None, description="Peak of the step as the device reports it.")
+    peak_source: str = Field("none", description="'cuda-allocator', 'cpu-profiler', 'tracker' or 'none'.")
+    warmup_steps: Count = 0
+    measured_steps: Count = 0
+    timeline_source: Literal["as-run", "tracked"] = Field(
+        "tracked", description="Where the timeline's live and peak bytes come from: 'as-run', a step run as the "
+                               "user runs it (module and gradient hooks only, the device allocator's figures); "
+                               "'tracked', the memory step under the live-bytes tracker's dispatch mode, which "
+                               "some models run differently (NOTE [ Step as run ] in planner/profiling/as_run.py).")
+    tracked_peak_bytes: Bytes | None = Field(None, description="Peak of the memory step under the tracker, when the "
+                                                             "timeline is 'as-run'; None otherwise.")
+
+
+class StepStructure(FileModel):
+    """Which units ran in which profiled step (NOTE [ Worst step ] in planner/profiling/assemble.py)."""
+
+    units_seen: list[str] = Field(default_factory=list, description="Every unit id that ran in some profiled step, "
+                                                                    "in forward order.")
+    skipped: dict[str, list[str]] = Field(default_factory=dict,
+                                          description="Profiled step ('timing step 1', 'memory step', 'as-run step') "
+                                                      "-> the units seen in other steps that it did not run; steps "
+                                                      "that ran every unit are left out.")
+
+
+__all__ = ["MemoryEvent", "OpRecord", "ParamRecord", "SaveRecord", "StepRecord", "StepStructure",
+           "TensorRecord", "UnitRecord"]
