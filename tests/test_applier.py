@@ -412,6 +412,23 @@ def test_verify_compares_gradients_and_checks_the_budget():
     assert any("OVER" in r[3] for r in report.rows())
 
 
+def test_verify_judges_its_steps_under_the_thread_count_they_ran_with(monkeypatch):
+    """The noise note's ``--threads 1`` hint reads the thread count: the report is made inside the
+    steps' thread context (it once read the caller's count, and hinted ``--threads 1`` to a user who
+    had passed it)."""
+    import planner.act.verify as verify_module
+
+    seen, report_of = [], verify_module._report
+    monkeypatch.setattr(verify_module, "_report", lambda *a, **k: seen.append(torch.get_num_threads()) or
+                        report_of(*a, **k))
+    torch.manual_seed(0)
+    model, x = _Toy(), torch.randn(16, 8)
+    plan = make_plan(model, ["inner", "act"], x, checkpoint_units=["inner", "act", "act#1"], optimizer="adamw")
+    wanted = torch.get_num_threads() + 1
+    report = verify_module.verify(model, plan, inputs=x, steps=1, threads=wanted)
+    assert seen == [wanted] and report.threads == wanted
+
+
 def test_verify_model_file_and_train_script(tmp_path, capsys):
     from planner.act.verify import verify
 

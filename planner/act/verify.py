@@ -251,7 +251,8 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
             say(f"training {_steps_run(one, steps, planned=True)} steps with the plan{where}")
             mine = _run(master, batch, loss_fn, one, dev, steps, clock, planned=True, applied=plan)
             used = torch.get_num_threads() if dev.type == "cpu" else None
-        report = _report(one, master, label, dev, steps, tolerance, base, mine, prediction_tolerance)
+            # inside the threads' context: the noise note reads the thread count the steps ran with
+            report = _report(one, master, label, dev, steps, tolerance, base, mine, prediction_tolerance)
         if mine.bucket != (index if plan.buckets else None):
             report.problems.append(f"the batch of bucket {index} ran bucket {mine.bucket}")
         reports.append(report.model_copy(update={"time_source": clock.source, "threads": used,
