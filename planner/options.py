@@ -49,4 +49,20 @@ def parse_optimizer(value: str) -> OptimizerName:
     return v  # type: ignore[return-value]
 
 
-__all__ = ["Amp", "OPTIMIZER_NAMES", "OptimizerName", "parse_amp", "parse_optimizer", "parse_sharding"]
+
+COMPILE_BACKENDS = ("inductor",)
+"""torch.compile backends whose partition remat reads (NOTE [ Compiled profile ] in planner/profiling/compiled.py)."""
+
+
+def parse_compile(value: str | None) -> str | None:
+    """A torch.compile backend remat can profile, or None (eager); ``BadInput`` naming the choices otherwise."""
+    if value is None:
+        return None
+    if value not in COMPILE_BACKENDS:
+        raise BadInput(f"compile backend {value!r} is not supported; choose one of {', '.join(COMPILE_BACKENDS)}",
+                       options=("compile_backend",))
+    return value
+
+
+__all__ = ["Amp", "COMPILE_BACKENDS", "OPTIMIZER_NAMES", "OptimizerName", "parse_amp", "parse_compile",
+           "parse_optimizer", "parse_sharding"]

@@ -57,8 +57,10 @@ class StepSpec:
     loss_fn: Callable[[Any], Any] | None = None
     """``loss_fn(output)`` or ``loss_fn(output, batch)`` -> scalar (``planner.profiling.model_file.loss_arity``);
     None: ``output.loss``, else the sum of the float outputs."""
-    # A compiled step (torch.compile) would be one more field here: the profiler and the applier
-    # read the step from this object only.
+    compile: str | None = None
+    """A ``torch.compile`` backend ('inductor'): the step as ``torch.compile(model)`` runs it, its
+    partitioner's saves and compiled times (NOTE [ Compiled profile ] in planner/profiling/compiled.py);
+    None: eager."""
 
     def __post_init__(self) -> None:
         if self.recipe is None:  # None is the plain loop, as before there was a spec
@@ -136,6 +138,8 @@ def profiling_path(step: StepSpec, device_type: str) -> ProfilingPath:
     """
     if device_type == "meta":
         return "meta"
+    if step.compile is not None:  # the compiled step is measured as it is (refused with a cap)
+        return "plain"
     if step.device_memory_bytes is not None and device_type == "cpu":
         return "capped"
     return "memory-safe" if is_plain(step.recipe) else "plain"

@@ -171,7 +171,7 @@ def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
             fwd = model.forward_base_bytes[i] + out_extra + sum(b for c, b in unsaved_casts if c <= end)
             bwd = model.backward_base_bytes[i] + rec
             rcp = (model.recompute_static_bytes(x) + rec + model.replay_in_flight(x)
-                   + model.forward_base_bytes[i] - model.rank.fwd_static_bytes) if cur else 0
+                   + model.recompute_transient_bytes(x)) if cur else 0
             terms.append(max(fwd, bwd, rcp))
         k.append(tuple(terms))
     return tuple(k)

@@ -106,6 +106,8 @@ class GraphAttrs(TypedDict):
     param_grads: Annotated[list[tuple[int, int]], Doc("(grad_seq, bytes) per parameter: when backward "
                                                         "creates its gradient")]
     autocast_cached: Annotated[frozenset[int], Doc("tensors autocast caches to the forward's end (Rule 8)")]
+    replay_transient_bytes: Annotated[int, Doc("a compiled step's replay temporaries, added to every recompute "
+                                               "probe (Rule 11); 0 for eager steps")]
     # static memory, one process
     params_bytes: Annotated[int, Doc("parameters")]
     buffers_bytes: Annotated[int, Doc("buffers")]

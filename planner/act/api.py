@@ -24,7 +24,7 @@ from solvers.dp import min_feasible_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
 from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
-from planner.model.schema import (LOSS_ID, OFFLOAD_PLAN_VERSION, ROOT_ID, OpRef, Plan, Predicted, Profile, RunStamp,
+from planner.model.schema import (COMPILED_PLAN_VERSION, LOSS_ID, OFFLOAD_PLAN_VERSION, ROOT_ID, OpRef, Plan, Predicted, Profile, RunStamp,
                                   SelectiveRegion, SolverInfo, now_iso)
 from planner.options import parse_sharding
 from planner.spec import SOLVE_FIELDS, STEP_FIELDS, SolveSpec, StepSpec, solve_spec, step_spec
@@ -204,7 +204,9 @@ def _plan_of(profile: Profile, g: nx.DiGraph, est: Any, budget_bytes: int, *, so
         torch_version=profile.torch_version, remat_version=_version(),
         time_source=profile.time_source, threads=profile.threads, time_calibration=profile.time_calibration,
         created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
-        **({"schema_version": OFFLOAD_PLAN_VERSION} if est.offloaded else {}),
+        compile=profile.compile,
+        **({"schema_version": COMPILED_PLAN_VERSION} if profile.compile else
+           {"schema_version": OFFLOAD_PLAN_VERSION} if est.offloaded else {}),
     )
 
 
@@ -522,6 +524,9 @@ def _refuse_step_fields(prof: Profile, inputs: Any, given: dict[str, Any]) -> No
         elif name == "recipe":
             if value != prof.recipe:
                 ignored.append(f"recipe (the profile's: {prof.recipe.describe()})")
+        elif name == "compile":
+            if value != (prof.compile.backend if prof.compile else None):
+                ignored.append(f"compile (the profile measured the {'compiled' if prof.compile else 'eager'} step)")
         else:
             ignored.append(name)
     if ignored:

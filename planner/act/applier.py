@@ -92,6 +92,61 @@ class RegionCounts:
 # ``tag_activation_checkpoint`` higher-order op and the compiled backward recomputes it, so no
 # Python runs at recompute time and nothing is counted.
 
+# NOTE [ Compiled or eager plans ]
+#
+# A plan made for the step under torch.compile (``plan.compile``, NOTE [ Compiled profile ] in
+# planner/profiling/compiled.py) predicts the partitioner's saves and a compiled replay; one made
+# for the eager step predicts autograd's. Applied to the other kind of step, the plan still
+# checkpoints what it names, but its predicted peak and recompute are those of another step.
+# Rule 1. The first checkpointed call tells: under dynamo's tracing (``torch.compiler.is_compiling``)
+#   the step is compiled, otherwise eager. A mismatch warns once per ``apply_plan``, naming both.
+# Rule 2. The warning under tracing runs at compile time (``comptime``): no graph break, and
+#   nothing is added to the compiled graph. Eager plans check nothing at run time when eager.
+
+
+class ModeGuard:
+    """Warns once when a plan runs in the other mode than it was made for (NOTE [ Compiled or eager plans ])."""
+
+    def __init__(self, compiled_for: str | None):
+        self.compiled_for = compiled_for  # the plan's backend, or None: made for the eager step
+        self.warned = False
+
+    def warn(self, compiled_now: bool) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        if compiled_now:
+            msg = ("remat: this plan was made for the eager step, and the model runs under torch.compile: the "
+                   "compiled step saves other tensors, so its peak and recompute differ from the plan's prediction; "
+                   "re-plan with `remat plan --compile` (compile=... in Python)")
+        else:
+            msg = (f"remat: this plan was made for the step under torch.compile ({self.compiled_for}), and the model "
+                   f"runs eagerly: the eager step saves other tensors, so its peak and recompute differ from the "
+                   f"plan's prediction; run torch.compile(model) after apply_plan, or re-plan without --compile")
+        warnings.warn(msg, stacklevel=4)
+
+    def check(self) -> None:
+        """Called by each checkpointed call; see the NOTE's rules. Under tracing it reads no attribute
+        that changes, so that dynamo's guards never recompile for it."""
+        if torch.compiler.is_compiling():
+            if self.compiled_for is None:
+                from torch._dynamo.comptime import comptime
+
+                comptime(_warn_while_tracing)
+        elif self.compiled_for is not None:
+            self.warn(False)
+
+
+def _warn_while_tracing(ctx: Any) -> None:
+    """Run by dynamo at compile time from ``ModeGuard.check`` (a comptime function may not close over
+    locals, so the guard is read from the frame's ``self``; checked against torch 2.13)."""
+    try:
+        guard = ctx.get_local("self")._i_will_not_complain_if_bc_breaks_VariableTracker().value
+    except (AttributeError, KeyError):  # another torch: say it without the guard (at most once per trace)
+        guard = ModeGuard(None)
+    guard.warn(True)
+
+
 class CheckpointedForward:
     """The instance-level ``forward`` of a planned module; see NOTE [ Checkpointing by instance forward ]."""
 
@@ -102,6 +157,8 @@ class CheckpointedForward:
     """False: the bucket in force does not checkpoint this module (NOTE [ Bucketed plans ] in planner/act/buckets.py)."""
     pinned: tuple | None = None
     """The largest bucket's mode, run under torch.compile (the same NOTE); None: a plan without buckets."""
+    mode_guard: ModeGuard | None = None
+    """Set by ``apply_plan``: warns when the step is compiled and the plan eager, or the reverse."""
 
     def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts,
                  norms: list[nn.Module] | None = None, saved: frozenset[tuple[str, int]] | None = None,
@@ -131,6 +188,8 @@ class CheckpointedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         on, saved, keeps_written = self.mode()
+        if self.mode_guard is not None:
+            self.mode_guard.check()
         if not on or not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)  # no backward, nothing to recompute
         extra = {} if saved is None else {
@@ -400,6 +459,7 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     handle._changes = install(model, changes)  # before the checkpoints: they wrap it
     offloads = _offload_store(model, plan, modules, handle)
     seen: set[int] = set()
+    guard_mode = ModeGuard(plan.compile.backend if plan.compile else None)
     for name in wanted:
         module = modules.get(name)
         if module is None:
@@ -412,7 +472,7 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         if id(module) in seen:  # one module registered under two names: wrapped once
             continue
         seen.add(id(module))
-        _wrap(handle, name, module, bucket_modes, offloads)
+        _wrap(handle, name, module, bucket_modes, offloads, guard_mode)
 
     shape_guard = None
     if guard != "off" and plan.fingerprint.inputs:
@@ -454,7 +514,7 @@ def _offload_store(model: nn.Module, plan: Plan, modules: dict[str, nn.Module], 
 
 
 def _wrap(handle: AppliedPlan, name: str, module: nn.Module, bucket_modes: list[dict[str, Any]],
-          offloads: dict[str, Any]) -> None:
+          offloads: dict[str, Any], mode_guard: ModeGuard) -> None:
     """Install the planned forward of ``module``: offloaded, or checkpointed as the buckets say."""
     if name in offloads:
         handle._forwards[name] = module.forward = offloads[name](module)
@@ -463,7 +523,7 @@ def _wrap(handle: AppliedPlan, name: str, module: nn.Module, bucket_modes: list[
     on, saved, keeps_written = bucket_modes[-1].get(name, buckets.OFF)  # the largest bucket's
     fwd = CheckpointedForward(module, module.__dict__.get("forward"), RegionCounts(), saved=saved,
                               keeps_written=keeps_written)
-    fwd.on = on
+    fwd.on, fwd.mode_guard = on, mode_guard
     module.forward = fwd
     handle._forwards[name] = fwd
     full = any(m.get(name, buckets.OFF)[:2] == (True, None) for m in bucket_modes)

@@ -129,6 +129,10 @@ class VerifyReport(BaseModel):
     measured_host_peak_bytes: int | None = Field(None, description="The host store's peak in the measured step.")
     problems: list[str] = Field(default_factory=list, description="Why ok is False; empty when ok.")
     notes: list[str] = Field(default_factory=list, description="Worth knowing, not failures.")
+    compile: str | None = Field(None, description="torch.compile backend both runs trained with; None: eager.")
+    first_step_s: float = Field(0.0, description="Wall seconds of the planned run's first step (under compile: "
+                                                 "compiling it included).")
+    no_plan_first_step_s: float = Field(0.0, description="The same without the plan.")
     ok: bool
 
     def rows(self) -> list[tuple[str, str, str, str]]:
@@ -153,12 +157,17 @@ class VerifyReport(BaseModel):
              f"{self.measured_recompute_ms:+.1f} ms", _recompute_check(self)),
             ("recompute (wall clock)", "", f"{self.measured_recompute_wall_ms:+.1f} ms",
              f"{self.threads} thread(s)" if self.threads else ""),
-            ("recomputed forwards/step", str(self.planned_recomputes), str(self.measured_recomputes),
-             "" if self.measured_recomputes == self.planned_recomputes else "differs"),
+            ("recomputed forwards/step", str(self.planned_recomputes),
+             "-" if self.compile else str(self.measured_recomputes),
+             "eager only" if self.compile else "" if self.measured_recomputes == self.planned_recomputes
+             else "differs"),
             ("max |grad diff|", f"<= {self.tolerance:g}", f"{self.max_grad_diff:.3g}",
              "ok" if self.max_grad_diff <= self.tolerance else "FAIL"),
             ("max |buffer diff|", f"<= {self.tolerance:g}", f"{self.max_buffer_diff:.3g}",
              "ok" if self.max_buffer_diff <= self.tolerance else "FAIL"),
+            *([] if self.compile is None else [(
+                f"first step ({self.compile}, compiling)", "", f"{self.first_step_s:.1f} s",
+                f"{self.no_plan_first_step_s:.1f} s without the plan")]),
         ]
 
     def _host_rows(self) -> list[tuple[str, str, str, str]]:
@@ -189,7 +198,9 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
         step: how to run (``planner.spec.StepSpec``; default device 'cpu'): ``steps``, timed steps
             per run (>= 1); ``device``, 'cpu', 'cuda', 'cuda:1', 'auto' or a ``torch.device``;
             ``threads``, torch intra-op threads for the timed steps (default the plan's, the
-            profile's); ``loss_fn``, for an ``nn.Module``. The step itself is the plan's recipe.
+            profile's); ``loss_fn``, for an ``nn.Module``; ``compile``, a ``torch.compile``
+            backend: both runs train ``torch.compile(model)``, the plan applied first (default:
+            the plan's own, ``plan.compile``, else eager). The step itself is the plan's recipe.
         tolerance: largest allowed absolute difference of any gradient or buffer element after
             the compared step. On the CPU the difference is 0 (recomputation is bitwise); on
             CUDA nondeterministic kernels (atomic adds in embedding or scatter backward) differ
@@ -241,21 +252,26 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
                        options=("device",))
     say = progress or (lambda _msg: None)
     threads = threads or (plan.threads if dev.type == "cpu" else None)
+    compile, under = _compile_of(spec, plan)
     reports = []
     for index, (one, batch) in enumerate(zip(bucket_plans(plan), batches)):
         where = f" ({describe(plan.buckets[index])})" if plan.buckets else ""
         with num_threads(threads), rng.kept(dev):  # the caller's generators as they were (NOTE [ Randomness outside torch ])
             clock = pick_clock(dev, torch.get_num_threads())
-            say(f"training {_steps_run(one, steps, planned=False)} steps without the plan{where}")
-            base = _run(master, batch, loss_fn, one, dev, steps, clock, planned=False)
-            say(f"training {_steps_run(one, steps, planned=True)} steps with the plan{where}")
-            mine = _run(master, batch, loss_fn, one, dev, steps, clock, planned=True, applied=plan)
+            say(f"training {_steps_run(one, steps, planned=False)} steps without the plan{where}{under}")
+            base = _run(master, batch, loss_fn, one, dev, steps, clock, planned=False, compile=compile)
+            say(f"training {_steps_run(one, steps, planned=True, compiled=bool(compile))} steps with the plan"
+                f"{where}{under}")
+            mine = _run(master, batch, loss_fn, one, dev, steps, clock, planned=True, applied=plan, compile=compile)
             used = torch.get_num_threads() if dev.type == "cpu" else None
             # inside the threads' context: the noise note reads the thread count the steps ran with
-            report = _report(one, master, label, dev, steps, tolerance, base, mine, prediction_tolerance)
+            report = _report(one, master, label, dev, steps, tolerance, base, mine, prediction_tolerance,
+                             compile)
         if mine.bucket != (index if plan.buckets else None):
             report.problems.append(f"the batch of bucket {index} ran bucket {mine.bucket}")
-        reports.append(report.model_copy(update={"time_source": clock.source, "threads": used,
+        reports.append(report.model_copy(update={"time_source": clock.source, "threads": used, "compile": compile,
+                                                 "first_step_s": round(mine.first_step_s, 3),
+                                                 "no_plan_first_step_s": round(base.first_step_s, 3),
                                                  "ok": not report.problems}))
     if not plan.buckets:
         return reports[0]
@@ -263,6 +279,16 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
                          problems=[f"bucket {describe(b)}: {p}" for b, r in zip(plan.buckets, reports)
                                    for p in r.problems],
                          ok=all(r.ok for r in reports))
+
+
+def _compile_of(spec: StepSpec, plan: Plan) -> tuple[str | None, str]:
+    """The backend both runs compile with (``spec.compile``, else the plan's own; None: eager) and its words."""
+    from planner.options import parse_compile
+
+    compile = parse_compile(spec.compile) or (plan.compile.backend if plan.compile else None)
+    if compile is not None and plan.buckets:
+        raise BadInput("verify of a bucketed plan under torch.compile is not supported: verify each shape's plan")
+    return compile, f" under torch.compile ({compile})" if compile else ""
 
 
 class BucketsReport(BaseModel):
@@ -298,6 +324,8 @@ class _Run:
     offloaded: list[str] = field(default_factory=list)
     host_peak_bytes: int | None = None
     """The host store's peak during the measured step (offload plans only)."""
+    first_step_s: float = 0.0
+    """Wall seconds of the compared (first) step: under torch.compile, compiling it included."""
 
 
 def _peaks(step: Any, dev: torch.device, static: int, handle: Any) -> tuple[Measured, int | None]:
@@ -325,9 +353,10 @@ def _offload_fields(p: Any, mine: _Run) -> dict[str, Any]:
             "predicted_host_peak_bytes": p.host_peak_bytes, "measured_host_peak_bytes": mine.host_peak_bytes}
 
 
-def _steps_run(plan: Plan, steps: int, *, planned: bool) -> int:
-    """Steps ``_run`` trains: the compared one, ``steps`` timed, one for the peak, one for the windows (planned)."""
-    return 1 + steps + 1 + (1 if planned and plan.predicted.windows else 0)
+def _steps_run(plan: Plan, steps: int, *, planned: bool, compiled: bool = False) -> int:
+    """Steps ``_run`` trains: the compared one, ``steps`` timed, one for the peak, one for the windows (planned,
+    eager: no hook runs inside a compiled graph)."""
+    return 1 + steps + 1 + (1 if planned and plan.predicted.windows and not compiled else 0)
 
 
 def _load(source: Any, inputs: Inputs | list[Inputs] | None, loss_fn: Any,
@@ -351,16 +380,17 @@ def _load(source: Any, inputs: Inputs | list[Inputs] | None, loss_fn: Any,
 
 
 def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev: torch.device,
-         steps: int, clock: Any, *, planned: bool, applied: Plan | None = None) -> _Run:
+         steps: int, clock: Any, *, planned: bool, applied: Plan | None = None, compile: str | None = None) -> _Run:
     """Train a copy of ``master`` on ``inputs``; ``plan`` is what is predicted for them, ``applied`` (default
-    ``plan``) what is applied: a bucketed plan whose bucket for these inputs is ``plan``."""
+    ``plan``) what is applied: a bucketed plan whose bucket for these inputs is ``plan``. With ``compile``
+    the step trains ``torch.compile(model, backend=compile)``, compiled afresh."""
     model = copy.deepcopy(master).to(dev).train()
     batch = to_device(inputs, dev)
     handle = apply_plan(model, applied or plan, inputs=batch) if planned else None
     # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)
     changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))
     opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
-    step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
+    step = make_step(_compiled(model, compile), batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
     losses: list[float] = []
 
     def mark(name: str, value: Any) -> None:
@@ -368,7 +398,9 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
             losses.append(float(value.detach()))
 
     rng.seed_all(SEED)
+    first = time.perf_counter()
     step(mark)
+    first_s = time.perf_counter() - first
     grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
              for n, p in model.named_parameters()}
     buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}
@@ -394,7 +426,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     rng.seed_all(SEED)
     peak, host_peak = _peaks(step, dev, static, handle)
     windows: dict[str, int | None] = {}
-    if planned and plan.predicted.windows:
+    if planned and plan.predicted.windows and compile is None:  # no hook runs inside a compiled graph
         rng.seed_all(SEED)
         leaves = [k[len("forward of "):] for k in plan.predicted.windows if k.startswith("forward of ")]
         windows = window_peaks(memory_step(model, step, batch, opt, dev, recipe=plan.recipe).recorder.timeline(), leaves)
@@ -403,13 +435,23 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
                [n for n in [*handle.checkpointed, *handle.selective] if n in mine] if handle else [],
                dict(handle.skipped) if handle else {},
                recomputes, windows, max(times) - min(times), handle.bucket if handle else None,
-               list(handle.offloaded) if handle else [], host_peak)
+               list(handle.offloaded) if handle else [], host_peak, first_s)
     if handle:
         handle.remove()
     changes.remove()
     del model, opt, step, batch
     free(dev)
+    if compile is not None:
+        torch._dynamo.reset()
     return run
+
+
+def _compiled(model: torch.nn.Module, compile: str | None) -> torch.nn.Module:
+    """``model``, or ``torch.compile(model, backend=compile)`` compiled afresh."""
+    if compile is None:
+        return model
+    torch._dynamo.reset()
+    return torch.compile(model, backend=compile)
 
 
 
@@ -479,7 +521,8 @@ def _worst_window(plan: Plan, measured: dict[str, int | None]) -> tuple[str, int
 
 
 def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, steps: int, tolerance: float,
-            base: _Run, mine: _Run, prediction_tolerance: float = DEFAULT_PREDICTION_TOLERANCE) -> VerifyReport:
+            base: _Run, mine: _Run, prediction_tolerance: float = DEFAULT_PREDICTION_TOLERANCE,
+            compile: str | None = None) -> VerifyReport:
     p = plan.predicted
     grad_diff = max_abs_diff(base.grads, mine.grads)
     buffer_diff = max_abs_diff(base.buffers, mine.buffers)  # type: ignore[arg-type]
@@ -511,7 +554,10 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
     noise = measured_ms < 0 or abs(measured_ms) <= spread
     if noise:
         notes.append(_noise_note(measured_ms, spread, steps, dev, torch.get_num_threads()))
-    if mine.recomputes != planned:
+    if compile is not None:
+        notes.append("recomputed forwards are counted in eager mode only: under torch.compile the replay runs "
+                     "inside the compiled backward")
+    elif mine.recomputes != planned:
         notes.append(f"{mine.recomputes} forwards recomputed, {planned} planned: a region that saves no "
                      f"tensor for backward is never recomputed")
     if any(p.device.type == dev.type for p in master.parameters()) and dev.type != "cpu":
@@ -520,7 +566,8 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
         notes.append(f"the plan was made on {plan.device}, verified on {dev.type}")
     return VerifyReport(
         model=label, device=str(dev), peak_source=mine.peak.source, steps=steps,
-        steps_run=_steps_run(plan, steps, planned=True), timing_spread_ms=spread, recompute_noise=noise,
+        steps_run=_steps_run(plan, steps, planned=True, compiled=bool(compile)), timing_spread_ms=spread,
+        recompute_noise=noise,
         budget_bytes=plan.budget_bytes, tolerance=tolerance, recipe=plan.recipe,
         checkpointed=mine.checkpointed, skipped=mine.skipped,
         predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=mine.peak.peak_bytes,

@@ -205,9 +205,11 @@ def written_line(path: Path | str | None, what: str = "plan") -> str:
     return f"wrote {path}"
 
 
-def recipe_line(recipe: Recipe, optimizer: str) -> str:
-    """The training step a plan or profile is for, e.g. 'step: adamw, grad_accum 4, ...'."""
-    return f"step: {optimizer or 'adamw'}, {recipe.describe()}"
+def recipe_line(recipe: Recipe, optimizer: str, compile: Any = None) -> str:
+    """The training step a plan or profile is for, e.g. 'step: adamw, grad_accum 4, ...'; a compiled
+    one ends 'under torch.compile (inductor, torch 2.13.0)'."""
+    under = f", under torch.compile ({compile.backend}, torch {compile.torch_version})" if compile else ""
+    return f"step: {optimizer or 'adamw'}, {recipe.describe()}{under}"
 
 
 # ----------------------------------------------------------------------------- per command
@@ -225,7 +227,7 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
                    f"budget {plan.budget_bytes} bytes ({format_bytes(plan.budget_bytes)})")
     if plan.world_size > 1 or plan.sharding != "none":
         plain(out, f"per rank: {plan.world_size} rank(s) with {plan.sharding} (budget and peak are one rank's)")
-    plain(out, recipe_line(plan.recipe, plan.optimizer))
+    plain(out, recipe_line(plan.recipe, plan.optimizer, plan.compile))
     if plan.buckets:
         plain(out, f"{len(plan.buckets)} buckets, one plan per input shape; each batch runs the smallest that "
                    f"holds it (larger than all: the last, and the shape guard)")
@@ -271,7 +273,7 @@ def show_profile(out: Console, profile: Profile, graph: nx.DiGraph, *, fresh: bo
         plain(out, f"memory-safe profile: measured with {len(profile.measured_with_checkpoints)} modules "
                    f"checkpointed, as the step did not fit the device; the unplanned step's timeline and peak "
                    f"are reconstructed from that run")
-    plain(out, recipe_line(profile.recipe, profile.optimizer))
+    plain(out, recipe_line(profile.recipe, profile.optimizer, profile.compile))
     plain(out, f"{graph.number_of_nodes()} candidate units:")
     out.print(units_table(graph))
     plain(out, f"step {s.step_ms:.3f} ms (forward {s.forward_ms:.3f}, backward {s.backward_ms:.3f}, "
@@ -325,7 +327,8 @@ def show_verify(out: Console, report: Any) -> None:
     plain(out, f"verify {report.model} on {report.device} ({ran}; peak from {report.peak_source}): "
                f"{len(report.checkpointed)} modules checkpointed"
                + (f", {len(report.offloaded)} offloaded" if report.offloaded else ""))
-    plain(out, f"step: {report.recipe.describe()}")
+    under = f", under torch.compile ({report.compile})" if getattr(report, "compile", None) else ""
+    plain(out, f"step: {report.recipe.describe()}{under}")
     for name, why in report.skipped.items():
         plain(out, f"skipped {name}: {why}")
     out.print(verify_table(report.rows()))

@@ -188,6 +188,7 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         recipe=p.recipe.model_dump(), grads_alive=p.recipe.grads_alive, micro_batches=p.recipe.grad_accum,
         autocast_cached=frozenset(t.id for t in p.tensors if t.autocast_cached),
         host_link_bytes_per_s=p.host_link_bytes_per_s, copy_engine=p.copy_engine,
+        replay_transient_bytes=p.compile.replay_transient_bytes if p.compile else 0,
     )
 
 

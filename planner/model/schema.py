@@ -33,14 +33,17 @@ from planner.model.records import (MemoryEvent, OpRecord, ParamRecord, SaveRecor
                                    TensorRecord, UnitRecord)
 from solvers.contract import Sharding, Status
 
-PROFILE_SCHEMA_VERSION = 3
-PLAN_SCHEMA_VERSION = 5
+PROFILE_SCHEMA_VERSION = 4
+PLAN_SCHEMA_VERSION = 6
 """2 added ``recipe`` (``Recipe``); version-1 files load as the default recipe (their ``amp`` kept).
 3 added op records (``Profile.ops``) and ``Plan.selective`` (op-level checkpointing); older files
 load with none. 4 added ``Plan.buckets`` (one plan per input shape); a plan without buckets is
 still written as version 3, byte for byte as before (``SINGLE_SHAPE_PLAN_VERSION``). 5 added
 ``Plan.offload`` and the host fields (``host_budget_bytes``, ``predicted.host_peak_bytes`` and
-``offload_ms``), written only by a plan that offloads; every other plan keeps its version and bytes."""
+``offload_ms``), written only by a plan that offloads; every other plan keeps its version and bytes.
+6 added ``compile`` (the step under torch.compile; profile version 4), written only when set."""
+COMPILED_PROFILE_VERSION = 4
+COMPILED_PLAN_VERSION = 6
 SINGLE_SHAPE_PLAN_VERSION = 3
 """The version a plan without buckets is written as: readers of version 3 read it unchanged."""
 BUCKETED_PLAN_VERSION = 4
@@ -190,6 +193,23 @@ def _recipe_with_amp(data: Any) -> Any:
     return {**data, "amp": amp}
 
 
+# ----------------------------------------------------------------------------- compile
+
+
+class CompileInfo(_Model):
+    """The step was profiled (a profile) or planned (a plan) as ``torch.compile`` runs it
+    (NOTE [ Compiled profile ] in planner/profiling/compiled.py)."""
+
+    backend: str = Field(description="torch.compile backend, e.g. 'inductor'.")
+    torch_version: str = Field(description="torch version that compiled it: another may partition differently.")
+    first_compile_s: NonNegFloat = Field(0.0, description="Wall seconds of the first compiled step (compiling it "
+                                                          "included), as profiled; 0 when not measured.")
+    replay_transient_bytes: Bytes = Field(0, description="Profiles: temporaries of a compiled replay beyond the "
+                                                       "saves it re-creates, calibrated on the compiled step with "
+                                                       "the repeated blocks checkpointed (NOTE [ Peak-memory "
+                                                       "model ], Rule 11).")
+
+
 # ----------------------------------------------------------------------------- step changes
 
 
@@ -232,7 +252,7 @@ class Profile(_Model):
     """Everything measured about one training step of one model on one device."""
 
     kind: Literal["remat-profile"] = "remat-profile"
-    schema_version: int = PROFILE_SCHEMA_VERSION
+    schema_version: int = 3
     fingerprint: Fingerprint
     device: str = Field(description="'cpu', 'cuda' or 'meta' (fake tensors, times from a roofline).")
     device_name: str = ""
@@ -299,6 +319,8 @@ class Profile(_Model):
                                                              "Rule 4); 0 when not measured.")
     sac_kept_op_spread_ms: Ms = Field(0.0, description="Spread of sac_kept_op_ms over its rounds (the same NOTE).")
     notes: list[str] = Field(default_factory=list)
+    compile: CompileInfo | None = Field(None, description="Set when the step was profiled under torch.compile "
+                                                          "(schema version 4); None: eager.")
 
     @model_validator(mode="before")
     @classmethod
@@ -317,7 +339,7 @@ class Profile(_Model):
         raise KeyError(unit_id)
 
     def save(self, path: str | Path) -> Path:
-        return atomic_write_text(path, self.model_dump_json(indent=1))
+        return atomic_write_text(path, self.model_dump_json(indent=1, exclude=None if self.compile else {"compile"}))
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
@@ -477,6 +499,8 @@ class Plan(_Model):
                                       description="One plan per input shape, smallest first, the last one the "
                                                   "plan's own fields (schema version 4; written only when not "
                                                   "empty). apply_plan switches between them per batch.")
+    compile: CompileInfo | None = Field(None, description="Set for a plan made for the step under torch.compile "
+                                                          "(schema version 5; written only when set); None: eager.")
 
     @model_validator(mode="before")
     @classmethod
@@ -497,6 +521,8 @@ class Plan(_Model):
             exclude["buckets"] = True
         elif not self.offload:
             exclude["buckets"] = {"__all__": {"predicted": _NO_OFFLOAD["predicted"]}}
+        if self.compile is None:
+            exclude["compile"] = True
         return self.model_dump_json(indent=2, exclude=exclude or None) + "\n"
 
     @classmethod
@@ -569,7 +595,8 @@ def _check_plan(plan: Plan) -> None:
                 raise _bad(f"{field}.{i}", f"module {name!r} is not in the model (fingerprint.modules)")
 
 
-__all__ = ["Bytes", "Count", "ExcludedUnit", "Fingerprint", "LOSS_ID", "MAX_BYTES", "MAX_COUNT",
+__all__ = ["BUCKETED_PLAN_VERSION", "Bytes", "COMPILED_PLAN_VERSION", "COMPILED_PROFILE_VERSION", "CompileInfo",
+           "Count", "ExcludedUnit", "Fingerprint", "LOSS_ID", "MAX_BYTES", "MAX_COUNT",
            "MAX_WORLD_SIZE", "MemoryEvent", "Ms", "NonNegFloat", "now_iso", "OpRecord", "OpRef",
            "ParamRecord", "Plan", "PLAN_SCHEMA_VERSION", "PlanBucket", "Predicted", "Profile",
            "PROFILE_SCHEMA_VERSION", "Recipe", "RetainedBytes", "ROOT_ID", "RunStamp", "SaveRecord",

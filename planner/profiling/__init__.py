@@ -122,7 +122,25 @@ def check_step(step: StepSpec) -> torch.device:
         raise BadInput(f"device 'meta' models times for a target device: give {{target}} NAME (one of: {names})",
                        options=("target",))
     _check_cap(step, dev)
+    _check_compile(step, dev)
     return dev
+
+
+def _check_compile(step: StepSpec, dev: torch.device) -> None:
+    from planner.options import parse_compile
+
+    if parse_compile(step.compile) is None:
+        return
+    if dev.type == "meta":
+        raise BadInput("a compiled step cannot be profiled on device 'meta' (nothing runs there); drop "
+                       "{compile} or profile on a real device", options=("compile", "device"))
+    if step.device_memory_bytes is not None:
+        raise BadInput("{device_memory_bytes} profiles a step under checkpointing when it does not fit; the "
+                       "compiled step ({compile}) is profiled as it is: drop one",
+                       options=("device_memory_bytes", "compile"))
+    if step.recipe.grad_accum > 1:
+        raise BadInput("profiling the compiled step supports grad_accum 1 only; drop {grad_accum} or {compile}",
+                       options=("grad_accum", "compile"))
 
 
 def _check_cap(step: StepSpec, dev: torch.device) -> None:
@@ -185,6 +203,10 @@ def profile_as_run(model: torch.nn.Module, inputs: Inputs, *, step: StepSpec,
             result = profile_real(model, inputs, dev, step=step, progress=progress)
             result = _validated(model, inputs, result, step, dev, progress)
             result = _with_host_link(result, step, dev)
+            if step.compile is not None:
+                from planner.profiling.compiled import profile_compiled
+
+                result = profile_compiled(model, inputs, result, step=step, progress=progress)
     result.step_changes = changes
     return result
 
@@ -202,7 +224,7 @@ def _validated(model: torch.nn.Module, inputs: Inputs, result: schema.Profile, s
     amp = step.recipe.amp
     found = validate(model, to_device(inputs, dev), result, loss_fn=step.loss_fn, amp=amp, dev=dev)
     result.retained, result.excluded, result.region_state_bytes = found
-    if not result.ops:
+    if not result.ops or step.compile is not None:  # op-level policies are eager only (NOTE [ Compiled profile ])
         return result
     say("timing selective checkpointing's dispatch")
     with num_threads(step.threads):

@@ -1,0 +1,145 @@
+"""remat's compiled plans against torch.compile's own activation_memory_budget, at equal peaks.
+
+    python benchmarks/compiled.py examples/llama.py --threads 1
+    python benchmarks/compiled.py examples/gpt2.py --threads 1 --budgets 0.2,0.3,0.5,0.7 --repeats 5
+
+1. ``remat profile --compile`` of the model (``planner.profiling.profile(..., compile="inductor")``,
+   NOTE [ Compiled profile ]), timed: what ``remat plan --compile`` costs before its solver runs.
+2. torch.compile (inductor) of the plain model, without a budget and with each
+   ``torch._functorch.config.activation_memory_budget`` of ``--budgets``: each compiled afresh
+   (no AOT or FX graph cache; one backend object per variant, see ``benchmarks/peers.py``), its
+   first step (compiling it) timed, its peak measured by ``measure_step``.
+3. remat's compiled plan made at each budget variant's measured peak (``plan_from_profile`` with
+   that peak as the budget), applied by ``apply_plan`` and then compiled, measured the same way;
+   its prediction next to the measurement.
+4. ``--repeats`` round-robin rounds of one step per variant (drift hits all alike); the table
+   gives the median wall and CPU ms per step (with --threads 1, CPU time is robust to other jobs).
+
+Prints a Markdown table and one line per budget: remat's plan at compile's peak, no slower at a
+peak no higher? Then whether peaks fall as the budget falls (monotone), for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.peers import Variant, _applier, _measure_peak, _time_round_robin
+from planner.act.api import plan_from_profile
+from planner.errors import BudgetInfeasible
+from planner.model.schema import Plan
+from planner.profiling import profile
+from planner.profiling.model_file import load_model_file
+from planner.profiling.profiler import resolve_device
+
+MIB = 2**20
+
+
+def main() -> None:
+    args = _args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch._dynamo.config.cache_size_limit = 64  # one model class compiled for every variant
+    dev = resolve_device(args.device)
+    mf = load_model_file(args.model)
+    print(f"profiling {args.model} under torch.compile on {dev} ...", file=sys.stderr)
+    t0 = time.perf_counter()
+    prof = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=dev, steps=args.profile_steps,
+                   threads=args.threads or None, compile="inductor")
+    profile_s = time.perf_counter() - t0
+    variants = [Variant("torch.compile", lambda m, b: "-", None, compile_budget=None)]
+    variants += [Variant(f"torch.compile, activation_memory_budget {b:g}", lambda m, b: "-", None, compile_budget=b)
+                 for b in args.budgets]
+    kept = [_timed_peak(v, mf, dev) for v in variants]
+    plans: dict[str, Plan | None] = {}
+    for v in [v for v in variants[1:] if v.peak_bytes]:
+        name = f"remat --compile at the peak of budget {v.compile_budget:g}"
+        t1 = time.perf_counter()
+        try:
+            plan = plan_from_profile(prof, v.peak_bytes)
+        except BudgetInfeasible as e:  # compile went below what remat's candidates reach
+            variants.append(Variant(name, lambda m, b: "-", None, error=str(e).split(": raise")[0][:160]))
+            kept.append(None)
+            continue
+        plans[name] = plan
+        solve_s = time.perf_counter() - t1
+        variants.append(Variant(name, _applier(plan), plan.predicted.peak_bytes,
+                                predicted_recompute_ms=plan.predicted.recompute_ms, compile_budget=None))
+        variants[-1].solve_s = solve_s  # type: ignore[attr-defined]
+        kept.append(_timed_peak(variants[-1], mf, dev))
+    _time_round_robin(variants, kept, mf, dev, "adamw", args.repeats)
+    _print(args, dev, prof, profile_s, variants, plans)
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", default="examples/llama.py")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    p.add_argument("--budgets", type=lambda t: [float(x) for x in t.split(",") if x.strip()],
+                   default=[0.7, 0.5, 0.3, 0.2], metavar="B1,B2,...", help="activation_memory_budget values")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (one step per variant each)")
+    p.add_argument("--profile-steps", type=int, default=2, help="timing steps of the profile")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    return p.parse_args()
+
+
+def _timed_peak(v: Variant, mf: Any, dev: torch.device) -> Any:
+    """``peers._measure_peak``, with the wall seconds of the build (its first step compiles) kept."""
+    t0 = time.perf_counter()
+    kept = _measure_peak(v, mf, dev, "adamw")
+    v.first_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+    return kept
+
+
+def _print(args: argparse.Namespace, dev: torch.device, prof: Any, profile_s: float, variants: list[Variant],
+           plans: dict[str, Plan | None]) -> None:
+    threads = f", {torch.get_num_threads()} thread(s)" if dev.type == "cpu" else ""
+    print(f"`python benchmarks/compiled.py {' '.join(sys.argv[1:])}` on {dev}{threads}, torch {torch.__version__}; "
+          f"step times: median of {args.repeats} round-robin rounds\n")
+    first_s = prof.compile.first_compile_s
+    print(f"remat profile --compile: {profile_s:.1f} s; the model's first compiled step in it (the first compile "
+          f"of this process): {first_s:.1f} s; ratio {profile_s / max(first_s, 1e-9):.2f}; replay temporaries "
+          f"{prof.compile.replay_transient_bytes} B. First steps below are later compiles of this process (inductor "
+          f"reuses compiled kernels it has seen)\n")
+    print("| variant | checkpointed | peak bytes (measured) | predicted | error | step ms | CPU ms | first step s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for v in variants:
+        if v.error:
+            print(f"| {v.name} | {v.error} | | | | | | |")
+            continue
+        pred = v.predicted_peak_bytes
+        err = f"{(pred - v.peak_bytes) / v.peak_bytes:+.2%}" if pred and v.peak_bytes else ""
+        print(f"| {v.name} | {v.what} | {v.peak_bytes} ({v.peak_bytes / MIB:.2f} MiB) | {pred or ''} | {err} "
+              f"| {statistics.median(v.times_ms):.1f} | {statistics.median(v.cpu_ms):.1f} "
+              f"| {getattr(v, 'first_s', 0.0):.1f} |")
+    print()
+    budgets = [v for v in variants if isinstance(v.compile_budget, float)]
+    for b in budgets:
+        mine = next((v for v in variants if v.name.endswith(f"budget {b.compile_budget:g}") and v.name.startswith("remat")), None)
+        if mine is None or mine.error or not b.cpu_ms:
+            continue
+        faster = statistics.median(mine.cpu_ms) <= statistics.median(b.cpu_ms)
+        lower = mine.peak_bytes <= b.peak_bytes
+        print(f"budget {b.compile_budget:g}: remat {statistics.median(mine.cpu_ms):.1f} CPU ms at "
+              f"{mine.peak_bytes / MIB:.2f} MiB, compile {statistics.median(b.cpu_ms):.1f} CPU ms at "
+              f"{b.peak_bytes / MIB:.2f} MiB: {'not slower' if faster else 'SLOWER'}, "
+              f"{'peak no higher' if lower else 'HIGHER peak'}; within its budget: {mine.peak_bytes <= b.peak_bytes}")
+    peaks = [v.peak_bytes for v in budgets]
+    print(f"compile: peaks in falling activation_memory_budget order {[round(p / MIB, 2) for p in peaks]} MiB: "
+          f"{'monotone' if all(a >= b for a, b in zip(peaks, peaks[1:])) else 'NOT monotone'}")
+    ours = sorted(((plans[v.name].budget_bytes, v.peak_bytes) for v in variants if v.name in plans and v.peak_bytes),
+                  reverse=True)
+    print(f"remat: peaks in falling budget order {[(round(b / MIB, 2), round(p / MIB, 2)) for b, p in ours]} "
+          f"(budget, peak MiB): {'monotone' if all(a[1] >= b[1] for a, b in zip(ours, ours[1:])) else 'NOT monotone'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Plans for the step under torch.compile (NOTE [ Compiled profile ] in planner/profiling/compiled.py):
+the profile reads the partitioner's saves, the plan records the compile, apply_plan + torch.compile
+enforces it within its budget, and a plan run in the other mode warns once."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from planner.act.api import plan_from_profile
+from planner.act.applier import apply_plan
+from planner.errors import BadInput
+from planner.model.graph import build_graph
+from planner.model.schema import COMPILED_PLAN_VERSION, Plan, Profile
+from planner.profiling import profile
+from planner.profiling.compiled import phase_peaks
+from planner.profiling.measure import make_optimizer, make_step
+from solvers.cost_model import simulate
+from tests.conftest import invoke
+from tests.model_files import TINY_SEQ_MODEL
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _tiny() -> dict:
+    ns: dict = {}
+    exec(TINY_SEQ_MODEL, ns)  # noqa: S102 (the shared test model file)
+    return ns
+
+
+@pytest.fixture(scope="module")
+def compiled_profile() -> Profile:
+    m = _tiny()
+    return profile(m["build_model"](), m["example_inputs"](), device="cpu", threads=1, steps=1, compile="inductor")
+
+
+def _measured_peak(plan: Plan) -> int:
+    """The compiled step's peak with ``plan`` applied first, as a job runs it."""
+    m = _tiny()
+    torch._dynamo.reset()
+    model = m["build_model"]()
+    apply_plan(model, plan)
+    opt = make_optimizer("adamw", model)
+    step = make_step(torch.compile(model), m["example_inputs"](), optimizer=opt)
+    step()
+    step()
+    model.zero_grad(set_to_none=True)
+    static = sum(p.nbytes for p in model.parameters()) * 3 + sum(
+        t.nbytes for t in m["example_inputs"]().values())
+    _peaks, peak, _source = phase_peaks(step, torch.device("cpu"), static)
+    torch._dynamo.reset()
+    return peak
+
+
+def test_compiled_profile_reads_the_partitioners_saves(compiled_profile: Profile):
+    p = compiled_profile
+    assert p.compile is not None and p.compile.backend == "inductor" and p.compile.torch_version == torch.__version__
+    assert p.compile.first_compile_s > 0 and not p.ops
+    g = build_graph(p)
+    blocks = [n for n in g.nodes if n.startswith("blocks.")]
+    assert len(blocks) == 4 and all(g.nodes[n]["saved_bytes"] > 0 for n in blocks)
+    assert simulate(g, []).peak_bytes == p.step.measured_peak_bytes  # calibrated on the compiled step
+
+
+def test_compiled_plan_fits_its_budget_under_compile(compiled_profile: Profile, tmp_path):
+    g = build_graph(compiled_profile)
+    none = simulate(g, []).peak_bytes
+    every = simulate(g, [n for n in g.nodes if n.startswith("blocks.")]).peak_bytes
+    plan = plan_from_profile(compiled_profile, (none + every) // 2 + 16 * 1024)
+    assert plan.checkpoints and plan.compile == compiled_profile.compile
+    plan.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert again.schema_version == COMPILED_PLAN_VERSION and again.compile == plan.compile
+    assert _measured_peak(plan) <= plan.budget_bytes
+
+
+def _warnings(run) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "remat: this plan was made" in str(w.message)]
+
+
+def test_a_compiled_plan_run_eagerly_warns_once(compiled_profile: Profile):
+    m = _tiny()
+    plan = plan_from_profile(compiled_profile, compiled_profile.step.measured_peak_bytes)
+    plan = plan.model_copy(update={"checkpoints": ["blocks.0", "blocks.1"], "checkpoint_units": []})
+    model = m["build_model"]()
+    apply_plan(model, plan)
+    batch = m["example_inputs"]()
+    said = _warnings(lambda: [model(**batch).backward() for _ in range(2)])
+    assert len(said) == 1 and "made for the step under torch.compile (inductor)" in said[0]
+
+
+def test_an_eager_plan_under_compile_warns_once(compiled_profile: Profile):
+    m = _tiny()
+    plan = plan_from_profile(compiled_profile, compiled_profile.step.measured_peak_bytes)
+    plan = plan.model_copy(update={"checkpoints": ["blocks.0"], "checkpoint_units": [], "compile": None})
+    model = m["build_model"]()
+    apply_plan(model, plan)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")  # dynamo traces the plan; no inductor needed here
+    batch = m["example_inputs"]()
+    said = _warnings(lambda: [compiled(**batch).backward() for _ in range(2)])
+    torch._dynamo.reset()
+    assert len(said) == 1 and "made for the eager step" in said[0]
+
+
+def test_compile_refusals():
+    m = _tiny()
+    with pytest.raises(BadInput, match="compile backend 'aot_eager' is not supported; choose one of inductor"):
+        profile(m["build_model"](), m["example_inputs"](), device="cpu", compile="aot_eager")
+    with pytest.raises(BadInput, match="cannot be profiled on device 'meta'"):
+        profile(m["build_model"](), m["example_inputs"](), device="meta", target="h100", compile="inductor")
+    r = invoke("plan", "--budget", "1GB", "--compile-backend", "inductor", "--profile", "x.json")
+    assert r.exit_code == 2 and "--compile-backend chooses the backend of --compile" in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_plan_on_cuda_fits_its_budget():
+    m = _tiny()
+    prof = profile(m["build_model"](), m["example_inputs"](), device="cuda", steps=1, compile="inductor")
+    assert prof.compile is not None and prof.step.peak_source == "cuda-allocator"
+    g = build_graph(prof)
+    none = simulate(g, []).peak_bytes
+    every = simulate(g, [n for n in g.nodes if n.startswith("blocks.")]).peak_bytes
+    plan = plan_from_profile(prof, (none + every) // 2 + 16 * 1024)
+    torch._dynamo.reset()
+    model = m["build_model"]().cuda()
+    apply_plan(model, plan)
+    batch = {k: v.cuda() for k, v in m["example_inputs"]().items()}
+    step = make_step(torch.compile(model), batch, optimizer=make_optimizer("adamw", model))
+    step()
+    step()
+    _peaks, peak, source = phase_peaks(step, torch.device("cuda"), 0)
+    torch._dynamo.reset()
+    assert source == "cuda-allocator" and peak <= plan.budget_bytes
