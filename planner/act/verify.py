@@ -398,9 +398,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
             losses.append(float(value.detach()))
 
     rng.seed_all(SEED)
-    first = time.perf_counter()
-    step(mark)
-    first_s = time.perf_counter() - first
+    first_s = _seconds(lambda: step(mark))
     grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
              for n, p in model.named_parameters()}
     buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}
@@ -446,6 +444,13 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     return run
 
 
+def _seconds(run: Callable[[], Any]) -> float:
+    """Wall seconds of ``run()``."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def _compiled(model: torch.nn.Module, compile: str | None) -> torch.nn.Module:
     """``model``, or ``torch.compile(model, backend=compile)`` compiled afresh."""
     if compile is None:
@@ -466,6 +471,17 @@ def _compiled(model: torch.nn.Module, compile: str | None) -> torch.nn.Module:
 RECOMPUTE_TOLERANCE = 0.15
 """The recompute check of ``rows``: within max(15% of the measured overhead, RECOMPUTE_FLOOR_MS)."""
 RECOMPUTE_FLOOR_MS = 3.0
+
+
+def _recompute_notes(measured: int, planned: int, compile: str | None) -> list[str]:
+    """What the recompute count says: nothing under compile (the replay runs inside the compiled backward)."""
+    if compile is not None:
+        return ["recomputed forwards are counted in eager mode only: under torch.compile the replay runs inside "
+                "the compiled backward"]
+    if measured != planned:
+        return [f"{measured} forwards recomputed, {planned} planned: a region that saves no tensor for backward "
+                f"is never recomputed"]
+    return []
 
 
 def _noise_note(measured_ms: float, spread_ms: float, steps: int, dev: torch.device, threads: int) -> str:
@@ -554,12 +570,7 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
     noise = measured_ms < 0 or abs(measured_ms) <= spread
     if noise:
         notes.append(_noise_note(measured_ms, spread, steps, dev, torch.get_num_threads()))
-    if compile is not None:
-        notes.append("recomputed forwards are counted in eager mode only: under torch.compile the replay runs "
-                     "inside the compiled backward")
-    elif mine.recomputes != planned:
-        notes.append(f"{mine.recomputes} forwards recomputed, {planned} planned: a region that saves no "
-                     f"tensor for backward is never recomputed")
+    notes += _recompute_notes(mine.recomputes, planned, compile)
     if any(p.device.type == dev.type for p in master.parameters()) and dev.type != "cpu":
         notes.append(f"the model given lives on {dev}: its own memory is in both measured peaks")
     if dev.type != (plan.device or dev.type) and plan.device != "meta":

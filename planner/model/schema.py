@@ -206,8 +206,8 @@ class CompileInfo(_Model):
                                                           "included), as profiled; 0 when not measured.")
     replay_transient_bytes: Bytes = Field(0, description="Profiles: temporaries of a compiled replay beyond the "
                                                        "saves it re-creates, calibrated on the compiled step with "
-                                                       "the repeated blocks checkpointed (NOTE [ Peak-memory "
-                                                       "model ], Rule 11).")
+                                                       "the repeated blocks checkpointed "
+                                                       "(NOTE [ Peak-memory model ], Rule 11).")
 
 
 # ----------------------------------------------------------------------------- step changes
