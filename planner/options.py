@@ -64,5 +64,14 @@ def parse_compile(value: str | None) -> str | None:
     return value
 
 
-__all__ = ["Amp", "COMPILE_BACKENDS", "OPTIMIZER_NAMES", "OptimizerName", "parse_amp", "parse_compile",
+def compile_backend(compile: bool, backend: str, given: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """The backend ``--compile`` and ``--compile-backend`` ask for (None: eager); ``BadInput`` when the backend
+    is unknown, or given (in ``given``) without ``--compile``."""
+    if "compile_backend" in given and not compile:
+        raise BadInput("{compile_backend} chooses the backend of --compile: add --compile, or drop it",
+                       options=("compile_backend", "compile"))
+    return parse_compile(backend) if compile else None
+
+
+__all__ = ["Amp", "COMPILE_BACKENDS", "compile_backend", "OPTIMIZER_NAMES", "OptimizerName", "parse_amp", "parse_compile",
            "parse_optimizer", "parse_sharding"]

@@ -289,13 +289,9 @@ used there, and a tensor never held is held from there."""
 # back; its terms (device, in transfer, time, host) are NOTE [ Offload costs ] in
 # solvers/offload_cost.py, beside the code that computes them.
 #
-# Rule 11. A compiled step (``torch.compile``; NOTE [ Compiled profile ] in
-# planner/profiling/compiled.py): the saves are the partitioner's and the windows those of its
-# profile, so Rules 1-9 apply unchanged, with one term more. A compiled replay runs inside the
-# fused backward graph, where the recompute of a region and its backward's temporaries overlap
-# beyond what its saves and the leaves' forward T account for; graph.graph
-# "replay_transient_bytes" (calibrated on the compiled step measured with the repeated blocks
-# checkpointed) is added to every recompute probe. It is 0 for eager steps.
+# Rule 11. A compiled step (NOTE [ Compiled profile ] in planner/profiling/compiled.py): Rules 1-9
+# on the partitioner's saves, plus graph.graph "replay_transient_bytes" in every recompute probe:
+# a replay inside the fused backward overlaps its backward's temporaries (0 for eager steps).
 #
 # Not modelled: allocations too brief to leave a window; the planner's headroom
 # (planner.act.api.DEFAULT_HEADROOM) covers them. Per-rank memory: NOTE [ Per-rank memory ].
@@ -434,8 +430,7 @@ class CostModel(OffloadTerms):
         return self.backward_static(end, end)[0]
 
     def recompute_transient_bytes(self, c: str) -> int:
-        """The temporaries T of ``c``'s recompute: the largest forward T over its leaves, plus a
-        compiled replay's own (graph.graph "replay_transient_bytes", Rule 11; 0 for eager steps)."""
+        """The temporaries T of ``c``'s recompute: the largest forward T over its leaves (and Rule 11's)."""
         return max((self.forward_base_bytes[i] - self.rank.fwd_static_bytes for i in self.node_leaves[c]),
                    default=0) + self.graph.graph.get("replay_transient_bytes", 0)
 

@@ -439,8 +439,6 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     changes.remove()
     del model, opt, step, batch
     free(dev)
-    if compile is not None:
-        torch._dynamo.reset()
     return run
 
 

@@ -38,10 +38,11 @@ from typing import Any
 import typer
 
 from planner.cli import output, render
+from planner.options import compile_backend
 from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, Terminated, VerificationFailed
 from planner.cli.options import (COMPARE, DEVICES_CMD, FLAGS, FRONTIER, PLAN, PROFILE_CMD, SHOW, VERIFY,
                                  CompareOptions, FrontierOptions, HfSource, Options, PlanOptions, ProfileOptions,
-                                 ShowOptions, StepOptions, VerifyOptions, check_profile_options, compiled)
+                                 ShowOptions, StepOptions, VerifyOptions, check_profile_options)
 
 app = typer.Typer(
     name="remat",
@@ -346,7 +347,8 @@ def verify_cmd(o: VerifyOptions) -> None:
     if source is None:
         raise BadInput("give the model file the plan was made for: remat verify model.py plan.json")
     report = verify(source, plan, steps=o.steps, device=o.device, threads=o.threads, progress=_progress(log),
-                    prediction_tolerance=o.tolerance, compile=compiled(o))
+                    prediction_tolerance=o.tolerance,
+                    compile=compile_backend(o.compile, o.compile_backend, o.given))
     per_rank = getattr(report, "launched", None) is not None
     if per_rank and report.launched == "torchrun" and os.environ.get("RANK", "0") != "0":
         pass  # every rank has the report; rank 0 prints it

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from planner.errors import BadInput
 from planner.model.schema import Recipe
-from planner.options import Amp, OptimizerName, Sharding, parse_amp, parse_compile, parse_optimizer, parse_sharding
+from planner.options import Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_optimizer, parse_sharding
 from planner.spec import SolveSpec, StepSpec
 
 DEVICES = ("auto", "cpu", "cuda", "meta")
@@ -71,13 +71,9 @@ THREADS = _param("threads", Annotated[int | None, typer.Option(
          "one thread it is scaled by the step's measured wall-to-CPU ratio at N threads.")], None)
 DEVICE = _param("device", Annotated[str, typer.Option(
     "--device", help="Where to run the step: auto (cuda if available, else cpu), cpu, cuda[:N], meta.")], "auto")
-COMPILE = [
-    _param("compile", Annotated[bool, typer.Option(
-        "--compile", help="The step as torch.compile(model) runs it: its partitioner's saves, compiled times and "
-                          "peaks (apply the plan, then torch.compile the model).")], False),
-    _param("compile_backend", Annotated[str, typer.Option(
-        "--compile-backend", help="torch.compile backend with --compile: inductor.")], "inductor"),
-]
+COMPILE = [_param("compile", Annotated[bool, typer.Option("--compile", help="The step as torch.compile(model) runs it "
+                                                                          "(apply the plan, then compile).")], False),
+           _param("compile_backend", Annotated[str, typer.Option("--compile-backend", help="inductor.")], "inductor")]
 
 
 HEADROOM = _param("headroom", Annotated[str, typer.Option(
@@ -299,7 +295,7 @@ class StepOptions(Options, HfSource):
 
     @model_validator(mode="after")
     def _step(self) -> StepOptions:
-        _check_compile(self)
+        compile_backend(self.compile, self.compile_backend, self.given)
         if self.fused and self.foreach:
             raise BadInput("{fused} and {foreach} are two implementations of one optimizer: give one of them",
                            options=("fused", "foreach"))
@@ -324,20 +320,8 @@ class StepOptions(Options, HfSource):
         ``target`` only for ``--device meta`` (elsewhere ``--target`` is the default budget's device)."""
         return StepSpec(device=self.device, target=self.target if self.device == "meta" else None,
                         device_memory_bytes=device_memory_bytes, optimizer=self.optimizer, recipe=self.recipe,
-                        steps=self.steps, threads=self.threads, compile=compiled(self))
-
-
-def _check_compile(o: Any) -> None:
-    """--compile-backend needs --compile, and a backend remat reads (NOTE [ Compiled profile ])."""
-    if "compile_backend" in o.given and not o.compile:
-        raise BadInput("{compile_backend} chooses the backend of --compile: add --compile, or drop it",
-                       options=("compile_backend", "compile"))
-    parse_compile(o.compile_backend)
-
-
-def compiled(o: Any) -> str | None:
-    """The torch.compile backend the options ask for (--compile, --compile-backend); None: eager."""
-    return o.compile_backend if o.compile else None
+                        steps=self.steps, threads=self.threads,
+                        compile=compile_backend(self.compile, self.compile_backend))
 
 
 class ProfileOptions(StepOptions):
@@ -482,11 +466,6 @@ class VerifyOptions(Options, HfSource):
     compile: bool = False
     compile_backend: str = "inductor"
 
-    @model_validator(mode="after")
-    def _compile(self) -> VerifyOptions:
-        _check_compile(self)
-        return self
-
     @field_validator("device", mode="before")
     @classmethod
     def _device(cls, value: Any) -> str:
@@ -600,9 +579,9 @@ def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
 
         if get_device(o.target).name != prof.target:
             wrong.append(f"{{target}} {o.target} (the profile's times were modelled for {prof.target})")
-    mine = prof.compile.backend if prof.compile else None
-    if "compile" in o.given and compiled(o) != mine:
-        wrong.append(f"{{compile}} (the profile measured the {'compiled (' + mine + ')' if mine else 'eager'} step)")
+    asked = compile_backend(o.compile, o.compile_backend)
+    if "compile" in o.given and asked != (prof.compile and prof.compile.backend):
+        wrong.append(f"{{compile}} (the profile measured the {'compiled' if prof.compile else 'eager'} step)")
         named.append("compile")
     wrong = [w for w in wrong if w]
     if wrong:
@@ -610,7 +589,7 @@ def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
                        f"these options, or drop them to plan the profile's step", options=tuple(named))
 
 
-__all__ = ["BUDGET", "check_profile_options", "COMPARE", "COMPILE", "compiled", "CompareOptions", "DEVICE", "DEVICE_MEMORY_ENV",
+__all__ = ["BUDGET", "check_profile_options", "COMPARE", "COMPILE", "CompareOptions", "DEVICE", "DEVICE_MEMORY_ENV",
            "DEVICES", "DEVICES_CMD", "FLAGS", "FRONTIER", "FrontierOptions", "GRANULARITY", "HEADROOM",
            "HF_SOURCE", "HfSource", "MEASURED_STEP", "MEASURING_OPTIONS", "MODEL_HELP", "Options",
            "OUTPUT_SWITCHES", "PLAN", "PlanOptions", "PROFILE", "PROFILE_CMD", "ProfileOptions",

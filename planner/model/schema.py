@@ -202,11 +202,8 @@ class CompileInfo(_Model):
 
     backend: str = Field(description="torch.compile backend, e.g. 'inductor'.")
     torch_version: str = Field(description="torch version that compiled it: another may partition differently.")
-    first_compile_s: NonNegFloat = Field(0.0, description="Wall seconds of the first compiled step (compiling it "
-                                                          "included), as profiled; 0 when not measured.")
-    replay_transient_bytes: Bytes = Field(0, description="Profiles: temporaries of a compiled replay beyond the "
-                                                       "saves it re-creates, calibrated on the compiled step with "
-                                                       "the repeated blocks checkpointed "
+    first_compile_s: NonNegFloat = Field(0.0, description="Wall seconds of the profile's first compiled step.")
+    replay_transient_bytes: Bytes = Field(0, description="A compiled replay's temporaries beyond its saves "
                                                        "(NOTE [ Peak-memory model ], Rule 11).")
 
 
@@ -319,8 +316,7 @@ class Profile(_Model):
                                                              "Rule 4); 0 when not measured.")
     sac_kept_op_spread_ms: Ms = Field(0.0, description="Spread of sac_kept_op_ms over its rounds (the same NOTE).")
     notes: list[str] = Field(default_factory=list)
-    compile: CompileInfo | None = Field(None, description="Set when the step was profiled under torch.compile "
-                                                          "(schema version 4); None: eager.")
+    compile: CompileInfo | None = Field(None, description="The step under torch.compile (version 4); None: eager.")
 
     @model_validator(mode="before")
     @classmethod
@@ -499,8 +495,7 @@ class Plan(_Model):
                                       description="One plan per input shape, smallest first, the last one the "
                                                   "plan's own fields (schema version 4; written only when not "
                                                   "empty). apply_plan switches between them per batch.")
-    compile: CompileInfo | None = Field(None, description="Set for a plan made for the step under torch.compile "
-                                                          "(schema version 5; written only when set); None: eager.")
+    compile: CompileInfo | None = Field(None, description="For the step under torch.compile (version 6); None: eager.")
 
     @model_validator(mode="before")
     @classmethod
