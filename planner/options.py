@@ -1,4 +1,5 @@
-"""The step options every entry point takes (sharding, amp, optimizer): their names, and one check each.
+"""The step options every entry point takes (sharding, amp, optimizer, pipeline stages): their names, and one
+check each.
 
 The library, the profiler and the CLI all validate through these, so an option means the same
 everywhere and is refused with the same message. Torch-free.
@@ -10,10 +11,11 @@ Example::
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from planner.errors import BadInput
 from solvers.contract import SHARDINGS, Sharding
+from solvers.pipeline import SCHEDULES
 
 Amp = Literal["bf16", "fp16"]
 OptimizerName = Literal["adamw", "adam", "sgd", "none"]
@@ -73,5 +75,39 @@ def compile_backend(compile: bool, backend: str, given: frozenset[str] | set[str
     return parse_compile(backend) if compile else None
 
 
-__all__ = ["Amp", "COMPILE_BACKENDS", "compile_backend", "OPTIMIZER_NAMES", "OptimizerName", "parse_amp", "parse_compile",
-           "parse_optimizer", "parse_sharding"]
+def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int | None = None,
+                 sharding: str = "none") -> None:
+    """Pipeline settings that are bad whatever the model, each one line naming the fix (``BadInput``)."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
+        raise BadInput(f"pp must be an integer >= 2 (stages), got {stages!r}; drop {{pp}} for one stage",
+                       options=("pp",))
+    if schedule not in SCHEDULES:
+        raise BadInput(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}", options=("schedule",))
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise BadInput(f"micro-batches must be an integer >= 1, got {micro_batches!r}", options=("micro_batches",))
+    if world_size is not None and world_size != stages:
+        dp, rest = divmod(world_size, stages)
+        if rest:
+            raise BadInput(f"world size {world_size} is not tp x pp x dp with pp {stages} and tp 1: give {{world_size}} "
+                           f"a multiple of {stages} (dp = world size / {stages}), e.g. {stages}",
+                           options=("world_size",))
+        raise BadInput(f"world size {world_size} is pp {stages} x dp {dp}: data parallelism across pipeline stages is "
+                       f"not planned yet; give {{world_size}} {stages} (or drop it)", options=("world_size",))
+    if sharding != "none":
+        raise BadInput(f"sharding {sharding} with pipeline stages is not planned yet: drop {{sharding}} (each stage "
+                       f"holds its modules whole)", options=("sharding",))
+
+
+def check_model_fit(num_layers: int, stages: int, micro_batches: int, rows: int) -> None:
+    """Pipeline settings the model or its batch cannot take (``BadInput``)."""
+    if stages > num_layers:
+        raise BadInput(f"pp {stages} is more stages than the model's {num_layers} layers: give {{pp}} {num_layers} "
+                       f"or fewer", options=("pp",))
+    if rows % micro_batches:
+        fits = [m for m in range(1, rows + 1) if rows % m == 0]
+        raise BadInput(f"{micro_batches} micro-batches do not divide the batch of {rows} rows: give "
+                       f"{{micro_batches}} one of {', '.join(map(str, fits))}", options=("micro_batches",))
+
+
+__all__ = ["Amp", "COMPILE_BACKENDS", "check_layout", "check_model_fit", "compile_backend", "OPTIMIZER_NAMES",
+           "OptimizerName", "parse_amp", "parse_compile", "parse_optimizer", "parse_sharding"]

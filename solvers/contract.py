@@ -142,6 +142,16 @@ class GraphAttrs(TypedDict):
                                                                    "of each wrapped block")]
     fsdp_max_block_param_bytes: Annotated[int, Doc("parameters of the largest wrapped block (B)")]
     fsdp_root_param_bytes: Annotated[int, Doc("parameters of the root group, outside every block (R)")]
+    # pipeline stages (NOTE [ Pipeline stages ] in solvers/pipeline.py): the graph is one micro-batch of one stage
+    pp_stages: NotRequired[Annotated[int, Doc("pipeline stages (ranks), N")]]
+    pp_stage: NotRequired[Annotated[int, Doc("this graph's stage, 0 .. N - 1")]]
+    pp_schedule: NotRequired[Annotated[str, Doc("'1f1b' or 'gpipe'")]]
+    pp_micro_batches: NotRequired[Annotated[int, Doc("micro-batches per step, M")]]
+    pp_recv_bytes: NotRequired[Annotated[int, Doc("one micro-batch's received activation (0 on the first stage)")]]
+    pp_send_bytes: NotRequired[Annotated[int, Doc("one micro-batch's output sent on (0 on the last stage)")]]
+    pp_output_bytes: NotRequired[Annotated[int, Doc("one micro-batch's stage output (the logits on the last stage)")]]
+    pp_batch_bytes: NotRequired[Annotated[int, Doc("the replica's batch the stage holds beyond the graph's "
+                                                   "batch: tokens (first stage), labels (last)")]]
     # set by ``solvers.cost_model.calibrate``, last
     tail_fwd_transient_bytes: NotRequired[Annotated[int, Doc("calibrated temporaries of the tail's forward "
                                                              "(absent without a measurement)")]]

@@ -51,6 +51,11 @@ import networkx as nx
 # their reduce-scatter copy and the later block's pending input coexist (one B more than the
 # windows around it); it sets the peak only when a block's parameters outweigh its activations
 # (docs/distributed.md).
+#
+# Rule 4. Pipeline stages (graph.graph "pp_stages"): a stage's graph is its own module's, so the
+# static memory above is the stage's parameters, gradients and optimizer state whole (world_size 1:
+# one replica per stage); its receive buffers and the rest of the replica's batch are in
+# NOTE [ Pipeline stages ], Rule 6 (solvers/pipeline.py), added with the micro-batches in flight.
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from planner.act.shape_guard import ShapeGuard
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import model_differences
 from planner.model.schema import Plan, StepChange
+from planner.model.stages import plan_for
 from planner.profiling.rng import HostRngState
 from planner.profiling.step_changes import Installed, find_step_changes, install
 from planner.sizes import format_bytes
@@ -387,7 +388,7 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     """
     if guard not in GUARDS:
         raise BadInput(f"guard={guard!r} is unknown; choose one of {', '.join(map(repr, GUARDS))}")
-    plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
+    plan = plan_for(plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path), model)
     model = _unwrap_ddp(model)
     _check_model(model)
     plans = buckets.bucket_plans(plan)  # see NOTE [ Bucketed plans ]; [plan] without buckets

@@ -105,7 +105,7 @@ def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int 
         ProfileError: a rank failed (its error is in the message).
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    if plan.sharding == "none":
+    if plan.sharding == "none" and plan.pipeline is None:
         raise BadInput("this plan is for one process (sharding none): verify it with planner.act.verify.verify")
     if steps < 1:
         raise BadInput(f"verify needs steps >= 1, got {steps}")
@@ -118,7 +118,8 @@ def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int 
         return _torchrun_report(args, plan, str(model_file), peak_tolerance, grad_tolerance)
     say(f"training the reference: one process, {steps + 2} steps without the plan")
     reference = _reference(args)
-    say(f"training on {plan.world_size} ranks ({plan.sharding}), {steps + 2} steps without and with the plan")
+    layout = plan.sharding if plan.pipeline is None else f"pipeline stages, {plan.pipeline.schedule}"
+    say(f"training on {plan.world_size} ranks ({layout}), {steps + 2} steps without and with the plan")
     results = _spawn(args, plan.world_size)
     return _report(plan, str(model_file), "spawned", args, results, reference, peak_tolerance, grad_tolerance)
 
@@ -177,7 +178,10 @@ def _spawn(args: _Args, world_size: int) -> list[dict]:
                 end(proc)
             os.environ.pop(PARENT_ENV, None)
         results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
-        results[0]["grads"] = torch.load(Path(tmp, "grads.pt"), weights_only=True)
+        grads: dict = {}
+        for path in sorted(Path(tmp).glob("grads*.pt")):  # grads<rank>.pt: a pipeline stage's each
+            grads.update(torch.load(path, weights_only=True))
+        results[0]["grads"] = grads
     return results
 
 
@@ -212,6 +216,10 @@ def _rank_main(args: _Args, grads_path: Path) -> dict:
         plan = Plan.model_validate_json(args.plan_json)
         if plan.world_size != dist.get_world_size():
             raise BadInput(f"the plan is for {plan.world_size} ranks; this job has {dist.get_world_size()}")
+        if plan.pipeline is not None:
+            from planner.act.verify_stages import stage_rank_main
+
+            return stage_rank_main(args, plan, dev, grads_path, SEED)
         base = _rank_run(args, plan, dev, planned=False, grads_path=None)
         mine = _rank_run(args, plan, dev, planned=True, grads_path=grads_path)
         return dict(rank=dist.get_rank(), no_plan_peak=base.peak_bytes, peak=mine.peak_bytes,
@@ -359,9 +367,9 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
             grad_tolerance: float) -> RanksReport:
     from planner.act.verify import max_abs_diff
 
-    p = plan.predicted
     rows = []
     for r in sorted(results, key=lambda x: x["rank"]):
+        p = plan.stages[r["rank"]].predicted if plan.stages else plan.predicted  # a pipeline: the rank's stage
         no_plan = p.no_checkpoint_peak_bytes
         rows.append(RankRow(
             rank=r["rank"], predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=r["peak"],
@@ -371,7 +379,8 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
             recomputes=r["recomputes"]))
     ref_loss, ref_grads = reference
     grad_diff = max_abs_diff(ref_grads, results[0]["grads"])
-    loss_diff = abs(results[0]["loss"] - ref_loss)
+    loss_diff = abs(max(results, key=lambda x: x["rank"])["loss"] - ref_loss) if plan.stages else \
+        abs(results[0]["loss"] - ref_loss)  # a pipeline's loss is its last stage's
     problems = []
     for row in rows:
         if not row.within_budget:
@@ -384,7 +393,9 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
     if grad_diff > grad_tolerance:
         problems.append(f"gradients differ from one process's by up to {grad_diff:.3g} (tolerance {grad_tolerance:g})")
     return RanksReport(
-        model=label, device=args.device_type, world_size=plan.world_size, sharding=plan.sharding,
+        model=label, device=args.device_type, world_size=plan.world_size,
+        sharding=plan.sharding if plan.pipeline is None else
+        f"pipeline {plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches",
         fsdp_units=plan.fsdp_units, launched=launched, peak_source=results[0]["source"], steps=args.steps,
         budget_bytes=plan.budget_bytes, peak_tolerance=peak_tolerance, grad_tolerance=grad_tolerance,
         rows=rows, loss_diff=loss_diff, max_grad_diff=grad_diff, problems=problems, notes=[], ok=not problems)

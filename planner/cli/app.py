@@ -161,7 +161,9 @@ def plan_cmd(o: PlanOptions) -> None:
     render.plain(log if o.as_json else out, render.budget_line(budget, budget_bytes))
     if o.hf is not None and o.clip_grad_norm is None and not (o.fused or o.foreach):
         render.plain(log, TRAINER_NOTE)
-    if len(o.shapes) > 1:
+    if o.pp is not None:
+        plan, graph = _plan_pipeline(o, budget_bytes, log), None
+    elif len(o.shapes) > 1:
         plan, graph = _plan_buckets(o, budget_bytes, log), None
     else:
         prof = _profile_source(o, log)
@@ -178,6 +180,23 @@ def plan_cmd(o: PlanOptions) -> None:
         render.show_plan(out, plan, graph=graph, fresh=True, written=o.output)
     if o.why:
         _why(log if o.as_json else out, graph, plan)
+
+
+def _plan_pipeline(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
+    """One plan per pipeline stage (NOTE [ Pipeline stages ]): each stage profiled on one micro-batch."""
+    from planner.act.pipeline import pipeline_layout, plan_pipeline
+
+    if o.profile is not None:
+        raise BadInput("a saved profile is of the whole model; pipeline stages are profiled one by one: drop "
+                       "--profile and give the model file")
+    if o.granularity or o.device_memory is not None:
+        raise BadInput("pipeline stages are planned over their repeated blocks, without a device-memory cap, for "
+                       "now: drop --granularity and --device-memory")
+    if o.device == "meta" and o.target is None:
+        raise BadInput("--device meta models times for a target device: add --target NAME (remat devices lists them)")
+    layout = pipeline_layout(o.pp, o.schedule, o.micro_batches)
+    return plan_pipeline(_model_source(o.model, o), budget_bytes, layout, step=o.step_spec(), solve=o.solve_spec,
+                         progress=_progress(log))
 
 
 def _plan_buckets(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
@@ -314,6 +333,8 @@ def show_cmd(o: ShowOptions) -> None:
         output.print_json(prof) if o.as_json else render.show_profile(out, prof, graph_for(prof))
         return
     plan = Plan.load(o.path)
+    if o.why and plan.pipeline is not None:
+        raise BadInput("--why explains a plan made on one profile; a pipeline plan has one per stage: drop --why")
     if o.why and o.profile is None:
         raise BadInput("--why needs the profile the plan was made on: remat show plan.json --why --profile "
                        "profile.json (or remat plan ... --why)")

@@ -170,6 +170,18 @@ RANKS = [
 ]
 
 
+PIPELINE = [
+    _param("pp", Annotated[int | None, typer.Option(
+        "--pp", show_default=False, help="Pipeline stages, one rank each (torch.distributed.pipelining): one plan "
+                                         "per stage; example_inputs() is one data-parallel replica's batch. See "
+                                         "docs/distributed.md.")], None),
+    _param("schedule", Annotated[str, typer.Option(
+        "--schedule", help="With --pp: the pipeline schedule, 1f1b or gpipe.")], "1f1b"),
+    _param("micro_batches", Annotated[int, typer.Option(
+        "--micro-batches", help="With --pp: micro-batches the replica's batch is split into.")], 1),
+]
+
+
 def _flag(p: inspect.Parameter) -> str | None:
     for meta in getattr(p.annotation, "__metadata__", ()):
         decls = [d for d in (getattr(meta, "param_decls", None) or ()) if d.startswith("--")]
@@ -378,6 +390,24 @@ class PlanOptions(OffloadOptions):
     no_selective: bool = False
     headroom: float | None = None
     why: bool = False
+    pp: int | None = None
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+
+    @model_validator(mode="after")
+    def _ranks(self) -> PlanOptions:
+        """Per-rank settings, before any profiling: data-parallel ranks, or pipeline stages
+        (NOTE [ Pipeline stages ])."""
+        from planner.act.api import check_ranks
+
+        if self.pp is None:
+            check_ranks(self.world_size, self.sharding)
+            return self
+        from planner.options import check_layout
+
+        check_layout(self.pp, self.schedule, self.micro_batches, self.world_size if "world_size" in self.given
+                     else None, self.sharding)
+        return self
 
     @model_validator(mode="after")
     def _offload_solver(self) -> PlanOptions:
@@ -495,7 +525,7 @@ PLAN = [
     _param("no_selective", Annotated[bool, typer.Option(
         "--no-selective", help="Whole modules only: no op-level (selective) checkpointing policies.")], False),
     OFFLOAD, HOST_MEMORY,
-    HEADROOM, WHY, *RANKS, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
+    HEADROOM, WHY, *RANKS, *PIPELINE, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
 PROFILE_CMD = [
     _model_arg("model.py defining build_model() and example_inputs(); or use --hf."),

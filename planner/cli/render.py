@@ -215,6 +215,22 @@ def recipe_line(recipe: Recipe, optimizer: str, compile: Any = None) -> str:
 # ----------------------------------------------------------------------------- per command
 
 
+def stages_table(plan: Plan) -> Table:
+    """One row per pipeline stage: its blocks, micro-batches in flight, what one holds, its activations at
+    the peak, its checkpointed modules and its peak (NOTE [ Pipeline stages ])."""
+    t = Table(show_edge=False, pad_edge=False)
+    for col in ("stage", "blocks", "in flight", "held MiB", "act MiB", "ckpt", "peak MiB", "no ckpt"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for st in plan.stages:
+        pr = st.predicted
+        ids = [m.rsplit(".", 1)[-1] for m in st.modules]
+        blocks = f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else (ids[0] if ids else "-")
+        t.add_row(str(st.stage), blocks, str(st.in_flight), f"{st.held_bytes / MIB:.1f}",
+                  f"{pr.activations_bytes / MIB:.1f}", str(len(st.checkpoints)), f"{pr.peak_bytes / MIB:.1f}",
+                  f"{(pr.no_checkpoint_peak_bytes or 0) / MIB:.1f}")
+    return t
+
+
 def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fresh: bool = False,
               written: Path | str | None = None) -> None:
     """A plan for people: units (or checkpointed modules), peak, recompute, solver.
@@ -225,7 +241,12 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
     if not fresh:
         plain(out, f"plan for {plan.fingerprint.model_class} ({plan.fingerprint_digest}), "
                    f"budget {plan.budget_bytes} bytes ({format_bytes(plan.budget_bytes)})")
-    if plan.world_size > 1 or plan.sharding != "none":
+    if plan.pipeline is not None:
+        pp = plan.pipeline
+        plain(out, f"pipeline: {pp.stages} stages ({pp.schedule}, {pp.micro_batches} micro-batches), one rank each "
+                   f"(budget and peaks are one rank's); below, the highest stage's peak and the slowest stage's recompute")
+        out.print(stages_table(plan))
+    elif plan.world_size > 1 or plan.sharding != "none":
         plain(out, f"per rank: {plan.world_size} rank(s) with {plan.sharding} (budget and peak are one rank's)")
     plain(out, recipe_line(plan.recipe, plan.optimizer, plan.compile))
     if plan.buckets:

@@ -29,21 +29,24 @@ from planner.files import atomic_write_text
 from planner.model.fields import MAX_BYTES, MAX_COUNT, MAX_WORLD_SIZE, Bytes, Count, Ms, NonNegFloat, Seq, Threads, now_iso
 from planner.model.fields import FileModel as _Model  # the base of every model below: unknown fields are an error
 from planner.model.fields import bad_field as _bad, load_versioned as _load_versioned
+from planner.model.stages import Pipeline, StagePlan, check_stages
 from planner.model.records import (MemoryEvent, OpRecord, ParamRecord, SaveRecord, StepRecord, StepStructure,
                                    TensorRecord, UnitRecord)
 from solvers.contract import Sharding, Status
 
 PROFILE_SCHEMA_VERSION = 4
-PLAN_SCHEMA_VERSION = 6
+PLAN_SCHEMA_VERSION = 7
 """2 added ``recipe`` (``Recipe``); version-1 files load as the default recipe (their ``amp`` kept).
 3 added op records (``Profile.ops``) and ``Plan.selective`` (op-level checkpointing); older files
 load with none. 4 added ``Plan.buckets`` (one plan per input shape); a plan without buckets is
 still written as version 3, byte for byte as before (``SINGLE_SHAPE_PLAN_VERSION``). 5 added
 ``Plan.offload`` and the host fields (``host_budget_bytes``, ``predicted.host_peak_bytes`` and
 ``offload_ms``), written only by a plan that offloads; every other plan keeps its version and bytes.
-6 added ``compile`` (the step under torch.compile; profile version 4), written only when set."""
+6 added ``compile`` (the step under torch.compile; profile version 4), written only when set. 7 added
+``Plan.pipeline``, ``Plan.stages`` (one plan per pipeline stage) and ``Plan.tensor_parallel``, written only then."""
 COMPILED_PROFILE_VERSION = 4
 COMPILED_PLAN_VERSION = 6
+PIPELINE_PLAN_VERSION = 7
 SINGLE_SHAPE_PLAN_VERSION = 3
 """The version a plan without buckets is written as: readers of version 3 read it unchanged."""
 BUCKETED_PLAN_VERSION = 4
@@ -436,6 +439,10 @@ _NO_OFFLOAD = {"offload": True, "host_budget_bytes": True, "predicted": {"host_p
 """Plan keys written only when a plan offloads, so that plans without offload are byte for byte as before."""
 
 
+StagePlan.model_rebuild(_types_namespace={"Fingerprint": Fingerprint, "SolverInfo": SolverInfo,
+                                           "Predicted": Predicted})
+
+
 class Plan(_Model):
     """A checkpoint plan: which module calls to checkpoint, for which model, and what it costs.
 
@@ -496,6 +503,11 @@ class Plan(_Model):
                                                   "plan's own fields (schema version 4; written only when not "
                                                   "empty). apply_plan switches between them per batch.")
     compile: CompileInfo | None = Field(None, description="For the step under torch.compile (version 6); None: eager.")
+    pipeline: Pipeline | None = Field(None, description="Pipeline stages (schema version 5; written only then).")
+    stages: list[StagePlan] = Field(default_factory=list,
+                                    description="One plan per pipeline stage, stage order; the plan's own "
+                                                "fields are every stage's checkpoints and the highest stage "
+                                                "peak. apply_plan on a stage module applies its stage's.")
 
     @model_validator(mode="before")
     @classmethod
@@ -518,6 +530,8 @@ class Plan(_Model):
             exclude["buckets"] = {"__all__": {"predicted": _NO_OFFLOAD["predicted"]}}
         if self.compile is None:
             exclude["compile"] = True
+        if not self.stages:
+            exclude.update(pipeline=True, stages=True)
         return self.model_dump_json(indent=2, exclude=exclude or None) + "\n"
 
     @classmethod
@@ -574,7 +588,8 @@ def _check_plan(plan: Plan) -> None:
     if pr.peak_bytes > plan.budget_bytes - plan.headroom_bytes:
         raise _bad("predicted.peak_bytes", f"{pr.peak_bytes} exceeds budget_bytes {plan.budget_bytes} less "
                                            f"headroom_bytes {plan.headroom_bytes}")
-    if plan.world_size > 1 and plan.sharding == "none":
+    check_stages(plan)
+    if plan.world_size > 1 and plan.sharding == "none" and plan.pipeline is None:
         raise _bad("world_size", f"{plan.world_size} ranks need sharding 'ddp' or 'fsdp', the plan says 'none'")
     modules = {*plan.fingerprint.modules, ""}  # '' is the root, which named_modules lists first
     if pr.host_peak_bytes is not None and plan.host_budget_bytes is not None \
@@ -593,7 +608,7 @@ def _check_plan(plan: Plan) -> None:
 __all__ = ["BUCKETED_PLAN_VERSION", "Bytes", "COMPILED_PLAN_VERSION", "COMPILED_PROFILE_VERSION", "CompileInfo",
            "Count", "ExcludedUnit", "Fingerprint", "LOSS_ID", "MAX_BYTES", "MAX_COUNT",
            "MAX_WORLD_SIZE", "MemoryEvent", "Ms", "NonNegFloat", "now_iso", "OpRecord", "OpRef",
-           "ParamRecord", "Plan", "PLAN_SCHEMA_VERSION", "PlanBucket", "Predicted", "Profile",
+           "ParamRecord", "Plan", "PIPELINE_PLAN_VERSION", "Pipeline", "PLAN_SCHEMA_VERSION", "PlanBucket", "BUCKETED_PLAN_VERSION", "Predicted", "Profile",
            "PROFILE_SCHEMA_VERSION", "Recipe", "RetainedBytes", "ROOT_ID", "RunStamp", "SaveRecord",
-           "SelectiveRegion", "Seq", "SINGLE_SHAPE_PLAN_VERSION", "SolverInfo", "StepChange", "StepRecord",
+           "SelectiveRegion", "Seq", "SINGLE_SHAPE_PLAN_VERSION", "SolverInfo", "StagePlan", "StepChange", "StepRecord",
            "StepStructure", "TensorRecord", "TensorSig", "Threads", "UnitRecord"]

@@ -1,0 +1,342 @@
+"""Pipeline-parallel plans: one plan per stage of ``torch.distributed.pipelining`` (NOTE [ Pipeline
+stages ] in solvers/pipeline.py holds the accounting).
+
+A stage is the model's own modules for that stage (``stage_module``): the repeated blocks split
+evenly, the embeddings on the first stage, the final norm, head and loss on the last, with the
+model's FQNs kept (``model.layers.5`` stays ``model.layers.5``), so one plan file names modules
+as the model does. Stages are built for Hugging Face decoder-only language models
+(``*ForCausalLM`` with ``model.embed_tokens``, ``model.layers``, ``model.norm``,
+``model.rotary_emb`` and ``lm_head``: Llama, Mistral, Qwen2 and their kin); the model file's batch
+is one data-parallel replica's ``dict(input_ids=..., labels=...)``, which the schedule splits into
+micro-batches by rows.
+
+Example::
+
+    plan = plan_pipeline("model.py", "40GB", pipeline_layout(2, "1f1b", micro_batches=4))
+    stage = stage_module(build_model(), stage=rank, num_stages=2)
+    apply_plan(stage, plan)                     # this stage's checkpoints
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.errors import BadInput, BudgetInfeasible
+from planner.options import check_layout, check_model_fit
+from planner.model.schema import PIPELINE_PLAN_VERSION, Pipeline, Plan, Predicted, RunStamp, SolverInfo, StagePlan, now_iso
+from planner.sizes import format_bytes, parse_bytes
+from planner.spec import SolveSpec, StepSpec
+from solvers.pipeline import plan_stage, split_layers, stage_peak
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a decoder-only LM: ``forward(tokens or hidden) -> hidden or logits``.
+
+    Holds the model's own submodules under their FQNs (``model.layers`` a ``ModuleDict`` keyed
+    by the original layer index); the rest of the model is dropped, so it frees on this rank.
+    """
+
+    def __init__(self, lm: nn.Module, stage: int, num_stages: int):
+        super().__init__()
+        check_decoder_lm(lm)
+        inner = lm.model
+        start, end = split_layers(len(inner.layers), num_stages)[stage]
+        self.pp_stage, self.pp_stages = stage, num_stages
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(start, end)})
+        if not self.first:
+            inner.embed_tokens = None
+        if not self.last:
+            inner.norm = None
+        self.model = inner
+        self.lm_head = lm.lm_head if self.last else None
+        self.config = lm.config
+        self.config.use_cache = False  # a stage runs no cache (its forward passes none): nothing to turn off
+        self._loss_function = lm.loss_function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.model
+        h = inner.embed_tokens(x) if self.first else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = _causal_mask(self.config, h, pos)
+        pe = inner.rotary_emb(h, position_ids=pos)
+        for layer in inner.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)
+            h = h[0] if isinstance(h, tuple) else h
+        return self.lm_head(inner.norm(h)) if self.last else h
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The model's own loss of one micro-batch (the last stage's; the schedule's ``loss_fn``)."""
+        return self._loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+
+
+def _causal_mask(config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+
+
+def check_decoder_lm(model: nn.Module) -> None:
+    """``BadInput`` unless ``model`` has the layout ``DecoderStage`` splits."""
+    inner = getattr(model, "model", None)
+    ok = (inner is not None and isinstance(getattr(inner, "layers", None), nn.ModuleList)
+          and all(isinstance(getattr(inner, k, None), nn.Module) for k in ("embed_tokens", "norm", "rotary_emb"))
+          and isinstance(getattr(model, "lm_head", None), nn.Module) and hasattr(model, "loss_function"))
+    if not ok:
+        raise BadInput(f"pipeline stages are built for Hugging Face decoder-only language models (model.embed_tokens, "
+                       f"model.layers, model.norm, lm_head: Llama, Mistral, Qwen2); {type(model).__name__} is not "
+                       f"one: plan it without {{pp}}")
+
+
+def stage_module(model: nn.Module, stage: int, num_stages: int) -> DecoderStage:
+    """Stage ``stage`` of ``num_stages`` of ``model`` (Rule 1 of NOTE [ Pipeline stages ]); ``model`` is
+    pruned to it in place."""
+    return DecoderStage(model, stage, num_stages)
+
+
+def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` of the replica's batch (a dict with both, the model file's)."""
+    if not isinstance(batch, dict) or set(batch) != {"input_ids", "labels"}:
+        keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise BadInput(f"pipeline stages need example_inputs() to return dict(input_ids=..., labels=...), got "
+                       f"{keys}; return the tokens and labels only")
+    return batch["input_ids"], batch["labels"]
+
+
+def _feed_grad():
+    """A stand-in loss for a stage that is not the last: backward feeds a gradient into the stage's
+    output from a buffer made once, at the first step, as the schedule's receive buffer is (the
+    profiled step, after the warm-up, sees no new allocation; Rule 6 counts the buffers)."""
+    buffers: dict = {}
+
+    class _FeedGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, out: torch.Tensor) -> torch.Tensor:
+            key = (tuple(out.shape), out.dtype, str(out.device))
+            if key not in buffers:
+                buffers[key] = torch.ones_like(out)
+            ctx.key = key
+            return out.new_zeros(())
+
+        @staticmethod
+        def backward(ctx: Any, _g: torch.Tensor) -> torch.Tensor:
+            return buffers[ctx.key]
+
+    return lambda out: _FeedGrad.apply(out)
+
+
+def _received(_module: nn.Module, args: tuple) -> tuple:
+    """The stage's input as the schedule passes it: a leaf that requires grad, so that backward
+    makes its gradient (to send back) as on the rank (Rule 7 of NOTE [ Pipeline stages ])."""
+    return tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _stage_loss(stage: DecoderStage, labels: torch.Tensor):
+    """The last stage's loss of one micro-batch, ``loss_fn(logits)``."""
+    return lambda logits: stage.loss(logits, labels)
+
+
+@dataclass(frozen=True)
+class ProfiledStage:
+    """One stage profiled on one micro-batch, with what the schedule adds (the ``pp_*`` graph attributes)."""
+
+    profile: Any  # schema.Profile of the stage module
+    attrs: dict[str, Any]  # the pp_* attributes of solvers/contract.py
+    modules: list[str]  # its repeated blocks
+
+
+def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None = None,
+                   progress: Any = None) -> list[ProfiledStage]:
+    """Profile one micro-batch through each stage of ``layout`` (Rule 3 of NOTE [ Pipeline stages ]).
+    ``step``: where and how (device, target, optimizer, timing steps, threads; the plain loop only)."""
+    from planner.profiling import profile as run_profile
+    from planner.profiling.meta import build_on_meta
+    from planner.profiling.profiler import resolve_device
+
+    step = _plain_step(step)
+    say = progress or (lambda _m: None)
+    meta = resolve_device(step.device).type == "meta"
+    build = (lambda: build_on_meta(model_file.build_model)) if meta else model_file.build_model
+    shapes = _shapes(build(), model_file.example_inputs(), layout)
+    out = []
+    for s in range(layout.stages):
+        say(f"profiling stage {s} of {layout.stages} (one micro-batch of {shapes.rows} rows)")
+        stage = stage_module(build(), s, layout.stages)
+        hook = None if stage.first else stage.register_forward_pre_hook(_received)
+        loss_fn = _stage_loss(stage, shapes.labels.to(resolve_device(step.device))) if stage.last else _feed_grad()
+        x = shapes.ids if stage.first else torch.zeros(shapes.act_shape, dtype=shapes.dtype)
+        prof = run_profile(stage, x, step=step.replace(loss_fn=loss_fn))
+        if hook is not None:
+            hook.remove()
+        out.append(ProfiledStage(prof, shapes.attrs(layout, s),
+                                 [f"model.layers.{i}" for i in range(*split_layers(shapes.layers, layout.stages)[s])]))
+        del stage
+    return out
+
+
+def _plain_step(step: StepSpec | None) -> StepSpec:
+    """``step`` if it is the plain loop without a memory cap (what stages are planned for), else ``BadInput``."""
+    from planner.model.schema import Recipe
+
+    step = step or StepSpec()
+    if step.recipe != Recipe() or step.device_memory_bytes is not None or step.loss_fn is not None:
+        raise BadInput("pipeline stages are planned for the plain step (no accumulation, amp, clipping, "
+                       "optimizer implementation, device-memory cap or loss_fn: the model's own loss) for now; "
+                       "drop those options")
+    return step
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """The sizes the schedule moves, from the model and one replica's batch."""
+
+    layers: int
+    rows: int  # one micro-batch's rows
+    ids: torch.Tensor  # one micro-batch of tokens
+    labels: torch.Tensor  # one micro-batch of labels
+    act_shape: tuple[int, ...]
+    dtype: torch.dtype
+    act_bytes: int  # one micro-batch's activation between stages
+    logits_bytes: int  # one micro-batch's logits (the last stage's output)
+
+    def attrs(self, layout: Pipeline, s: int) -> dict[str, Any]:
+        """The pp_* graph attributes of stage ``s`` (Rules 4 and 6)."""
+        n, m, last = layout.stages, layout.micro_batches, s == layout.stages - 1
+        ids_b, lab_b = self.ids.numel() * self.ids.element_size(), self.labels.numel() * self.labels.element_size()
+        return dict(pp_stages=n, pp_stage=s, pp_schedule=layout.schedule, pp_micro_batches=m,
+                    pp_recv_bytes=self.act_bytes if s > 0 else 0, pp_send_bytes=0 if last else self.act_bytes,
+                    pp_output_bytes=self.logits_bytes if last else self.act_bytes,
+                    pp_batch_bytes=((m - 1) * ids_b if s == 0 else 0) + (m * lab_b if last else 0))
+
+
+def _shapes(model: nn.Module, batch: Any, layout: Pipeline) -> _Shapes:
+    check_decoder_lm(model)
+    ids, labels = split_batch(batch)
+    layers = len(model.model.layers)
+    check_model_fit(layers, layout.stages, layout.micro_batches, ids.shape[0])
+    cfg, dtype = model.config, next(model.parameters()).dtype
+    rows = ids.shape[0] // layout.micro_batches
+    shape = (rows, ids.shape[1], cfg.hidden_size)
+    size = torch.empty((), dtype=dtype).element_size()
+    return _Shapes(layers, rows, ids[:rows].clone(), labels[:rows].clone(), shape, dtype,
+                   rows * ids.shape[1] * cfg.hidden_size * size, rows * ids.shape[1] * cfg.vocab_size * size)
+
+
+def _solver(solver: str, time_limit_s: float | None) -> Any:
+    """``solvers.pipeline.Solve`` with the named solver; ``.used`` names the solver that ran last."""
+    from planner.act.api import solve_graph
+
+    def solve(g: Any, budget: int) -> tuple[list[str], dict[str, int]] | None:
+        sol = solve_graph(g, budget, solver=solver, time_limit_s=time_limit_s)
+        solve.used = sol.solver  # type: ignore[attr-defined]
+        return None if sol.status == "infeasible" else (list(sol.checkpointed), dict(sol.selective))
+
+    solve.used = solver  # type: ignore[attr-defined]
+    return solve
+
+
+def plan_stages(profiled: list[ProfiledStage], budget: int | str, *, fingerprint: Any,
+                solve: SolveSpec | None = None) -> Plan:
+    """One plan per stage under ``budget`` (per rank), as one plan (Rule 9 of NOTE [ Pipeline stages ]).
+    Raises ``BudgetInfeasible`` naming the budget every stage needs when one does not fit."""
+    budget_bytes = parse_bytes(budget)
+    spec = solve or SolveSpec()
+    t0 = time.perf_counter()
+    results = [_plan_stage(st, budget_bytes, spec) for st in profiled]
+    lowest = max((r for r in results if isinstance(r, int)), default=0)
+    if lowest:
+        raise BudgetInfeasible(
+            f"no checkpoint plan fits every pipeline stage in the budget of {budget_bytes} bytes "
+            f"({format_bytes(budget_bytes)}); the minimum feasible budget is {lowest} bytes "
+            f"({format_bytes(lowest)}): raise {{budget}}, or use more stages ({{pp}}) or, under 1f1b, more "
+            f"micro-batches", budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget",))
+    return _pipeline_plan(results, profiled, fingerprint, budget_bytes, time.perf_counter() - t0)
+
+
+def _plan_stage(st: ProfiledStage, budget_bytes: int, spec: SolveSpec) -> StagePlan | int:
+    """Stage ``st``'s plan, or the budget it needs at least (with the headroom) when none fits."""
+    from planner.act.api import budget_with_headroom, graph_for, headroom_for, usable_budget
+    from solvers.cost_model import simulate
+
+    room = headroom_for(st.profile) if spec.headroom is None else spec.headroom
+    usable, headroom_bytes = usable_budget(budget_bytes, room)
+    g = graph_for(st.profile, solver=spec.solver, selective=False)
+    g.graph.update(st.attrs)
+    solve = _solver(spec.solver, spec.time_limit_s)
+    result = plan_stage(g, usable, solve)
+    if result.chosen is None:
+        return budget_with_headroom(result.lowest_peak_bytes, room)
+    sp, est = stage_peak(g, *result.chosen), simulate(g, *result.chosen)
+    m = st.attrs["pp_micro_batches"]
+    predicted = Predicted(
+        peak_bytes=sp.peak_bytes, params_bytes=sp.params_bytes, grads_bytes=sp.grads_bytes,
+        optimizer_bytes=sp.optimizer_bytes,
+        activations_bytes=sp.peak_bytes - sp.params_bytes - sp.grads_bytes - sp.optimizer_bytes,
+        recompute_ms=round(m * est.recompute_ms, 6), step_ms=round(m * est.step_ms, 6), peak_at=sp.peak_at,
+        no_checkpoint_peak_bytes=stage_peak(g, []).peak_bytes, min_feasible_bytes=result.lowest_peak_bytes)
+    return StagePlan(
+        stage=st.attrs["pp_stage"], modules=st.modules, in_flight=sp.in_flight, held_bytes=sp.held_bytes,
+        buffers_bytes=sp.buffers_bytes, recv_bytes=st.attrs["pp_recv_bytes"], send_bytes=st.attrs["pp_send_bytes"],
+        fingerprint=st.profile.fingerprint, fingerprint_digest=st.profile.fingerprint.digest(),
+        headroom_bytes=headroom_bytes, checkpoints=list(dict.fromkeys(g.nodes[n]["fqn"] for n in est.checkpointed)),
+        checkpoint_units=list(est.checkpointed), predicted=predicted,
+        solver=SolverInfo(name=solve.used, status="feasible",
+                          detail="stage peak searched over the solving graph's budget (NOTE [ Pipeline stages ], "
+                                 "Rule 9)"))
+
+
+def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], fingerprint: Any, budget_bytes: int,
+                   seconds: float) -> Plan:
+    """The plan file: every stage's plan; its own fields the highest stage's peak, the slowest stage's time."""
+    from planner.act.api import _version
+
+    worst = max(stages, key=lambda sp: sp.predicted.peak_bytes)
+    first, attrs = profiled[0].profile, profiled[0].attrs
+    predicted = worst.predicted.model_copy(update=dict(  # the slowest stage sets the pipeline's pace
+        recompute_ms=max(sp.predicted.recompute_ms for sp in stages), step_ms=max(sp.predicted.step_ms for sp in stages)))
+    return Plan(
+        fingerprint=fingerprint, fingerprint_digest=fingerprint.digest(), budget_bytes=budget_bytes,
+        headroom_bytes=worst.headroom_bytes, checkpoints=[c for sp in stages for c in sp.checkpoints],
+        checkpoint_units=[u for sp in stages for u in sp.checkpoint_units], solver=worst.solver, predicted=predicted,
+        device=first.device, device_name=first.device_name, target=first.target, dtype=first.dtype,
+        recipe=first.recipe, optimizer=first.optimizer, world_size=len(stages), torch_version=first.torch_version,
+        remat_version=_version(), time_source=first.time_source, threads=first.threads,
+        time_calibration=first.time_calibration, created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
+        pipeline=Pipeline(stages=attrs["pp_stages"], schedule=attrs["pp_schedule"],
+                          micro_batches=attrs["pp_micro_batches"]),
+        stages=stages, schema_version=PIPELINE_PLAN_VERSION)
+
+
+def plan_pipeline(model_file: Any, budget: int | str, layout: Pipeline, *, step: StepSpec | None = None,
+                  solve: SolveSpec | None = None, progress: Any = None) -> Plan:
+    """Profile each stage of the model file's model and plan it (NOTE [ Pipeline stages ]).
+
+    ``model_file``: a path or a loaded ``ModelFile``; its ``example_inputs()`` is one data-parallel
+    replica's batch. ``solve.world_size``, when not 1, must be ``layout.stages`` (tp 1, dp 1)."""
+    from planner.model.fingerprint import fingerprint
+    from planner.profiling.meta import build_on_meta
+    from planner.profiling.model_file import ModelFile, load_model_file
+
+    solve = solve or SolveSpec()
+    check_layout(layout.stages, layout.schedule, layout.micro_batches,
+                 solve.world_size if solve.world_size != 1 else None, solve.sharding)
+    parse_bytes(budget)
+    mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
+    profiled = profile_stages(mf, layout, step=step, progress=progress)
+    fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
+    return plan_stages(profiled, budget, fingerprint=fp, solve=solve)
+
+
+def pipeline_layout(stages: Any, schedule: str = "1f1b", micro_batches: Any = 1) -> Pipeline:
+    """The ``Pipeline`` of these settings, each checked with a one-line error naming the fix."""
+    check_layout(stages, schedule, micro_batches)
+    return Pipeline(stages=stages, schedule=schedule, micro_batches=micro_batches)
+
+
+__all__ = ["DecoderStage", "ProfiledStage", "check_decoder_lm", "pipeline_layout",
+           "plan_pipeline", "plan_stages", "profile_stages", "split_batch", "stage_module"]

@@ -1,0 +1,100 @@
+"""One rank of a pipeline plan's check (``planner.act.verify_ranks`` starts the ranks and reports):
+this rank's stage trained by ``torch.distributed.pipelining`` without and with its stage's plan.
+
+Each rank builds the model from the verify seed, keeps its stage (``planner.act.pipeline.stage_module``:
+the model's own modules, FQNs kept), applies its stage's plan, and runs the plan's schedule over
+the model file's batch (one data-parallel replica's) split into the plan's micro-batches, with
+``return_outputs=False`` and the plan's optimizer: one compared step (the last stage's mean loss
+and every stage's gradients, which the report compares with one process training the whole
+model on the whole batch), ``steps`` more, then one measured step. The peak is the process-wide
+count of NOTE [ CPU peaks across threads ] (``planner/profiling/measure.py``), as for FSDP2 ranks.
+
+Example::
+
+    from planner.act.verify_ranks import verify_ranks
+    report = verify_ranks("model.py", "plan.json")   # a pipeline plan: each rank runs stage_rank_main
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner.model.schema import Plan
+from planner.profiling import rng
+
+
+def stage_rank_main(args: Any, plan: Plan, dev: torch.device, grads_path: Path, seed: int) -> dict:
+    """Both trainings of this rank's stage; writes its stage's gradients of the compared step beside
+    ``grads_path`` (``grads<rank>.pt``)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    base = _stage_run(args, plan, dev, seed, planned=False, grads_path=None)
+    mine = _stage_run(args, plan, dev, seed, planned=True, grads_path=grads_path.with_name(f"grads{rank}.pt"))
+    return dict(rank=rank, no_plan_peak=base["peak"], peak=mine["peak"], source=mine["source"], loss=mine["loss"],
+                recomputes=mine["recomputes"])
+
+
+def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, *, planned: bool,
+               grads_path: Path | None) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from planner.act.applier import apply_plan
+    from planner.act.pipeline import split_batch, stage_module
+    from planner.profiling.measure import free, make_optimizer, measure_step, to_device
+    from planner.profiling.model_file import load_model_file
+
+    pp = plan.pipeline
+    assert pp is not None
+    rank = dist.get_rank()
+    mf = load_model_file(args.model_file)
+    rng.seed_all(seed)  # the same weights as the reference's
+    stage = stage_module(mf.build_model().to(dev).train(), rank, pp.stages)
+    ids, labels = split_batch(to_device(mf.example_inputs(), dev))
+    ids = ids if stage.first else None  # a rank keeps what its stage reads (NOTE [ Pipeline stages ], Rule 6)
+    labels = labels if stage.last else None
+    handle = apply_plan(stage, plan) if planned else None
+    pstage = PipelineStage(stage, rank, pp.stages, dev)
+    kind = Schedule1F1B if pp.schedule == "1f1b" else ScheduleGPipe
+    schedule = kind(pstage, n_microbatches=pp.micro_batches, loss_fn=stage.loss)
+    opt = make_optimizer(plan.optimizer or "adamw", stage, impl=plan.recipe.optimizer_impl)
+
+    def step() -> list:
+        opt.zero_grad(set_to_none=True)
+        losses: list = []
+        if stage.first:
+            schedule.step(ids, return_outputs=False)
+        elif stage.last:
+            schedule.step(target=labels, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        opt.step()
+        return losses
+
+    rng.seed_all(seed)
+    losses = step()
+    loss = float(torch.stack([x.detach() for x in losses]).mean()) if losses else 0.0
+    if grads_path is not None:
+        torch.save({n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+                    for n, p in stage.named_parameters()}, grads_path)
+    recomputes = handle.recompute_count if handle else 0
+    for i in range(args.steps):
+        rng.seed_all(seed + 1 + i)
+        step()
+    gc.collect()
+    rng.seed_all(seed)
+    peak = measure_step(step, dev)
+    dist.barrier()
+    if handle:
+        handle.remove()
+    del stage, pstage, schedule, opt, ids, labels
+    free(dev)
+    return dict(peak=peak.peak_bytes, source=peak.source, loss=loss, recomputes=recomputes)
+
+
+__all__ = ["stage_rank_main"]

@@ -1,0 +1,249 @@
+"""Pipeline stages (``torch.distributed.pipelining``): one stage's peak under its schedule
+(NOTE [ Pipeline stages ]), and the search that plans a stage for it.
+
+A stage's graph is the graph of one micro-batch through the stage's modules (its profile), with
+the ``pp_*`` attributes of ``solvers/contract.py``; ``stage_peak`` adds what the schedule keeps
+alive beside it. Torch-free.
+
+Example::
+
+    split_layers(126, 16)[0]                 # (0, 8): the first stage's repeated blocks
+    in_flight("1f1b", 4, 0, 8)               # 4 micro-batches held by the first stage
+    stage_peak(g, ["model.layers.3"]).peak_bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import networkx as nx
+
+from solvers.cost_model import CostModel, check_checkpoint_set, policies_of
+
+Schedule = Literal["1f1b", "gpipe"]
+"""Pipeline schedules planned for: ``Schedule1F1B`` and ``ScheduleGPipe``."""
+
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+
+
+# NOTE [ Pipeline stages ]
+#
+# N stages (ranks), M micro-batches of one data-parallel replica's batch, one stage per rank
+# (``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` of torch.distributed.pipelining, as
+# torch 2.13 runs them, ``step(..., return_outputs=False)``).
+#
+# Rule 1. Modules. The repeated blocks are split evenly in forward order: with L blocks, stage s
+# gets L // N, and the first L % N stages one more. The embeddings run on the first stage, the
+# final norm, the head and the loss on the last (``split_layers``).
+# Rule 2. Order. GPipe runs every forward, then every backward (F0..F(M-1), B0..B(M-1)). 1F1B
+# runs w = min(M, N - s) forwards, then alternates one backward and one forward while forwards
+# are left, then the remaining backwards (``actions``). A stage therefore holds at most
+# ``in_flight`` micro-batches between their forward and backward: M under GPipe, min(N - s, M)
+# under 1F1B.
+# Rule 3. One micro-batch. The stage's graph is one micro-batch through the stage's modules
+# (profiled as its own module: input = the received activation, or the micro-batch's tokens on
+# the first stage; "loss" = the received gradient fed to the stage's output, or the real loss on
+# the last stage). Its probes (NOTE [ Peak-memory model ]) are the running micro-batch's peak
+# with this stage's parameters, optimizer state and gradients (NOTE [ Per-rank memory ] is not
+# applied on top: one replica per stage).
+# Rule 4. Held per micro-batch in flight, H(C): every tensor the stage holds for its backward
+# under the checkpoint set C (the held tensors of Rule 3 of the peak model, autocast's casts
+# included), plus the stage's output (the schedule keeps it in ``fwd_cache`` for the backward;
+# on the last stage the logits the loss is computed from). A probe of micro-batch j adds H(C)
+# for every other micro-batch in flight at that action. The running micro-batch's own output is
+# alive through its backward too (the graph's step drops it after the loss): backward probes add
+# it. Under 1F1B the schedule's ``output`` variable keeps the previous micro-batch's output until
+# the next forward returns: a forward that follows a backward adds it.
+# Rule 5. Gradients. Before the stage's first backward the probes are those of the graph (no
+# gradients in forward, gradients appearing through the first backward). After it every
+# parameter gradient is alive (accumulated over micro-batches): forward and backward probes
+# count all of them.
+# Rule 6. Buffers, allocated at the first step and kept: M receive buffers of one micro-batch's
+# input activation on every stage but the first (the graph's batch is one of them), and M
+# receive buffers of the output's gradient on every stage but the last. The first stage holds
+# the whole replica batch of tokens (its micro-batches are views of it; the graph counts one),
+# the last the whole batch of labels.
+# Rule 7. Input gradients: every stage but the first makes the gradient of each received
+# activation in its backward (in the graph: the stage is profiled with an input that requires
+# grad), sends it and drops it (torch sets the buffer's ``.grad`` to None); a send not yet waited
+# for keeps it. GPipe waits for its backward sends after the last backward: a backward counts
+# the input gradients of every earlier one. 1F1B waits for each before the next forward, and in
+# the cooldown (backwards with no forward left) after the next backward: a backward that
+# follows a backward counts one.
+# Rule 8. The stage's peak is the largest over its actions (Rule 2) of the action's probes plus
+# Rules 4-7, and the optimizer step's probe plus the buffers (Rule 6).
+# Rule 9. Planning a stage: the checkpoint set must keep Rule 8's peak within the budget. The
+# solvers minimise recompute under a graph's peak, which for one micro-batch can be blind to what
+# the schedule multiplies (Llama-405B's first stage peaks at its optimizer step with one
+# micro-batch, where no checkpoint helps, and at 16 micro-batches in flight with 16). So a stage is
+# solved on a copy of its graph in which every tensor a micro-batch can hold (saved for backward,
+# or kept as a checkpointed unit's input) counts ``in_flight`` times (``solving_graph``): its end
+# of forward is what the schedule's busiest point holds. ``plan_stage`` searches that copy's budget
+# for the largest whose plan keeps Rule 8's peak (on the true graph) within the budget: the
+# fewest recompute among the budgets tried, optimal for the copy, not proven optimal for the
+# stage. A checkpoint set is its stage's alone (a module lives on one stage).
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the repeated blocks of each stage (Rule 1)."""
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def in_flight(schedule: str, num_stages: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches stage ``stage`` holds at most between their forward and backward (Rule 2)."""
+    return micro_batches if schedule == "gpipe" else min(num_stages - stage, micro_batches)
+
+
+def actions(schedule: str, num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The stage's forwards ('F', j) and backwards ('B', j) in the order it runs them (Rule 2)."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+    warm = min(m, num_stages - stage)
+    out = [("F", j) for j in range(warm)]
+    f, b = warm, 0
+    while True:
+        out.append(("B", b))
+        b += 1
+        if f == m:
+            break
+        out.append(("F", f))
+        f += 1
+    out += [("B", j) for j in range(b, m)]
+    return out
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """Rule 8's peak of one stage for one checkpoint set, with its breakdown."""
+
+    peak_bytes: int
+    peak_at: str  # e.g. 'backward of model.layers.1, micro-batch 0, 1 more in flight'
+    held_bytes: int  # H(C): one micro-batch in flight (Rule 4)
+    in_flight: int
+    buffers_bytes: int  # Rule 6, beyond the graph's own batch
+    params_bytes: int
+    grads_bytes: int  # gradients alive at the peak
+    optimizer_bytes: int
+
+
+def held_bytes(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[str, int] | None = None) -> int:
+    """H(C) of Rule 4: what one micro-batch in flight holds on the stage."""
+    model = CostModel.of(g)
+    regions = check_checkpoint_set(g, checkpointed, selective)
+    pos = model.holdings(regions, policies_of(g, selective))
+    held = sum(model.tensor_bytes[t] for t in pos)
+    held += sum(model.tensor_bytes[t] for _, t in model.casts if t not in pos)
+    return held + g.graph["pp_output_bytes"]
+
+
+def buffers_bytes(g: nx.DiGraph) -> int:
+    """Rule 6: the receive buffers and the rest of the replica's batch, beyond the graph's batch."""
+    gg = g.graph
+    m = gg["pp_micro_batches"]
+    return (m - 1) * gg["pp_recv_bytes"] + m * gg["pp_send_bytes"] + gg["pp_batch_bytes"]
+
+
+def stage_peak(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[str, int] | None = None) -> StagePeak:
+    """Rule 8: the stage's peak under its schedule for checkpoint set ``checkpointed``."""
+    gg = g.graph
+    n, s, m, sched = gg["pp_stages"], gg["pp_stage"], gg["pp_micro_batches"], gg["pp_schedule"]
+    model = CostModel.of(g)
+    regions = check_checkpoint_set(g, checkpointed, selective)
+    probes = list(model.probes(regions, policies_of(g, selective)))
+    fwd = [p for p in probes if p[0].startswith("forward of ") or p[0] == "end of forward"]
+    bwd = [p for p in probes if p[0].startswith(("backward of ", "recompute of ")) or p[0] == "start of backward"]
+    opt = next(p for p in probes if p[0] == "optimizer step")
+    all_grads = gg["grads_bytes"]
+    held = held_bytes(g, checkpointed, selective)
+    buffers = buffers_bytes(g)
+    recv, out = gg["pp_recv_bytes"], gg["pp_output_bytes"]
+    best = (opt[1] + buffers, "optimizer step", opt[2])
+    f_done = b_done = 0
+    last = None
+    for kind, j in actions(sched, n, s, m):
+        if kind == "F":
+            others = f_done - b_done
+            extra = out if sched == "1f1b" and last == "B" else 0  # Rule 4: the previous output
+        else:
+            others = f_done - b_done - 1
+            pending = b_done if sched == "gpipe" else (1 if last == "B" else 0)  # Rule 7
+            extra = out + pending * recv  # Rule 4: its own output
+        for name, total, grads, _extra in (fwd if kind == "F" else bwd):
+            if b_done:  # Rule 5: every gradient alive after the first backward
+                total, grads = total + all_grads - grads, all_grads
+            total += others * held + buffers + extra
+            if total > best[0]:
+                best = (total, f"{name}, micro-batch {j}, {others} more in flight", grads)
+        f_done += kind == "F"
+        b_done += kind == "B"
+        last = kind
+    return StagePeak(peak_bytes=best[0], peak_at=best[1], held_bytes=held, in_flight=in_flight(sched, n, s, m),
+                     buffers_bytes=buffers, params_bytes=model.rank.params_bytes, grads_bytes=best[2],
+                     optimizer_bytes=model.rank.optimizer_bytes)
+
+
+Solve = Callable[[nx.DiGraph, int], "tuple[list[str], dict[str, int]] | None"]
+"""A solver on a graph at a budget: ``(checkpointed, selective)`` minimising recompute with the
+graph's peak within it, or None when nothing fits it."""
+
+
+def solving_graph(g: nx.DiGraph) -> nx.DiGraph:
+    """The copy of stage graph ``g`` the solvers plan on (Rule 9): held-able tensors count
+    ``in_flight`` times."""
+    gg = g.graph
+    k = in_flight(gg["pp_schedule"], gg["pp_stages"], gg["pp_stage"], gg["pp_micro_batches"])
+    if k == 1:
+        return g
+    held = {t for _, t in gg["saves"]}
+    for _, a in g.nodes(data=True):
+        held |= set(a["input_ids"])
+    out = g.copy()
+    out.graph["tensor_bytes"] = {t: b * k if t in held else b for t, b in gg["tensor_bytes"].items()}
+    out.graph["cost_model"] = CostModel.build(out)
+    return out
+
+
+@dataclass(frozen=True)
+class StagePlanResult:
+    """Rule 9's answer for one stage."""
+
+    chosen: tuple[list[str], dict[str, int]] | None  # None: nothing found fits
+    lowest_peak_bytes: int  # the stage peak of the most checkpointing the search reaches
+
+
+def plan_stage(g: nx.DiGraph, usable_bytes: int, solve: Solve) -> StagePlanResult:
+    """Rule 9: the plan, on ``solving_graph(g)``, of the largest budget whose stage peak (Rule 8, on
+    ``g``) fits ``usable_bytes``."""
+    from solvers.cost_model import simulate
+    from solvers.dp import min_feasible_bytes
+
+    gs = solving_graph(g)
+    lowest, highest = min_feasible_bytes(gs), simulate(gs, []).peak_bytes
+    most = solve(gs, lowest) or ([], {})
+    lowest_peak = stage_peak(g, *most).peak_bytes
+    if stage_peak(g, []).peak_bytes <= usable_bytes:
+        return StagePlanResult(([], {}), lowest_peak)
+    if lowest_peak > usable_bytes:
+        return StagePlanResult(None, lowest_peak)
+    best, lo, hi = most, lowest, highest  # the plan at lo fits
+    while hi - lo > max(1, highest // 100_000):
+        mid = (lo + hi) // 2
+        sol = solve(gs, mid)
+        if sol is not None and stage_peak(g, *sol).peak_bytes <= usable_bytes:
+            lo, best = mid, sol
+        else:
+            hi = mid
+    return StagePlanResult(best, lowest_peak)
+
+
+__all__ = ["SCHEDULES", "Schedule", "StagePeak", "actions", "buffers_bytes", "held_bytes", "in_flight",
+           "StagePlanResult", "plan_stage", "solving_graph", "split_layers", "stage_peak"]

@@ -1,0 +1,164 @@
+"""Pipeline stages (NOTE [ Pipeline stages ] in solvers/pipeline.py): the schedule rules, the stage
+peak against the one-process model, plan files, bad input, and one plan verified on two ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.act.api import graph_for
+from planner.model.schema import PIPELINE_PLAN_VERSION, Plan, Profile
+from planner.model.stages import stage_plan
+from solvers.cost_model import simulate
+from solvers.pipeline import actions, held_bytes, in_flight, plan_stage, solving_graph, split_layers, stage_peak
+from tests.conftest import invoke
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = ROOT / "examples" / "llama_pp.py"
+PROFILE = ROOT / "profiles" / "models" / "gpt2-tiny-cpu.json"
+
+
+def test_blocks_split_evenly_the_first_stages_take_the_rest():
+    assert split_layers(4, 2) == [(0, 2), (2, 4)]
+    stages = split_layers(126, 16)
+    assert [b - a for a, b in stages] == [8] * 14 + [7] * 2 and stages[-1][1] == 126
+
+
+def test_in_flight_and_order_follow_the_schedules():
+    assert [in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 4, s, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert in_flight("gpipe", 4, 3, 8) == 8
+    assert actions("gpipe", 2, 0, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert actions("1f1b", 2, 0, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert actions("1f1b", 2, 1, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    for sched in ("1f1b", "gpipe"):
+        for s in range(3):
+            acts = actions(sched, 3, s, 5)
+            live = peak = 0
+            for kind, _ in acts:
+                live += 1 if kind == "F" else -1
+                peak = max(peak, live)
+            assert sorted(acts) == sorted([("F", j) for j in range(5)] + [("B", j) for j in range(5)])
+            assert peak == in_flight(sched, 3, s, 5)
+
+
+def _stage_graph(stage: int, stages: int, schedule: str, micro_batches: int, **sizes: int):
+    g = graph_for(Profile.load(PROFILE), selective=False)
+    g.graph.update(pp_stages=stages, pp_stage=stage, pp_schedule=schedule, pp_micro_batches=micro_batches,
+                   pp_recv_bytes=sizes.get("recv", 0), pp_send_bytes=sizes.get("send", 0),
+                   pp_output_bytes=sizes.get("out", 0), pp_batch_bytes=sizes.get("batch", 0))
+    return g
+
+
+def test_one_micro_batch_on_the_last_stage_is_the_one_process_peak():
+    g = _stage_graph(1, 2, "1f1b", 1)
+    assert stage_peak(g, []).peak_bytes == simulate(g, []).peak_bytes
+
+
+def test_micro_batches_in_flight_add_what_each_holds():
+    one = simulate(_stage_graph(0, 2, "gpipe", 1), []).peak_bytes
+    g = _stage_graph(0, 2, "gpipe", 4, out=1000)
+    sp = stage_peak(g, [])
+    assert sp.in_flight == 4 and sp.held_bytes == held_bytes(g, []) > 1000
+    assert sp.peak_bytes >= one + 3 * sp.held_bytes + 1000 + 4 * 0
+    assert stage_peak(_stage_graph(0, 2, "1f1b", 4, out=1000), []).peak_bytes < sp.peak_bytes  # 2 in flight, not 4
+
+
+def test_a_stage_plan_fits_its_stage_peak_in_the_budget():
+    from planner.act.api import solve_graph
+
+    g = _stage_graph(0, 2, "gpipe", 3, out=1000)
+
+    def solve(graph, b: int):
+        sol = solve_graph(graph, b, solver="auto")
+        return None if sol.status == "infeasible" else (list(sol.checkpointed), dict(sol.selective))
+
+    gs = solving_graph(g)
+    assert gs is not g and sum(gs.graph["tensor_bytes"].values()) > sum(g.graph["tensor_bytes"].values())
+    floor, ceiling = plan_stage(g, 0, solve).lowest_peak_bytes, stage_peak(g, []).peak_bytes
+    assert floor < ceiling
+    usable = (floor + ceiling) // 2
+    chosen = plan_stage(g, usable, solve).chosen
+    assert chosen is not None and chosen[0] and stage_peak(g, *chosen).peak_bytes <= usable
+    assert plan_stage(g, floor - 1, solve).chosen is None
+    assert plan_stage(g, ceiling, solve).chosen == ([], {})
+
+
+@pytest.fixture(scope="module")
+def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """pp 2, 1F1B, 4 micro-batches at the budget halfway between the layout's lowest feasible and
+    no-checkpoint peaks (the worst stage's), planned on the CPU."""
+    from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
+    from planner.model.fingerprint import fingerprint
+    from planner.profiling.meta import build_on_meta
+    from planner.profiling.model_file import load_model_file
+    from planner.spec import StepSpec
+
+    mf = load_model_file(LLAMA)
+    profiled = profile_stages(mf, pipeline_layout(2, "1f1b", 4), step=StepSpec(device="cpu", threads=1, steps=1))
+    fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
+    roomy = plan_stages(profiled, "1GB", fingerprint=fp)
+    lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
+    top = max(st.predicted.no_checkpoint_peak_bytes for st in roomy.stages)
+    plan = plan_stages(profiled, (lowest + top) // 2, fingerprint=fp)
+    path = tmp_path_factory.mktemp("pp") / "plan.json"
+    plan.save(path)
+    return path
+
+
+def test_the_plan_file_holds_one_plan_per_stage(pipeline_plan: Path):
+    plan = Plan.load(pipeline_plan)
+    data = json.loads(pipeline_plan.read_text())
+    assert data["schema_version"] == PIPELINE_PLAN_VERSION and plan.pipeline.stages == 2 == len(plan.stages)
+    assert [st.in_flight for st in plan.stages] == [2, 1]
+    assert plan.stages[0].modules == ["model.layers.0", "model.layers.1"]
+    assert all(st.checkpoints for st in plan.stages)  # the halfway budget needs checkpoints on both stages
+    assert plan.predicted.peak_bytes == max(st.predicted.peak_bytes for st in plan.stages)
+    assert plan.checkpoints == [c for st in plan.stages for c in st.checkpoints]
+    stage = stage_plan(plan, 1)
+    assert stage.checkpoints == plan.stages[1].checkpoints and stage.stages == [] and stage.world_size == 1
+    bad = dict(data)
+    bad["stages"] = [dict(data["stages"][0], in_flight=9), data["stages"][1]]
+    broken = pipeline_plan.with_name("bad.json")
+    broken.write_text(json.dumps(bad))
+    result = invoke("show", broken)
+    assert result.exit_code == 2 and "stages.0.in_flight" in result.output
+
+
+def test_the_applier_applies_the_stage_plan_on_a_stage(pipeline_plan: Path):
+    from planner.act.applier import apply_plan
+    from planner.act.pipeline import stage_module
+    from planner.profiling.model_file import load_model_file
+
+    plan = Plan.load(pipeline_plan)
+    mf = load_model_file(LLAMA)
+    for s in range(2):
+        handle = apply_plan(stage_module(mf.build_model(), s, 2), plan)
+        assert handle.checkpointed == plan.stages[s].checkpoints
+
+
+def test_verify_runs_each_stage_on_its_rank(pipeline_plan: Path):
+    """Two gloo ranks on the CPU: each stage's measured peak within 2% of its prediction and within the
+    budget, the gradients those of one process (tests the whole path: stage modules, the schedule)."""
+    from planner.act.verify_ranks import verify_ranks
+
+    report = verify_ranks(LLAMA, pipeline_plan, steps=1)
+    assert report.ok, report.problems
+    assert [r.rank for r in report.rows] == [0, 1] and all(r.recomputes > 0 for r in report.rows)
+    assert report.max_grad_diff < 1e-6
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--pp", "5"], "give --pp 4 or fewer"),
+    (["--pp", "2", "--world-size", "3"], "world size 3 is not tp x pp x dp"),
+    (["--pp", "2", "--schedule", "zero-bubble"], "unknown schedule 'zero-bubble'; choose one of: 1f1b, gpipe"),
+    (["--pp", "2", "--micro-batches", "3"], "give --micro-batches one of 1, 2, 4, 8"),
+])
+def test_bad_pipeline_settings_are_one_line_errors(args: list[str], needle: str, tmp_path: Path):
+    out = tmp_path / "plan.json"
+    result = invoke("plan", LLAMA, "--budget", "1GB", "--device", "cpu", *args, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output and not out.exists()
+    assert len([ln for ln in result.stderr.splitlines() if ln.startswith("error:")]) == 1
