@@ -76,8 +76,31 @@ def compile_backend(compile: bool, backend: str, given: frozenset[str] | set[str
 
 
 def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int | None = None,
-                 sharding: str = "none") -> None:
-    """Pipeline settings that are bad whatever the model, each one line naming the fix (``BadInput``)."""
+                 sharding: str = "none", *, tp: Any = 1) -> None:
+    """Pipeline stages (``stages`` None: none) and tensor parallelism (``tp``) settings that are bad
+    whatever the model, each one line naming the fix (``BadInput``)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise BadInput(f"tp must be an integer >= 1, got {tp!r}", options=("tp",))
+    if stages is not None:
+        _check_stages(stages, schedule, micro_batches)
+        if tp > 1:
+            raise BadInput("tensor parallelism combined with pipeline stages is not planned yet: give {pp} or {tp}, "
+                           "not both", options=("pp", "tp"))
+    ranks = tp * (stages or 1)
+    if world_size is not None and world_size != ranks:
+        what = f"pp {stages} and tp {tp}" if stages else f"tp {tp}"
+        dp, rest = divmod(world_size, ranks)
+        if rest:
+            raise BadInput(f"world size {world_size} is not tp x pp x dp with {what}: give {{world_size}} a multiple "
+                           f"of {ranks} (dp = world size / {ranks}), e.g. {ranks}", options=("world_size",))
+        raise BadInput(f"world size {world_size} is {what} x dp {dp}: data parallelism beside them is not planned "
+                       f"yet; give {{world_size}} {ranks} (or drop it)", options=("world_size",))
+    if sharding != "none":
+        raise BadInput(f"sharding {sharding} with pipeline stages or tensor parallelism is not planned yet: drop "
+                       f"{{sharding}} (each rank holds its modules' shares whole)", options=("sharding",))
+
+
+def _check_stages(stages: Any, schedule: str, micro_batches: Any) -> None:
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
         raise BadInput(f"pp must be an integer >= 2 (stages), got {stages!r}; drop {{pp}} for one stage",
                        options=("pp",))
@@ -85,17 +108,6 @@ def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int
         raise BadInput(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}", options=("schedule",))
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise BadInput(f"micro-batches must be an integer >= 1, got {micro_batches!r}", options=("micro_batches",))
-    if world_size is not None and world_size != stages:
-        dp, rest = divmod(world_size, stages)
-        if rest:
-            raise BadInput(f"world size {world_size} is not tp x pp x dp with pp {stages} and tp 1: give {{world_size}} "
-                           f"a multiple of {stages} (dp = world size / {stages}), e.g. {stages}",
-                           options=("world_size",))
-        raise BadInput(f"world size {world_size} is pp {stages} x dp {dp}: data parallelism across pipeline stages is "
-                       f"not planned yet; give {{world_size}} {stages} (or drop it)", options=("world_size",))
-    if sharding != "none":
-        raise BadInput(f"sharding {sharding} with pipeline stages is not planned yet: drop {{sharding}} (each stage "
-                       f"holds its modules whole)", options=("sharding",))
 
 
 def check_model_fit(num_layers: int, stages: int, micro_batches: int, rows: int) -> None:

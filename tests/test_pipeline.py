@@ -1,5 +1,6 @@
 """Pipeline stages (NOTE [ Pipeline stages ] in solvers/pipeline.py): the schedule rules, the stage
-peak against the one-process model, plan files, bad input, and one plan verified on two ranks."""
+peak against the one-process model, plan files, bad input, and one plan verified on two ranks; and
+tensor-parallel ranks (NOTE [ Tensor-parallel ranks ]) verified on two ranks."""
 
 from __future__ import annotations
 
@@ -162,3 +163,36 @@ def test_bad_pipeline_settings_are_one_line_errors(args: list[str], needle: str,
     assert result.exit_code == 2, result.output
     assert needle in result.output and "Traceback" not in result.output and not out.exists()
     assert len([ln for ln in result.stderr.splitlines() if ln.startswith("error:")]) == 1
+
+
+def test_tensor_parallel_ranks_run_the_local_model(tmp_path: Path):
+    """tp 2 (NOTE [ Tensor-parallel ranks ]): the plan is made on the model with half the heads and MLP width,
+    names the full model's modules, and each of two gloo ranks measures its prediction within 2%."""
+    from planner.act.tensor_parallel import local_model, plan_tensor_parallel
+    from planner.act.verify_ranks import verify_ranks
+    from planner.profiling.model_file import load_model_file
+    from planner.spec import StepSpec
+
+    mf = load_model_file(LLAMA)
+    local = local_model(mf.build_model(), 2)
+    assert local.model.layers[0].self_attn.q_proj.weight.shape == (64, 128)
+    assert local.model.layers[0].mlp.up_proj.weight.shape == (176, 128)
+    step = StepSpec(device="cpu", threads=1, steps=1)
+    roomy = plan_tensor_parallel(mf, "1GB", 2, step=step)
+    plan = plan_tensor_parallel(mf, int(roomy.predicted.no_checkpoint_peak_bytes * 0.8), 2, step=step)
+    assert plan.tensor_parallel == 2 == plan.world_size and plan.checkpoints
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path).tensor_parallel == 2 and json.loads(path.read_text())["schema_version"] == PIPELINE_PLAN_VERSION
+    report = verify_ranks(LLAMA, path, steps=1)
+    assert report.ok, report.problems
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_one_line_error(tmp_path: Path):
+    out = tmp_path / "plan.json"
+    result = invoke("plan", LLAMA, "--budget", "1GB", "--device", "cpu", "--tp", "3", "-o", out)
+    assert result.exit_code == 2 and "tp 3 does not divide the model's 4 attention heads: give --tp one of 1, 2, 4" \
+        in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()
+    both = invoke("plan", LLAMA, "--budget", "1GB", "--pp", "2", "--tp", "2", "-o", out)
+    assert both.exit_code == 2 and "not planned yet" in both.output

@@ -34,6 +34,10 @@ def shard_for_plan(model: nn.Module, plan: Plan, *, device: torch.device | None 
         The model to train: the same object under FSDP2 (``fully_shard`` works in place), a
         ``DistributedDataParallel`` wrapper under DDP.
     """
+    if plan.tensor_parallel > 1:  # NOTE [ Tensor-parallel ranks ]
+        from planner.act.tensor_parallel import tensor_parallel
+
+        return tensor_parallel(model, plan.tensor_parallel)
     if plan.sharding == "none":
         return model
     import torch.distributed as dist

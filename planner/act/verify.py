@@ -227,7 +227,7 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
     spec = step_spec(step or StepSpec(device="cpu"), **step_fields)
     steps, device, threads, loss_fn = spec.steps, spec.device, spec.threads, spec.loss_fn
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    if plan.sharding != "none" or plan.pipeline is not None:
+    if plan.sharding != "none" or plan.pipeline is not None or plan.tensor_parallel > 1:
         if plan.buckets:
             raise BadInput("verify of a per-rank plan with buckets is not supported yet: verify the plan of each "
                            "shape alone (remat plan with one --seq-len)")

@@ -105,7 +105,7 @@ def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int 
         ProfileError: a rank failed (its error is in the message).
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    if plan.sharding == "none" and plan.pipeline is None:
+    if plan.sharding == "none" and plan.pipeline is None and plan.tensor_parallel == 1:
         raise BadInput("this plan is for one process (sharding none): verify it with planner.act.verify.verify")
     if steps < 1:
         raise BadInput(f"verify needs steps >= 1, got {steps}")
@@ -118,7 +118,8 @@ def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int 
         return _torchrun_report(args, plan, str(model_file), peak_tolerance, grad_tolerance)
     say(f"training the reference: one process, {steps + 2} steps without the plan")
     reference = _reference(args)
-    layout = plan.sharding if plan.pipeline is None else f"pipeline stages, {plan.pipeline.schedule}"
+    layout = (f"pipeline stages, {plan.pipeline.schedule}" if plan.pipeline is not None else
+              f"tensor parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else plan.sharding)
     say(f"training on {plan.world_size} ranks ({layout}), {steps + 2} steps without and with the plan")
     results = _spawn(args, plan.world_size)
     return _report(plan, str(model_file), "spawned", args, results, reference, peak_tolerance, grad_tolerance)
@@ -394,8 +395,9 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
         problems.append(f"gradients differ from one process's by up to {grad_diff:.3g} (tolerance {grad_tolerance:g})")
     return RanksReport(
         model=label, device=args.device_type, world_size=plan.world_size,
-        sharding=plan.sharding if plan.pipeline is None else
-        f"pipeline {plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches",
+        sharding=(f"pipeline {plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches"
+                  if plan.pipeline is not None else f"tensor parallel {plan.tensor_parallel}"
+                  if plan.tensor_parallel > 1 else plan.sharding),
         fsdp_units=plan.fsdp_units, launched=launched, peak_source=results[0]["source"], steps=args.steps,
         budget_bytes=plan.budget_bytes, peak_tolerance=peak_tolerance, grad_tolerance=grad_tolerance,
         rows=rows, loss_diff=loss_diff, max_grad_diff=grad_diff, problems=problems, notes=[], ok=not problems)

@@ -163,6 +163,8 @@ def plan_cmd(o: PlanOptions) -> None:
         render.plain(log, TRAINER_NOTE)
     if o.pp is not None:
         plan, graph = _plan_pipeline(o, budget_bytes, log), None
+    elif o.tp > 1:
+        plan, graph = _plan_tensor_parallel(o, budget_bytes), None
     elif len(o.shapes) > 1:
         plan, graph = _plan_buckets(o, budget_bytes, log), None
     else:
@@ -197,6 +199,18 @@ def _plan_pipeline(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
     layout = pipeline_layout(o.pp, o.schedule, o.micro_batches)
     return plan_pipeline(_model_source(o.model, o), budget_bytes, layout, step=o.step_spec(), solve=o.solve_spec,
                          progress=_progress(log))
+
+
+def _plan_tensor_parallel(o: PlanOptions, budget_bytes: int) -> Any:
+    """Every tensor-parallel rank's plan, made on the rank-local model (NOTE [ Tensor-parallel ranks ])."""
+    from planner.act.tensor_parallel import plan_tensor_parallel
+
+    if o.profile is not None or len(o.shapes) > 1:
+        raise BadInput("a tensor-parallel plan profiles the rank-local model itself, for one batch shape: drop "
+                       "--profile and give one --batch and --seq-len")
+    if o.device == "meta" and o.target is None:
+        raise BadInput("--device meta models times for a target device: add --target NAME (remat devices lists them)")
+    return plan_tensor_parallel(_model_source(o.model, o), budget_bytes, o.tp, step=o.step_spec(), solve=o.solve_spec)
 
 
 def _plan_buckets(o: PlanOptions, budget_bytes: int, log: Any) -> Any:

@@ -179,6 +179,9 @@ PIPELINE = [
         "--schedule", help="With --pp: the pipeline schedule, 1f1b or gpipe.")], "1f1b"),
     _param("micro_batches", Annotated[int, typer.Option(
         "--micro-batches", help="With --pp: micro-batches the replica's batch is split into.")], 1),
+    _param("tp", Annotated[int, typer.Option(
+        "--tp", help="Tensor-parallel ranks sharing each layer (DTensor, column/row-wise attention and MLP): the "
+                     "plan is every rank's, made on the rank-local model. See docs/distributed.md.")], 1),
 ]
 
 
@@ -393,6 +396,7 @@ class PlanOptions(OffloadOptions):
     pp: int | None = None
     schedule: str = "1f1b"
     micro_batches: int = 1
+    tp: int = 1
 
     @model_validator(mode="after")
     def _ranks(self) -> PlanOptions:
@@ -400,13 +404,13 @@ class PlanOptions(OffloadOptions):
         (NOTE [ Pipeline stages ])."""
         from planner.act.api import check_ranks
 
-        if self.pp is None:
+        if self.pp is None and self.tp == 1:
             check_ranks(self.world_size, self.sharding)
             return self
         from planner.options import check_layout
 
         check_layout(self.pp, self.schedule, self.micro_batches, self.world_size if "world_size" in self.given
-                     else None, self.sharding)
+                     else None, self.sharding, tp=self.tp)
         return self
 
     @model_validator(mode="after")

@@ -246,6 +246,9 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
         plain(out, f"pipeline: {pp.stages} stages ({pp.schedule}, {pp.micro_batches} micro-batches), one rank each "
                    f"(budget and peaks are one rank's); below, the highest stage's peak and the slowest stage's recompute")
         out.print(stages_table(plan))
+    elif plan.tensor_parallel > 1:
+        plain(out, f"tensor parallel: {plan.tensor_parallel} ranks share each layer; the plan, budget and peak are "
+                   f"every rank's (made on the rank-local model)")
     elif plan.world_size > 1 or plan.sharding != "none":
         plain(out, f"per rank: {plan.world_size} rank(s) with {plan.sharding} (budget and peak are one rank's)")
     plain(out, recipe_line(plan.recipe, plan.optimizer, plan.compile))

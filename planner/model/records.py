@@ -150,5 +150,24 @@ class StepStructure(FileModel):
                                                       "that ran every unit are left out.")
 
 
-__all__ = ["MemoryEvent", "OpRecord", "ParamRecord", "SaveRecord", "StepRecord", "StepStructure",
+class OffloadedUnit(FileModel):
+    """A module whose saved tensors go to host memory after its forward and come back for its backward
+    (NOTE [ Peak-memory model ], Rule 10, in solvers/cost_model.py)."""
+
+    fqn: str = Field(description="Module FQN; every call of it is offloaded.")
+    unit: str = Field(description="Unit id the solver chose (FQN, '#k' for the k-th call).")
+    host_bytes: Bytes = Field(description="Bytes of the distinct storages it saves, copied to host memory.")
+    d2h_ms: Ms = Field(description="Modelled device-to-host copy time of one call: host_bytes / host link.")
+    h2d_ms: Ms = Field(description="Modelled host-to-device copy time of one call.")
+    hidden_ms: Ms = Field(0.0, description="Compute the copies overlap: the next leaf's forward and backward "
+                                           "(0 without a copy engine, on the CPU).")
+    exposed_ms: Ms = Field(description="The part of both copies not hidden behind compute, charged to the "
+                                       "step (per step: all micro-batches).")
+    sync_fqn: str | None = Field(None, description="The module after this one whose forward end waits for its "
+                                                   "device-to-host copy and whose backward starts the prefetch "
+                                                   "back; None: the end of forward (CUDA only).")
+
+
+
+__all__ = ["OffloadedUnit", "MemoryEvent", "OpRecord", "ParamRecord", "SaveRecord", "StepRecord", "StepStructure",
            "TensorRecord", "UnitRecord"]

@@ -29,8 +29,8 @@ from planner.files import atomic_write_text
 from planner.model.fields import MAX_BYTES, MAX_COUNT, MAX_WORLD_SIZE, Bytes, Count, Ms, NonNegFloat, Seq, Threads, now_iso
 from planner.model.fields import FileModel as _Model  # the base of every model below: unknown fields are an error
 from planner.model.fields import bad_field as _bad, load_versioned as _load_versioned
-from planner.model.stages import Pipeline, StagePlan, check_stages
-from planner.model.records import (MemoryEvent, OpRecord, ParamRecord, SaveRecord, StepRecord, StepStructure,
+from planner.model.stages import Pipeline, StagePlan, check_stages, unset_parallel_fields
+from planner.model.records import (OffloadedUnit, MemoryEvent, OpRecord, ParamRecord, SaveRecord, StepRecord, StepStructure,
                                    TensorRecord, UnitRecord)
 from solvers.contract import Sharding, Status
 
@@ -42,11 +42,9 @@ load with none. 4 added ``Plan.buckets`` (one plan per input shape); a plan with
 still written as version 3, byte for byte as before (``SINGLE_SHAPE_PLAN_VERSION``). 5 added
 ``Plan.offload`` and the host fields (``host_budget_bytes``, ``predicted.host_peak_bytes`` and
 ``offload_ms``), written only by a plan that offloads; every other plan keeps its version and bytes.
-6 added ``compile`` (the step under torch.compile; profile version 4), written only when set. 7 added
-``Plan.pipeline``, ``Plan.stages`` (one plan per pipeline stage) and ``Plan.tensor_parallel``, written only then."""
+6 added ``compile`` (the step under torch.compile; profile version 4), written only when set. 7: pipeline/tp fields."""
 COMPILED_PROFILE_VERSION = 4
-COMPILED_PLAN_VERSION = 6
-PIPELINE_PLAN_VERSION = 7
+COMPILED_PLAN_VERSION, PIPELINE_PLAN_VERSION = 6, 7  # compiled plans; pipeline or tensor-parallel plans
 SINGLE_SHAPE_PLAN_VERSION = 3
 """The version a plan without buckets is written as: readers of version 3 read it unchanged."""
 BUCKETED_PLAN_VERSION = 4
@@ -417,30 +415,11 @@ class PlanBucket(_Model):
     predicted: Predicted
 
 
-class OffloadedUnit(_Model):
-    """A module whose saved tensors go to host memory after its forward and come back for its backward
-    (NOTE [ Peak-memory model ], Rule 10, in solvers/cost_model.py)."""
-
-    fqn: str = Field(description="Module FQN; every call of it is offloaded.")
-    unit: str = Field(description="Unit id the solver chose (FQN, '#k' for the k-th call).")
-    host_bytes: Bytes = Field(description="Bytes of the distinct storages it saves, copied to host memory.")
-    d2h_ms: Ms = Field(description="Modelled device-to-host copy time of one call: host_bytes / host link.")
-    h2d_ms: Ms = Field(description="Modelled host-to-device copy time of one call.")
-    hidden_ms: Ms = Field(0.0, description="Compute the copies overlap: the next leaf's forward and backward "
-                                           "(0 without a copy engine, on the CPU).")
-    exposed_ms: Ms = Field(description="The part of both copies not hidden behind compute, charged to the "
-                                       "step (per step: all micro-batches).")
-    sync_fqn: str | None = Field(None, description="The module after this one whose forward end waits for its "
-                                                   "device-to-host copy and whose backward starts the prefetch "
-                                                   "back; None: the end of forward (CUDA only).")
-
-
 _NO_OFFLOAD = {"offload": True, "host_budget_bytes": True, "predicted": {"host_peak_bytes": True, "offload_ms": True}}
 """Plan keys written only when a plan offloads, so that plans without offload are byte for byte as before."""
 
 
-StagePlan.model_rebuild(_types_namespace={"Fingerprint": Fingerprint, "SolverInfo": SolverInfo,
-                                           "Predicted": Predicted})
+StagePlan.model_rebuild(_types_namespace={"Fingerprint": Fingerprint, "SolverInfo": SolverInfo, "Predicted": Predicted})
 
 
 class Plan(_Model):
@@ -503,11 +482,9 @@ class Plan(_Model):
                                                   "plan's own fields (schema version 4; written only when not "
                                                   "empty). apply_plan switches between them per batch.")
     compile: CompileInfo | None = Field(None, description="For the step under torch.compile (version 6); None: eager.")
-    pipeline: Pipeline | None = Field(None, description="Pipeline stages (schema version 5; written only then).")
-    stages: list[StagePlan] = Field(default_factory=list,
-                                    description="One plan per pipeline stage, stage order; the plan's own "
-                                                "fields are every stage's checkpoints and the highest stage "
-                                                "peak. apply_plan on a stage module applies its stage's.")
+    pipeline: Pipeline | None = Field(None, description="Pipeline stages (NOTE [ Pipeline stages ]; version 7).")
+    stages: list[StagePlan] = Field(default_factory=list, description="One plan per pipeline stage; apply_plan on a stage module applies its own.")
+    tensor_parallel: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Ranks sharing each layer (NOTE [ Tensor-parallel ranks ]).")
 
     @model_validator(mode="before")
     @classmethod
@@ -530,8 +507,7 @@ class Plan(_Model):
             exclude["buckets"] = {"__all__": {"predicted": _NO_OFFLOAD["predicted"]}}
         if self.compile is None:
             exclude["compile"] = True
-        if not self.stages:
-            exclude.update(pipeline=True, stages=True)
+        exclude.update(unset_parallel_fields(self))  # pipeline, stages, tensor_parallel: written only when set
         return self.model_dump_json(indent=2, exclude=exclude or None) + "\n"
 
     @classmethod
@@ -589,7 +565,7 @@ def _check_plan(plan: Plan) -> None:
         raise _bad("predicted.peak_bytes", f"{pr.peak_bytes} exceeds budget_bytes {plan.budget_bytes} less "
                                            f"headroom_bytes {plan.headroom_bytes}")
     check_stages(plan)
-    if plan.world_size > 1 and plan.sharding == "none" and plan.pipeline is None:
+    if plan.world_size > 1 and plan.sharding == "none" and plan.pipeline is None and plan.tensor_parallel != plan.world_size:
         raise _bad("world_size", f"{plan.world_size} ranks need sharding 'ddp' or 'fsdp', the plan says 'none'")
     modules = {*plan.fingerprint.modules, ""}  # '' is the root, which named_modules lists first
     if pr.host_peak_bytes is not None and plan.host_budget_bytes is not None \

@@ -72,6 +72,12 @@ def check_stages(plan: Any) -> None:
             raise bad_field(f"stages.{i}.in_flight", f"{st.in_flight} is more than the {pp.micro_batches} micro-batches")
 
 
+def unset_parallel_fields(plan: Any) -> dict[str, bool]:
+    """The plan keys a plan without pipeline stages or tensor parallelism leaves out of its file (``Plan.to_json``)."""
+    unset = {} if plan.stages else {"pipeline": True, "stages": True}
+    return unset if plan.tensor_parallel > 1 else {**unset, "tensor_parallel": True}
+
+
 def plan_for(plan: Any, model: Any) -> Any:
     """The plan to apply to ``model``: a pipeline plan's stage plan on a stage module (its ``pp_stage``),
     else ``plan``."""
@@ -88,4 +94,4 @@ def stage_plan(plan: Any, stage: int) -> Any:
         predicted=st.predicted, world_size=1, pipeline=None, stages=[]))
 
 
-__all__ = ["Pipeline", "StagePlan", "check_stages", "plan_for", "stage_plan"]
+__all__ = ["Pipeline", "StagePlan", "check_stages", "plan_for", "stage_plan", "unset_parallel_fields"]
