@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from planner.errors import BadInput
 from planner.model.schema import Recipe
+from planner.cli.parallel import PIPELINE, check_parallel
 from planner.options import Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_optimizer, parse_sharding
 from planner.spec import SolveSpec, StepSpec
 
@@ -170,19 +171,6 @@ RANKS = [
 ]
 
 
-PIPELINE = [
-    _param("pp", Annotated[int | None, typer.Option(
-        "--pp", show_default=False, help="Pipeline stages, one rank each (torch.distributed.pipelining): one plan "
-                                         "per stage; example_inputs() is one data-parallel replica's batch. See "
-                                         "docs/distributed.md.")], None),
-    _param("schedule", Annotated[str, typer.Option(
-        "--schedule", help="With --pp: the pipeline schedule, 1f1b or gpipe.")], "1f1b"),
-    _param("micro_batches", Annotated[int, typer.Option(
-        "--micro-batches", help="With --pp: micro-batches the replica's batch is split into.")], 1),
-    _param("tp", Annotated[int, typer.Option(
-        "--tp", help="Tensor-parallel ranks sharing each layer (DTensor, column/row-wise attention and MLP): the "
-                     "plan is every rank's, made on the rank-local model. See docs/distributed.md.")], 1),
-]
 
 
 def _flag(p: inspect.Parameter) -> str | None:
@@ -399,14 +387,9 @@ class PlanOptions(OffloadOptions):
     tp: int = 1
 
     @model_validator(mode="after")
-    def _ranks(self) -> PlanOptions:
-        """Per-rank settings, before any profiling: data-parallel ranks, or pipeline stages
-        (NOTE [ Pipeline stages ])."""
-        from planner.act.api import check_ranks
-
-        if self.pp is None and self.tp == 1:
-            check_ranks(self.world_size, self.sharding)
-            return self
+    def _ranks(self) -> PlanOptions:  # before any profiling
+        check_parallel(self.world_size, self.sharding, self.pp, self.schedule, self.micro_batches, self.tp, self.given)
+        return self
         from planner.options import check_layout
 
         check_layout(self.pp, self.schedule, self.micro_batches, self.world_size if "world_size" in self.given

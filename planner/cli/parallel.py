@@ -1,0 +1,50 @@
+"""The CLI's options for pipeline stages and tensor parallelism (``--pp``, ``--schedule``,
+``--micro-batches``, ``--tp``) and their check before any profiling (docs/distributed.md).
+
+Example::
+
+    check_parallel(1, "none", 2, "1f1b", 4, 1, frozenset())     # a pipeline of 2 stages: fine
+    check_parallel(3, "none", 2, "1f1b", 4, 1, {"world_size"})  # BadInput: not tp x pp x dp
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Annotated, Any
+
+import typer
+
+
+def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+
+PIPELINE = [
+    _option("pp", Annotated[int | None, typer.Option(
+        "--pp", show_default=False, help="Pipeline stages, one rank each (torch.distributed.pipelining): one plan "
+                                         "per stage; example_inputs() is one data-parallel replica's batch.")], None),
+    _option("schedule", Annotated[str, typer.Option(
+        "--schedule", help="With --pp: the pipeline schedule, 1f1b or gpipe.")], "1f1b"),
+    _option("micro_batches", Annotated[int, typer.Option(
+        "--micro-batches", help="With --pp: micro-batches the replica's batch is split into.")], 1),
+    _option("tp", Annotated[int, typer.Option(
+        "--tp", help="Tensor-parallel ranks sharing each layer (DTensor, column/row-wise attention and MLP): the "
+                     "plan is every rank's, made on the rank-local model.")], 1),
+]
+"""``remat plan``'s options for NOTE [ Pipeline stages ] and NOTE [ Tensor-parallel ranks ]."""
+
+
+def check_parallel(world_size: int, sharding: str, pp: int | None, schedule: str, micro_batches: int, tp: int,
+                   given: Any) -> None:
+    """Data-parallel ranks (``planner.act.api.check_ranks``), or pipeline stages and tensor-parallel ranks
+    (``planner.options.check_layout``); ``given``: the options typed (the world size counts only then)."""
+    from planner.act.api import check_ranks
+    from planner.options import check_layout
+
+    if pp is None and tp == 1:
+        check_ranks(world_size, sharding)
+    else:
+        check_layout(pp, schedule, micro_batches, world_size if "world_size" in given else None, sharding, tp=tp)
+
+
+__all__ = ["PIPELINE", "check_parallel"]
