@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from planner.errors import BadInput
 from planner.model.schema import Recipe
-from planner.cli.parallel import PIPELINE, check_parallel
+from planner.cli.parallel import PIPELINE, ParallelOptions
 from planner.options import Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_optimizer, parse_sharding
 from planner.spec import SolveSpec, StepSpec
 
@@ -372,7 +372,7 @@ class OffloadOptions(StepOptions, RankOptions):
         return self
 
 
-class PlanOptions(OffloadOptions):
+class PlanOptions(ParallelOptions, OffloadOptions):
     budget: str | None = None
     output: Path | None = None
     solver: str = "auto"
@@ -381,20 +381,6 @@ class PlanOptions(OffloadOptions):
     no_selective: bool = False
     headroom: float | None = None
     why: bool = False
-    pp: int | None = None
-    schedule: str = "1f1b"
-    micro_batches: int = 1
-    tp: int = 1
-
-    @model_validator(mode="after")
-    def _ranks(self) -> PlanOptions:  # before any profiling
-        check_parallel(self.world_size, self.sharding, self.pp, self.schedule, self.micro_batches, self.tp, self.given)
-        return self
-        from planner.options import check_layout
-
-        check_layout(self.pp, self.schedule, self.micro_batches, self.world_size if "world_size" in self.given
-                     else None, self.sharding, tp=self.tp)
-        return self
 
     @model_validator(mode="after")
     def _offload_solver(self) -> PlanOptions:

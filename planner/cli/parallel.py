@@ -13,6 +13,7 @@ import inspect
 from typing import Annotated, Any
 
 import typer
+from pydantic import BaseModel, model_validator
 
 
 def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
@@ -34,6 +35,22 @@ PIPELINE = [
 """``remat plan``'s options for NOTE [ Pipeline stages ] and NOTE [ Tensor-parallel ranks ]."""
 
 
+class ParallelOptions(BaseModel):
+    """The fields of ``PIPELINE`` on ``remat plan``'s options model; its ``_ranks`` check replaces the
+    data-parallel one (``RankOptions._ranks``) and runs before any profiling."""
+
+    pp: int | None = None
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    tp: int = 1
+
+    @model_validator(mode="after")
+    def _ranks(self) -> Any:
+        check_parallel(self.world_size, self.sharding, self.pp, self.schedule, self.micro_batches, self.tp,
+                       self.given)
+        return self
+
+
 def check_parallel(world_size: int, sharding: str, pp: int | None, schedule: str, micro_batches: int, tp: int,
                    given: Any) -> None:
     """Data-parallel ranks (``planner.act.api.check_ranks``), or pipeline stages and tensor-parallel ranks
@@ -47,4 +64,4 @@ def check_parallel(world_size: int, sharding: str, pp: int | None, schedule: str
         check_layout(pp, schedule, micro_batches, world_size if "world_size" in given else None, sharding, tp=tp)
 
 
-__all__ = ["PIPELINE", "check_parallel"]
+__all__ = ["PIPELINE", "ParallelOptions", "check_parallel"]
