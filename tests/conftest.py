@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,16 @@ from planner.model.synthetic import random_chain, synthetic_profile
 # run draws new ones, so the property tests keep searching. HYPOTHESIS_PROFILE=ci reproduces CI.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+# NOTE [ Inherited SIGINT ]
+# A suite started in the background by a non-interactive shell (`cmd &`, nohup) inherits SIGINT
+# ignored, and an ignored signal stays ignored across exec: the CLI children that the fault tests
+# interrupt with SIGINT would then run on as if never interrupted (Python installs its
+# KeyboardInterrupt handler only where SIGINT is not ignored). remat rightly keeps an ignored
+# SIGINT ignored, as every Unix tool does; the tests want a Ctrl-C, so the suite takes SIGINT back:
+# a handled signal is reset to its default in each exec'd child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 CHAIN_MIN_FEASIBLE_BYTES = 7197536
 """The cost model's lowest feasible peak of ``profile_path``'s chain (no headroom)."""
