@@ -127,9 +127,10 @@ def test_calibrations_made_here_go_outside_the_package(monkeypatch, tmp_path):
 
 
 def test_every_cited_note_is_defined_once():
-    """A NOTE cited anywhere (by its name in brackets) is written once, as a comment beside its code."""
+    """A NOTE cited anywhere (by its name in brackets) is written once, as a comment beside its code
+    (the library's, a benchmark's, or the suite's own, e.g. NOTE [ Inherited SIGINT ])."""
     defined: dict[str, list[str]] = {}
-    for path in LIBRARY + sorted((ROOT / "benchmarks").glob("*.py")):
+    for path in LIBRARY + sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "tests").glob("*.py")):
         for name in re.findall(r"^\s*# NOTE \[ (.+?) \]\s*$", path.read_text(), flags=re.M):
             defined.setdefault(name, []).append(str(path.relative_to(ROOT)))
     twice = {n: where for n, where in defined.items() if len(where) > 1}
