@@ -50,6 +50,34 @@ def check_offload_shapes(offload: bool, n_shapes: int) -> None:
                        f"with {{offload}}, or bucket the shapes without it", options=("offload",))
 
 
+def check_offload_options(offload: bool, host_memory: str | None, *, world_size: int, sharding: str,
+                          n_shapes: int, meta: bool) -> None:
+    """``remat plan``'s offload options, checked before any profiling (``meta``: a meta step to be profiled,
+    which plans for another machine, so it needs ``host_memory``)."""
+    if host_memory is not None and not offload:
+        raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
+                       options=("host_memory", "offload"))
+    if host_memory is not None:
+        parse_host_memory(host_memory)
+    if offload and (world_size > 1 or sharding != "none"):
+        raise BadInput(OFFLOAD_ONE_PROCESS, options=("offload", "sharding"))
+    check_offload_shapes(offload, n_shapes)
+    if offload and meta and host_memory is None:
+        raise BadInput("{offload} on --device meta needs {host_memory} SIZE: the host memory of the machine "
+                       "that will train, not this one's", options=("host_memory", "offload"))
+
+
+def parse_host_memory(host_memory: int | str) -> int:
+    """``--host-memory`` in bytes, or ``BadInput``: checked before any profiling as well as when planning."""
+    try:
+        host = parse_bytes(host_memory)
+    except BadInput as e:
+        raise BadInput(f"{{host_memory}}: {e}", options=("host_memory",)) from None
+    if host <= 0:
+        raise BadInput(f"{{host_memory}} must be positive, got {host_memory!r}", options=("host_memory",))
+    return host
+
+
 def resolve_host_budget(profile: Profile, offload: bool, host_memory: int | str | None) -> int | None:
     """The host budget of an offload plan (None: no offload), or ``BadInput`` naming the fix.
 
@@ -69,13 +97,7 @@ def resolve_host_budget(profile: Profile, offload: bool, host_memory: int | str 
                        f"re-profile with this remat (it measures it), or use a device spec with "
                        f"host_link_bytes_per_s (remat devices)", options=("offload",))
     if host_memory is not None:
-        try:
-            host = parse_bytes(host_memory)
-        except BadInput as e:
-            raise BadInput(f"{{host_memory}}: {e}", options=("host_memory",)) from None
-        if host <= 0:
-            raise BadInput(f"{{host_memory}} must be positive, got {host_memory!r}", options=("host_memory",))
-        return host
+        return parse_host_memory(host_memory)
     if profile.device == "meta":
         raise BadInput("{offload} on a meta profile needs {host_memory} SIZE: the host memory of the machine that "
                        "will train, not this one's", options=("host_memory", "offload"))
@@ -117,5 +139,6 @@ def host_too_small(g: nx.DiGraph, usable: int, budget_bytes: int, host_budget: i
         f"{{budget}}", budget_bytes=budget_bytes, min_feasible_bytes=None, options=("host_memory", "budget"))
 
 
-__all__ = ["OFFLOAD_ONE_PROCESS", "OFFLOAD_SOLVERS", "check_offload", "check_offload_shapes", "host_too_small",
+__all__ = ["OFFLOAD_ONE_PROCESS", "OFFLOAD_SOLVERS", "check_offload", "check_offload_options", "check_offload_shapes",
+           "host_too_small", "parse_host_memory",
            "offloaded_units", "resolve_host_budget"]

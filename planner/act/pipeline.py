@@ -184,10 +184,11 @@ def _plain_step(step: StepSpec | None) -> StepSpec:
     from planner.model.schema import Recipe
 
     step = step or StepSpec()
-    if step.recipe != Recipe() or step.device_memory_bytes is not None or step.loss_fn is not None:
-        raise BadInput("pipeline stages are planned for the plain step (no accumulation, amp, clipping, "
-                       "optimizer implementation, device-memory cap or loss_fn: the model's own loss) for now; "
-                       "drop those options")
+    if (step.recipe != Recipe() or step.device_memory_bytes is not None or step.loss_fn is not None
+            or step.compile is not None):
+        raise BadInput("pipeline stages are planned for the plain eager step (no accumulation, amp, clipping, "
+                       "optimizer implementation, device-memory cap, compile or loss_fn: the model's own loss) for "
+                       "now; drop those options")
     return step
 
 

@@ -358,17 +358,10 @@ class OffloadOptions(StepOptions, RankOptions):
     @model_validator(mode="after")
     def _offload(self) -> OffloadOptions:
         """The offload options that need no profile, checked before any profiling."""
-        from planner.act.offload_plan import OFFLOAD_ONE_PROCESS, check_offload_shapes
+        from planner.act.offload_plan import check_offload_options
 
-        if self.host_memory is not None and not self.offload:
-            raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
-                           options=("host_memory", "offload"))
-        if self.offload and (self.world_size > 1 or self.sharding != "none"):
-            raise BadInput(OFFLOAD_ONE_PROCESS, options=("offload", "sharding"))
-        check_offload_shapes(self.offload, len(self.shapes))
-        if self.offload and self.device == "meta" and self.host_memory is None and self.profile is None:
-            raise BadInput("{offload} on --device meta needs {host_memory} SIZE: the host memory of the machine "
-                           "that will train, not this one's", options=("host_memory", "offload"))
+        check_offload_options(self.offload, self.host_memory, world_size=self.world_size, sharding=self.sharding,
+                              n_shapes=len(self.shapes), meta=self.device == "meta" and self.profile is None)
         return self
 
 

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 import typer
 from pydantic import BaseModel, model_validator
 
+from planner.errors import BadInput
+
 
 def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
@@ -48,7 +50,49 @@ class ParallelOptions(BaseModel):
     def _ranks(self) -> Any:
         check_parallel(self.world_size, self.sharding, self.pp, self.schedule, self.micro_batches, self.tp,
                        self.given)
+        check_honoured(self.pp, self.tp, {name for name in self.given if getattr(self, name, None)}
+                       | ({"shapes"} if len(self.shapes) > 1 else set()))
         return self
+
+
+# NOTE [ Options a layout honours ]
+# Pipeline stages and tensor-parallel ranks are planned by their own paths (planner/act/pipeline.py,
+# planner/act/tensor_parallel.py), which take fewer of ``remat plan``'s options than one process does.
+# An option such a path would drop is refused before any profiling, in one line naming it: a plan
+# made without an option the user typed must never look like one made with it. Extend the table
+# when a path learns an option; tests/test_cli_layouts.py runs every row.
+NOT_HONOURED: dict[str, dict[str, str]] = {
+    "pipeline stages": {"offload": "host memory per stage is not modelled",
+                        "host_memory": "host memory per stage is not modelled",
+                        "compile": "stages are profiled eagerly",
+                        "shapes": "a stage is planned for one batch shape"},
+    "tensor parallelism": {"offload": "host memory per rank is not modelled",
+                           "host_memory": "host memory per rank is not modelled",
+                           "compile": "the rank-local model is profiled eagerly"},
+}
+"""Per layout: the options its path does not honour yet, and why (NOTE [ Options a layout honours ])."""
+
+PIPELINE_ONLY = ("schedule", "micro_batches")
+"""Options that only mean something with ``--pp``."""
+
+
+def check_honoured(pp: int | None, tp: int, typed: set[str]) -> None:
+    """``BadInput`` for an option in ``typed`` (those the user gave, with a value that is not off) that the
+    layout of ``pp`` and ``tp`` would silently drop (NOTE [ Options a layout honours ])."""
+    if pp is None:
+        for name in PIPELINE_ONLY:
+            if name in typed:
+                raise BadInput(f"{{{name}}} is a pipeline option: add {{pp}} N (stages), or drop it",
+                               options=(name, "pp"))
+    layouts = [what for what, on in (("pipeline stages", pp is not None), ("tensor parallelism", tp > 1)) if on]
+    for what in layouts:
+        for name, why in NOT_HONOURED[what].items():
+            if name in typed:
+                if name == "shapes":
+                    raise BadInput(f"several {{batch}}/{{seq_len}} sizes with {what} are not planned yet ({why}): "
+                                   f"give one of each", options=("batch", "seq_len"))
+                raise BadInput(f"{{{name}}} with {what} is not planned yet ({why}): drop it, or plan one process",
+                               options=(name,))
 
 
 def check_parallel(world_size: int, sharding: str, pp: int | None, schedule: str, micro_batches: int, tp: int,
@@ -64,4 +108,4 @@ def check_parallel(world_size: int, sharding: str, pp: int | None, schedule: str
         check_layout(pp, schedule, micro_batches, world_size if "world_size" in given else None, sharding, tp=tp)
 
 
-__all__ = ["PIPELINE", "ParallelOptions", "check_parallel"]
+__all__ = ["NOT_HONOURED", "PIPELINE", "PIPELINE_ONLY", "ParallelOptions", "check_honoured", "check_parallel"]
