@@ -294,3 +294,17 @@ def test_frontier_offload_table_plot_and_bad_input(tmp_path):
                "--quiet")
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offload_is_refused_for_a_compiled_step(tmp_path):
+    """A compiled step does not run saved-tensor hooks, so an offload plan for it would keep every tensor
+    on the device it promised to move: refused before profiling (CLI) and on a compiled profile (API)."""
+    from planner.act.offload_plan import OFFLOAD_EAGER
+    from planner.model.schema import CompileInfo
+
+    r = invoke("plan", "examples/llama.py", "--budget", "1GB", "--compile", "--offload", "-o", tmp_path / "p.json")
+    assert r.exit_code == 2 and "profiling" not in r.output and not (tmp_path / "p.json").exists(), r.output
+    assert r.stderr.strip() == "error: " + OFFLOAD_EAGER.format(offload="--offload", compile="--compile")
+    compiled = _profile().model_copy(update={"compile": CompileInfo(backend="inductor", torch_version="2.13.0")})
+    with pytest.raises(BadInput, match="saved-tensor hooks"):
+        plan_from_profile(compiled, "1GB", offload=True, host_memory="1GB")

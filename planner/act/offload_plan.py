@@ -25,6 +25,10 @@ from solvers.cost_model import CostModel
 OFFLOAD_SOLVERS = ("auto", "ilp")
 """Solvers that choose offload as a third option (NOTE [ ILP formulation ], Rule 8)."""
 
+OFFLOAD_EAGER = ("{offload} moves saved tensors through autograd's saved-tensor hooks, which a compiled step does "
+                 "not run (it would keep them on the device): drop {offload} or {compile}")
+"""Offload is applied in eager mode only (planner/act/offload.py skips a traced call)."""
+
 OFFLOAD_ONE_PROCESS = ("{offload} plans one process: under DDP or FSDP2 the ranks' host memory and copies are "
                        "not modelled; drop {offload}, or plan without {sharding}")
 """Offload is planned for one process (NOTE [ Peak-memory model ], Rule 10 models one device and its host)."""
@@ -51,9 +55,11 @@ def check_offload_shapes(offload: bool, n_shapes: int) -> None:
 
 
 def check_offload_options(offload: bool, host_memory: str | None, *, world_size: int, sharding: str,
-                          n_shapes: int, meta: bool) -> None:
+                          n_shapes: int, meta: bool, compiled: bool = False) -> None:
     """``remat plan``'s offload options, checked before any profiling (``meta``: a meta step to be profiled,
-    which plans for another machine, so it needs ``host_memory``)."""
+    which plans for another machine, so it needs ``host_memory``; ``compiled``: ``--compile`` given)."""
+    if offload and compiled:
+        raise BadInput(OFFLOAD_EAGER, options=("offload", "compile"))
     if host_memory is not None and not offload:
         raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
                        options=("host_memory", "offload"))
@@ -91,6 +97,8 @@ def resolve_host_budget(profile: Profile, offload: bool, host_memory: int | str 
             raise BadInput("{host_memory} is the host budget of offloaded activations: add {offload}, or drop it",
                            options=("host_memory", "offload"))
         return None
+    if profile.compile:
+        raise BadInput(OFFLOAD_EAGER, options=("offload", "compile"))
     if not profile.host_link_bytes_per_s:
         where = f"device spec {profile.target!r}" if profile.device == "meta" else "this profile"
         raise BadInput(f"{{offload}} needs the bandwidth between device and host memory, and {where} has none: "
@@ -139,6 +147,6 @@ def host_too_small(g: nx.DiGraph, usable: int, budget_bytes: int, host_budget: i
         f"{{budget}}", budget_bytes=budget_bytes, min_feasible_bytes=None, options=("host_memory", "budget"))
 
 
-__all__ = ["OFFLOAD_ONE_PROCESS", "OFFLOAD_SOLVERS", "check_offload", "check_offload_options", "check_offload_shapes",
+__all__ = ["OFFLOAD_EAGER", "OFFLOAD_ONE_PROCESS", "OFFLOAD_SOLVERS", "check_offload", "check_offload_options", "check_offload_shapes",
            "host_too_small", "parse_host_memory",
            "offloaded_units", "resolve_host_budget"]

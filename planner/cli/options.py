@@ -361,7 +361,8 @@ class OffloadOptions(StepOptions, RankOptions):
         from planner.act.offload_plan import check_offload_options
 
         check_offload_options(self.offload, self.host_memory, world_size=self.world_size, sharding=self.sharding,
-                              n_shapes=len(self.shapes), meta=self.device == "meta" and self.profile is None)
+                              n_shapes=len(self.shapes), meta=self.device == "meta" and self.profile is None,
+                              compiled=self.compile)
         return self
 
 
