@@ -83,9 +83,6 @@ def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int
         raise BadInput(f"tp must be an integer >= 1, got {tp!r}", options=("tp",))
     if stages is not None:
         _check_stages(stages, schedule, micro_batches)
-        if tp > 1:
-            raise BadInput("tensor parallelism combined with pipeline stages is not planned yet: give {pp} or {tp}, "
-                           "not both", options=("pp", "tp"))
     ranks = tp * (stages or 1)
     if world_size is not None and world_size != ranks:
         what = f"pp {stages} and tp {tp}" if stages else f"tp {tp}"

@@ -194,5 +194,35 @@ def test_tp_that_does_not_divide_the_heads_is_a_one_line_error(tmp_path: Path):
     assert result.exit_code == 2 and "tp 3 does not divide the model's 4 attention heads: give --tp one of 1, 2, 4" \
         in result.output, result.output
     assert "Traceback" not in result.output and not out.exists()
-    both = invoke("plan", LLAMA, "--budget", "1GB", "--pp", "2", "--tp", "2", "-o", out)
-    assert both.exit_code == 2 and "not planned yet" in both.output
+    both = invoke("plan", LLAMA, "--budget", "1GB", "--pp", "2", "--tp", "2", "--world-size", "6", "-o", out)
+    assert both.exit_code == 2 and "world size 6 is not tp x pp x dp with pp 2 and tp 2: give --world-size a " \
+        "multiple of 4" in both.output, both.output
+
+
+def test_tp_by_pp_ranks_each_plan_their_stage(tmp_path: Path):
+    """tp 2 x pp 2 (4 gloo ranks, rank = stage x 2 + tp rank): each stage profiled on its rank-local model,
+    its plan named by the full model's modules and fingerprint; every rank within 2% and the budget, the
+    gradients one process's."""
+    from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
+    from planner.act.verify_ranks import verify_ranks
+    from planner.model.fingerprint import fingerprint
+    from planner.profiling.meta import build_on_meta
+    from planner.profiling.model_file import load_model_file
+    from planner.spec import StepSpec
+
+    mf = load_model_file(LLAMA)
+    profiled = profile_stages(mf, pipeline_layout(2, "1f1b", 2), step=StepSpec(device="cpu", threads=1, steps=1), tp=2)
+    fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
+    roomy = plan_stages(profiled, "1GB", fingerprint=fp)
+    lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
+    top = max(st.predicted.no_checkpoint_peak_bytes for st in roomy.stages)
+    plan = plan_stages(profiled, (lowest + top) // 2, fingerprint=fp)
+    assert plan.world_size == 4 and plan.tensor_parallel == 2 and plan.checkpoints
+    q = next(p for p in plan.stages[1].fingerprint.params if p.name == "model.layers.2.self_attn.q_proj.weight")
+    assert q.shape == [128, 128]  # the full-size stage's (a rank lays out the full stage with DTensor)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    report = verify_ranks(LLAMA, path, steps=1)
+    assert report.ok, report.problems
+    assert [(r.stage, r.tp_rank) for r in report.rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert report.max_grad_diff < 1e-6

@@ -148,12 +148,17 @@ class ProfiledStage:
     profile: Any  # schema.Profile of the stage module
     attrs: dict[str, Any]  # the pp_* attributes of solvers/contract.py
     modules: list[str]  # its repeated blocks
+    tp: int = 1  # tensor-parallel ranks sharing each of its layers (the profile is one rank's)
+    fingerprint: Any = None  # the stage module's, when not the profile's (tp: the full-size module's)
 
 
-def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None = None,
+def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None = None, tp: int = 1,
                    progress: Any = None) -> list[ProfiledStage]:
     """Profile one micro-batch through each stage of ``layout`` (Rule 3 of NOTE [ Pipeline stages ]).
-    ``step``: where and how (device, target, optimizer, timing steps, threads; the plain loop only)."""
+    ``step``: where and how (device, target, optimizer, timing steps, threads; the plain loop only);
+    ``tp`` > 1: each stage's layers shared by ``tp`` ranks, one rank's stage profiled (NOTE [ Tensor-parallel
+    ranks ], Rule 4)."""
+    from planner.model.fingerprint import fingerprint
     from planner.profiling import profile as run_profile
     from planner.profiling.meta import build_on_meta
     from planner.profiling.profiler import resolve_device
@@ -162,7 +167,14 @@ def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None =
     say = progress or (lambda _m: None)
     meta = resolve_device(step.device).type == "meta"
     build = (lambda: build_on_meta(model_file.build_model)) if meta else model_file.build_model
-    shapes = _shapes(build(), model_file.example_inputs(), layout)
+    full = build()
+    shapes = _shapes(full, model_file.example_inputs(), layout)
+    full_params = {sig.name: sig for sig in fingerprint(full, None).params} if tp > 1 else {}
+    if tp > 1:
+        from planner.act.tensor_parallel import local_builder
+
+        build = local_builder(full, tp)
+    del full
     out = []
     for s in range(layout.stages):
         say(f"profiling stage {s} of {layout.stages} (one micro-batch of {shapes.rows} rows)")
@@ -173,8 +185,11 @@ def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None =
         prof = run_profile(stage, x, step=step.replace(loss_fn=loss_fn))
         if hook is not None:
             hook.remove()
+        fp = prof.fingerprint.model_copy(update=dict(params=[full_params[p.name] for p in prof.fingerprint.params])) \
+            if tp > 1 else None  # the module a rank builds and lays out is full size (DTensors' global shapes)
         out.append(ProfiledStage(prof, shapes.attrs(layout, s),
-                                 [f"model.layers.{i}" for i in range(*split_layers(shapes.layers, layout.stages)[s])]))
+                                 [f"model.layers.{i}" for i in range(*split_layers(shapes.layers, layout.stages)[s])],
+                                 tp, fp))
         del stage
     return out
 
@@ -283,7 +298,8 @@ def _plan_stage(st: ProfiledStage, budget_bytes: int, spec: SolveSpec) -> StageP
     return StagePlan(
         stage=st.attrs["pp_stage"], modules=st.modules, in_flight=sp.in_flight, held_bytes=sp.held_bytes,
         buffers_bytes=sp.buffers_bytes, recv_bytes=st.attrs["pp_recv_bytes"], send_bytes=st.attrs["pp_send_bytes"],
-        fingerprint=st.profile.fingerprint, fingerprint_digest=st.profile.fingerprint.digest(),
+        fingerprint=st.fingerprint or st.profile.fingerprint,
+        fingerprint_digest=(st.fingerprint or st.profile.fingerprint).digest(),
         headroom_bytes=headroom_bytes, checkpoints=list(dict.fromkeys(g.nodes[n]["fqn"] for n in est.checkpointed)),
         checkpoint_units=list(est.checkpointed), predicted=predicted,
         solver=SolverInfo(name=solve.used, status="feasible",
@@ -305,7 +321,8 @@ def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], finge
         headroom_bytes=worst.headroom_bytes, checkpoints=[c for sp in stages for c in sp.checkpoints],
         checkpoint_units=[u for sp in stages for u in sp.checkpoint_units], solver=worst.solver, predicted=predicted,
         device=first.device, device_name=first.device_name, target=first.target, dtype=first.dtype,
-        recipe=first.recipe, optimizer=first.optimizer, world_size=len(stages), torch_version=first.torch_version,
+        recipe=first.recipe, optimizer=first.optimizer, world_size=len(stages) * profiled[0].tp,
+        tensor_parallel=profiled[0].tp, torch_version=first.torch_version,
         remat_version=_version(), time_source=first.time_source, threads=first.threads,
         time_calibration=first.time_calibration, created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
         pipeline=Pipeline(stages=attrs["pp_stages"], schedule=attrs["pp_schedule"],
@@ -313,22 +330,23 @@ def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], finge
         stages=stages, schema_version=PIPELINE_PLAN_VERSION)
 
 
-def plan_pipeline(model_file: Any, budget: int | str, layout: Pipeline, *, step: StepSpec | None = None,
+def plan_pipeline(model_file: Any, budget: int | str, layout: Pipeline, *, tp: int = 1, step: StepSpec | None = None,
                   solve: SolveSpec | None = None, progress: Any = None) -> Plan:
     """Profile each stage of the model file's model and plan it (NOTE [ Pipeline stages ]).
 
     ``model_file``: a path or a loaded ``ModelFile``; its ``example_inputs()`` is one data-parallel
-    replica's batch. ``solve.world_size``, when not 1, must be ``layout.stages`` (tp 1, dp 1)."""
+    replica's batch. ``tp``: tensor-parallel ranks per stage (NOTE [ Tensor-parallel ranks ]).
+    ``solve.world_size``, when not 1, must be ``layout.stages`` x ``tp`` (dp 1)."""
     from planner.model.fingerprint import fingerprint
     from planner.profiling.meta import build_on_meta
     from planner.profiling.model_file import ModelFile, load_model_file
 
     solve = solve or SolveSpec()
     check_layout(layout.stages, layout.schedule, layout.micro_batches,
-                 solve.world_size if solve.world_size != 1 else None, solve.sharding)
+                 solve.world_size if solve.world_size != 1 else None, solve.sharding, tp=tp)
     parse_bytes(budget)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
-    profiled = profile_stages(mf, layout, step=step, progress=progress)
+    profiled = profile_stages(mf, layout, step=step, tp=tp, progress=progress)
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
     return plan_stages(profiled, budget, fingerprint=fp, solve=solve)
 

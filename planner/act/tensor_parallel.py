@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -42,6 +43,12 @@ from planner.spec import SolveSpec, StepSpec
 # partial sum it replaces, one activation for another; nothing is added for it. Measured on
 # examples/llama_pp.py at tp 2 (docs/distributed.md): without checkpointing the local model
 # predicts 50,562,852 bytes and each rank measures 50,562,860.
+# Rule 4. With pipeline stages (tp x pp ranks, rank = stage x tp + tp rank, a (pp, tp) device mesh):
+# each stage is profiled on the rank-local model's stage (``local_builder``) with NOTE [ Pipeline
+# stages ] on top; the activations between stages are the full hidden states (replicated over the
+# stage's tp ranks), so the send and receive buffers are those of one rank per stage. The stage
+# plan's fingerprint is the full-size stage's: a rank builds the full stage and lays it out with
+# DTensor (``tensor_parallel(stage, tp, mesh["tp"])``), whose parameters show their global shapes.
 
 
 def check_tp(config: Any, tp: Any) -> None:
@@ -62,6 +69,14 @@ def local_model(model: nn.Module, tp: int) -> nn.Module:
     """What one of ``tp`` ranks runs (Rule 2): ``model``'s class built from its config with the
     heads, key-value heads and MLP width divided by ``tp``, in ``model``'s dtype and on its device
     (the meta device stays meta)."""
+    return local_builder(model, tp)()
+
+
+def local_builder(model: nn.Module, tp: int) -> Callable[[], nn.Module]:
+    """A function that builds ``local_model(model, tp)`` afresh on each call, from ``model``'s class and
+    config only (a pipeline stage prunes its model: NOTE [ Pipeline stages ])."""
+    import torch
+
     from planner.act.pipeline import check_decoder_lm
 
     check_decoder_lm(model)
@@ -73,33 +88,38 @@ def local_model(model: nn.Module, tp: int) -> nn.Module:
     cfg.num_attention_heads //= tp
     cfg.intermediate_size //= tp
     p = next(model.parameters())
-    import torch
+    kind, device, dtype = type(model), p.device, p.dtype
 
-    with torch.device(p.device):
-        local = type(model)(cfg)
-    return local.to(p.dtype).train()
+    def build() -> nn.Module:
+        with torch.device(device):
+            local = kind(copy.deepcopy(cfg))
+        return local.to(dtype).train()
+
+    return build
 
 
-def tensor_parallel(model: nn.Module, tp: int) -> nn.Module:
-    """``model`` laid out over ``tp`` ranks (Rule 1), in place; needs ``torch.distributed`` initialised
-    with ``tp`` ranks."""
+def tensor_parallel(model: nn.Module, tp: int, mesh: Any = None) -> nn.Module:
+    """``model`` (a decoder-only LM or one of its pipeline stages) laid out over ``tp`` ranks (Rule 1),
+    in place; needs ``torch.distributed`` initialised with ``tp`` ranks, or ``mesh``, the tp ranks'
+    one-dimensional device mesh (under pipeline stages: the ``tp`` dimension of a (pp, tp) mesh)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from planner.act.pipeline import check_decoder_lm
-
-    check_decoder_lm(model)
     check_tp(model.config, tp)
-    if not dist.is_initialized() or dist.get_world_size() != tp:
-        raise BadInput(f"a plan for tensor parallelism over {tp} ranks needs torch.distributed initialised with "
-                       f"{tp} ranks (torchrun, or remat verify, which starts the ranks itself)")
-    device = next(model.parameters()).device.type
-    mesh = init_device_mesh(device, (tp,))
+    if mesh is None:
+        from planner.act.pipeline import check_decoder_lm
+
+        check_decoder_lm(model)
+        if not dist.is_initialized() or dist.get_world_size() != tp:
+            raise BadInput(f"a plan for tensor parallelism over {tp} ranks needs torch.distributed initialised "
+                           f"with {tp} ranks (torchrun, or remat verify, which starts the ranks itself)")
+        mesh = init_device_mesh(next(model.parameters()).device.type, (tp,))
     layout = {name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                    "mlp.gate_proj", "mlp.up_proj")}
     layout.update({name: RowwiseParallel() for name in ("self_attn.o_proj", "mlp.down_proj")})
-    for layer in model.model.layers:
+    layers = model.model.layers
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(layer, mesh, layout)
     return model
 
@@ -131,4 +151,4 @@ def plan_tensor_parallel(model_file: Any, budget: int | str, tp: int, *, step: S
                                        tensor_parallel=tp, schema_version=PIPELINE_PLAN_VERSION))
 
 
-__all__ = ["check_tp", "local_model", "plan_tensor_parallel", "tensor_parallel"]
+__all__ = ["check_tp", "local_builder", "local_model", "plan_tensor_parallel", "tensor_parallel"]

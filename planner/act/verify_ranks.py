@@ -53,6 +53,8 @@ SEED = 1234
 
 class RankRow(BaseModel):
     rank: int
+    stage: int | None = Field(None, description="The rank's pipeline stage (pipeline plans).")
+    tp_rank: int | None = Field(None, description="The rank's place among its tensor-parallel ranks (tp > 1).")
     predicted_peak_bytes: int = Field(description="The plan's per-rank prediction.")
     measured_peak_bytes: int
     error: float = Field(description="(predicted - measured) / measured.")
@@ -370,10 +372,13 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
 
     rows = []
     for r in sorted(results, key=lambda x: x["rank"]):
-        p = plan.stages[r["rank"]].predicted if plan.stages else plan.predicted  # a pipeline: the rank's stage
+        stage = r["rank"] // plan.tensor_parallel  # rank = stage x tp + tp rank
+        p = plan.stages[stage].predicted if plan.stages else plan.predicted  # a pipeline: the rank's stage
         no_plan = p.no_checkpoint_peak_bytes
         rows.append(RankRow(
-            rank=r["rank"], predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=r["peak"],
+            rank=r["rank"], stage=stage if plan.stages else None,
+            tp_rank=r["rank"] % plan.tensor_parallel if plan.tensor_parallel > 1 else None,
+            predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=r["peak"],
             error=(p.peak_bytes - r["peak"]) / r["peak"], within_budget=r["peak"] <= plan.budget_bytes,
             predicted_no_plan_peak_bytes=no_plan, measured_no_plan_peak_bytes=r["no_plan_peak"],
             no_plan_error=None if no_plan is None else (no_plan - r["no_plan_peak"]) / r["no_plan_peak"],
@@ -396,6 +401,7 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
     return RanksReport(
         model=label, device=args.device_type, world_size=plan.world_size,
         sharding=(f"pipeline {plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches"
+                  + (f", tensor parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else "")
                   if plan.pipeline is not None else f"tensor parallel {plan.tensor_parallel}"
                   if plan.tensor_parallel > 1 else plan.sharding),
         fsdp_units=plan.fsdp_units, launched=launched, peak_source=results[0]["source"], steps=args.steps,

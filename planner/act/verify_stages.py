@@ -33,13 +33,24 @@ def stage_rank_main(args: Any, plan: Plan, dev: torch.device, grads_path: Path, 
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    base = _stage_run(args, plan, dev, seed, planned=False, grads_path=None)
-    mine = _stage_run(args, plan, dev, seed, planned=True, grads_path=grads_path.with_name(f"grads{rank}.pt"))
+    mesh = _mesh(plan, dev)
+    base = _stage_run(args, plan, dev, seed, mesh, planned=False, grads_path=None)
+    mine = _stage_run(args, plan, dev, seed, mesh, planned=True, grads_path=grads_path.with_name(f"grads{rank}.pt"))
     return dict(rank=rank, no_plan_peak=base["peak"], peak=mine["peak"], source=mine["source"], loss=mine["loss"],
                 recomputes=mine["recomputes"])
 
 
-def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, *, planned: bool,
+def _mesh(plan: Plan, dev: torch.device) -> Any:
+    """The (pp, tp) device mesh of a pipeline with tensor-parallel stages (rank = stage x tp + tp rank), or None."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if plan.tensor_parallel == 1:
+        return None
+    assert plan.pipeline is not None
+    return init_device_mesh(dev.type, (plan.pipeline.stages, plan.tensor_parallel), mesh_dim_names=("pp", "tp"))
+
+
+def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *, planned: bool,
                grads_path: Path | None) -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -51,7 +62,7 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, *, planned: 
 
     pp = plan.pipeline
     assert pp is not None
-    rank = dist.get_rank()
+    rank, tp_rank = divmod(dist.get_rank(), plan.tensor_parallel)  # this rank's stage and its rank in the stage
     mf = load_model_file(args.model_file)
     rng.seed_all(seed)  # the same weights as the reference's
     stage = stage_module(mf.build_model().to(dev).train(), rank, pp.stages)
@@ -59,7 +70,11 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, *, planned: 
     ids = ids if stage.first else None  # a rank keeps what its stage reads (NOTE [ Pipeline stages ], Rule 6)
     labels = labels if stage.last else None
     handle = apply_plan(stage, plan) if planned else None
-    pstage = PipelineStage(stage, rank, pp.stages, dev)
+    if mesh is not None:
+        from planner.act.tensor_parallel import tensor_parallel
+
+        tensor_parallel(stage, plan.tensor_parallel, mesh["tp"])
+    pstage = PipelineStage(stage, rank, pp.stages, dev, group=None if mesh is None else mesh["pp"].get_group())
     kind = Schedule1F1B if pp.schedule == "1f1b" else ScheduleGPipe
     schedule = kind(pstage, n_microbatches=pp.micro_batches, loss_fn=stage.loss)
     opt = make_optimizer(plan.optimizer or "adamw", stage, impl=plan.recipe.optimizer_impl)
@@ -80,8 +95,7 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, *, planned: 
     losses = step()
     loss = float(torch.stack([x.detach() for x in losses]).mean()) if losses else 0.0
     if grads_path is not None:
-        torch.save({n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
-                    for n, p in stage.named_parameters()}, grads_path)
+        _save_grads(stage, grads_path if tp_rank == 0 else None)
     recomputes = handle.recompute_count if handle else 0
     for i in range(args.steps):
         rng.seed_all(seed + 1 + i)
@@ -95,6 +109,15 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, *, planned: 
     del stage, pstage, schedule, opt, ids, labels
     free(dev)
     return dict(peak=peak.peak_bytes, source=peak.source, loss=loss, recomputes=recomputes)
+
+
+def _save_grads(stage: torch.nn.Module, path: Path | None) -> None:
+    """The stage's gradients, full size (under tp a collective: every rank of the stage calls it), saved to
+    ``path`` (one rank of the stage's)."""
+    grads = {n: None if p.grad is None else p.grad.detach() for n, p in stage.named_parameters()}
+    grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
+    if path is not None:
+        torch.save({n: None if g is None else g.to("cpu", copy=True) for n, g in grads.items()}, path)
 
 
 __all__ = ["stage_rank_main"]

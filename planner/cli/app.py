@@ -197,7 +197,7 @@ def _plan_pipeline(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
     if o.device == "meta" and o.target is None:
         raise BadInput("--device meta models times for a target device: add --target NAME (remat devices lists them)")
     layout = pipeline_layout(o.pp, o.schedule, o.micro_batches)
-    return plan_pipeline(_model_source(o.model, o), budget_bytes, layout, step=o.step_spec(), solve=o.solve_spec,
+    return plan_pipeline(_model_source(o.model, o), budget_bytes, layout, tp=o.tp, step=o.step_spec(), solve=o.solve_spec,
                          progress=_progress(log))
 
 

@@ -243,7 +243,8 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
                    f"budget {plan.budget_bytes} bytes ({format_bytes(plan.budget_bytes)})")
     if plan.pipeline is not None:
         pp = plan.pipeline
-        plain(out, f"pipeline: {pp.stages} stages ({pp.schedule}, {pp.micro_batches} micro-batches), one rank each "
+        ranks = "one rank each" if plan.tensor_parallel == 1 else f"{plan.tensor_parallel} tensor-parallel ranks each"
+        plain(out, f"pipeline: {pp.stages} stages ({pp.schedule}, {pp.micro_batches} micro-batches), {ranks} "
                    f"(budget and peaks are one rank's); below, the highest stage's peak and the slowest stage's recompute")
         out.print(stages_table(plan))
     elif plan.tensor_parallel > 1:
@@ -377,12 +378,13 @@ def show_rank_verify(out: Console, report: Any) -> None:
                f"{report.launched}; peak from {report.peak_source}): budget {format_bytes(report.budget_bytes)}, "
                f"prediction tolerance {report.peak_tolerance:.1%}")
     table = Table(show_edge=False, pad_edge=False)
-    for name in ("rank", "pred", "meas", "err", "fits", "no plan: pred", "meas", "err"):
-        table.add_column(name, justify="right", no_wrap=True)
+    where = [k for k in ("stage", "tp_rank") if report.rows and getattr(report.rows[0], k) is not None]
+    for name in ("rank", *where, "pred", "meas", "err", "fits", "no plan: pred", "meas", "err"):
+        table.add_column(name.replace("_", " "), justify="right", no_wrap=True)
     for r in report.rows:
         no_plan = "-" if r.predicted_no_plan_peak_bytes is None else format_bytes(r.predicted_no_plan_peak_bytes)
         no_err = "-" if r.no_plan_error is None else f"{r.no_plan_error:+.2%}"
-        table.add_row(str(r.rank), format_bytes(r.predicted_peak_bytes), format_bytes(r.measured_peak_bytes),
+        table.add_row(str(r.rank), *(str(getattr(r, k)) for k in where), format_bytes(r.predicted_peak_bytes), format_bytes(r.measured_peak_bytes),
                       f"{r.error:+.2%}", "yes" if r.within_budget else "OVER", no_plan,
                       format_bytes(r.measured_no_plan_peak_bytes), no_err)
     out.print(table)
