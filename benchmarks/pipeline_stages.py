@@ -1,15 +1,18 @@
-"""Pipeline stages verified on local ranks (issue #25): every stage's predicted vs measured peak.
+"""Pipeline stages and tensor-parallel ranks verified on local ranks (issue #25): every rank's predicted
+vs measured peak.
 
-    python benchmarks/pipeline_stages.py                              # pp 2: 1f1b and gpipe, 4 micro-batches
-    python benchmarks/pipeline_stages.py --cases 1f1b:2:4,gpipe:2:2   # schedule:stages:micro-batches
+    python benchmarks/pipeline_stages.py       # pp 2 (1f1b, gpipe; 4 micro-batches), tp 2 with and without sp, tp 2 x pp 2
+    python benchmarks/pipeline_stages.py --cases 1f1b:2:4,gpipe:2:2,tp2,tp2-sp,1f1b:2:4:tp2
 
-For each case: profile each stage of examples/llama_pp.py (a tiny LlamaForCausalLM, library
-defaults) on one micro-batch on the CPU, plan at the budget halfway between the layout's lowest
-feasible and no-checkpoint peaks (each the highest over its stages), then ``verify_ranks``: one
-gloo process per stage runs ``torch.distributed.pipelining``'s schedule with its stage's plan and
-measures its own peak (NOTE [ CPU peaks across threads ]); the gradients of every stage are
-compared with one process training the whole model on the whole batch. Prints one markdown row
-per stage (NOTE [ Pipeline stages ] in solvers/pipeline.py).
+A case is ``schedule:stages:micro-batches`` (pipeline stages), with ``:tpN`` for N tensor-parallel ranks
+per stage, or ``tpN`` (tensor parallelism alone), ``tpN-sp`` with sequence parallelism. For each: profile
+examples/llama_pp.py (a tiny LlamaForCausalLM from ``LlamaConfig``, library defaults but the sizes) on
+the CPU (each stage on one micro-batch; under tp the rank-local model), plan at the budget halfway
+between the layout's lowest feasible and no-checkpoint peaks (each the highest over its stages), then
+``verify_ranks``: one gloo process per rank trains with the plan and measures its own peak (NOTE [ CPU
+peaks across threads ]); the gradients are compared with one process training the whole model on the
+whole batch. Prints one markdown row per rank (NOTE [ Pipeline stages ] in solvers/pipeline.py, NOTE
+[ Tensor-parallel ranks ] and NOTE [ Sequence-parallel ranks ] in planner/act/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -23,33 +26,59 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages  # noqa: E402
+from planner.act.tensor_parallel import plan_tensor_parallel  # noqa: E402
 from planner.act.verify_ranks import verify_ranks  # noqa: E402
+from planner.errors import BudgetInfeasible  # noqa: E402
 from planner.model.fingerprint import fingerprint  # noqa: E402
 from planner.profiling.meta import build_on_meta  # noqa: E402
 from planner.profiling.model_file import load_model_file  # noqa: E402
 from planner.spec import StepSpec  # noqa: E402
 
 MODEL = ROOT / "examples" / "llama_pp.py"
-CASES = ("1f1b:2:4", "gpipe:2:4")
+CASES = ("1f1b:2:4", "gpipe:2:4", "tp2", "tp2-sp", "1f1b:2:4:tp2")
+STEP = StepSpec(device="cpu", threads=1)
 
 
-def run(schedule: str, stages: int, micro_batches: int, out_dir: Path) -> list[str]:
+def _halfway(plans: list) -> int:
+    lowest = max(p.predicted.min_feasible_bytes for p in plans)
+    return (lowest + max(p.predicted.no_checkpoint_peak_bytes for p in plans)) // 2
+
+
+def plan_case(case: str) -> tuple:
+    """(plan, budget, label) of one case, at the halfway budget."""
     mf = load_model_file(MODEL)
-    layout = pipeline_layout(stages, schedule, micro_batches)
-    profiled = profile_stages(mf, layout, step=StepSpec(device="cpu", threads=1))
+    parts = case.split(":")
+    if len(parts) == 1:  # tpN or tpN-sp
+        tp, sp = int(case[2:].split("-")[0]), case.endswith("-sp")
+        roomy = plan_tensor_parallel(mf, "1TB", tp, step=STEP, sequence_parallel=sp)
+        try:  # the lowest feasible budget: what an infeasible one names
+            plan_tensor_parallel(mf, 1 << 20, tp, step=STEP, sequence_parallel=sp)
+        except BudgetInfeasible as e:
+            roomy.predicted.min_feasible_bytes = e.min_feasible_bytes
+        budget = _halfway([roomy])
+        label = f"tp {tp}" + (" + sp" if sp else "")
+        return plan_tensor_parallel(mf, budget, tp, step=STEP, sequence_parallel=sp), budget, label
+    schedule, stages, micro = parts[0], int(parts[1]), int(parts[2])
+    tp = int(parts[3][2:]) if len(parts) > 3 else 1
+    profiled = profile_stages(mf, pipeline_layout(stages, schedule, micro), step=STEP, tp=tp)
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
-    roomy = plan_stages(profiled, "1TB", fingerprint=fp)
-    lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
-    top = max(st.predicted.no_checkpoint_peak_bytes for st in roomy.stages)
-    budget = (lowest + top) // 2
-    plan = plan_stages(profiled, budget, fingerprint=fp)
-    path = out_dir / f"plan-{schedule}-{stages}-{micro_batches}.json"
+    budget = _halfway(plan_stages(profiled, "1TB", fingerprint=fp).stages)
+    label = f"pp {stages} {schedule} x{micro}" + (f", tp {tp}" if tp > 1 else "")
+    return plan_stages(profiled, budget, fingerprint=fp), budget, label
+
+
+def run(case: str, out_dir: Path) -> list[str]:
+    plan, budget, label = plan_case(case)
+    path = out_dir / f"plan-{case.replace(':', '-')}.json"
     plan.save(path)
     report = verify_ranks(MODEL, path)
     rows = []
-    for row, st in zip(report.rows, plan.stages):
-        rows.append(f"| {schedule} | {stages} | {micro_batches} | {row.rank} | {st.in_flight} | {budget:,} | "
-                    f"{len(st.checkpoints)}/{len(st.modules)} | {row.predicted_peak_bytes:,} | "
+    for row in report.rows:
+        st = plan.stages[row.stage] if row.stage is not None else None
+        ckpt = f"{len(st.checkpoints)}/{len(st.modules)}" if st else str(len(plan.checkpoints))
+        where = "-" if row.stage is None else str(row.stage)
+        rows.append(f"| {label} | {row.rank} | {where} | {'-' if row.tp_rank is None else row.tp_rank} | "
+                    f"{st.in_flight if st else '-'} | {budget:,} | {ckpt} | {row.predicted_peak_bytes:,} | "
                     f"{row.measured_peak_bytes:,} | {row.error:+.2%} | {row.no_plan_error:+.2%} | "
                     f"{report.max_grad_diff:.1e} | {'pass' if report.ok else 'FAIL'} |")
     return rows
@@ -57,16 +86,16 @@ def run(schedule: str, stages: int, micro_batches: int, out_dir: Path) -> list[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=",".join(CASES), help="schedule:stages:micro-batches, comma-separated")
+    ap.add_argument("--cases", default=",".join(CASES), help="schedule:stages:micro-batches[:tpN], tpN or tpN-sp, "
+                                                            "comma-separated")
     ap.add_argument("--out", type=Path, default=Path("/tmp"), help="where the plan files go")
     args = ap.parse_args()
-    print("| schedule | pp | micro-batches | stage | in flight | budget | ckpt | predicted | measured | error | "
+    print("| layout | rank | stage | tp rank | in flight | budget | ckpt | predicted | measured | error | "
           "no plan: error | grads vs 1 process | result |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for case in args.cases.split(","):
-        schedule, stages, micro = case.split(":")
         t0 = time.perf_counter()
-        for line in run(schedule, int(stages), int(micro), args.out):
+        for line in run(case, args.out):
             print(line, flush=True)
         print(f"<!-- {case}: {time.perf_counter() - t0:.0f} s -->", flush=True)
 

@@ -76,11 +76,17 @@ def compile_backend(compile: bool, backend: str, given: frozenset[str] | set[str
 
 
 def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int | None = None,
-                 sharding: str = "none", *, tp: Any = 1) -> None:
+                 sharding: str = "none", *, tp: Any = 1, sequence_parallel: bool = False) -> None:
     """Pipeline stages (``stages`` None: none) and tensor parallelism (``tp``) settings that are bad
     whatever the model, each one line naming the fix (``BadInput``)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise BadInput(f"tp must be an integer >= 1, got {tp!r}", options=("tp",))
+    if sequence_parallel and tp == 1:
+        raise BadInput("{sequence_parallel} shards the sequence over tensor-parallel ranks: add {tp} N (N >= 2), or "
+                       "drop it", options=("sequence_parallel", "tp"))
+    if sequence_parallel and stages is not None:
+        raise BadInput("sequence parallelism with pipeline stages is not planned yet: drop {sequence_parallel} "
+                       "(tp x pp without it is)", options=("sequence_parallel", "pp"))
     if stages is not None:
         _check_stages(stages, schedule, micro_batches)
     ranks = tp * (stages or 1)

@@ -188,6 +188,58 @@ def test_tensor_parallel_ranks_run_the_local_model(tmp_path: Path):
     assert report.ok, report.problems
 
 
+def test_sequence_parallel_ranks_shard_the_sequence_between_blocks(tmp_path: Path):
+    """tp 2 with sequence parallelism (NOTE [ Sequence-parallel ranks ]): the rank-local model with its
+    collectives emulated holds less than without, and each of two gloo ranks measures its prediction."""
+    from planner.act.tensor_parallel import local_builder
+    from planner.act.verify_ranks import verify_ranks
+    from planner.profiling.model_file import load_model_file
+    from planner.spec import StepSpec
+
+    mf = load_model_file(LLAMA)
+    seen = []
+    local = local_builder(mf.build_model(), 2, sequence_parallel=True)()
+    local.model.layers[0].input_layernorm.register_forward_hook(lambda _m, _a, out: seen.append(tuple(out.shape)))
+    local.model.layers[0].self_attn.q_proj.register_forward_hook(lambda _m, a, _o: seen.append(tuple(a[0].shape)))
+    local(**mf.example_inputs())
+    assert seen == [(8, 64, 128), (8, 128, 128)]  # the norm on half the sequence, attention on all of it
+    step = StepSpec(device="cpu", threads=1, steps=1)
+    roomy = plan_tensor_parallel_sp(mf, "1GB", step)
+    plan = plan_tensor_parallel_sp(mf, int(roomy.predicted.no_checkpoint_peak_bytes * 0.8), step)
+    assert plan.sequence_parallel and plan.checkpoints
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path).sequence_parallel and json.loads(path.read_text())["sequence_parallel"] is True
+    report = verify_ranks(LLAMA, path, steps=1)
+    assert report.ok, report.problems
+    assert report.max_grad_diff < 1e-6
+
+
+def plan_tensor_parallel_sp(mf, budget, step):
+    from planner.act.tensor_parallel import plan_tensor_parallel
+
+    return plan_tensor_parallel(mf, budget, 2, step=step, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--sequence-parallel"], "--sequence-parallel shards the sequence over tensor-parallel ranks: add --tp N"),
+    (["--tp", "2", "--sequence-parallel", "--pp", "2"], "sequence parallelism with pipeline stages is not planned"),
+    (["--tp", "2", "--world-size", "3"], "world size 3 is not tp x pp x dp with tp 2: give --world-size a multiple "
+                                         "of 2"),
+    (["--tp", "2", "--pp", "2", "--world-size", "8"], "world size 8 is pp 2 and tp 2 x dp 2: data parallelism "
+                                                      "beside them is not planned yet"),
+    (["--tp", "2", "--sharding", "fsdp", "--world-size", "2"], "sharding fsdp with pipeline stages or tensor "
+                                                               "parallelism is not planned yet"),
+    (["--tp", "0"], "tp must be an integer >= 1, got 0"),
+])
+def test_bad_tensor_parallel_settings_are_one_line_errors(args: list[str], needle: str, tmp_path: Path):
+    out = tmp_path / "plan.json"
+    result = invoke("plan", LLAMA, "--budget", "1GB", "--device", "cpu", *args, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output and not out.exists()
+    assert len([ln for ln in result.stderr.splitlines() if ln.startswith("error:")]) == 1
+
+
 def test_tp_that_does_not_divide_the_heads_is_a_one_line_error(tmp_path: Path):
     out = tmp_path / "plan.json"
     result = invoke("plan", LLAMA, "--budget", "1GB", "--device", "cpu", "--tp", "3", "-o", out)

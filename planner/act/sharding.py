@@ -37,7 +37,7 @@ def shard_for_plan(model: nn.Module, plan: Plan, *, device: torch.device | None 
     if plan.tensor_parallel > 1:  # NOTE [ Tensor-parallel ranks ]
         from planner.act.tensor_parallel import tensor_parallel
 
-        return tensor_parallel(model, plan.tensor_parallel)
+        return tensor_parallel(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel)
     if plan.sharding == "none":
         return model
     import torch.distributed as dist

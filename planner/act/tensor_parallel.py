@@ -72,9 +72,10 @@ def local_model(model: nn.Module, tp: int) -> nn.Module:
     return local_builder(model, tp)()
 
 
-def local_builder(model: nn.Module, tp: int) -> Callable[[], nn.Module]:
+def local_builder(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> Callable[[], nn.Module]:
     """A function that builds ``local_model(model, tp)`` afresh on each call, from ``model``'s class and
-    config only (a pipeline stage prunes its model: NOTE [ Pipeline stages ])."""
+    config only (a pipeline stage prunes its model: NOTE [ Pipeline stages ]); with ``sequence_parallel``,
+    its collectives emulated (NOTE [ Sequence-parallel ranks ], Rule 4)."""
     import torch
 
     from planner.act.pipeline import check_decoder_lm
@@ -93,15 +94,17 @@ def local_builder(model: nn.Module, tp: int) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         with torch.device(device):
             local = kind(copy.deepcopy(cfg))
-        return local.to(dtype).train()
+        local = local.to(dtype).train()
+        return _emulate_sequence_parallel(local, tp) if sequence_parallel else local
 
     return build
 
 
-def tensor_parallel(model: nn.Module, tp: int, mesh: Any = None) -> nn.Module:
+def tensor_parallel(model: nn.Module, tp: int, mesh: Any = None, *, sequence_parallel: bool = False) -> nn.Module:
     """``model`` (a decoder-only LM or one of its pipeline stages) laid out over ``tp`` ranks (Rule 1),
     in place; needs ``torch.distributed`` initialised with ``tp`` ranks, or ``mesh``, the tp ranks'
-    one-dimensional device mesh (under pipeline stages: the ``tp`` dimension of a (pp, tp) mesh)."""
+    one-dimensional device mesh (under pipeline stages: the ``tp`` dimension of a (pp, tp) mesh); with
+    ``sequence_parallel``, NOTE [ Sequence-parallel ranks ]'s layout."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -115,6 +118,9 @@ def tensor_parallel(model: nn.Module, tp: int, mesh: Any = None) -> nn.Module:
             raise BadInput(f"a plan for tensor parallelism over {tp} ranks needs torch.distributed initialised "
                            f"with {tp} ranks (torchrun, or remat verify, which starts the ranks itself)")
         mesh = init_device_mesh(next(model.parameters()).device.type, (tp,))
+    if sequence_parallel:
+        _sequence_parallel_layout(model, mesh)
+        return model
     layout = {name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                    "mlp.gate_proj", "mlp.up_proj")}
     layout.update({name: RowwiseParallel() for name in ("self_attn.o_proj", "mlp.down_proj")})
@@ -125,9 +131,10 @@ def tensor_parallel(model: nn.Module, tp: int, mesh: Any = None) -> nn.Module:
 
 
 def plan_tensor_parallel(model_file: Any, budget: int | str, tp: int, *, step: StepSpec | None = None,
-                         solve: SolveSpec | None = None) -> Plan:
+                         solve: SolveSpec | None = None, sequence_parallel: bool = False) -> Plan:
     """Profile the rank-local model of the model file's model and plan it for ``budget`` per rank
-    (Rule 2). ``solve.world_size``, when not 1, must be ``tp``."""
+    (Rule 2; with ``sequence_parallel``, NOTE [ Sequence-parallel ranks ]). ``solve.world_size``, when not
+    1, must be ``tp``."""
     from planner.act.api import plan_from_profile
     from planner.model.fingerprint import fingerprint
     from planner.options import check_layout
@@ -137,18 +144,139 @@ def plan_tensor_parallel(model_file: Any, budget: int | str, tp: int, *, step: S
     from planner.profiling.profiler import resolve_device
 
     solve = solve or SolveSpec()
-    check_layout(None, "1f1b", 1, solve.world_size if solve.world_size != 1 else None, solve.sharding, tp=tp)
+    check_layout(None, "1f1b", 1, solve.world_size if solve.world_size != 1 else None, solve.sharding, tp=tp,
+                 sequence_parallel=sequence_parallel)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     step = step or StepSpec()
     full = build_on_meta(mf.build_model)
     check_tp(full.config, tp)
     meta = resolve_device(step.device).type == "meta"
-    local = local_model(full if meta else mf.build_model(), tp)
+    if sequence_parallel:
+        _check_sequence(mf.example_inputs(), tp)
+    local = local_builder(full if meta else mf.build_model(), tp, sequence_parallel=sequence_parallel)()
     prof = run_profile(local, mf.example_inputs(), step=step)
     plan = plan_from_profile(prof, budget, solve=solve.replace(world_size=1, sharding="none", selective=False))
     fp = fingerprint(full, mf.example_inputs())
     return plan.model_copy(update=dict(fingerprint=fp, fingerprint_digest=fp.digest(), world_size=tp,
-                                       tensor_parallel=tp, schema_version=PIPELINE_PLAN_VERSION))
+                                       tensor_parallel=tp, sequence_parallel=sequence_parallel,
+                                       schema_version=PIPELINE_PLAN_VERSION))
+
+
+def _check_sequence(batch: Any, tp: int) -> None:
+    """``BadInput`` unless ``tp`` divides the batch's sequence length (its first tensor's second dimension)."""
+    from planner.model.fingerprint import input_tensors
+
+    shape = next((tuple(t.shape) for _n, t in input_tensors(batch)), ())
+    if len(shape) < 2 or shape[1] % tp:
+        raise BadInput(f"sequence parallelism splits the sequence over {tp} ranks, but example_inputs()'s first "
+                       f"tensor has shape {list(shape)}: give a sequence length divisible by {tp}",
+                       options=("sequence_parallel",))
+
+
+# NOTE [ Sequence-parallel ranks ]
+#
+# ``--tp N --sequence-parallel``: the torchtitan layout of a Llama decoder layer with the sequence
+# sharded between the attention and MLP blocks (``tensor_parallel(..., sequence_parallel=True)``).
+# Rule 1. Layout. The norms run on 1/N of the sequence (``SequenceParallel``), and so do the
+# residual adds and every activation between the blocks; the attention and MLP inputs are
+# all-gathered to the whole sequence (``PrepareModuleInput`` Shard(1) -> Replicate), their q, k,
+# v, gate and up projections ColwiseParallel, and o and down RowwiseParallel with output
+# Shard(1): their partial sums are reduce-scattered to the rank's part of the sequence. The first
+# layer's input (the replicated embeddings) is cut to the rank's part (Replicate -> Shard(1), a
+# copy of the rank's chunk); the head's input is all-gathered (the head, the embeddings and the
+# loss stay replicated, as without sequence parallelism).
+# Rule 2. Shapes. A rank therefore holds, of one layer, the norms' tensors and the residual
+# stream at S / N positions and everything inside attention and the MLP at S positions with the
+# rank-local heads and width (NOTE [ Tensor-parallel ranks ], Rule 2); the all-gathered input of
+# each block is saved for its projections' backward at S positions.
+# Rule 3. Collective buffers, as the functional collectives make them for a gather or scatter
+# on the sequence dimension (dim 1) with B > 1 rows: an all-gather writes (N B, S / N, H) and
+# copies it into (B, S, H) (both alive at once); a reduce-scatter copies its (B, S, H) partial
+# sum into (N B, S / N, H), then writes (B, S / N, H). Backward runs the other one: the
+# gradient of an all-gather is reduce-scattered, of a reduce-scatter all-gathered.
+# Rule 4. The plan is made on the rank-local model of NOTE [ Tensor-parallel ranks ] with these
+# collectives emulated in place (``_emulate_sequence_parallel``: the same tensors, shapes and
+# order of allocation, the values repeated rather than exchanged), so the profile sees every
+# rank's activations per placement and the collectives' buffers.
+
+
+def _all_gather(x: Any, tp: int) -> Any:
+    """Rule 3's all-gather on dim 1, emulated: (B, S/N, H) -> (B, S, H) through (N B, S/N, H)."""
+    import torch
+
+    g = torch.cat([x] * tp, dim=0)
+    return g.view(1, -1, *x.shape[2:]) if x.shape[0] == 1 else torch.cat(g.chunk(tp, dim=0), dim=1)
+
+
+def _reduce_scatter(x: Any, tp: int) -> Any:
+    """Rule 3's reduce-scatter on dim 1, emulated: (B, S, H) -> (B, S/N, H) through (N B, S/N, H)."""
+    import torch
+
+    return torch.cat(x.chunk(tp, dim=1), dim=0).narrow(0, 0, x.shape[0]).clone()
+
+
+def _collective(forward: Callable, backward: Callable, tp: int) -> Callable:
+    import torch
+
+    class _Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            return forward(x, tp)
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            return backward(g, tp)
+
+    return _Collective.apply
+
+
+def _emulate_sequence_parallel(local: nn.Module, tp: int) -> nn.Module:
+    """Rule 4: ``local`` (the rank-local model) with the collectives of Rule 1 emulated by hooks."""
+    gather, scatter = (_collective(_all_gather, _reduce_scatter, tp), _collective(_reduce_scatter, _all_gather, tp))
+
+    def chunk(x: Any, _tp: int) -> Any:  # Replicate -> Shard(1): a copy of the rank's chunk
+        return x.narrow(1, 0, x.shape[1] // tp).clone()
+
+    first = _collective(chunk, _all_gather, tp)
+    layers = local.model.layers
+    layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    layers[0].register_forward_pre_hook(lambda _m, args: (first(args[0]), *args[1:]))
+    for layer in layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda _m, args, kwargs: (args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}),
+            with_kwargs=True)
+        layer.mlp.register_forward_pre_hook(lambda _m, args: (gather(args[0]),))
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.register_forward_hook(lambda _m, _args, out: scatter(out))
+    local.lm_head.register_forward_pre_hook(lambda _m, args: (gather(args[0]),))
+    return local
+
+
+def _sequence_parallel_layout(model: nn.Module, mesh: Any) -> None:
+    """Rule 1 on ``model``'s layers, norm and head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    layout = {name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                   "mlp.gate_proj", "mlp.up_proj")}
+    layout.update({name: RowwiseParallel(output_layouts=Shard(1)) for name in ("self_attn.o_proj", "mlp.down_proj")})
+    layout.update({name: SequenceParallel(use_local_output=True) for name in ("input_layernorm",
+                                                                              "post_attention_layernorm")})
+    layout["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                             desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                             use_local_output=True)
+    layout["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=True)
+    layers = model.model.layers
+    layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    for layer in layers:
+        parallelize_module(layer, mesh, layout)
+    parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                           use_local_output=True))
+    parallelize_module(model.model.norm, mesh, SequenceParallel(use_local_output=True))
+    parallelize_module(model.lm_head, mesh, PrepareModuleInput(input_layouts=(Shard(1),),
+                                                               desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
 __all__ = ["check_tp", "local_builder", "local_model", "plan_tensor_parallel", "tensor_parallel"]

@@ -210,7 +210,8 @@ def _plan_tensor_parallel(o: PlanOptions, budget_bytes: int) -> Any:
                        "--profile and give one --batch and --seq-len")
     if o.device == "meta" and o.target is None:
         raise BadInput("--device meta models times for a target device: add --target NAME (remat devices lists them)")
-    return plan_tensor_parallel(_model_source(o.model, o), budget_bytes, o.tp, step=o.step_spec(), solve=o.solve_spec)
+    return plan_tensor_parallel(_model_source(o.model, o), budget_bytes, o.tp, step=o.step_spec(), solve=o.solve_spec,
+                                sequence_parallel=o.sequence_parallel)
 
 
 def _plan_buckets(o: PlanOptions, budget_bytes: int, log: Any) -> Any:

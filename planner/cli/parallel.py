@@ -33,6 +33,9 @@ PIPELINE = [
     _option("tp", Annotated[int, typer.Option(
         "--tp", help="Tensor-parallel ranks sharing each layer (DTensor, column/row-wise attention and MLP): the "
                      "plan is every rank's, made on the rank-local model.")], 1),
+    _option("sequence_parallel", Annotated[bool, typer.Option(
+        "--sequence-parallel", help="With --tp: shard the sequence between blocks (SequenceParallel norms, "
+                                    "all-gathered block inputs, reduce-scattered outputs).")], False),
 ]
 """``remat plan``'s options for NOTE [ Pipeline stages ] and NOTE [ Tensor-parallel ranks ]."""
 
@@ -45,11 +48,12 @@ class ParallelOptions(BaseModel):
     schedule: str = "1f1b"
     micro_batches: int = 1
     tp: int = 1
+    sequence_parallel: bool = False
 
     @model_validator(mode="after")
     def _ranks(self) -> Any:
         check_parallel(self.world_size, self.sharding, self.pp, self.schedule, self.micro_batches, self.tp,
-                       self.given)
+                       self.given, sequence_parallel=self.sequence_parallel)
         check_honoured(self.pp, self.tp, {name for name in self.given if getattr(self, name, None)}
                        | ({"shapes"} if len(self.shapes) > 1 else set()))
         return self
@@ -96,16 +100,17 @@ def check_honoured(pp: int | None, tp: int, typed: set[str]) -> None:
 
 
 def check_parallel(world_size: int, sharding: str, pp: int | None, schedule: str, micro_batches: int, tp: int,
-                   given: Any) -> None:
+                   given: Any, *, sequence_parallel: bool = False) -> None:
     """Data-parallel ranks (``planner.act.api.check_ranks``), or pipeline stages and tensor-parallel ranks
     (``planner.options.check_layout``); ``given``: the options typed (the world size counts only then)."""
     from planner.act.api import check_ranks
     from planner.options import check_layout
 
-    if pp is None and tp == 1:
+    if pp is None and tp == 1 and not sequence_parallel:
         check_ranks(world_size, sharding)
     else:
-        check_layout(pp, schedule, micro_batches, world_size if "world_size" in given else None, sharding, tp=tp)
+        check_layout(pp, schedule, micro_batches, world_size if "world_size" in given else None, sharding, tp=tp,
+                     sequence_parallel=sequence_parallel)
 
 
 __all__ = ["NOT_HONOURED", "PIPELINE", "PIPELINE_ONLY", "ParallelOptions", "check_honoured", "check_parallel"]

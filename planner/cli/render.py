@@ -248,7 +248,8 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
                    f"(budget and peaks are one rank's); below, the highest stage's peak and the slowest stage's recompute")
         out.print(stages_table(plan))
     elif plan.tensor_parallel > 1:
-        plain(out, f"tensor parallel: {plan.tensor_parallel} ranks share each layer; the plan, budget and peak are "
+        sp = ", the sequence sharded between blocks" if plan.sequence_parallel else ""
+        plain(out, f"tensor parallel: {plan.tensor_parallel} ranks share each layer{sp}; the plan, budget and peak are "
                    f"every rank's (made on the rank-local model)")
     elif plan.world_size > 1 or plan.sharding != "none":
         plain(out, f"per rank: {plan.world_size} rank(s) with {plan.sharding} (budget and peak are one rank's)")

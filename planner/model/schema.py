@@ -485,6 +485,7 @@ class Plan(_Model):
     pipeline: Pipeline | None = Field(None, description="Pipeline stages (NOTE [ Pipeline stages ]; version 7).")
     stages: list[StagePlan] = Field(default_factory=list, description="One plan per pipeline stage; apply_plan on a stage module applies its own.")
     tensor_parallel: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Ranks sharing each layer (NOTE [ Tensor-parallel ranks ]).")
+    sequence_parallel: bool = Field(False, description="The sequence sharded between blocks (NOTE [ Sequence-parallel ranks ]).")
 
     @model_validator(mode="before")
     @classmethod

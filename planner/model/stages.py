@@ -52,6 +52,8 @@ class StagePlan(FileModel):
 def check_stages(plan: Any) -> None:
     """A pipeline plan: one stage plan per stage, in order, each within the budget."""
     pp = plan.pipeline
+    if plan.sequence_parallel and (plan.tensor_parallel == 1 or pp is not None):
+        raise bad_field("sequence_parallel", "needs tensor_parallel > 1 and no pipeline stages")
     if pp is None:
         if plan.stages:
             raise bad_field("stages", "stage plans without a pipeline")
@@ -76,6 +78,7 @@ def check_stages(plan: Any) -> None:
 def unset_parallel_fields(plan: Any) -> dict[str, bool]:
     """The plan keys a plan without pipeline stages or tensor parallelism leaves out of its file (``Plan.to_json``)."""
     unset = {} if plan.stages else {"pipeline": True, "stages": True}
+    unset = unset if plan.sequence_parallel else {**unset, "sequence_parallel": True}
     return unset if plan.tensor_parallel > 1 else {**unset, "tensor_parallel": True}
 
 
