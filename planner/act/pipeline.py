@@ -270,7 +270,7 @@ def plan_stages(profiled: list[ProfiledStage], budget: int | str, *, fingerprint
             f"no checkpoint plan fits every pipeline stage in the budget of {budget_bytes} bytes "
             f"({format_bytes(budget_bytes)}); the minimum feasible budget is {lowest} bytes "
             f"({format_bytes(lowest)}): raise {{budget}}, or use more stages ({{pp}}) or, under 1f1b, more "
-            f"micro-batches", budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget",))
+            f"micro-batches", budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget", "pp"))
     return _pipeline_plan(results, profiled, fingerprint, budget_bytes, time.perf_counter() - t0)
 
 
