@@ -215,6 +215,18 @@ def test_sequence_parallel_ranks_shard_the_sequence_between_blocks(tmp_path: Pat
     assert report.max_grad_diff < 1e-6
 
 
+def test_sequence_parallel_needs_a_sequence_tp_divides():
+    import dataclasses
+
+    from planner.errors import BadInput
+    from planner.profiling.model_file import load_model_file
+
+    mf = load_model_file(LLAMA)
+    odd = dataclasses.replace(mf, example_inputs=lambda **_kw: mf.example_inputs(seq_len=127))
+    with pytest.raises(BadInput, match=r"shape \[8, 127\]: give a sequence length divisible by 2"):
+        plan_tensor_parallel_sp(odd, "1GB", None)
+
+
 def plan_tensor_parallel_sp(mf, budget, step):
     from planner.act.tensor_parallel import plan_tensor_parallel
 
