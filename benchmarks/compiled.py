@@ -2,6 +2,7 @@
 
     python benchmarks/compiled.py examples/llama.py --threads 1
     python benchmarks/compiled.py examples/gpt2.py --threads 1 --budgets 0.2,0.3,0.5,0.7 --repeats 5
+    python benchmarks/compiled.py --zoo gpt-neox --threads 1     # a zoo model (benchmarks/zoo_models.py, FULL size)
 
 1. ``remat profile --compile`` of the model (``planner.profiling.profile(..., compile="inductor")``,
    NOTE [ Compiled profile ]), timed: what ``remat plan --compile`` costs before its solver runs.
@@ -49,7 +50,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # one model class compiled for every variant
     dev = resolve_device(args.device)
-    mf = load_model_file(args.model)
+    mf = _zoo_model(args.zoo) if args.zoo else load_model_file(args.model)
+    if args.zoo:
+        args.model = f"the zoo's {args.zoo}"
     print(f"profiling {args.model} under torch.compile on {dev} ...", file=sys.stderr)
     t0 = time.perf_counter()
     prof = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=dev, steps=args.profile_steps,
@@ -82,6 +85,8 @@ def main() -> None:
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default="examples/llama.py")
+    p.add_argument("--zoo", default="", metavar="NAME",
+                   help="a model of benchmarks/zoo_models.py at its FULL size instead of a model file")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     p.add_argument("--budgets", type=lambda t: [float(x) for x in t.split(",") if x.strip()],
                    default=[0.7, 0.5, 0.3, 0.2], metavar="B1,B2,...", help="activation_memory_budget values")
@@ -89,6 +94,19 @@ def _args() -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=2, help="timing steps of the profile")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     return p.parse_args()
+
+
+def _zoo_model(name: str) -> Any:
+    """A zoo model (``benchmarks/zoo_models.py``, FULL size) in a model file's shape."""
+    from types import SimpleNamespace
+
+    from benchmarks.zoo_models import FULL, SPECS
+
+    spec = next((s for s in SPECS if s.name == name), None)
+    if spec is None:
+        raise SystemExit(f"--zoo {name}: not a zoo model; pick one of {', '.join(s.name for s in SPECS)}")
+    return SimpleNamespace(build_model=lambda: spec.build(FULL).train(), example_inputs=lambda: spec.inputs(FULL),
+                           loss_fn=spec.loss_fn, path=Path("benchmarks/zoo_models.py"))
 
 
 def _timed_peak(v: Variant, mf: Any, dev: torch.device) -> Any:
