@@ -188,7 +188,9 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # recomputed share plus n_r and n_k times the spreads of r and k (``Profile.sac_*_spread_ms``).
 # A policy within the noise of full checkpointing is a choice the next profile may reverse: it
 # is left out, and full checkpointing (cheaper in bytes) stands. Identical units have identical
-# menus (their op times are pooled, NOTE [ Op records ]), so the solvers' order breaks their ties.
+# menus (their op times are pooled, NOTE [ Op records ]), so the solvers' order breaks their ties,
+# and those a plan runs op-level run one policy (NOTE [ Robust choice ], Rule 3, in
+# planner/act/robust.py).
 #
 # The whole-step cost model (NOTE [ Peak-memory model ], "Selective regions") then prices
 # every policy exactly, positions included; this per-unit pricing only picks the menu.

@@ -95,12 +95,11 @@ def prof(measured):
                                        "sac_recomputed_op_spread_ms": 0.0, "sac_kept_op_spread_ms": 0.0})
 
 
-class _StepClock:
-    """A clock whose every timed step lasts the next of ``steps_ms``: the interleaved rounds of
-    ``measure_sac_cost`` (as is, full checkpointing, recompute every op, keep every op)."""
+class _RunClock:
+    """A clock whose every timed run lasts the next of ``runs_ms``: the runs of ``measure_sac_cost``."""
 
-    def __init__(self, steps_ms):
-        self.steps = iter(steps_ms)
+    def __init__(self, runs_ms):
+        self.runs = iter(runs_ms)
 
     def stamp(self):
         return 0.0
@@ -109,24 +108,34 @@ class _StepClock:
         pass
 
     def ms(self, _start, _end):
-        return next(self.steps)
+        return next(self.runs)
 
 
-def test_dispatch_cost_is_per_op_call_of_one_micro_batch(measured):
-    """Its steps run one micro-batch, and simulate counts a policy once per micro-batch: under
-    gradient accumulation the figures are still the step-time differences over the op calls."""
+def test_dispatch_cost_is_timed_on_the_regions_alone(measured):
+    """NOTE [ Selective dispatch cost ], Rule 2: one region per cost group (the three identical blocks
+    are one) runs alone in interleaved rounds, as it is, fully checkpointed, recomputing and keeping
+    every op; the figures are the least times' differences over the regions' op calls, the first
+    round unrecorded, and they hold for one micro-batch under gradient accumulation (simulate counts
+    a policy once per micro-batch). The spread is that of the per-round figures."""
     from planner.model.schema import Recipe
-    from planner.profiling.sac_cost import measure_sac_cost
+    from planner.profiling.sac_cost import _regions, measure_sac_cost
 
     accum = measured.model_copy(update={"recipe": Recipe(grad_accum=3)})
-    top = [a for _, a in graph_for(accum, selective=False).nodes(data=True) if a["parent"] is None]
-    calls = sum(1 for o in accum.ops for a in top if a["fwd_start_seq"] <= o.seq <= a["fwd_end_seq"])
+    regions = _regions(accum, _net())
+    assert [f for f, _ in regions if f.startswith("blocks.")] == ["blocks.0"]  # one block for the group
+    ops = [n for _, n in regions]
+    calls = sum(ops)
+    per_policy = {"t": lambda n: 10.0, "full": lambda n: 15.0, "r": lambda n: 15.0 + n * 0.01,
+                  "k": lambda n: 10.0 + n * 0.03}
+    runs = [1000.0] * 4 * len(regions)  # the first round: warming up, left out
+    for i in range(3):
+        for policy, t in per_policy.items():
+            runs += [t(n) + (n * 0.04 if (i, policy, j) == (2, "r", 0) else 0.0) for j, n in enumerate(ops)]
     cost = measure_sac_cost(_net(), _inputs(), accum, loss_fn=_loss, amp=None, dev=torch.device("cpu"),
-                            clock=_StepClock([100.0, 150.0, 150.0 + calls * 0.01, 100.0 + calls * 0.03] * 2
-                                             + [100.0, 150.0, 150.0 + calls * 0.05, 110.0 + calls * 0.03]))
+                            clock=_RunClock(runs), rounds=3)
     assert cost.recomputed_op_ms == pytest.approx(0.01) and cost.kept_op_ms == pytest.approx(0.03)  # least times
-    # the spread of the per-round figures (NOTE [ Selective dispatch cost ], Rule 4): inclusive quartiles
-    assert cost.recomputed_op_spread_ms == pytest.approx(0.02) and cost.kept_op_spread_ms == pytest.approx(5 / calls)
+    # inclusive quartiles of (0.01, 0.01, 0.01 + 0.04 * ops[0] / calls)
+    assert cost.recomputed_op_spread_ms == pytest.approx(0.02 * ops[0] / calls) and cost.kept_op_spread_ms == 0.0
 
 
 def test_dispatch_cost_is_measured_and_priced(measured, prof):
@@ -321,6 +330,30 @@ def test_identical_units_get_one_arrangement(prof, graph):
         plan = plan_from_profile(prof, _budget(graph_for(prof, selective=False)), solver=solver, selective=False)
         assert plan.checkpoints == plan_from_profile(prof, _budget(graph_for(prof, selective=False)),
                                                      selective=False).checkpoints
+
+
+def test_identical_units_run_one_policy(prof, graph):
+    """NOTE [ Robust choice ], Rule 3: the op-level members of one cost group run one policy: a mix
+    becomes the menu's policy that fits at the least overhead, or full checkpointing where none
+    does; and no plan the solver returns, at any budget, mixes policies in a group."""
+    from planner.act.robust import uniform_policies
+
+    blocks = [n for n in graph.nodes if n.startswith("blocks.") and graph.nodes[n]["parent"] is None]
+    menu = graph.nodes[blocks[0]]["menu"]
+    assert len(menu) >= 2, "the fixture's blocks have menus of several policies"
+    mixed = simulate(graph, [], {blocks[0]: 0, blocks[1]: len(menu) - 1})
+    out = uniform_policies(graph, mixed, simulate(graph, []).peak_bytes * 2)
+    assert out.selective[blocks[0]] == out.selective[blocks[1]] and blocks[2] not in out.selective
+    assert out.overhead_ms == pytest.approx(min(simulate(graph, [], {blocks[0]: k, blocks[1]: k}).overhead_ms
+                                                for k in range(len(menu))))
+    tight = uniform_policies(graph, mixed, mixed.peak_bytes)
+    assert tight.peak_bytes <= mixed.peak_bytes
+    assert tight.selective.get(blocks[0]) == tight.selective.get(blocks[1])  # one policy, or both full
+    assert (blocks[0] in tight.checkpointed) == (blocks[1] in tight.checkpointed)
+    for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
+        plan = plan_from_profile(prof, _budget(graph, frac))
+        policies = {tuple((o.op, o.index) for o in r.save) for r in plan.selective if r.fqn.startswith("blocks.")}
+        assert len(policies) <= 1, (frac, plan.selective)
 
 
 # ----------------------------------------------------------------------------- plan file and applier

@@ -19,12 +19,13 @@ from typing import Any
 
 import networkx as nx
 
-from solvers.cost_model import simulate, tie_groups, window_bytes
+from solvers.cost_model import simulate, window_bytes
 from solvers.dp import min_feasible_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
+from planner.act.robust import OPTIMISERS as _OPTIMISERS, canonical, difference_spread_ms, uniform_policies
 from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
-from planner.model.schema import (COMPILED_PLAN_VERSION, LOSS_ID, OFFLOAD_PLAN_VERSION, ROOT_ID, OpRef, Plan, Predicted, Profile, RunStamp,
+from planner.model.schema import (COMPILED_PLAN_VERSION, OFFLOAD_PLAN_VERSION, OpRef, Plan, Predicted, Profile, RunStamp,
                                   SelectiveRegion, SolverInfo, now_iso)
 from planner.options import parse_sharding
 from planner.spec import SOLVE_FIELDS, STEP_FIELDS, SolveSpec, StepSpec, solve_spec, step_spec
@@ -154,7 +155,8 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
     if sol.status == "infeasible":
         raise _no_plan(profile, g, sol, budget_bytes, headroom)
     est = simulate(g, sol.checkpointed, sol.selective, sol.offloaded)  # every call of a module, or none
-    if est.selective and solver in _OPTIMISERS:  # NOTE [ Robust choice ]
+    if est.selective and solver in _OPTIMISERS:  # NOTE [ Robust choice ], Rules 3 and 1
+        est = uniform_policies(g, est, usable)
         g, sol, est = _robust_choice(profile, spec, usable, g, sol, est, host_budget)
     if solver in _OPTIMISERS:  # baselines (every-2, sqrt, ...) place their checkpoints by rule
         est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2
@@ -305,86 +307,6 @@ def _excluded_text(profile: Profile) -> str:
     more = f" and {len(profile.excluded) - 4} more" if len(profile.excluded) > 4 else ""
     n = len(profile.excluded)
     return f"; {n} module{'s are' if n > 1 else ' is'} excluded from plans: {shown}{more}"
-
-
-# NOTE [ Robust choice ]
-# A plan is worth what its worst figure is worth (NOTE [ Unit costs ], Rule 4). The menus take
-# only policies that save more than their own spread (NOTE [ Selective menus ], Rule (noise));
-# identical units have one price and one menu, so the solvers' deterministic order breaks their
-# ties, never noise. One choice is left: op-level regions against whole modules, at one budget.
-# Rule. When the solver's plan holds op-level regions, the budget is solved again over whole
-# modules only; the op-level plan stands only when it is predicted cheaper than that plan by
-# more than the spread of the difference (``difference_spread_ms``: the forward spreads of the
-# units one plan checkpoints whole and the other does not, plus every policy's spread, times the
-# micro-batches). Otherwise the whole-module plan is returned: within the noise the two are
-# the same price, and whole modules pay no selective dispatch, whose figures are the noisiest
-# (two step times over the op calls, NOTE [ Selective dispatch cost ]).
-# Rule 2 (symmetry). Units of one cost group (identical figures, identical menus) are
-# interchangeable in price but not in memory (where a held tensor sits changes the peak), and
-# which of them a solver picks among equal plans is its search's accident (the ILP's peak
-# tie-break has a time limit; on examples/llama.py it gave layers 0 and 2, 0 and 3 or, the DP,
-# 0 and 1, at one recompute). So after solving, each group's choices are rearranged over its
-# members in forward order: the strongest (full checkpointing, then the policies that keep
-# fewest bytes) on the earliest members, or on the latest, whichever peaks lower (the earliest
-# on a tie), is the plan when its peak is no higher than the solver's (the recompute is the same
-# by construction); else the solver's arrangement stands. Top-level candidates only, not modules called more than once.
-
-
-_OPTIMISERS = ("auto", "dp", "ilp")
-"""Solvers that minimise the recompute: the rules of NOTE [ Robust choice ] apply to their plans."""
-
-
-def canonical(g: nx.DiGraph, est: Any, usable: int) -> Any:
-    """``est`` with each cost group's choices arranged by NOTE [ Robust choice ], Rule 2."""
-    from solvers.base import top_level
-
-    groups: dict[tuple, list[str]] = {}
-    for n in top_level(g):
-        a = g.nodes[n]
-        if a.get("cost_group") and n not in (ROOT_ID, LOSS_ID):
-            menu = tuple((p.recompute_ms, p.kept_bytes, p.saved) for p in a["menu"])
-            groups.setdefault((a["cost_group"], a["forward_ms"], menu), []).append(n)
-    skip = {n for group in tie_groups(g) for n in group} | {_top(g, c) for c in [*est.checkpointed, *est.selective]
-                                                           if g.nodes[c]["parent"] is not None}
-    skip |= {_top(g, c) for c in est.offloaded}  # an offloaded member moves with its own copy time: left as chosen
-    for members in groups.values():
-        ranks = sorted(_rank(g, est, n) for n in members)
-        if len(members) < 2 or skip.intersection(members) or ranks[0] == ranks[-1]:
-            continue
-        trials = []
-        for order in (ranks, ranks[::-1]):  # strongest on the earliest members, then on the latest
-            assign = dict(zip(members, order))
-            full = [n for n in est.checkpointed if n not in assign] + [n for n, r in assign.items() if r == -1]
-            sel = {n: k for n, k in est.selective.items() if n not in assign}
-            sel.update({n: r for n, r in assign.items() if 0 <= r < len(g.nodes[n]["menu"])})
-            trials.append(simulate(g, full, sel, est.offloaded))
-        best = min(trials, key=lambda t: t.peak_bytes)  # the earlier-first on a tie
-        same_ms = abs(best.recompute_ms - est.recompute_ms) <= 1e-9 * max(1.0, est.recompute_ms)
-        if same_ms and best.peak_bytes <= min(usable, est.peak_bytes):
-            est = best
-    return est
-
-
-def _rank(g: nx.DiGraph, est: Any, n: str) -> int:
-    """A choice as a rank, strongest first: full checkpointing (-1), the menu's policies (fewest kept
-    bytes first, the menu's order), no checkpoint (the menu's length)."""
-    return -1 if n in est.checkpointed else est.selective.get(n, len(g.nodes[n]["menu"]))
-
-
-def _top(g: nx.DiGraph, n: str) -> str:
-    """The top-level candidate holding graph node ``n``."""
-    while g.nodes[n]["parent"] is not None:
-        n = g.nodes[n]["parent"]
-    return n
-
-
-def difference_spread_ms(g: nx.DiGraph, ops: Any, whole: Any) -> float:
-    """The measured spread of ``ops``'s recompute less ``whole``'s (two ``Estimate`` on ``g``'s units;
-    NOTE [ Robust choice ])."""
-    forward = {n: a.get("forward_spread_ms", 0.0) for n, a in g.nodes(data=True)}
-    differ = set(ops.checkpointed) ^ set(whole.checkpointed)
-    policies = sum(g.nodes[n]["menu"][k].spread_ms for n, k in ops.selective.items())
-    return g.graph.get("micro_batches", 1) * (sum(forward.get(n, 0.0) for n in differ) + policies)
 
 
 _WINDOWS = ("forward of ", "backward of ", "end of forward", "start of backward")

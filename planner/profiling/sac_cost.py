@@ -17,14 +17,15 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.model.schema import LOSS_ID, ROOT_ID, Profile
 from planner.profiling.timing import spread_ms
 
-SAC_ROUNDS = 3
-"""Interleaved rounds of the four steps; each keeps its least time (noise only raises times), and
-the per-round differences give the spread (Rule 4)."""
+SAC_ROUNDS = 9
+"""Interleaved rounds of the four region runs (NOTE [ Selective dispatch cost ], Rule 2); each run
+keeps its least time (noise only raises times), the per-round differences give the spread (Rule 4)."""
 
 
 class SacCost(NamedTuple):
@@ -48,17 +49,28 @@ class SacCost(NamedTuple):
 # under-price every policy by that much.
 #
 # Rule 2. So the profiler measures it on the model it profiles (``measure_sac_cost``), on the
-# same device and threads, in interleaved rounds (least times): the step as it is (t), with the
-# top-level candidates (N op calls) fully checkpointed (t_full), and under selective
-# checkpointing that recomputes every op (t_r) and that keeps every op (t_k). A policy costs
+# same device and threads: the regions themselves, not the step. One top-level candidate per
+# cost group (identical units cost the same, NOTE [ Unit costs ], Rule 3) runs its forward and
+# backward alone, on the inputs it got in a plain step, in interleaved rounds (least times):
+# as it is (t), fully checkpointed (t_full), under selective checkpointing that recomputes
+# every op (t_r) and that keeps every op (t_k); N is their op calls. A policy costs
 #     forward_ms * (recomputed kernel time / kernel time) + n_recomputed * r + n_kept * k
 # with r = (t_r - t_full) / N and k = (t_k - t) / N: the two ends of every menu are priced as
 # measured, the recompute-everything end relative to full checkpointing, which the cost model
 # prices at forward_ms. A chain of small ops would be cheaper to time, but it under-states the
 # cost of a model's own ops several times over: the cost depends on the ops, so it is measured
 # on them. ``Profile.sac_recomputed_op_ms`` and ``Profile.sac_kept_op_ms`` record it (NOTE
-# [ Selective menus ] in solvers/selective.py). Each is a difference of two step times over N,
-# so on a model whose steps take seconds it is within their noise (it may read 0).
+# [ Selective menus ] in solvers/selective.py).
+# Why the regions alone: the figures were differences of whole step times over N, and a step
+# holds the embedding, the head, the loss and every other unit, whose noise is not the
+# regions'; on examples/llama.py at load 13 they read r = 90 us with a spread of 45 us and
+# k = 206 us with a spread of 137 us over 3 rounds, so menus and the op-level-or-whole choice
+# moved between runs (docs/benchmarks.md, "Same plan every time"). One region per cost group
+# costs a fraction of a step, so three times the rounds cost less than the steps did; regions
+# of under a tenth of the largest one's op calls (an embedding, a head: few ops, heavy kernels)
+# are left out, their noise would outweigh their calls. A model
+# whose regions cannot run alone on their recorded inputs (a forward that fails on them) is
+# timed by whole steps, as before (``_step_runs``).
 #
 # Rule 4. Each figure carries its spread: the interquartile range of its per-round estimates
 # ((t_r - t_full) / N of each round; ``Profile.sac_recomputed_op_spread_ms``,
@@ -71,45 +83,138 @@ class SacCost(NamedTuple):
 # busy: the profile's CUDA-event clock sees only what is not hidden. Meta profiles (no device
 # to run on) and profiles without op records leave it at 0.
 
+_POLICIES = (None, "full", CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE)
+"""As it is, full checkpointing, recompute every op, keep every op (Rule 2)."""
+
+
 def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
                      amp: str | None, dev: torch.device, clock: Any, rounds: int = SAC_ROUNDS) -> SacCost:
     """The two per-op figures of NOTE [ Selective dispatch cost ], Rule 2, measured on ``model``."""
-    from planner.model.graph import build_graph
     from planner.profiling.measure import make_step
     from planner.profiling.profiler import restoring_model
 
-    g = build_graph(prof, selective=False)  # the candidates validate checkpoints, excluded ones left out
-    calls = Counter(u.fqn for u in prof.units)
-    modules = dict(model.named_modules())
-    top = [a for n, a in g.nodes(data=True) if a["parent"] is None and n not in (ROOT_ID, LOSS_ID)
-           and calls[a["fqn"]] == 1 and "forward" not in modules[a["fqn"]].__dict__]  # another wrapper: leave it
-    seqs = sorted(o.seq for o in prof.ops)
-    n_ops = sum(bisect.bisect_right(seqs, a["fwd_end_seq"]) - bisect.bisect_left(seqs, a["fwd_start_seq"])
-                for a in top)
-    if not top or n_ops == 0:
+    regions = _regions(prof, model)
+    n_ops = sum(n for _, n in regions)
+    if not regions or n_ops == 0:
         return SacCost(0.0, 0.0)
+    modules = dict(model.named_modules())
+    mods = [modules[fqn] for fqn, _ in regions]
     # one micro-batch: the figures are per op call, and simulate counts a policy once per micro-batch
     step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
-    ms: dict[Any, list[float]] = {policy: [] for policy in
-                                  (None, "full", CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE)}
     with restoring_model(model, dev):
-        for _ in range(rounds):
-            for policy, times in ms.items():
-                with _selective_regions([modules[a["fqn"]] for a in top], policy):
-                    model.zero_grad(set_to_none=True)
-                    clock.sync()
-                    t0 = clock.stamp()
-                    step()
-                    t1 = clock.stamp()
-                    clock.sync()
-                times.append(clock.ms(t0, t1))
+        try:
+            ms = _region_runs(step, mods, amp, dev, clock, rounds)
+        except Exception:  # noqa: BLE001 - a region that cannot run alone: whole steps (Rule 2)
+            model.zero_grad(set_to_none=True)
+            ms = _step_runs(step, model, mods, clock, rounds)
+    return _figures(ms, n_ops)
 
+
+def _figures(ms: dict[Any, list[list[float]]], n_ops: int) -> SacCost:
+    """r and k (Rule 2) from each policy's run times (per round, per region), with their spreads."""
     def per_op(policy: Any, base: Any) -> tuple[float, float]:
-        rounds_ms = [(a - b) / n_ops for a, b in zip(ms[policy], ms[base])]
-        return max(0.0, (min(ms[policy]) - min(ms[base])) / n_ops), spread_ms(rounds_ms)
+        least = sum(min(runs) for runs in zip(*ms[policy])) - sum(min(runs) for runs in zip(*ms[base]))
+        rounds_ms = [(sum(a) - sum(b)) / n_ops for a, b in zip(ms[policy], ms[base])]
+        return max(0.0, least / n_ops), spread_ms(rounds_ms)
 
     (r, r_spread), (k, k_spread) = per_op(CheckpointPolicy.PREFER_RECOMPUTE, "full"), per_op(CheckpointPolicy.MUST_SAVE, None)
     return SacCost(r, k, r_spread, k_spread)
+
+
+def _regions(prof: Profile, model: nn.Module) -> list[tuple[str, int]]:
+    """(fqn, op calls) of one top-level candidate per cost group (Rule 2): candidates called once, not
+    wrapped by something else, with at least ``_REGION_SHARE`` of the largest one's op calls."""
+    from planner.model.graph import build_graph
+
+    g = build_graph(prof, selective=False)  # the candidates validate checkpoints, excluded ones left out
+    calls = Counter(u.fqn for u in prof.units)
+    group = {u.fqn: u.cost_group for u in prof.units}
+    modules = dict(model.named_modules())
+    seqs = sorted(o.seq for o in prof.ops)
+    out: dict[str, tuple[str, int]] = {}
+    for n, a in g.nodes(data=True):
+        if (a["parent"] is None and n not in (ROOT_ID, LOSS_ID) and calls[a["fqn"]] == 1
+                and "forward" not in modules[a["fqn"]].__dict__):  # another wrapper: leave it
+            ops = bisect.bisect_right(seqs, a["fwd_end_seq"]) - bisect.bisect_left(seqs, a["fwd_start_seq"])
+            out.setdefault(group.get(a["fqn"]) or a["fqn"], (a["fqn"], ops))
+    most = max((ops for _, ops in out.values()), default=0)
+    return [(fqn, ops) for fqn, ops in out.values() if ops > 0 and ops >= _REGION_SHARE * most]
+
+
+_REGION_SHARE = 0.1
+"""Regions with fewer op calls than this share of the largest one's are not timed (Rule 2): an
+embedding or a head of a few ops adds its kernels' noise to the sums and almost no op calls."""
+
+
+def _region_runs(step: Callable[[], None], mods: list[nn.Module], amp: str | None, dev: torch.device, clock: Any,
+                 rounds: int) -> dict[Any, list[list[float]]]:
+    """Each policy's forward-and-backward ms of each region alone, per round (after one round unrecorded)."""
+    from planner.profiling.measure import AMP_DTYPES
+
+    calls = _recorded_inputs(step, mods)
+    amp_dtype = AMP_DTYPES[amp] if amp else None
+    ms: dict[Any, list[list[float]]] = {policy: [] for policy in _POLICIES}
+    for i in range(rounds + 1):
+        for policy, runs in ms.items():
+            with _selective_regions(mods, policy):
+                row = [_region_ms(m, call, clock, dev, amp_dtype) for m, call in zip(mods, calls)]
+            if i:
+                runs.append(row)
+    return ms
+
+
+def _recorded_inputs(step: Callable[[], None], mods: list[nn.Module]) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) each of ``mods`` is called with in one plain step, detached."""
+    seen: dict[int, tuple[tuple, dict]] = {}
+
+    def grab(m: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.setdefault(id(m), pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (args, kwargs)))
+
+    handles = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in mods]
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    return [seen[id(m)] for m in mods]
+
+
+def _region_ms(m: nn.Module, call: tuple[tuple, dict], clock: Any, dev: torch.device,
+               amp_dtype: torch.dtype | None) -> float:
+    """One forward and backward of ``m`` alone on fresh copies of its recorded inputs."""
+    from planner.profiling.units import io_tensors
+
+    m.zero_grad(set_to_none=True)
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.clone() if t.is_floating_point() else t, call)
+    autocast = torch.autocast(dev.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    clock.sync()
+    t0 = clock.stamp()
+    with autocast:
+        out = m(*args, **kwargs)
+    outs = [t for t in io_tensors(out) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    t1 = clock.stamp()
+    clock.sync()
+    return clock.ms(t0, t1)
+
+
+def _step_runs(step: Callable[[], None], model: nn.Module, mods: list[nn.Module], clock: Any,
+               rounds: int) -> dict[Any, list[list[float]]]:
+    """Each policy's whole-step ms per round, every candidate region under it (Rule 2's fallback)."""
+    ms: dict[Any, list[list[float]]] = {policy: [] for policy in _POLICIES}
+    for _ in range(rounds):
+        for policy, runs in ms.items():
+            with _selective_regions(mods, policy):
+                model.zero_grad(set_to_none=True)
+                clock.sync()
+                t0 = clock.stamp()
+                step()
+                t1 = clock.stamp()
+                clock.sync()
+            runs.append([clock.ms(t0, t1)])
+    return ms
 
 
 def with_sac_cost(prof: Profile, cost: SacCost) -> Profile:

@@ -1,0 +1,141 @@
+"""Choices robust to measurement noise: NOTE [ Robust choice ]'s rules applied to a solver's plan
+(one op-level policy per cost group, identical units arranged by a stated rule, the spread of an
+op-level plan's advantage over whole modules).
+
+Example::
+
+    est = uniform_policies(g, est, usable_bytes)   # one policy per cost group (Rule 3)
+    est = canonical(g, est, usable_bytes)          # identical units arranged in forward order (Rule 2)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+
+from planner.model.schema import LOSS_ID, ROOT_ID
+from solvers.cost_model import simulate, tie_groups
+
+# NOTE [ Robust choice ]
+# A plan is worth what its worst figure is worth (NOTE [ Unit costs ], Rule 4). The menus take
+# only policies that save more than their own spread (NOTE [ Selective menus ], Rule (noise));
+# identical units have one price and one menu, so the solvers' deterministic order breaks their
+# ties, never noise. One choice is left: op-level regions against whole modules, at one budget.
+# Rule. When the solver's plan holds op-level regions, the budget is solved again over whole
+# modules only; the op-level plan stands only when it is predicted cheaper than that plan by
+# more than the spread of the difference (``difference_spread_ms``: the forward spreads of the
+# units one plan checkpoints whole and the other does not, plus every policy's spread, times the
+# micro-batches). Otherwise the whole-module plan is returned: within the noise the two are
+# the same price, and whole modules pay no selective dispatch, whose figures are the noisiest
+# (differences of region times over the op calls, NOTE [ Selective dispatch cost ]).
+# Rule 2 (symmetry). Units of one cost group (identical figures, identical menus) are
+# interchangeable in price but not in memory (where a held tensor sits changes the peak), and
+# which of them a solver picks among equal plans is its search's accident (the ILP's peak
+# tie-break has a time limit; on examples/llama.py it gave layers 0 and 2, 0 and 3 or, the DP,
+# 0 and 1, at one recompute). So after solving, each group's choices are rearranged over its
+# members in forward order: the strongest (full checkpointing, then the policies that keep
+# fewest bytes) on the earliest members, or on the latest, whichever peaks lower (the earliest
+# on a tie), is the plan when its peak is no higher than the solver's (the recompute is the same
+# by construction); else the solver's arrangement stands. Top-level candidates only, not modules
+# called more than once.
+# Rule 3 (one policy per group). Members of one cost group that a plan runs op-level run one
+# policy. A solver may mix them (layer 1 keeping 5 matmuls and 7 pointwise ops, layer 2 keeping 6
+# and 8: qwen2 at the mid budget, docs/benchmarks.md), a choice between near-equal prices that
+# the next profile's figures reverse. So before Rule 1, when a group's op-level members hold two
+# or more policies, each policy of the menu is tried on all of them (the group's other members
+# keep their choice), and the one that fits the budget at the least overhead (then the lower
+# peak, then the menu's order) replaces the mix; when none fits, full checkpointing of those
+# members does, when it fits; else (no uniform choice fits) the solver's mix stands.
+# ``uniform_policies``; Rule 2 then arranges the group (one policy, full and none).
+
+
+OPTIMISERS = ("auto", "dp", "ilp")
+"""Solvers that minimise the recompute: the rules of NOTE [ Robust choice ] apply to their plans."""
+
+
+def canonical(g: nx.DiGraph, est: Any, usable: int) -> Any:
+    """``est`` with each cost group's choices arranged by NOTE [ Robust choice ], Rule 2."""
+    skip = _skipped(g, est)
+    for members in _cost_groups(g):
+        ranks = sorted(_rank(g, est, n) for n in members)
+        if len(members) < 2 or skip.intersection(members) or ranks[0] == ranks[-1]:
+            continue
+        trials = []
+        for order in (ranks, ranks[::-1]):  # strongest on the earliest members, then on the latest
+            assign = dict(zip(members, order))
+            full = [n for n in est.checkpointed if n not in assign] + [n for n, r in assign.items() if r == -1]
+            sel = {n: k for n, k in est.selective.items() if n not in assign}
+            sel.update({n: r for n, r in assign.items() if 0 <= r < len(g.nodes[n]["menu"])})
+            trials.append(simulate(g, full, sel, est.offloaded))
+        best = min(trials, key=lambda t: t.peak_bytes)  # the earlier-first on a tie
+        same_ms = abs(best.recompute_ms - est.recompute_ms) <= 1e-9 * max(1.0, est.recompute_ms)
+        if same_ms and best.peak_bytes <= min(usable, est.peak_bytes):
+            est = best
+    return est
+
+
+def _rank(g: nx.DiGraph, est: Any, n: str) -> int:
+    """A choice as a rank, strongest first: full checkpointing (-1), the menu's policies (fewest kept
+    bytes first, the menu's order), no checkpoint (the menu's length)."""
+    return -1 if n in est.checkpointed else est.selective.get(n, len(g.nodes[n]["menu"]))
+
+
+def _top(g: nx.DiGraph, n: str) -> str:
+    """The top-level candidate holding graph node ``n``."""
+    while g.nodes[n]["parent"] is not None:
+        n = g.nodes[n]["parent"]
+    return n
+
+
+def difference_spread_ms(g: nx.DiGraph, ops: Any, whole: Any) -> float:
+    """The measured spread of ``ops``'s recompute less ``whole``'s (two ``Estimate`` on ``g``'s units;
+    NOTE [ Robust choice ])."""
+    forward = {n: a.get("forward_spread_ms", 0.0) for n, a in g.nodes(data=True)}
+    differ = set(ops.checkpointed) ^ set(whole.checkpointed)
+    policies = sum(g.nodes[n]["menu"][k].spread_ms for n, k in ops.selective.items())
+    return g.graph.get("micro_batches", 1) * (sum(forward.get(n, 0.0) for n in differ) + policies)
+
+
+def uniform_policies(g: nx.DiGraph, est: Any, usable: int) -> Any:
+    """``est`` with one op-level policy per cost group (NOTE [ Robust choice ], Rule 3)."""
+    skip = _skipped(g, est)
+    for members in _cost_groups(g):
+        op_level = [n for n in members if n in est.selective]
+        if skip.intersection(members) or len({est.selective[n] for n in op_level}) < 2:
+            continue
+        others = {n: k for n, k in est.selective.items() if n not in op_level}
+        trials = [simulate(g, est.checkpointed, {**others, **{n: k for n in op_level}}, est.offloaded)
+                  for k in range(len(g.nodes[op_level[0]]["menu"]))]
+        fits = [t for t in trials if t.peak_bytes <= usable]
+        if fits:
+            est = min(fits, key=lambda t: (t.overhead_ms, t.peak_bytes))  # min keeps the menu's order on a tie
+            continue
+        full = simulate(g, [*est.checkpointed, *op_level], others, est.offloaded)
+        if full.peak_bytes <= usable:
+            est = full
+    return est
+
+
+def _cost_groups(g: nx.DiGraph) -> list[list[str]]:
+    """Top-level candidates with one cost group, forward time and menu, two or more, in forward order."""
+    from solvers.base import top_level
+
+    groups: dict[tuple, list[str]] = {}
+    for n in top_level(g):
+        a = g.nodes[n]
+        if a.get("cost_group") and n not in (ROOT_ID, LOSS_ID):
+            menu = tuple((p.recompute_ms, p.kept_bytes, p.saved) for p in a["menu"])
+            groups.setdefault((a["cost_group"], a["forward_ms"], menu), []).append(n)
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def _skipped(g: nx.DiGraph, est: Any) -> set[str]:
+    """Candidates the rules leave as the solver chose: calls of one module, groups with a nested choice,
+    offloaded ones (they move with their own copy time)."""
+    skip = {n for group in tie_groups(g) for n in group}
+    skip |= {_top(g, c) for c in [*est.checkpointed, *est.selective] if g.nodes[c]["parent"] is not None}
+    return skip | {_top(g, c) for c in est.offloaded}
+
+
+__all__ = ["canonical", "difference_spread_ms", "OPTIMISERS", "uniform_policies"]
