@@ -98,3 +98,35 @@ def test_more_threads_time_at_one_thread_and_scale():
     ops = [[o.forward_ms for o in prof.ops if o.unit.startswith(f"{u}.") or o.unit == u] for u in ("1", "2", "3")]
     assert ops[0] and ops[0] == ops[1] == ops[2]  # op times pooled over the cost group (NOTE [ Op records ])
     assert "cpu-thread-time-scaled at 2 threads" in time_line(prof.time_source, prof.threads, prof.time_calibration)
+
+
+def test_the_profilers_own_hooks_do_not_count(monkeypatch):
+    """NOTE [ Unit costs ], Rule 5: on the CPU clocks a unit's forward leaves out the time the
+    recorder's own hooks take (its own and its submodules'). Here each hook's bookkeeping takes
+    2 s on a clock that moves only when told; each child's work 1 s: the parent reads 3 s, not 11 s."""
+    from planner.profiling import units
+    from planner.profiling.profiler import TimingRecorder
+    from planner.profiling.timing import WallClock
+
+    class Clock(WallClock):
+        now = 0.0
+
+        def stamp(self):
+            return self.now
+
+    clock = Clock()
+
+    class Work(nn.Module):
+        def forward(self, x):
+            clock.now += 1.0
+            return x
+
+    monkeypatch.setattr(units.Recorder, "_on_inputs", lambda *_: setattr(clock, "now", clock.now + 2.0))
+    model = nn.Sequential(Work(), Work(), Work())
+    with TimingRecorder(model, clock) as rec:
+        rec.mark("step_start")
+        model(torch.ones(2))
+        rec.mark("forward_end")
+    ms = {u.id: rec.clock.ms(u.fwd_start, u.fwd_end) for u in rec.units}
+    assert ms == {"<root>": 3000.0, "0": 1000.0, "1": 1000.0, "2": 1000.0}
+    assert rec.clock.ms(rec.marks["step_start"], rec.marks["forward_end"]) == 3000.0

@@ -49,7 +49,7 @@ from planner.profiling.recording import (
 )
 from planner.profiling.units import Recorder, StepTimes, UnitCall
 from planner.profiling.timing import (
-    calibrated, num_threads, profile_clock, robust_ms, spread_ms, timing_threads, unit_costs,
+    HookFreeClock, calibrated, num_threads, profile_clock, robust_ms, spread_ms, timing_threads, unit_costs,
 )
 from planner.spec import StepSpec
 
@@ -178,12 +178,30 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 class TimingRecorder(Recorder):
+    """Stamps on the profile's clock; on the CPU one that leaves the recorder's own hooks out (NOTE
+    [ Unit costs ], Rule 5): read intervals with ``self.clock.ms``."""
+
     def __init__(self, model: torch.nn.Module, clock: Any):
-        self.clock = clock
+        self.clock = HookFreeClock(clock) if HookFreeClock.applies(clock) else clock
         super().__init__(model)
 
     def _note(self, kind: str, unit: UnitCall | None) -> Any:
         return self.clock.stamp()
+
+    def _pre(self, *args: Any) -> None:
+        return self._hooked(super()._pre, *args)
+
+    def _post(self, *args: Any) -> None:
+        return self._hooked(super()._post, *args)
+
+    def _fire_ends(self, *args: Any) -> None:
+        return self._hooked(super()._fire_ends, *args)
+
+    def _fire_starts(self, *args: Any) -> None:
+        return self._hooked(super()._fire_starts, *args)
+
+    def _hooked(self, fn: Callable[..., None], *args: Any) -> None:
+        return self.clock.hook(fn, *args) if isinstance(self.clock, HookFreeClock) else fn(*args)
 
 
 
@@ -194,6 +212,7 @@ def _timing_steps(model: torch.nn.Module, step: Callable, clock: Any, steps: int
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     times = StepTimes()
     with (recorder or TimingRecorder)(model, clock) as rec:
+        clock = rec.clock  # NOTE [ Unit costs ], Rule 5
         for i in range(steps):
             say(f"timing step {i + 1}/{steps}")
             rec.reset()

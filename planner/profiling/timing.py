@@ -59,11 +59,18 @@ import torch
 #   is taken from (``spread_ms``; ``UnitRecord.forward_spread_ms``, ``backward_spread_ms``, the
 #   step's phases, the dispatch figures of NOTE [ Selective dispatch cost ]). A choice that is
 #   better only within the spread is noise: NOTE [ Selective menus ], Rule (noise).
+# Rule 5. The profiler's own hooks do not count. Its module and gradient hooks (one pair per
+#   submodule call, Python: inputs and outputs walked, gradient hooks registered) ran inside
+#   every unit's forward and were counted in it: 1.1 to 1.3 ms of a GPT-2 or Llama block's 20
+#   to 35 ms on one CPU thread (3 to 6%), which recomputing the block does not pay. On the CPU
+#   clocks the timing steps read a ``HookFreeClock``: it stands still while a hook runs.
 # What it leaves out: the recompute of a checkpointed unit runs its forward again inside
 #   backward, plus ``torch.utils.checkpoint``'s own work (RNG state save and restore, the
-#   saved-tensor hooks), not counted; the profiler's own hooks (a few microseconds per
-#   submodule) are counted in the forward. benchmarks/time_model.py measures how far the
-#   sum of forward costs is from the measured overhead of a plan.
+#   saved-tensor hooks), not counted; and the backward of a recomputed unit can run faster than
+#   the unit's backward in the plain step (its saved tensors were just written, so they are in
+#   the caches): on GPT-2's blocks, 3 to 5 ms of a 34 ms recompute on one CPU thread
+#   (docs/benchmarks.md, "Predicted recompute vs measured overhead"). benchmarks/time_model.py
+#   measures how far the sum of forward costs is from the measured overhead of a plan.
 
 TIME_SOURCES = {
     "cpu-thread-time": "CPU time of the profiling thread (one intra-op thread): other processes do not count",
@@ -163,6 +170,40 @@ def timing_threads(clock: Any) -> contextlib.AbstractContextManager:
     clock's ``.clock``), as set otherwise."""
     inner = getattr(clock, "clock", clock)
     return inner.timing() if isinstance(inner, ScaledCpuClock) else contextlib.nullcontext()
+
+
+class HookFreeClock:
+    """``clock`` (a CPU clock, or one wrapping it as ``.clock``) standing still while ``hook`` runs
+    (NOTE [ Unit costs ], Rule 5): stamps are (the clock's stamp, ms of hooks so far)."""
+
+    def __init__(self, clock: Any):
+        self.clock = clock
+        self.source = clock.source
+        self.hooks_ms = 0.0
+
+    def __getattr__(self, name: str) -> Any:  # pause/resume of a wrapped PausingClock
+        return getattr(self.__dict__["clock"], name)
+
+    def stamp(self) -> tuple[Any, float]:
+        return self.clock.stamp(), self.hooks_ms
+
+    def sync(self) -> None:
+        self.clock.sync()
+
+    def ms(self, start: tuple[Any, float], end: tuple[Any, float]) -> float:
+        return self.clock.ms(start[0], end[0]) - (end[1] - start[1])
+
+    def hook(self, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = self.clock.stamp()
+        try:
+            return fn(*args)
+        finally:
+            self.hooks_ms += self.clock.ms(t0, self.clock.stamp())
+
+    @staticmethod
+    def applies(clock: Any) -> bool:
+        """A clock whose stamps cost nothing to read (not CUDA events, which would synchronise)."""
+        return isinstance(getattr(clock, "clock", clock), WallClock)
 
 
 class CudaEventClock:
@@ -287,6 +328,6 @@ def time_interleaved(steps: Mapping[str, Callable[[], Any]], *, rounds: int, clo
     return out
 
 
-__all__ = ["calibrated", "clock_of", "CudaEventClock", "describe", "num_threads", "pick_clock",
+__all__ = ["calibrated", "clock_of", "CudaEventClock", "describe", "HookFreeClock", "num_threads", "pick_clock",
            "profile_clock", "robust_ms", "ScaledCpuClock", "signature", "spread_ms", "ThreadCpuClock",
            "time_interleaved", "TIME_SOURCES", "timing_threads", "unit_costs", "UnitCost", "WallClock"]
