@@ -87,6 +87,26 @@ def test_a_stage_plan_fits_its_stage_peak_in_the_budget():
     assert plan_stage(g, ceiling, solve).chosen == ([], {})
 
 
+def test_stages_of_one_shape_share_one_profile():
+    """NOTE [ One profile per stage shape ]: on fake tensors, 4 stages of one layer each profile 3 shapes, and
+    stage 2's profile (stage 1's, moved one layer on) equals its own in every field but the creation time."""
+    from planner.act.pipeline import _profile_stage, _shapes, pipeline_layout, profile_stages
+    from planner.profiling import profile as run_profile
+    from planner.profiling.meta import build_on_meta
+    from planner.profiling.model_file import load_model_file
+    from planner.spec import StepSpec
+
+    mf, layout, step = load_model_file(LLAMA), pipeline_layout(4, "1f1b", 4), StepSpec(device="meta", target="h100")
+    said: list[str] = []
+    stages = profile_stages(mf, layout, step=step, progress=said.append)
+    assert [m.startswith("profiling") for m in said] == [True, True, False, True]
+    build = lambda: build_on_meta(mf.build_model)  # noqa: E731
+    own = _profile_stage(build(), 2, 4, _shapes(build(), mf.example_inputs(), layout), step, run_profile)
+    moved, mine = stages[2].profile.model_dump(), own.model_dump()
+    assert "model.layers.2" in own.fingerprint.modules and "model.layers.1" not in own.fingerprint.modules
+    assert {k for k in mine if moved[k] != mine[k]} <= {"created_at"}
+
+
 @pytest.fixture(scope="module")
 def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """pp 2, 1F1B, 4 micro-batches at the budget halfway between the layout's lowest feasible and

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -169,29 +170,87 @@ def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None =
     build = (lambda: build_on_meta(model_file.build_model)) if meta else model_file.build_model
     full = build()
     shapes = _shapes(full, model_file.example_inputs(), layout)
+    spans = split_layers(shapes.layers, layout.stages)
+    sigs = [_layer_signature(layer) for layer in full.model.layers]
     full_params = {sig.name: sig for sig in fingerprint(full, None).params} if tp > 1 else {}
     if tp > 1:
         from planner.act.tensor_parallel import local_builder
 
         build = local_builder(full, tp)
     del full
+    shapes_seen: dict[tuple, tuple[int, Any]] = {}  # NOTE [ One profile per stage shape ]
     out = []
-    for s in range(layout.stages):
-        say(f"profiling stage {s} of {layout.stages} (one micro-batch of {shapes.rows} rows)")
-        stage = stage_module(build(), s, layout.stages)
-        hook = None if stage.first else stage.register_forward_pre_hook(_received)
-        loss_fn = _stage_loss(stage, shapes.labels.to(resolve_device(step.device))) if stage.last else _feed_grad()
-        x = shapes.ids if stage.first else torch.zeros(shapes.act_shape, dtype=shapes.dtype)
-        prof = run_profile(stage, x, step=step.replace(loss_fn=loss_fn))
-        if hook is not None:
-            hook.remove()
+    for s, (start, end) in enumerate(spans):
+        key = (s == 0, s == layout.stages - 1, tuple(sigs[start:end]))
+        if key in shapes_seen:
+            like, prof = shapes_seen[key]
+            say(f"stage {s} of {layout.stages}: the shape of stage {like}, its profile reused")
+            prof = relabel_layers(prof, start - spans[like][0])
+        else:
+            say(f"profiling stage {s} of {layout.stages} (one micro-batch of {shapes.rows} rows)")
+            prof = _profile_stage(build(), s, layout.stages, shapes, step, run_profile)
+            shapes_seen[key] = (s, prof)
         fp = prof.fingerprint.model_copy(update=dict(params=[full_params[p.name] for p in prof.fingerprint.params])) \
             if tp > 1 else None  # the module a rank builds and lays out is full size (DTensors' global shapes)
-        out.append(ProfiledStage(prof, shapes.attrs(layout, s),
-                                 [f"model.layers.{i}" for i in range(*split_layers(shapes.layers, layout.stages)[s])],
-                                 tp, fp))
-        del stage
+        out.append(ProfiledStage(prof, shapes.attrs(layout, s), [f"model.layers.{i}" for i in range(start, end)], tp, fp))
     return out
+
+
+# NOTE [ One profile per stage shape ]
+#
+# A stage's profile (Rule 3 of NOTE [ Pipeline stages ]) depends on its modules and one micro-batch's
+# shapes, not on where the stage sits: two middle stages whose blocks are alike (the same modules,
+# parameter shapes and attention types, ``_layer_signature``) run the same ops on the same shapes.
+# So each distinct (first, last, its blocks' signatures) is profiled once, and a later stage of that shape takes its profile with the blocks' indices moved
+# (``relabel_layers``: ``model.layers.8`` of stage 1 becomes ``model.layers.16`` of stage 2 in every
+# FQN, unit id and fingerprint). Llama-3-405B on 16 stages has 4 shapes (the first with 8 blocks
+# and the embeddings, middle ones with 8 and with 7, the last with 7 and the head). What the
+# schedule adds (the ``pp_*`` attributes) is the stage's own. Checked: on fake tensors a moved
+# profile equals the stage's own profile in every field but its creation time (tests/test_pipeline.py).
+
+
+_LAYER_FQN = re.compile(r"(?<![\w.])model\.layers\.(\d+)(?!\d)")
+
+
+def relabel_layers(profile: Any, offset: int) -> Any:
+    """``profile`` with every ``model.layers.<i>`` named ``model.layers.<i + offset>``
+    (NOTE [ One profile per stage shape ])."""
+    if offset == 0:
+        return profile
+
+    def move(v: Any) -> Any:
+        if isinstance(v, str):
+            return _LAYER_FQN.sub(lambda m: f"model.layers.{int(m[1]) + offset}", v) if "model.layers." in v else v
+        if isinstance(v, dict):
+            return {move(k): move(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [move(x) for x in v]
+        return v
+
+    return type(profile).model_validate(move(profile.model_dump()))
+
+
+def _layer_signature(layer: nn.Module) -> tuple:
+    """What makes two blocks run alike: their modules' classes, parameter shapes and dtypes, and the
+    attention type a config may give each layer (sliding-window layers of Mistral, Qwen2, Gemma)."""
+    kinds = tuple((name, type(m).__name__, getattr(m, "attention_type", None), getattr(m, "sliding_window", None))
+                  for name, m in layer.named_modules())
+    return kinds, tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())
+
+
+def _profile_stage(model: nn.Module, s: int, num_stages: int, shapes: "_Shapes", step: StepSpec, run_profile: Any) -> Any:
+    """Stage ``s`` of ``model`` profiled on one micro-batch (Rule 3 of NOTE [ Pipeline stages ])."""
+    from planner.profiling.profiler import resolve_device
+
+    stage = stage_module(model, s, num_stages)
+    hook = None if stage.first else stage.register_forward_pre_hook(_received)
+    loss_fn = _stage_loss(stage, shapes.labels.to(resolve_device(step.device))) if stage.last else _feed_grad()
+    x = shapes.ids if stage.first else torch.zeros(shapes.act_shape, dtype=shapes.dtype)
+    try:
+        return run_profile(stage, x, step=step.replace(loss_fn=loss_fn))
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 def _plain_step(step: StepSpec | None) -> StepSpec:
