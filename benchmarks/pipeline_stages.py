@@ -3,9 +3,10 @@ vs measured peak.
 
     python benchmarks/pipeline_stages.py       # pp 2 (1f1b, gpipe; 4 micro-batches), tp 2 with and without sp, tp 2 x pp 2
     python benchmarks/pipeline_stages.py --cases 1f1b:2:4,gpipe:2:2,tp2,tp2-sp,1f1b:2:4:tp2
+    python benchmarks/pipeline_stages.py --cases 1f1b:2:4:dp2-fsdp,gpipe:2:4:dp2-fsdp,1f1b:2:4:dp2-ddp
 
 A case is ``schedule:stages:micro-batches`` (pipeline stages), with ``:tpN`` for N tensor-parallel ranks
-per stage, or ``tpN`` (tensor parallelism alone), ``tpN-sp`` with sequence parallelism. For each: profile
+per stage and ``:dpN-fsdp`` or ``:dpN-ddp`` for N data-parallel ranks per stage, or ``tpN`` (tensor parallelism alone), ``tpN-sp`` with sequence parallelism. For each: profile
 examples/llama_pp.py (a tiny LlamaForCausalLM from ``LlamaConfig``, library defaults but the sizes) on
 the CPU (each stage on one micro-batch; under tp the rank-local model), plan at the budget halfway
 between the layout's lowest feasible and no-checkpoint peaks (each the highest over its stages), then
@@ -32,7 +33,7 @@ from planner.errors import BudgetInfeasible  # noqa: E402
 from planner.model.fingerprint import fingerprint  # noqa: E402
 from planner.profiling.meta import build_on_meta  # noqa: E402
 from planner.profiling.model_file import load_model_file  # noqa: E402
-from planner.spec import StepSpec  # noqa: E402
+from planner.spec import SolveSpec, StepSpec  # noqa: E402
 
 MODEL = ROOT / "examples" / "llama_pp.py"
 CASES = ("1f1b:2:4", "gpipe:2:4", "tp2", "tp2-sp", "1f1b:2:4:tp2")
@@ -59,12 +60,16 @@ def plan_case(case: str) -> tuple:
         label = f"tp {tp}" + (" + sp" if sp else "")
         return plan_tensor_parallel(mf, budget, tp, step=STEP, sequence_parallel=sp), budget, label
     schedule, stages, micro = parts[0], int(parts[1]), int(parts[2])
-    tp = int(parts[3][2:]) if len(parts) > 3 else 1
+    tp = next((int(p[2:]) for p in parts[3:] if p.startswith("tp")), 1)
+    dp, sharding = next(((int(p[2:].split("-")[0]), p.split("-")[1]) for p in parts[3:] if p.startswith("dp")),
+                        (1, "none"))
     profiled = profile_stages(mf, pipeline_layout(stages, schedule, micro), step=STEP, tp=tp)
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
-    budget = _halfway(plan_stages(profiled, "1TB", fingerprint=fp).stages)
-    label = f"pp {stages} {schedule} x{micro}" + (f", tp {tp}" if tp > 1 else "")
-    return plan_stages(profiled, budget, fingerprint=fp), budget, label
+    solve = SolveSpec(world_size=stages * tp * dp, sharding=sharding)
+    budget = _halfway(plan_stages(profiled, "1TB", fingerprint=fp, solve=solve).stages)
+    label = f"pp {stages} {schedule} x{micro}" + (f", tp {tp}" if tp > 1 else "") + \
+        (f", dp {dp} {sharding}" if dp > 1 else "")
+    return plan_stages(profiled, budget, fingerprint=fp, solve=solve), budget, label
 
 
 def run(case: str, out_dir: Path) -> list[str]:
@@ -86,7 +91,7 @@ def run(case: str, out_dir: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=",".join(CASES), help="schedule:stages:micro-batches[:tpN], tpN or tpN-sp, "
+    ap.add_argument("--cases", default=",".join(CASES), help="schedule:stages:micro-batches[:tpN][:dpN-fsdp|ddp], tpN or tpN-sp, "
                                                             "comma-separated")
     ap.add_argument("--out", type=Path, default=Path("/tmp"), help="where the plan files go")
     args = ap.parse_args()

@@ -90,17 +90,17 @@ def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int
     if stages is not None:
         _check_stages(stages, schedule, micro_batches)
     ranks = tp * (stages or 1)
-    if world_size is not None and world_size != ranks:
-        what = f"pp {stages} and tp {tp}" if stages else f"tp {tp}"
-        dp, rest = divmod(world_size, ranks)
-        if rest:
-            raise BadInput(f"world size {world_size} is not tp x pp x dp with {what}: give {{world_size}} a multiple "
-                           f"of {ranks} (dp = world size / {ranks}), e.g. {ranks}", options=("world_size",))
-        raise BadInput(f"world size {world_size} is {what} x dp {dp}: data parallelism beside them is not planned "
-                       f"yet; give {{world_size}} {ranks} (or drop it)", options=("world_size",))
-    if sharding != "none":
-        raise BadInput(f"sharding {sharding} with pipeline stages or tensor parallelism is not planned yet: drop "
-                       f"{{sharding}} (each rank holds its modules' shares whole)", options=("sharding",))
+    what = f"pp {stages} and tp {tp}" if stages else f"tp {tp}"
+    dp, rest = divmod(world_size or ranks, ranks)
+    if rest:
+        raise BadInput(f"world size {world_size} is not tp x pp x dp with {what}: give {{world_size}} a multiple "
+                       f"of {ranks} (dp = world size / {ranks}), e.g. {ranks}", options=("world_size",))
+    if stages is None and (dp > 1 or sharding != "none"):
+        raise BadInput(f"tensor parallelism with data parallelism beside it is planned with pipeline stages only, "
+                       f"for now: give {{world_size}} {ranks} and drop {{sharding}}", options=("world_size", "sharding"))
+    if dp > 1 and sharding == "none":
+        raise BadInput(f"world size {world_size} is {what} x dp {dp}: say how the {dp} data-parallel ranks of each "
+                       f"stage train, {{sharding}} fsdp or ddp", options=("sharding",))
 
 
 def _check_stages(stages: Any, schedule: str, micro_batches: Any) -> None:

@@ -152,6 +152,8 @@ class GraphAttrs(TypedDict):
     pp_output_bytes: NotRequired[Annotated[int, Doc("one micro-batch's stage output (the logits on the last stage)")]]
     pp_batch_bytes: NotRequired[Annotated[int, Doc("the replica's batch the stage holds beyond the graph's "
                                                    "batch: tokens (first stage), labels (last)")]]
+    pp_dp: NotRequired[Annotated[int, Doc("data-parallel ranks of each stage, D (world size / (pp x tp))")]]
+    pp_dp_sharding: NotRequired[Annotated[str, Doc("how a stage's D ranks train: 'none' (D = 1), 'ddp' or 'fsdp'")]]
     # set by ``solvers.cost_model.calibrate``, last
     tail_fwd_transient_bytes: NotRequired[Annotated[int, Doc("calibrated temporaries of the tail's forward "
                                                              "(absent without a measurement)")]]

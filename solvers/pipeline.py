@@ -85,7 +85,32 @@ SCHEDULES: tuple[str, ...] = get_args(Schedule)
 # of forward is what the schedule's busiest point holds. ``plan_stage`` searches that copy's budget
 # for the largest whose plan keeps Rule 8's peak (on the true graph) within the budget: the
 # fewest recompute among the budgets tried, optimal for the copy, not proven optimal for the
-# stage. A checkpoint set is its stage's alone (a module lives on one stage).
+# stage; the most checkpointing it reaches is the lower-peaked of the copy's plan at the copy's lowest
+# budget and every repeated block of the stage (on Llama-3-405B, tp 8, the copy's plan left stage 0 at
+# 97 GiB where every layer checkpointed is far lower). Then it drops, costliest first, every checkpoint Rule 8's peak does not need (``_prune``):
+# the copy counts every held tensor ``in_flight`` times at every point, more than Rule 8 does, and
+# its plan can checkpoint more than the stage needs. A checkpoint set is its stage's alone (a module
+# lives on one stage).
+# Rule 10. Data-parallel stages: each stage runs on D ranks (``pp_dp``; the world is pp x tp x D), every
+# one with its own replica batch (the model file's), so Rules 1-9 hold per rank; only the static memory
+# changes, as torch.distributed.pipelining drives the wrapper (``backward_maybe_with_nosync`` and
+# ``perform_reduce_grad`` of torch 2.13's stage.py). The graph's static memory is one process's.
+#   ddp: DDP's buckets (one flat copy of the gradients, from construction; NOTE [ Per-rank memory ],
+#   Rule 1) at every point; the micro-batches' backwards run under ``no_sync`` but the last.
+#   fsdp: FSDP2 on every repeated block and on the stage's root, defaults. Parameters and optimizer state
+#   are held as 1/D shards. Every backward runs with ``set_requires_gradient_sync(False)`` and
+#   ``set_reshard_after_backward(False)``: gradients accumulate unsharded, at full size (the graph's
+#   gradients, Rule 5 unchanged), and a block's parameters stay unsharded after its backward until its
+#   next forward reshards them; the reduce-scatter runs once, after the last backward, and the
+#   optimizer step sees shards of everything. Unsharded parameters U at a point (R the root group's,
+#   B_i block i's, block k running; ``_unsharded_bytes``): forward, R + B + B (the largest block and
+#   its all-gather output, NOTE [ Per-rank memory ], Rule 2), but after a backward (1F1B's steady state)
+#   the blocks from k on, still unsharded, and no all-gather; backward, R + the blocks from k - 1 on
+#   (k - 1 prefetched; before the blocks every block; after them the last, which the root prefetches when
+#   the gradient reaches the stage's output, so not yet in the last stage's loss, which the schedule's
+#   ``loss_fn`` computes outside the stage: +4.1% on the last stage of pp 2 x dp 2 before this was seen),
+#   but every block after a backward that no forward followed (GPipe's later backwards, 1F1B's
+#   cooldown). Not probed: the reduce-scatter after the last backward (activations are gone by then).
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -168,7 +193,8 @@ def stage_peak(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[st
     held = held_bytes(g, checkpointed, selective)
     buffers = buffers_bytes(g)
     recv, out = gg["pp_recv_bytes"], gg["pp_output_bytes"]
-    best = (opt[1] + buffers, "optimizer step", opt[2])
+    dp = _DataParallel.of(g)
+    best = (opt[1] + buffers + dp.optimizer_step_bytes, "optimizer step", opt[2] + dp.step_grads_bytes, 0)
     f_done = b_done = 0
     last = None
     for kind, j in actions(sched, n, s, m):
@@ -182,15 +208,93 @@ def stage_peak(g: nx.DiGraph, checkpointed: Iterable[str], selective: Mapping[st
         for name, total, grads, _extra in (fwd if kind == "F" else bwd):
             if b_done:  # Rule 5: every gradient alive after the first backward
                 total, grads = total + all_grads - grads, all_grads
-            total += others * held + buffers + extra
+            unsharded = dp.unsharded_bytes(name, kind, after_backward=last == "B")  # Rule 10
+            total += others * held + buffers + extra + dp.static_bytes + unsharded
             if total > best[0]:
-                best = (total, f"{name}, micro-batch {j}, {others} more in flight", grads)
+                best = (total, f"{name}, micro-batch {j}, {others} more in flight", grads + dp.buckets_bytes,
+                        unsharded)
         f_done += kind == "F"
         b_done += kind == "B"
         last = kind
     return StagePeak(peak_bytes=best[0], peak_at=best[1], held_bytes=held, in_flight=in_flight(sched, n, s, m),
-                     buffers_bytes=buffers, params_bytes=model.rank.params_bytes, grads_bytes=best[2],
-                     optimizer_bytes=model.rank.optimizer_bytes)
+                     buffers_bytes=buffers, params_bytes=model.rank.params_bytes + dp.params_delta + best[3],
+                     grads_bytes=best[2], optimizer_bytes=model.rank.optimizer_bytes + dp.optimizer_delta)
+
+
+@dataclass(frozen=True)
+class _DataParallel:
+    """Rule 10's terms for a stage's D data-parallel ranks (``pp_dp``, ``pp_dp_sharding``)."""
+
+    graph: nx.DiGraph
+    sharding: str
+    ranks: int
+    params_delta: int = 0  # the rank's parameters less the graph's (fsdp: shards)
+    optimizer_delta: int = 0
+    buckets_bytes: int = 0  # ddp
+
+    @staticmethod
+    def of(g: nx.DiGraph) -> _DataParallel:
+        gg = g.graph
+        d, sharding = gg.get("pp_dp", 1), gg.get("pp_dp_sharding", "none")
+        if sharding == "ddp":
+            return _DataParallel(g, sharding, d, buckets_bytes=gg["grads_bytes"])
+        if sharding != "fsdp":
+            return _DataParallel(g, sharding, d)
+        p, o = gg["params_bytes"], gg["optimizer_bytes"]
+        return _DataParallel(g, sharding, d, -(-p // d) - p, -(-o // d) - o)
+
+    @property
+    def static_bytes(self) -> int:
+        """Added at every point of forward and backward."""
+        return self.params_delta + self.optimizer_delta + self.buckets_bytes
+
+    @property
+    def optimizer_step_bytes(self) -> int:
+        """Added at the optimizer step: fsdp steps on shards of the gradients and of its temporaries."""
+        if self.sharding != "fsdp":
+            return self.buckets_bytes
+        gg, d = self.graph.graph, self.ranks
+        g_, tr = gg["grads_bytes"], gg["optimizer_step_transient_bytes"]
+        return self.params_delta + self.optimizer_delta + (-(-g_ // d) - g_) + (-(-tr // d) - tr)
+
+    @property
+    def step_grads_bytes(self) -> int:
+        """The gradients' change at the optimizer step (fsdp: shards; ddp: its buckets)."""
+        g_ = self.graph.graph["grads_bytes"]
+        return -(-g_ // self.ranks) - g_ if self.sharding == "fsdp" else self.buckets_bytes
+
+    def unsharded_bytes(self, probe: str, kind: str, *, after_backward: bool) -> int:
+        """fsdp: the unsharded parameters U at probe ``probe`` of a forward ('F') or backward ('B') that
+        follows a backward or not (Rule 10)."""
+        if self.sharding != "fsdp":
+            return 0
+        gg = self.graph.graph
+        root, sizes = gg["fsdp_root_param_bytes"], [b for _, _, b in gg["fsdp_blocks"]]
+        k = self._block_of(probe)
+        if kind == "F":
+            if after_backward:
+                return root + sum(sizes[max(k, 0):])
+            big = max(sizes, default=0)
+            return root + big + (big if self.ranks > 1 else 0)
+        if after_backward or k < 0:
+            return root + sum(sizes)
+        if probe == "start of backward" and gg["pp_stage"] == gg["pp_stages"] - 1:
+            return root  # the loss runs outside the stage: the root's pre-backward prefetch comes after it
+        if k >= len(sizes):
+            return root + (sizes[-1] if sizes else 0)
+        return root + sum(sizes[max(k - (1 if self.ranks > 1 else 0), 0):])
+
+    def _block_of(self, probe: str) -> int:
+        """The index of the block probe ``probe`` runs in; -1 before every block, len(blocks) after them."""
+        blocks = self.graph.graph["fsdp_blocks"]
+        unit = probe.split(" of ", 1)[1] if probe.startswith(("forward of ", "backward of ", "recompute of ")) else None
+        if unit is None or unit not in self.graph:
+            return len(blocks)  # end of forward, start of backward
+        seq = self.graph.nodes[unit]["fwd_end_seq"]
+        for k, (lo, hi, _) in enumerate(blocks):
+            if lo <= seq <= hi:
+                return k
+        return -1 if blocks and seq < blocks[0][0] else len(blocks)
 
 
 Solve = Callable[[nx.DiGraph, int], "tuple[list[str], dict[str, int]] | None"]
@@ -230,7 +334,8 @@ def plan_stage(g: nx.DiGraph, usable_bytes: int, solve: Solve) -> StagePlanResul
 
     gs = solving_graph(g)
     lowest, highest = min_feasible_bytes(gs), simulate(gs, []).peak_bytes
-    most = solve(gs, lowest) or ([], {})
+    blocks = ([u for u in g.graph.get("fsdp_units", ()) if u in g], {})  # every repeated block of the stage
+    most = min((solve(gs, lowest) or ([], {}), blocks), key=lambda c: stage_peak(g, *c).peak_bytes)
     lowest_peak = stage_peak(g, *most).peak_bytes
     if stage_peak(g, []).peak_bytes <= usable_bytes:
         return StagePlanResult(([], {}), lowest_peak)
@@ -244,7 +349,18 @@ def plan_stage(g: nx.DiGraph, usable_bytes: int, solve: Solve) -> StagePlanResul
             lo, best = mid, sol
         else:
             hi = mid
-    return StagePlanResult(best, lowest_peak)
+    return StagePlanResult(_prune(g, best, usable_bytes), lowest_peak)
+
+
+def _prune(g: nx.DiGraph, chosen: tuple[list[str], dict[str, int]], usable_bytes: int) -> tuple[list[str], dict[str, int]]:
+    """Rule 9's last pass: drop every checkpoint the stage peak does not need, the costliest first (the copy's
+    plan can checkpoint more than the stage needs)."""
+    kept, selective = list(chosen[0]), chosen[1]
+    for unit in sorted(kept, key=lambda n: (-g.nodes[n]["forward_ms"], g.nodes[n]["order"])):
+        fewer = [n for n in kept if n != unit]
+        if stage_peak(g, fewer, {k: v for k, v in selective.items() if k in fewer}).peak_bytes <= usable_bytes:
+            kept = fewer
+    return kept, {k: v for k, v in selective.items() if k in kept}
 
 
 __all__ = ["SCHEDULES", "Schedule", "StagePeak", "actions", "buffers_bytes", "held_bytes", "in_flight",

@@ -83,6 +83,10 @@ def test_a_stage_plan_fits_its_stage_peak_in_the_budget():
     usable = (floor + ceiling) // 2
     chosen = plan_stage(g, usable, solve).chosen
     assert chosen is not None and chosen[0] and stage_peak(g, *chosen).peak_bytes <= usable
+    for unit in chosen[0]:  # Rule 9's last pass: no checkpoint the stage peak does not need
+        assert stage_peak(g, [u for u in chosen[0] if u != unit]).peak_bytes > usable
+    blocks = [u for u in g.graph["fsdp_units"] if u in g]
+    assert floor <= stage_peak(g, blocks).peak_bytes  # the search reaches every block checkpointed at least
     assert plan_stage(g, floor - 1, solve).chosen is None
     assert plan_stage(g, ceiling, solve).chosen == ([], {})
 
@@ -105,6 +109,25 @@ def test_stages_of_one_shape_share_one_profile():
     moved, mine = stages[2].profile.model_dump(), own.model_dump()
     assert "model.layers.2" in own.fingerprint.modules and "model.layers.1" not in own.fingerprint.modules
     assert {k for k in mine if moved[k] != mine[k]} <= {"created_at"}
+
+
+def test_data_parallel_stages_add_buckets_or_shard_the_state():
+    """Rule 10: DDP's buckets (the gradients' size) at every point; FSDP2 holds shards of the parameters and
+    optimizer state, at most R + every block unsharded beside them, and steps on shards."""
+    plain = _stage_graph(0, 2, "1f1b", 4, out=1000)
+    one = stage_peak(plain, [])
+    ddp = _stage_graph(0, 2, "1f1b", 4, out=1000)
+    ddp.graph.update(pp_dp=4, pp_dp_sharding="ddp")
+    grads = plain.graph["grads_bytes"]
+    assert stage_peak(ddp, []).peak_bytes == one.peak_bytes + grads
+    fsdp = _stage_graph(0, 2, "1f1b", 4, out=1000)
+    fsdp.graph.update(pp_dp=4, pp_dp_sharding="fsdp")
+    sp = stage_peak(fsdp, [])
+    gg = plain.graph
+    shards = -(-gg["params_bytes"] // 4) + -(-gg["optimizer_bytes"] // 4)
+    assert sp.optimizer_bytes == -(-gg["optimizer_bytes"] // 4)
+    assert sp.peak_bytes <= one.peak_bytes - gg["params_bytes"] - gg["optimizer_bytes"] + shards + gg["params_bytes"]
+    assert sp.peak_bytes < one.peak_bytes and sp.in_flight == one.in_flight and sp.held_bytes == one.held_bytes
 
 
 @pytest.fixture(scope="module")
@@ -171,19 +194,47 @@ def test_verify_runs_each_stage_on_its_rank(pipeline_plan: Path):
     assert report.max_grad_diff < 1e-6
 
 
+def test_stages_with_fsdp_ranks_verify_on_every_rank(tmp_path: Path):
+    """pp 2 x dp 2 under FSDP2 (NOTE [ Pipeline stages ], Rule 10), 1F1B with 4 micro-batches, at the budget halfway
+    between the layout's lowest feasible and no-checkpoint peaks: each of the 4 gloo ranks within 2% of its stage's
+    prediction and within the budget, the gradients those of one process."""
+    from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
+    from planner.act.verify_ranks import verify_ranks
+    from planner.model.fingerprint import fingerprint
+    from planner.profiling.meta import build_on_meta
+    from planner.profiling.model_file import load_model_file
+    from planner.spec import SolveSpec, StepSpec
+
+    mf = load_model_file(LLAMA)
+    profiled = profile_stages(mf, pipeline_layout(2, "1f1b", 4), step=StepSpec(device="cpu", threads=1, steps=1))
+    fp, solve = fingerprint(build_on_meta(mf.build_model), mf.example_inputs()), SolveSpec(world_size=4, sharding="fsdp")
+    roomy = plan_stages(profiled, "1GB", fingerprint=fp, solve=solve)
+    lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
+    top = max(st.predicted.no_checkpoint_peak_bytes for st in roomy.stages)
+    plan = plan_stages(profiled, (lowest + top) // 2, fingerprint=fp, solve=solve)
+    assert plan.world_size == 4 and plan.sharding == "fsdp" and plan.stages[0].checkpoints
+    assert plan.stages[0].predicted.optimizer_bytes == -(-profiled[0].profile.step.optimizer_bytes // 2)  # shards
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    report = verify_ranks(LLAMA, path, steps=1)
+    assert report.ok, report.problems
+    assert [r.stage for r in report.rows] == [0, 0, 1, 1] and report.max_grad_diff < 1e-6
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--pp", "5"], "give --pp 4 or fewer"),
     (["--pp", "2", "--world-size", "3"], "world size 3 is not tp x pp x dp"),
+    (["--pp", "2", "--world-size", "4"], "say how the 2 data-parallel ranks of each stage train, --sharding fsdp"),
     (["--pp", "2", "--schedule", "zero-bubble"], "unknown schedule 'zero-bubble'; choose one of: 1f1b, gpipe"),
     (["--pp", "2", "--micro-batches", "3"], "give --micro-batches one of 1, 2, 4, 8"),
     (["--sequence-parallel"], "--sequence-parallel shards the sequence over tensor-parallel ranks: add --tp N"),
     (["--tp", "2", "--sequence-parallel", "--pp", "2"], "sequence parallelism with pipeline stages is not planned"),
     (["--tp", "2", "--world-size", "3"], "world size 3 is not tp x pp x dp with tp 2: give --world-size a multiple "
                                          "of 2"),
-    (["--tp", "2", "--pp", "2", "--world-size", "8"], "world size 8 is pp 2 and tp 2 x dp 2: data parallelism "
-                                                      "beside them is not planned yet"),
-    (["--tp", "2", "--sharding", "fsdp", "--world-size", "2"], "sharding fsdp with pipeline stages or tensor "
-                                                               "parallelism is not planned yet"),
+    (["--tp", "2", "--pp", "2", "--world-size", "8"], "world size 8 is pp 2 and tp 2 x dp 2: say how the 2 "
+                                                      "data-parallel ranks of each stage train, --sharding fsdp or ddp"),
+    (["--tp", "2", "--sharding", "fsdp", "--world-size", "2"], "tensor parallelism with data parallelism beside it "
+                                                               "is planned with pipeline stages only"),
     (["--tp", "0"], "tp must be an integer >= 1, got 0"),
 ])
 def test_bad_pipeline_and_tensor_parallel_settings_are_one_line_errors(args: list[str], needle: str, tmp_path: Path):

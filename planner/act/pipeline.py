@@ -330,7 +330,7 @@ def plan_stages(profiled: list[ProfiledStage], budget: int | str, *, fingerprint
             f"({format_bytes(budget_bytes)}); the minimum feasible budget is {lowest} bytes "
             f"({format_bytes(lowest)}): raise {{budget}}, or use more stages ({{pp}}) or, under 1f1b, more "
             f"micro-batches", budget_bytes=budget_bytes, min_feasible_bytes=lowest, options=("budget", "pp"))
-    return _pipeline_plan(results, profiled, fingerprint, budget_bytes, time.perf_counter() - t0)
+    return _pipeline_plan(results, profiled, fingerprint, budget_bytes, time.perf_counter() - t0, spec)
 
 
 def _plan_stage(st: ProfiledStage, budget_bytes: int, spec: SolveSpec) -> StagePlan | int:
@@ -341,7 +341,8 @@ def _plan_stage(st: ProfiledStage, budget_bytes: int, spec: SolveSpec) -> StageP
     room = headroom_for(st.profile) if spec.headroom is None else spec.headroom
     usable, headroom_bytes = usable_budget(budget_bytes, room)
     g = graph_for(st.profile, solver=spec.solver, selective=False)
-    g.graph.update(st.attrs)
+    dp = max(1, spec.world_size // (st.attrs["pp_stages"] * st.tp))  # Rule 10: the stage's data-parallel ranks
+    g.graph.update(st.attrs, pp_dp=dp, pp_dp_sharding=spec.sharding)
     solve = _solver(spec.solver, spec.time_limit_s)
     result = plan_stage(g, usable, solve)
     if result.chosen is None:
@@ -367,7 +368,7 @@ def _plan_stage(st: ProfiledStage, budget_bytes: int, spec: SolveSpec) -> StageP
 
 
 def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], fingerprint: Any, budget_bytes: int,
-                   seconds: float) -> Plan:
+                   seconds: float, spec: SolveSpec) -> Plan:
     """The plan file: every stage's plan; its own fields the highest stage's peak, the slowest stage's time."""
     from planner.act.api import _version
 
@@ -380,8 +381,8 @@ def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], finge
         headroom_bytes=worst.headroom_bytes, checkpoints=[c for sp in stages for c in sp.checkpoints],
         checkpoint_units=[u for sp in stages for u in sp.checkpoint_units], solver=worst.solver, predicted=predicted,
         device=first.device, device_name=first.device_name, target=first.target, dtype=first.dtype,
-        recipe=first.recipe, optimizer=first.optimizer, world_size=len(stages) * profiled[0].tp,
-        tensor_parallel=profiled[0].tp, torch_version=first.torch_version,
+        recipe=first.recipe, optimizer=first.optimizer, world_size=max(len(stages) * profiled[0].tp, spec.world_size),
+        sharding=spec.sharding, tensor_parallel=profiled[0].tp, torch_version=first.torch_version,
         remat_version=_version(), time_source=first.time_source, threads=first.threads,
         time_calibration=first.time_calibration, created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
         pipeline=Pipeline(stages=attrs["pp_stages"], schedule=attrs["pp_schedule"],
@@ -395,7 +396,8 @@ def plan_pipeline(model_file: Any, budget: int | str, layout: Pipeline, *, tp: i
 
     ``model_file``: a path or a loaded ``ModelFile``; its ``example_inputs()`` is one data-parallel
     replica's batch. ``tp``: tensor-parallel ranks per stage (NOTE [ Tensor-parallel ranks ]).
-    ``solve.world_size``, when not 1, must be ``layout.stages`` x ``tp`` (dp 1)."""
+    ``solve.world_size``, when not 1, is ``layout.stages`` x ``tp`` x dp, with ``solve.sharding`` saying how a
+    stage's dp ranks train (Rule 10)."""
     from planner.model.fingerprint import fingerprint
     from planner.profiling.meta import build_on_meta
     from planner.profiling.model_file import ModelFile, load_model_file

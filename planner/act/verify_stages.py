@@ -41,13 +41,37 @@ def stage_rank_main(args: Any, plan: Plan, dev: torch.device, grads_path: Path, 
 
 
 def _mesh(plan: Plan, dev: torch.device) -> Any:
-    """The (pp, tp) device mesh of a pipeline with tensor-parallel stages (rank = stage x tp + tp rank), or None."""
+    """The (pp, dp, tp) device mesh of a pipeline whose stages have data-parallel or tensor-parallel ranks (rank =
+    (stage x dp + dp rank) x tp + tp rank, pp outermost as torchtitan lays it out), or None."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if plan.tensor_parallel == 1:
-        return None
     assert plan.pipeline is not None
-    return init_device_mesh(dev.type, (plan.pipeline.stages, plan.tensor_parallel), mesh_dim_names=("pp", "tp"))
+    tp = plan.tensor_parallel
+    dp = plan.world_size // (plan.pipeline.stages * tp)
+    if dp == 1 and tp == 1:
+        return None
+    return init_device_mesh(dev.type, (plan.pipeline.stages, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def _lay_out(stage: torch.nn.Module, plan: Plan, mesh: Any) -> torch.nn.Module:
+    """``stage`` laid out on its mesh: its layers shared by its tensor-parallel ranks (NOTE [ Tensor-parallel ranks
+    ]), then wrapped for its data-parallel ranks as NOTE [ Pipeline stages ], Rule 10 assumes: FSDP2 on every
+    repeated block and on the stage, or DDP; ``stage`` itself when the stage has one rank."""
+    if mesh is not None and plan.tensor_parallel > 1:
+        from planner.act.tensor_parallel import tensor_parallel
+
+        tensor_parallel(stage, plan.tensor_parallel, mesh["tp"])
+    if mesh is None or mesh["dp"].size() == 1:
+        return stage
+    if plan.sharding == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(stage, process_group=mesh["dp"].get_group())
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in stage.model.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(stage, mesh=mesh["dp"])
 
 
 def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *, planned: bool,
@@ -62,7 +86,7 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
 
     pp = plan.pipeline
     assert pp is not None
-    rank, tp_rank = divmod(dist.get_rank(), plan.tensor_parallel)  # this rank's stage and its rank in the stage
+    rank, in_stage = divmod(dist.get_rank(), plan.world_size // pp.stages)  # this rank's stage, its rank in the stage
     mf = load_model_file(args.model_file)
     rng.seed_all(seed)  # the same weights as the reference's
     stage = stage_module(mf.build_model().to(dev).train(), rank, pp.stages)
@@ -70,11 +94,8 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
     ids = ids if stage.first else None  # a rank keeps what its stage reads (NOTE [ Pipeline stages ], Rule 6)
     labels = labels if stage.last else None
     handle = apply_plan(stage, plan) if planned else None
-    if mesh is not None:
-        from planner.act.tensor_parallel import tensor_parallel
-
-        tensor_parallel(stage, plan.tensor_parallel, mesh["tp"])
-    pstage = PipelineStage(stage, rank, pp.stages, dev, group=None if mesh is None else mesh["pp"].get_group())
+    wrapped = _lay_out(stage, plan, mesh)
+    pstage = PipelineStage(wrapped, rank, pp.stages, dev, group=None if mesh is None else mesh["pp"].get_group())
     kind = Schedule1F1B if pp.schedule == "1f1b" else ScheduleGPipe
     schedule = kind(pstage, n_microbatches=pp.micro_batches, loss_fn=stage.loss)
     opt = make_optimizer(plan.optimizer or "adamw", stage, impl=plan.recipe.optimizer_impl)
@@ -95,7 +116,7 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
     losses = step()
     loss = float(torch.stack([x.detach() for x in losses]).mean()) if losses else 0.0
     if grads_path is not None:
-        _save_grads(stage, grads_path if tp_rank == 0 else None)
+        _save_grads(stage, grads_path if in_stage == 0 else None)
     recomputes = handle.recompute_count if handle else 0
     for i in range(args.steps):
         rng.seed_all(seed + 1 + i)
@@ -106,13 +127,13 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
     dist.barrier()
     if handle:
         handle.remove()
-    del stage, pstage, schedule, opt, ids, labels
+    del stage, wrapped, pstage, schedule, opt, ids, labels
     free(dev)
     return dict(peak=peak.peak_bytes, source=peak.source, loss=loss, recomputes=recomputes)
 
 
 def _save_grads(stage: torch.nn.Module, path: Path | None) -> None:
-    """The stage's gradients, full size (under tp a collective: every rank of the stage calls it), saved to
+    """The stage's gradients, full size (under tp or fsdp a collective: every rank of the stage calls it), saved to
     ``path`` (one rank of the stage's)."""
     grads = {n: None if p.grad is None else p.grad.detach() for n, p in stage.named_parameters()}
     grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}

@@ -243,7 +243,9 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
                    f"budget {plan.budget_bytes} bytes ({format_bytes(plan.budget_bytes)})")
     if plan.pipeline is not None:
         pp = plan.pipeline
-        ranks = "one rank each" if plan.tensor_parallel == 1 else f"{plan.tensor_parallel} tensor-parallel ranks each"
+        tp, dp = plan.tensor_parallel, plan.world_size // (pp.stages * plan.tensor_parallel)
+        parts = ([f"{tp} tensor-parallel"] if tp > 1 else []) + ([f"{dp} data-parallel ({plan.sharding})"] if dp > 1 else [])
+        ranks = " x ".join(parts) + " ranks each" if parts else "one rank each"
         plain(out, f"pipeline: {pp.stages} stages ({pp.schedule}, {pp.micro_batches} micro-batches), {ranks} "
                    f"(budget and peaks are one rank's); below, the highest stage's peak and the slowest stage's recompute")
         out.print(stages_table(plan))

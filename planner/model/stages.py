@@ -60,9 +60,10 @@ def check_stages(plan: Any) -> None:
         return
     if [st.stage for st in plan.stages] != list(range(pp.stages)):
         raise bad_field("stages", f"need one plan per stage 0..{pp.stages - 1}, in order")
-    if plan.world_size != pp.stages * plan.tensor_parallel:
+    ranks = pp.stages * plan.tensor_parallel
+    if plan.world_size % ranks or (plan.world_size > ranks and plan.sharding == "none"):
         raise bad_field("world_size", f"{plan.world_size} is not the pipeline's {pp.stages} stages x tp "
-                                      f"{plan.tensor_parallel}")
+                                      f"{plan.tensor_parallel} x dp ranks (with a sharding when dp > 1)")
     for i, st in enumerate(plan.stages):
         pr = st.predicted
         parts = pr.params_bytes + pr.grads_bytes + pr.optimizer_bytes + pr.activations_bytes
