@@ -172,20 +172,17 @@ def timing_threads(clock: Any) -> contextlib.AbstractContextManager:
     return inner.timing() if isinstance(inner, ScaledCpuClock) else contextlib.nullcontext()
 
 
-class HookFreeClock:
-    """``clock`` (a CPU clock, or one wrapping it as ``.clock``) standing still while ``hook`` runs
-    (NOTE [ Unit costs ], Rule 5): stamps are (the clock's stamp, ms of hooks so far)."""
+class ExcludingClock:
+    """``clock`` with some of its time left out of every interval: stamps are (the clock's stamp,
+    ms excluded so far), and subclasses add to ``excluded_ms`` (HookFreeClock, unplanned.PausingClock)."""
 
     def __init__(self, clock: Any):
         self.clock = clock
         self.source = clock.source
-        self.hooks_ms = 0.0
-
-    def __getattr__(self, name: str) -> Any:  # pause/resume of a wrapped PausingClock
-        return getattr(self.__dict__["clock"], name)
+        self.excluded_ms = 0.0
 
     def stamp(self) -> tuple[Any, float]:
-        return self.clock.stamp(), self.hooks_ms
+        return self.clock.stamp(), self.excluded_ms
 
     def sync(self) -> None:
         self.clock.sync()
@@ -193,12 +190,20 @@ class HookFreeClock:
     def ms(self, start: tuple[Any, float], end: tuple[Any, float]) -> float:
         return self.clock.ms(start[0], end[0]) - (end[1] - start[1])
 
+
+class HookFreeClock(ExcludingClock):
+    """``clock`` (a CPU clock, or one wrapping it as ``.clock``) standing still while ``hook`` runs
+    (NOTE [ Unit costs ], Rule 5)."""
+
+    def __getattr__(self, name: str) -> Any:  # pause/resume of a wrapped PausingClock
+        return getattr(self.__dict__["clock"], name)
+
     def hook(self, fn: Callable[..., Any], *args: Any) -> Any:
         t0 = self.clock.stamp()
         try:
             return fn(*args)
         finally:
-            self.hooks_ms += self.clock.ms(t0, self.clock.stamp())
+            self.excluded_ms += self.clock.ms(t0, self.clock.stamp())
 
     @staticmethod
     def applies(clock: Any) -> bool:
@@ -328,6 +333,6 @@ def time_interleaved(steps: Mapping[str, Callable[[], Any]], *, rounds: int, clo
     return out
 
 
-__all__ = ["calibrated", "clock_of", "CudaEventClock", "describe", "HookFreeClock", "num_threads", "pick_clock",
+__all__ = ["calibrated", "clock_of", "CudaEventClock", "describe", "ExcludingClock", "HookFreeClock", "num_threads", "pick_clock",
            "profile_clock", "robust_ms", "ScaledCpuClock", "signature", "spread_ms", "ThreadCpuClock",
            "time_interleaved", "TIME_SOURCES", "timing_threads", "unit_costs", "UnitCost", "WallClock"]

@@ -19,6 +19,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from planner.model import schema
 from planner.profiling.profiler import TimingRecorder
+from planner.profiling.timing import ExcludingClock
 from planner.profiling.recording import MemoryRecorder
 from planner.profiling.units import UnitCall, io_tensors
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry
@@ -175,23 +176,12 @@ class _Replaying:
         self.rec.recompute_end(self.unit)
 
 
-class PausingClock:
+class PausingClock(ExcludingClock):
     """A clock whose intervals leave out the time spent recomputing (Rule 4)."""
 
     def __init__(self, clock: Any):
-        self.clock = clock
-        self.source = clock.source
-        self.paused_ms = 0.0
+        super().__init__(clock)
         self._start: Any = None
-
-    def stamp(self) -> tuple[Any, float]:
-        return self.clock.stamp(), self.paused_ms
-
-    def sync(self) -> None:
-        self.clock.sync()
-
-    def ms(self, start: tuple[Any, float], end: tuple[Any, float]) -> float:
-        return self.clock.ms(start[0], end[0]) - (end[1] - start[1])
 
     def pause(self) -> None:
         self._start = self.clock.stamp()
@@ -200,7 +190,7 @@ class PausingClock:
         end = self.clock.stamp()
         self.clock.sync()
         ms = self.clock.ms(self._start, end)
-        self.paused_ms += ms
+        self.excluded_ms += ms
         return ms
 
 
