@@ -65,9 +65,7 @@ def check_offload_options(offload: bool, host_memory: str | None, *, world_size:
                        options=("host_memory", "offload"))
     if host_memory is not None:
         parse_host_memory(host_memory)
-    if offload and (world_size > 1 or sharding != "none"):
-        raise BadInput(OFFLOAD_ONE_PROCESS, options=("offload", "sharding"))
-    check_offload_shapes(offload, n_shapes)
+    check_offload(offload, world_size=world_size, sharding=sharding, n_shapes=n_shapes)  # its solver: checked apart
     if offload and meta and host_memory is None:
         raise BadInput("{offload} on --device meta needs {host_memory} SIZE: the host memory of the machine "
                        "that will train, not this one's", options=("host_memory", "offload"))
