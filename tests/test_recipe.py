@@ -169,7 +169,8 @@ def test_cli_records_prints_and_verifies_the_recipe(tiny_model: Path, tmp_path: 
 
 @pytest.mark.parametrize("flags, needle", [
     (["--fused", "--foreach"], "--fused and --foreach"),
-    (["--clip-grad-norm", "0"], "--clip-grad-norm must be a positive max norm"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be a positive, finite max norm"),
+    (["--clip-grad-norm", "inf"], "drop it for a step without clipping"),
     (["--optimizer", "none", "--fused"], "--optimizer is none"),
     (["--grad-accum", "0"], "--grad-accum"),
 ])

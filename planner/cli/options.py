@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -306,8 +307,9 @@ class StepOptions(Options, HfSource):
             which = "fused" if self.fused else "foreach"
             raise BadInput(f"{{{which}}} chooses the optimizer's implementation, but {{optimizer}} is none: drop it "
                            f"or pick an optimizer", options=(which, "optimizer"))
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise BadInput(f"{{clip_grad_norm}} must be a positive max norm, got {self.clip_grad_norm:g}",
+        if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
+            raise BadInput(f"{{clip_grad_norm}} must be a positive, finite max norm, got {self.clip_grad_norm:g}; "
+                           f"drop it for a step without clipping",
                            options=("clip_grad_norm",))
         return self
 
