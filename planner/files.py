@@ -13,6 +13,7 @@ import contextlib
 import os
 import stat
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from planner.errors import BadInput
@@ -34,6 +35,10 @@ from planner.errors import BadInput
 #   renamed over the target: a reader sees the old file or the new one, never half of one. The
 #   temp file is removed on every exit path, an exception or a signal that raises included
 #   (SIGINT and SIGTERM raise in remat, see NOTE [ Signals and children ] in planner/children.py).
+# Rule 5. An output that is one of the command's inputs (the model file, the profile read by
+#   --profile, the --hf config, the other output of the same command), through any link or hard
+#   link, is refused with one line before anything runs. Why: `remat plan --profile p.json -o p.json`
+#   replaced the profile with the plan, and `remat plan model.py -o model.py` the user's model source.
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
@@ -70,6 +75,29 @@ def check_writable(path: str | Path) -> None:
     fd, probe = _temp_beside(given, _target(given))
     os.close(fd)
     os.unlink(probe)
+
+
+def check_output(path: str | Path | None, inputs: Mapping[str, str | Path | None]) -> None:
+    """Rule 5 and ``check_writable``: refuse, before any profiling, an output ``path`` that is one of
+    ``inputs`` (what each is, e.g. "the model file", to the path given; None for one not given)."""
+    if path is None:
+        return
+    given = Path(path)
+    for what, source in inputs.items():
+        if source is not None and _same_file(given, Path(source)):
+            raise BadInput(f"cannot write {given}: it is {what}, which this command reads; writing there would "
+                           f"replace it; write to another file")
+    check_writable(given)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether writing ``a`` would replace ``b`` (a folder ``b``: its config.json, as --hf reads it)."""
+    if b.is_dir():
+        b = b / "config.json"
+    try:
+        return os.path.samefile(a, b)  # links and hard links too
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _target(path: Path) -> Path:
@@ -133,4 +161,4 @@ def _temp_beside(given: Path, target: Path) -> tuple[int, str]:
         raise BadInput(f"cannot write {given}: {e.strerror}; pick a writable location") from None
 
 
-__all__ = ["atomic_write", "atomic_write_text", "check_writable"]
+__all__ = ["atomic_write", "atomic_write_text", "check_output", "check_writable"]

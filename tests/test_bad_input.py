@@ -92,6 +92,42 @@ def test_cli_output_to_a_fifo_is_one_line(profile_path: Path, tmp_path: Path):
         assert len(out.strip().splitlines()) <= 2  # the budget echo and the error
 
 
+def test_output_that_is_an_input_is_refused(profile_path: Path, tmp_path: Path):
+    """NOTE [ Writing output files ], Rule 5: -o (or --plot) naming what the command reads, directly,
+    through a symlink or a hard link, is refused before anything runs, and the input is untouched."""
+    model = tmp_path / "model.py"
+    model.write_text("raise SystemExit('a model file that runs is not what this test wants')\n")
+    link, hard = tmp_path / "link.json", tmp_path / "hard.json"
+    link.symlink_to(profile_path)
+    os.link(profile_path, hard)
+    before = {p: p.read_bytes() for p in (model, profile_path)}
+    for cmd, needle in ((["plan", "--budget", "10MB", "--profile", profile_path, "-o", profile_path], "the profile"),
+                        (["plan", "--budget", "10MB", "--profile", profile_path, "-o", link], "the profile"),
+                        (["frontier", "--profile", hard, "--points", "2", "-o", profile_path], "the profile"),
+                        (["plan", "--budget", "10MB", model, "-o", model], "the model file"),
+                        (["profile", model, "-o", model], "the model file"),
+                        (["frontier", "--profile", profile_path, "-o", tmp_path / "f.json", "--plot", tmp_path / "f.json"],
+                         "the file -o writes")):
+        out = check(invoke(*cmd), 2, f"it is {needle}")
+        assert "write to another file" in out and len(out.strip().splitlines()) <= 2
+    assert {p: p.read_bytes() for p in before} == before and link.is_symlink()
+
+
+def test_usage_errors_are_one_line(capsys):
+    """NOTE [ Usage errors in one line ]: the console script words click's usage errors as remat's own."""
+    from planner.cli.main import main
+
+    for argv, needle in ((["plan", "--steps", "0", "m.py"], "Invalid value for '--steps'"),
+                         (["plan", "--bogus"], "No such option: --bogus"), (["plna"], "No such command 'plna'")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 2 and "plan" in capsys.readouterr().out  # the help, as before
+
+
 # ----------------------------------------------------------------------------- 2. numbers in files
 
 

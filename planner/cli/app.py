@@ -64,8 +64,8 @@ app = typer.Typer(
 #     children ] in planner/children.py). Files are written last and atomically (planner.files.atomic_write,
 #     NOTE [ Writing output files ]): nothing half-written is left, and no child process.
 #   - anything else is a bug in remat: "internal error: ...", exit 1.
-# Tracebacks only with --debug. Usage errors (unknown option, bad --device) are typer's:
-# exit 2 with the usage line.
+# Tracebacks only with --debug. Usage errors (unknown option, a value out of range) are click's,
+# worded in one line by the console script (NOTE [ Usage errors in one line ], planner/cli/main.py): exit 2.
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,7 +157,7 @@ def plan_cmd(o: PlanOptions) -> None:
     out, log = render.consoles(quiet=o.quiet)
     budget_bytes, budget = resolve_budget(o.budget, o.target)
     _need_source(o, "remat plan --budget 12GB model.py", "remat plan --budget 12GB --profile profile.json")
-    _check_output(o.output)
+    _check_output(o, o.output)
     render.plain(log if o.as_json else out, render.budget_line(budget, budget_bytes))
     if o.hf is not None and o.clip_grad_norm is None and not (o.fused or o.foreach):
         render.plain(log, TRAINER_NOTE)
@@ -239,7 +239,7 @@ def profile_cmd(o: ProfileOptions) -> None:
     from planner.act.api import graph_for
 
     out, log = render.consoles(quiet=o.quiet)
-    _check_output(o.output)
+    _check_output(o, o.output)
     source = _model_source(o.model, o)
     if source is None:
         raise BadInput("give a model file (remat profile model.py) or a Hugging Face config "
@@ -270,8 +270,8 @@ def frontier_cmd(o: FrontierOptions) -> None:
 
     out, log = render.consoles(quiet=o.quiet)
     _need_source(o, "remat frontier model.py", "remat frontier --profile profile.json")
-    _check_output(o.output)
-    _check_output(o.plot)
+    _check_output(o, o.output)
+    _check_output(o, o.plot, **{"the file -o writes": o.output})
     if o.plot is not None:
         from planner.cli.plot import require_matplotlib
 
@@ -485,15 +485,13 @@ def _model_sources(model: Path | None, o: HfSource) -> list[tuple[dict[str, int]
             for shape in o.shapes]
 
 
-def _check_output(path: Path | None) -> None:
-    """Fail before minutes of profiling, not after, when ``path`` cannot be written.
+def _check_output(o: Any, path: Path | None, **also: Path | None) -> None:
+    """Fail before minutes of profiling, not after, when ``path`` cannot be written or is one of the
+    command's inputs (NOTE [ Writing output files ], Rule 5); the write itself is ``atomic_write_text``."""
+    from planner.files import check_output
 
-    The write itself goes through ``atomic_write_text``; this only probes the folder.
-    """
-    if path is not None:
-        from planner.files import check_writable
-
-        check_writable(path)
+    check_output(path, {"the model file": o.model, "the profile read by --profile": getattr(o, "profile", None),
+                        "the config read by --hf": o.hf, **also})
 
 
 def _file_kind(path: Path) -> str | None:
