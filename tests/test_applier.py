@@ -412,6 +412,26 @@ def test_verify_compares_gradients_and_checks_the_budget():
     assert any("OVER" in r[3] for r in report.rows())
 
 
+def test_nan_gradients_are_compared_not_read_as_zero():
+    """NOTE [ Comparing non-finite values ]: max(0.0, nan) is 0.0, so NaN gradients read as equal to anything."""
+    from planner.act.compare import max_abs_diff, nonfinite
+
+    nan, inf = float("nan"), float("inf")
+    t = lambda *v: {"w": torch.tensor(v)}  # noqa: E731
+    assert max_abs_diff(t(1.0, nan, inf), t(1.0, nan, inf)) == 0.0
+    assert max_abs_diff(t(1.0, 2.0), t(1.0, nan)) == inf and max_abs_diff(t(nan, 2.0), t(1.0, 2.0)) == inf
+    assert max_abs_diff(t(inf), t(-inf)) == inf and max_abs_diff(t(1.0, 2.0), t(1.5, 2.0)) == 0.5
+    assert nonfinite({**t(1.0, nan), "b": torch.ones(2), "n": None}) == ["w"]
+
+    from planner.act.verify import verify
+
+    torch.manual_seed(0)
+    model, x = _Toy(), torch.full((16, 8), nan)  # a NaN batch: the loss and every gradient are NaN
+    plan = make_plan(model, ["inner", "act"], x, checkpoint_units=["inner", "act", "act#1"], optimizer="adamw")
+    report = verify(model, plan, inputs=x, steps=1)
+    assert report.max_grad_diff == 0.0 and any("hold NaN or inf without the plan" in n for n in report.notes)
+
+
 def test_verify_judges_its_steps_under_the_thread_count_they_ran_with(monkeypatch):
     """The noise note's ``--threads 1`` hint reads the thread count: the report is made inside the
     steps' thread context (it once read the caller's count, and hinted ``--threads 1`` to a user who

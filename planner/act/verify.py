@@ -46,6 +46,7 @@ from pydantic import BaseModel, Field
 
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
+from planner.act.compare import max_abs_diff, nonfinite
 from planner.errors import BadInput
 from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
@@ -503,22 +504,6 @@ def _recompute_check(r: VerifyReport) -> str:
     return f"off by {off:+.1f} ms"
 
 
-def max_abs_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
-    """Largest |a - b| over all entries; inf where one side has a tensor and the other not."""
-    worst = 0.0
-    for name in a.keys() | b.keys():
-        x, y = a.get(name), b.get(name)
-        if x is None and y is None:
-            continue
-        if x is None or y is None or x.shape != y.shape:
-            return float("inf")
-        if x.is_floating_point():
-            worst = max(worst, float((x.double() - y.double()).abs().max()) if x.numel() else 0.0)
-        elif not torch.equal(x, y):
-            worst = max(worst, float((x.double() - y.double()).abs().max()))
-    return worst
-
-
 def _planned_recomputes(plan: Plan, applied: list[str]) -> int:
     """Checkpointed calls per step: the plan's unit ids (one per call) of the applied FQNs."""
     units = [*plan.checkpoint_units, *(r.unit for r in plan.selective)]
@@ -558,6 +543,9 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
     if grad_diff > tolerance:
         problems.append(f"gradients differ from the unplanned model's by up to {grad_diff:.3g} "
                         f"(tolerance {tolerance:g})")
+    if bad := nonfinite(base.grads):
+        notes.append(f"the model's own gradients hold NaN or inf without the plan ({len(bad)} tensors, e.g. {bad[0]}; "
+                     f"loss {base.loss:g}): they are compared element by element, NaN where NaN; fix the loss")
     if buffer_diff > tolerance:
         problems.append(f"buffers (e.g. BatchNorm statistics) differ by up to {buffer_diff:.3g} "
                         f"(tolerance {tolerance:g})")
@@ -594,5 +582,5 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
     )
 
 
-__all__ = ["BucketsReport", "DEFAULT_PREDICTION_TOLERANCE", "max_abs_diff", "PREDICTION_SLACK_BYTES",
+__all__ = ["BucketsReport", "DEFAULT_PREDICTION_TOLERANCE", "PREDICTION_SLACK_BYTES",
            "RECOMPUTE_FLOOR_MS", "RECOMPUTE_TOLERANCE", "SEED", "verify", "VerifyReport"]

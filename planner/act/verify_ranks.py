@@ -368,7 +368,7 @@ def _torchrun_report(args: _Args, plan: Plan, label: str, peak_tolerance: float,
 def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[dict],
             reference: tuple[float, dict[str, torch.Tensor | None]], peak_tolerance: float,
             grad_tolerance: float) -> RanksReport:
-    from planner.act.verify import max_abs_diff
+    from planner.act.compare import max_abs_diff
 
     rows = []
     for r in sorted(results, key=lambda x: x["rank"]):

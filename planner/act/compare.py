@@ -1,0 +1,49 @@
+"""Gradients and buffers of two runs compared element by element (``remat verify``, one process and
+ranks). See NOTE [ Comparing non-finite values ].
+
+Example::
+
+    max_abs_diff({"w": torch.tensor([1.0, nan])}, {"w": torch.tensor([1.0, nan])})   # 0.0
+"""
+
+from __future__ import annotations
+
+import torch
+
+# NOTE [ Comparing non-finite values ]
+#
+# A step whose loss is NaN gives NaN gradients. ``float(t.abs().max())`` is then NaN, and Python's
+# ``max(0.0, nan)`` is 0.0: verify read "max |grad diff| 0, ok" whatever the plan did to the
+# gradients. Here an element counts as equal when both sides hold the same value, NaN where NaN
+# and inf where inf of the same sign; a NaN or inf on one side only is a difference of inf. So a
+# plan that turns finite gradients into NaN fails, and one that keeps a NaN model's NaNs where they
+# were passes; ``nonfinite`` lets the report say that the model's own gradients are not finite.
+
+
+def max_abs_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
+    """Largest |a - b| over all entries (NOTE [ Comparing non-finite values ]); inf where one side has a
+    tensor and the other not, or another shape."""
+    worst = 0.0
+    for name in a.keys() | b.keys():
+        x, y = a.get(name), b.get(name)
+        if x is None and y is None:
+            continue
+        if x is None or y is None or x.shape != y.shape:
+            return float("inf")
+        if x.numel() == 0 or (not x.is_floating_point() and torch.equal(x, y)):
+            continue
+        x, y = x.detach().double(), y.detach().double()
+        same = (x == y) | (x.isnan() & y.isnan())
+        diff = torch.where(same, torch.zeros_like(x), (x - y).abs())
+        diff = torch.where(diff.isnan(), torch.full_like(diff, float("inf")), diff)  # NaN on one side only
+        worst = max(worst, float(diff.max()))
+    return worst
+
+
+def nonfinite(tensors: dict[str, torch.Tensor | None]) -> list[str]:
+    """The names of the floating-point tensors holding a NaN or an inf."""
+    return [n for n, t in tensors.items()
+            if t is not None and t.is_floating_point() and t.numel() and not bool(t.isfinite().all())]
+
+
+__all__ = ["max_abs_diff", "nonfinite"]
