@@ -46,4 +46,11 @@ def nonfinite(tensors: dict[str, torch.Tensor | None]) -> list[str]:
             if t is not None and t.is_floating_point() and t.numel() and not bool(t.isfinite().all())]
 
 
-__all__ = ["max_abs_diff", "nonfinite"]
+def nonfinite_notes(grads: dict[str, torch.Tensor | None], loss: float) -> list[str]:
+    """verify's note when the unplanned step's own gradients are not finite (NOTE [ Comparing non-finite values ])."""
+    bad = nonfinite(grads)
+    return [f"the model's own gradients hold NaN or inf without the plan ({len(bad)} tensors, e.g. {bad[0]}; loss "
+            f"{loss:g}): they are compared element by element, NaN where NaN; fix the loss"] if bad else []
+
+
+__all__ = ["max_abs_diff", "nonfinite", "nonfinite_notes"]

@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
-from planner.act.compare import max_abs_diff, nonfinite
+from planner.act.compare import max_abs_diff, nonfinite_notes
 from planner.errors import BadInput
 from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
@@ -543,9 +543,7 @@ def _report(plan: Plan, master: torch.nn.Module, label: str, dev: torch.device, 
     if grad_diff > tolerance:
         problems.append(f"gradients differ from the unplanned model's by up to {grad_diff:.3g} "
                         f"(tolerance {tolerance:g})")
-    if bad := nonfinite(base.grads):
-        notes.append(f"the model's own gradients hold NaN or inf without the plan ({len(bad)} tensors, e.g. {bad[0]}; "
-                     f"loss {base.loss:g}): they are compared element by element, NaN where NaN; fix the loss")
+    notes += nonfinite_notes(base.grads, base.loss)
     if buffer_diff > tolerance:
         problems.append(f"buffers (e.g. BatchNorm statistics) differ by up to {buffer_diff:.3g} "
                         f"(tolerance {tolerance:g})")
