@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -99,6 +100,17 @@ class SolveSpec:
     host_memory: int | str | None = None
     """With ``offload``: the host memory offloaded tensors may take (bytes or '64GB'); None: 80% of this
     machine's available memory (required for a meta profile)."""
+
+    def __post_init__(self) -> None:
+        limit = self.time_limit_s
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise BadInput(f"time_limit_s must be a positive number of seconds (None: no limit), got {limit!r}")
+        if limit == math.inf:  # as HiGHS and CBC read it: no limit
+            object.__setattr__(self, "time_limit_s", None)
+        for name, low in (("granularity", 0), ("world_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise BadInput(f"{name} must be an integer >= {low}, got {value!r}")
 
     def replace(self, **changes: Any) -> SolveSpec:
         """A copy with ``changes``."""

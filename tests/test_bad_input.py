@@ -128,6 +128,27 @@ def test_usage_errors_are_one_line(capsys):
     assert exit_.value.code == 2 and "plan" in capsys.readouterr().out  # the help, as before
 
 
+def test_python_api_takes_paths_and_refuses_bad_solve_fields(profile_path: Path, tmp_path: Path):
+    """plan() and profile() take the paths the CLI takes; SolveSpec refuses what would silently misplan
+    (a NaN time limit made the ILP stop at 0.05 s)."""
+    import math
+
+    import planner
+    from planner.spec import SolveSpec
+    from tests.test_errors import GOOD_MODEL
+
+    assert planner.plan(str(profile_path), "10MB").checkpoints == planner.plan(Profile.load(profile_path), "10MB").checkpoints
+    model = model_file(tmp_path, GOOD_MODEL)
+    assert planner.profile(model, device="cpu", steps=1).fingerprint.model_class == "Sequential"
+    for bad in ({"time_limit_s": math.nan}, {"time_limit_s": 0}, {"time_limit_s": True}, {"granularity": -1},
+                {"world_size": 0}, {"granularity": 1.5}):
+        with pytest.raises(BadInput, match=next(iter(bad))):
+            SolveSpec(**bad)
+    assert SolveSpec(time_limit_s=math.inf).time_limit_s is None
+    with pytest.raises(BadInput, match="takes a torch.nn.Module or a model file"):
+        planner.profile("not a model", torch.ones(1))
+
+
 # ----------------------------------------------------------------------------- 2. numbers in files
 
 

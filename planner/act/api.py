@@ -13,8 +13,10 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import networkx as nx
@@ -370,7 +372,8 @@ def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any 
 
     Args:
         model_or_profile: an ``nn.Module`` (then ``inputs`` or ``buckets`` is required), a model file
-            (``planner.load_model_file``, which gives the inputs and the loss), a ``Profile``, or a
+            (``planner.load_model_file``, which gives the inputs and the loss, or its path), a ``Profile``
+            (or the path of one saved, a .json), or a
             list of profiles of one model at several input shapes (a bucketed plan). With device
             'meta', build the module with ``planner.profiling.meta.build_on_meta`` (no memory used).
         budget: bytes, or a string such as ``"12GB"`` (GB is read as GiB); None: the usable
@@ -402,6 +405,8 @@ def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any 
     budget, _ = resolve_budget(budget, spec.target)  # before minutes of profiling, not after
     n_shapes = len(model_or_profile) if isinstance(model_or_profile, (list, tuple)) else len(buckets or [None])
     check_offload_shapes(solving.offload, n_shapes)
+    if isinstance(model_or_profile, (str, os.PathLike)):
+        model_or_profile = _load_source(Path(model_or_profile))
     if isinstance(model_or_profile, (list, tuple)):
         profiles = list(model_or_profile)
     elif isinstance(model_or_profile, Profile):
@@ -418,6 +423,15 @@ def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any 
         profiles = [profile(model_or_profile, batch, step=run, progress=progress)
                     for batch in ([inputs] if buckets is None else buckets)]
     return plan_buckets(profiles, budget, solve=solving)
+
+
+def _load_source(path: Path) -> Any:
+    """``plan("model.py", ...)`` or ``plan("profile.json", ...)``: the model file or the saved profile."""
+    if path.suffix == ".py":
+        from planner.profiling.model_file import load_model_file
+
+        return load_model_file(path)
+    return Profile.load(path)
 
 
 def _is_model_file(obj: Any) -> bool:

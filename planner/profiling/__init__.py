@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,7 @@ def profile(
     Args:
         model: the model, moved to the device in place and left there (profiled in train mode;
             its modules' train/eval flags are restored afterwards); or a model file
-            (``planner.load_model_file``), which builds it (on the meta device for 'meta') and
+            (``planner.load_model_file``, or the path of a .py), which builds it (on the meta device for 'meta') and
             gives ``inputs`` and ``loss_fn`` unless they are given.
         inputs: a tensor (``model(x)``), a tuple (``model(*args)``) or a dict
             (``model(**kwargs)``); moved to the device.
@@ -82,6 +83,10 @@ def profile(
     from planner.profiling.model_file import ModelFile
     from planner.spec import profiling_path, step_spec
 
+    if isinstance(model, (str, os.PathLike)) and str(model).endswith(".py"):  # profile("model.py")
+        from planner.profiling.model_file import load_model_file
+
+        model = load_model_file(model)
     spec = step_spec(step, **step_fields)
     dev = check_step(spec)
     how = profiling_path(spec, dev.type)
@@ -90,6 +95,9 @@ def profile(
         return _capped(model_file, inputs, spec, progress)
     if model_file is not None:
         model, inputs, spec = _built(model_file, inputs, spec, meta=how == "meta")
+    elif not isinstance(model, _module_type()):
+        raise BadInput(f"profile(model, ...) takes a torch.nn.Module or a model file (planner.load_model_file), "
+                       f"got {type(model).__name__}")
     elif inputs is None:
         raise BadInput("profile(model, ...) needs inputs=<one training batch>, or a model file "
                        "(planner.load_model_file) in place of the model")
@@ -98,6 +106,12 @@ def profile(
 
         return profile_within(model, inputs, step=spec, progress=progress)
     return profile_as_run(model, inputs, step=spec, progress=progress)
+
+
+def _module_type() -> type:
+    import torch
+
+    return torch.nn.Module
 
 
 def check_step(step: StepSpec) -> torch.device:
