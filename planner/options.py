@@ -76,7 +76,7 @@ def compile_backend(compile: bool, backend: str, given: frozenset[str] | set[str
 
 
 def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int | None = None,
-                 sharding: str = "none", *, tp: Any = 1, sequence_parallel: bool = False) -> None:
+                 sharding: str = "none", *, tp: Any = 1, sequence_parallel: bool = False, stages_per_rank: Any = 1) -> None:
     """Pipeline stages (``stages`` None: none) and tensor parallelism (``tp``) settings that are bad
     whatever the model, each one line naming the fix (``BadInput``)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -89,6 +89,7 @@ def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int
                        "(tp x pp without it is)", options=("sequence_parallel", "pp"))
     if stages is not None:
         _check_stages(stages, schedule, micro_batches)
+    _check_interleaved(stages, schedule, micro_batches, stages_per_rank, world_size or tp * (stages or 1))
     ranks = tp * (stages or 1)
     what = f"pp {stages} and tp {tp}" if stages else f"tp {tp}"
     dp, rest = divmod(world_size or ranks, ranks)
@@ -113,9 +114,37 @@ def _check_stages(stages: Any, schedule: str, micro_batches: Any) -> None:
         raise BadInput(f"micro-batches must be an integer >= 1, got {micro_batches!r}", options=("micro_batches",))
 
 
-def check_model_fit(num_layers: int, stages: int, micro_batches: int, rows: int) -> None:
-    """Pipeline settings the model or its batch cannot take (``BadInput``)."""
-    if stages > num_layers:
+def _check_interleaved(stages: Any, schedule: str, micro_batches: int, per_rank: Any, ranks: int) -> None:
+    """``--stages-per-rank`` V and interleaved-1f1b (NOTE [ Interleaved stages ], Rule 1), one line each."""
+    if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1:
+        raise BadInput(f"stages-per-rank must be an integer >= 1, got {per_rank!r}", options=("stages_per_rank",))
+    if per_rank > 1 and schedule != "interleaved-1f1b":
+        raise BadInput(f"{{stages_per_rank}} {per_rank} puts several stages on a rank, which only interleaved-1f1b "
+                       f"runs: add {{schedule}} interleaved-1f1b, or drop it", options=("stages_per_rank", "schedule"))
+    if schedule != "interleaved-1f1b" or stages is None:
+        return
+    if per_rank < 2:
+        raise BadInput("interleaved-1f1b runs several stages on each rank: add {stages_per_rank} V (V >= 2)",
+                       options=("stages_per_rank",))
+    rounds = max(1, micro_batches // stages)
+    if micro_batches % rounds:
+        fits = [m for m in range(stages, 4 * stages + 1) if m % max(1, m // stages) == 0]
+        raise BadInput(f"interleaved-1f1b with pp {stages} needs micro-batches a multiple of max(1, M // pp) = {rounds}; "
+                       f"{micro_batches} is not: give {{micro_batches}} e.g. {', '.join(map(str, fits[:6]))}",
+                       options=("micro_batches",))
+    if ranks > stages:
+        raise BadInput(f"interleaved-1f1b is planned with one rank per pipeline position for now (no tp, no "
+                       f"data-parallel ranks): drop {{tp}} and {{world_size}}, or use {{schedule}} 1f1b",
+                       options=("tp", "world_size", "schedule"))
+
+
+def check_model_fit(num_layers: int, stages: int, micro_batches: int, rows: int, per_rank: int = 1) -> None:
+    """Pipeline settings the model or its batch cannot take (``BadInput``); ``stages`` ranks of ``per_rank``."""
+    if stages * per_rank > num_layers:
+        if per_rank > 1:
+            raise BadInput(f"pp {stages} x stages-per-rank {per_rank} = {stages * per_rank} stages is more than the "
+                           f"model's {num_layers} layers: give {{stages_per_rank}} {num_layers // stages} or fewer "
+                           f"(or a smaller {{pp}})", options=("stages_per_rank", "pp"))
         raise BadInput(f"pp {stages} is more stages than the model's {num_layers} layers: give {{pp}} {num_layers} "
                        f"or fewer", options=("pp",))
     if rows % micro_batches:

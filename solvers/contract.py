@@ -145,7 +145,7 @@ class GraphAttrs(TypedDict):
     # pipeline stages (NOTE [ Pipeline stages ] in solvers/pipeline.py): the graph is one micro-batch of one stage
     pp_stages: NotRequired[Annotated[int, Doc("pipeline stages (ranks), N")]]
     pp_stage: NotRequired[Annotated[int, Doc("this graph's stage, 0 .. N - 1")]]
-    pp_schedule: NotRequired[Annotated[str, Doc("'1f1b' or 'gpipe'")]]
+    pp_schedule: NotRequired[Annotated[str, Doc("'1f1b', 'gpipe' or 'interleaved-1f1b'")]]
     pp_micro_batches: NotRequired[Annotated[int, Doc("micro-batches per step, M")]]
     pp_recv_bytes: NotRequired[Annotated[int, Doc("one micro-batch's received activation (0 on the first stage)")]]
     pp_send_bytes: NotRequired[Annotated[int, Doc("one micro-batch's output sent on (0 on the last stage)")]]
@@ -154,6 +154,9 @@ class GraphAttrs(TypedDict):
                                                    "batch: tokens (first stage), labels (last)")]]
     pp_dp: NotRequired[Annotated[int, Doc("data-parallel ranks of each stage, D (world size / (pp x tp))")]]
     pp_dp_sharding: NotRequired[Annotated[str, Doc("how a stage's D ranks train: 'none' (D = 1), 'ddp' or 'fsdp'")]]
+    pp_blocks: NotRequired[Annotated[list[str], Doc("the stage's repeated blocks that are units (its layers)")]]
+    pp_rank_order: NotRequired[Annotated[list[tuple[str, int, int]], Doc(
+        "interleaved-1f1b: the rank's forwards and backwards in torch's order, ('F' or 'B', stage, micro-batch)")]]
     # set by ``solvers.cost_model.calibrate``, last
     tail_fwd_transient_bytes: NotRequired[Annotated[int, Doc("calibrated temporaries of the tail's forward "
                                                              "(absent without a measurement)")]]

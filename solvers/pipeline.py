@@ -22,8 +22,9 @@ import networkx as nx
 
 from solvers.cost_model import CostModel, check_checkpoint_set, policies_of
 
-Schedule = Literal["1f1b", "gpipe"]
-"""Pipeline schedules planned for: ``Schedule1F1B`` and ``ScheduleGPipe``."""
+Schedule = Literal["1f1b", "gpipe", "interleaved-1f1b"]
+"""Pipeline schedules planned for: ``Schedule1F1B``, ``ScheduleGPipe`` and ``ScheduleInterleaved1F1B`` (V stages
+per rank, NOTE [ Interleaved stages ] in solvers/interleaved.py)."""
 
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
@@ -127,6 +128,17 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 def in_flight(schedule: str, num_stages: int, stage: int, micro_batches: int) -> int:
     """Micro-batches stage ``stage`` holds at most between their forward and backward (Rule 2)."""
     return micro_batches if schedule == "gpipe" else min(num_stages - stage, micro_batches)
+
+
+def order_in_flight(order: Iterable[tuple[str, int, int]], stage: int) -> int:
+    """The most micro-batches stage ``stage`` holds between forward and backward along a rank's ``order``
+    of ('F' or 'B', stage, micro-batch) (interleaved-1f1b: NOTE [ Interleaved stages ], Rule 2)."""
+    held = most = 0
+    for kind, s, _ in order:
+        if s == stage:
+            held += 1 if kind == "F" else -1
+            most = max(most, held)
+    return max(most, 1)
 
 
 def actions(schedule: str, num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -306,7 +318,8 @@ def solving_graph(g: nx.DiGraph) -> nx.DiGraph:
     """The copy of stage graph ``g`` the solvers plan on (Rule 9): held-able tensors count
     ``in_flight`` times."""
     gg = g.graph
-    k = in_flight(gg["pp_schedule"], gg["pp_stages"], gg["pp_stage"], gg["pp_micro_batches"])
+    k = order_in_flight(gg["pp_rank_order"], gg["pp_stage"]) if "pp_rank_order" in gg else \
+        in_flight(gg["pp_schedule"], gg["pp_stages"], gg["pp_stage"], gg["pp_micro_batches"])
     if k == 1:
         return g
     held = {t for _, t in gg["saves"]}
@@ -363,5 +376,5 @@ def _prune(g: nx.DiGraph, chosen: tuple[list[str], dict[str, int]], usable_bytes
     return kept, {k: v for k, v in selective.items() if k in kept}
 
 
-__all__ = ["SCHEDULES", "Schedule", "StagePeak", "actions", "buffers_bytes", "held_bytes", "in_flight",
+__all__ = ["SCHEDULES", "Schedule", "StagePeak", "actions", "buffers_bytes", "held_bytes", "in_flight", "order_in_flight",
            "StagePlanResult", "plan_stage", "solving_graph", "split_layers", "stage_peak"]

@@ -45,6 +45,19 @@ def test_in_flight_and_order_follow_the_schedules():
             assert peak == in_flight(sched, 3, s, 5)
 
 
+def test_interleaved_order_is_torchs_and_sets_each_stages_in_flight():
+    """NOTE [ Interleaved stages ], Rules 1-2: the order torch 2.13's ScheduleInterleaved1F1B gives rank 0 of pp 2 with
+    2 stages each and 4 micro-batches; stage s holds 4 - s micro-batches at most."""
+    from planner.act.interleaved import interleaved_order
+    from solvers.pipeline import order_in_flight
+
+    order = interleaved_order(2, 2, 4, 0)
+    assert " ".join(f"{s}{k}{j}" for k, s, j in order) == ("0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 "
+                                                           "0B2 0B3")
+    flights = [order_in_flight(interleaved_order(2, 2, 4, s % 2), s) for s in range(4)]
+    assert flights == [4, 3, 2, 1]
+
+
 def _stage_graph(stage: int, stages: int, schedule: str, micro_batches: int, **sizes: int):
     g = graph_for(Profile.load(PROFILE), selective=False)
     g.graph.update(pp_stages=stages, pp_stage=stage, pp_schedule=schedule, pp_micro_batches=micro_batches,
@@ -132,8 +145,9 @@ def test_data_parallel_stages_add_buckets_or_shard_the_state():
 
 @pytest.fixture(scope="module")
 def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """pp 2, 1F1B, 4 micro-batches at the budget halfway between the layout's lowest feasible and
-    no-checkpoint peaks (the worst stage's), planned on the CPU."""
+    """pp 2, interleaved 1F1B with 2 stages per rank (NOTE [ Interleaved stages ]), 4 micro-batches at the budget
+    halfway between the layout's lowest feasible and no-checkpoint peaks (the worst rank's), planned on the CPU
+    (1F1B is verified on ranks below, with FSDP2 and with tp)."""
     from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
     from planner.model.fingerprint import fingerprint
     from planner.profiling.meta import build_on_meta
@@ -141,7 +155,8 @@ def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from planner.spec import StepSpec
 
     mf = load_model_file(LLAMA)
-    profiled = profile_stages(mf, pipeline_layout(2, "1f1b", 4), step=StepSpec(device="cpu", threads=1, steps=1))
+    profiled = profile_stages(mf, pipeline_layout(2, "interleaved-1f1b", 4, stages_per_rank=2),
+                              step=StepSpec(device="cpu", threads=1, steps=1))
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
     roomy = plan_stages(profiled, "1GB", fingerprint=fp)
     lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
@@ -155,16 +170,18 @@ def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_plan_file_holds_one_plan_per_stage(pipeline_plan: Path):
     plan = Plan.load(pipeline_plan)
     data = json.loads(pipeline_plan.read_text())
-    assert data["schema_version"] == PIPELINE_PLAN_VERSION and plan.pipeline.stages == 2 == len(plan.stages)
-    assert [st.in_flight for st in plan.stages] == [2, 1]
-    assert plan.stages[0].modules == ["model.layers.0", "model.layers.1"]
-    assert all(st.checkpoints for st in plan.stages)  # the halfway budget needs checkpoints on both stages
+    assert data["schema_version"] == PIPELINE_PLAN_VERSION and plan.pipeline.stages == 2
+    assert plan.pipeline.stages_per_rank == 2 and len(plan.stages) == 4 and plan.world_size == 2
+    assert [st.in_flight for st in plan.stages] == [4, 3, 2, 1]
+    assert [st.modules for st in plan.stages] == [[f"model.layers.{i}"] for i in range(4)]
+    assert plan.stages[0].checkpoints and plan.stages[1].checkpoints  # the halfway budget needs them on both ranks
+    assert plan.stages[0].predicted.peak_bytes == plan.stages[2].predicted.peak_bytes  # the rank's (Rule 7)
     assert plan.predicted.peak_bytes == max(st.predicted.peak_bytes for st in plan.stages)
     assert plan.checkpoints == [c for st in plan.stages for c in st.checkpoints]
     stage = stage_plan(plan, 1)
     assert stage.checkpoints == plan.stages[1].checkpoints and stage.stages == [] and stage.world_size == 1
     bad = dict(data)
-    bad["stages"] = [dict(data["stages"][0], in_flight=9), data["stages"][1]]
+    bad["stages"] = [dict(data["stages"][0], in_flight=9)] + data["stages"][1:]
     broken = pipeline_plan.with_name("bad.json")
     broken.write_text(json.dumps(bad))
     result = invoke("show", broken)
@@ -178,14 +195,14 @@ def test_the_applier_applies_the_stage_plan_on_a_stage(pipeline_plan: Path):
 
     plan = Plan.load(pipeline_plan)
     mf = load_model_file(LLAMA)
-    for s in range(2):
-        handle = apply_plan(stage_module(mf.build_model(), s, 2), plan)
+    for s in range(4):
+        handle = apply_plan(stage_module(mf.build_model(), s, 4), plan)
         assert handle.checkpointed == plan.stages[s].checkpoints
 
 
 def test_verify_runs_each_stage_on_its_rank(pipeline_plan: Path):
-    """Two gloo ranks on the CPU: each stage's measured peak within 2% of its prediction and within the
-    budget, the gradients those of one process (tests the whole path: stage modules, the schedule)."""
+    """Two gloo ranks on the CPU, two stages each: each rank's measured peak within 2% of its prediction and within
+    the budget, the gradients those of one process (tests the whole path: stage modules, the schedule)."""
     from planner.act.verify_ranks import verify_ranks
 
     report = verify_ranks(LLAMA, pipeline_plan, steps=1)
@@ -227,6 +244,15 @@ def test_stages_with_fsdp_ranks_verify_on_every_rank(tmp_path: Path):
     (["--pp", "2", "--world-size", "4"], "say how the 2 data-parallel ranks of each stage train, --sharding fsdp"),
     (["--pp", "2", "--schedule", "zero-bubble"], "unknown schedule 'zero-bubble'; choose one of: 1f1b, gpipe"),
     (["--pp", "2", "--micro-batches", "3"], "give --micro-batches one of 1, 2, 4, 8"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b"], "interleaved-1f1b runs several stages on each rank: add "
+                                                       "--stages-per-rank V"),
+    (["--pp", "2", "--stages-per-rank", "2"], "only interleaved-1f1b runs: add --schedule interleaved-1f1b"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--micro-batches", "5"],
+     "needs micro-batches a multiple of max(1, M // pp) = 2; 5 is not"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank", "3", "--micro-batches", "4"],
+     "pp 2 x stages-per-rank 3 = 6 stages is more than the model's 4 layers: give --stages-per-rank 2 or fewer"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--tp", "2"],
+     "interleaved-1f1b is planned with one rank per pipeline position for now"),
     (["--sequence-parallel"], "--sequence-parallel shards the sequence over tensor-parallel ranks: add --tp N"),
     (["--tp", "2", "--sequence-parallel", "--pp", "2"], "sequence parallelism with pipeline stages is not planned"),
     (["--tp", "2", "--world-size", "3"], "world size 3 is not tp x pp x dp with tp 2: give --world-size a multiple "

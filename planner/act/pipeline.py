@@ -170,7 +170,8 @@ def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None =
     build = (lambda: build_on_meta(model_file.build_model)) if meta else model_file.build_model
     full = build()
     shapes = _shapes(full, model_file.example_inputs(), layout)
-    spans = split_layers(shapes.layers, layout.stages)
+    n = layout.num_stages  # pp x V (NOTE [ Interleaved stages ])
+    spans = split_layers(shapes.layers, n)
     sigs = [_layer_signature(layer) for layer in full.model.layers]
     full_params = {sig.name: sig for sig in fingerprint(full, None).params} if tp > 1 else {}
     if tp > 1:
@@ -181,14 +182,14 @@ def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None =
     shapes_seen: dict[tuple, tuple[int, Any]] = {}  # NOTE [ One profile per stage shape ]
     out = []
     for s, (start, end) in enumerate(spans):
-        key = (s == 0, s == layout.stages - 1, tuple(sigs[start:end]))
+        key = (s == 0, s == n - 1, tuple(sigs[start:end]))
         if key in shapes_seen:
             like, prof = shapes_seen[key]
-            say(f"stage {s} of {layout.stages}: the shape of stage {like}, its profile reused")
+            say(f"stage {s} of {n}: the shape of stage {like}, its profile reused")
             prof = relabel_layers(prof, start - spans[like][0])
         else:
-            say(f"profiling stage {s} of {layout.stages} (one micro-batch of {shapes.rows} rows)")
-            prof = _profile_stage(build(), s, layout.stages, shapes, step, run_profile)
+            say(f"profiling stage {s} of {n} (one micro-batch of {shapes.rows} rows)")
+            prof = _profile_stage(build(), s, n, shapes, step, run_profile)
             shapes_seen[key] = (s, prof)
         fp = prof.fingerprint.model_copy(update=dict(params=[full_params[p.name] for p in prof.fingerprint.params])) \
             if tp > 1 else None  # the module a rank builds and lays out is full size (DTensors' global shapes)
@@ -281,19 +282,24 @@ class _Shapes:
 
     def attrs(self, layout: Pipeline, s: int) -> dict[str, Any]:
         """The pp_* graph attributes of stage ``s`` (Rules 4 and 6)."""
-        n, m, last = layout.stages, layout.micro_batches, s == layout.stages - 1
+        n, m, last = layout.num_stages, layout.micro_batches, s == layout.num_stages - 1
         ids_b, lab_b = self.ids.numel() * self.ids.element_size(), self.labels.numel() * self.labels.element_size()
-        return dict(pp_stages=n, pp_stage=s, pp_schedule=layout.schedule, pp_micro_batches=m,
-                    pp_recv_bytes=self.act_bytes if s > 0 else 0, pp_send_bytes=0 if last else self.act_bytes,
-                    pp_output_bytes=self.logits_bytes if last else self.act_bytes,
-                    pp_batch_bytes=((m - 1) * ids_b if s == 0 else 0) + (m * lab_b if last else 0))
+        out = dict(pp_stages=n, pp_stage=s, pp_schedule=layout.schedule, pp_micro_batches=m,
+                   pp_recv_bytes=self.act_bytes if s > 0 else 0, pp_send_bytes=0 if last else self.act_bytes,
+                   pp_output_bytes=self.logits_bytes if last else self.act_bytes,
+                   pp_batch_bytes=((m - 1) * ids_b if s == 0 else 0) + (m * lab_b if last else 0))
+        if layout.schedule == "interleaved-1f1b":
+            from planner.act.interleaved import interleaved_order
+
+            out["pp_rank_order"] = interleaved_order(layout.stages, layout.stages_per_rank, m, s % layout.stages)
+        return out
 
 
 def _shapes(model: nn.Module, batch: Any, layout: Pipeline) -> _Shapes:
     check_decoder_lm(model)
     ids, labels = split_batch(batch)
     layers = len(model.model.layers)
-    check_model_fit(layers, layout.stages, layout.micro_batches, ids.shape[0])
+    check_model_fit(layers, layout.stages, layout.micro_batches, ids.shape[0], layout.stages_per_rank)
     cfg, dtype = model.config, next(model.parameters()).dtype
     rows = ids.shape[0] // layout.micro_batches
     shape = (rows, ids.shape[1], cfg.hidden_size)
@@ -322,7 +328,12 @@ def plan_stages(profiled: list[ProfiledStage], budget: int | str, *, fingerprint
     budget_bytes = parse_bytes(budget)
     spec = solve or SolveSpec()
     t0 = time.perf_counter()
-    results = [_plan_stage(st, budget_bytes, spec) for st in profiled]
+    if profiled[0].attrs["pp_schedule"] == "interleaved-1f1b":
+        from planner.act.interleaved import plan_interleaved
+
+        results = plan_interleaved(profiled, budget_bytes, spec)
+    else:
+        results = [_plan_stage(st, budget_bytes, spec) for st in profiled]
     lowest = max((r for r in results if isinstance(r, int)), default=0)
     if lowest:
         raise BudgetInfeasible(
@@ -335,36 +346,53 @@ def plan_stages(profiled: list[ProfiledStage], budget: int | str, *, fingerprint
 
 def _plan_stage(st: ProfiledStage, budget_bytes: int, spec: SolveSpec) -> StagePlan | int:
     """Stage ``st``'s plan, or the budget it needs at least (with the headroom) when none fits."""
-    from planner.act.api import budget_with_headroom, graph_for, headroom_for, usable_budget
-    from solvers.cost_model import simulate
+    from planner.act.api import budget_with_headroom
+
+    g, room, usable, headroom_bytes = stage_graph(st, budget_bytes, spec)
+    solve = _solver(spec.solver, spec.time_limit_s)
+    result = plan_stage(g, usable, solve)
+    if result.chosen is None:
+        return budget_with_headroom(result.lowest_peak_bytes, room)
+    return make_stage_plan(st, g, result.chosen, stage_peak(g, *result.chosen), stage_peak(g, []).peak_bytes,
+                           result.lowest_peak_bytes, headroom_bytes, SolverInfo(
+                               name=solve.used, status="feasible", detail="stage peak searched over the solving "
+                                                                          "graph's budget (NOTE [ Pipeline stages ], Rule 9)"))
+
+
+def stage_graph(st: ProfiledStage, budget_bytes: int, spec: SolveSpec) -> tuple[Any, float, int, int]:
+    """``(graph, headroom fraction, usable bytes, headroom bytes)`` of stage ``st``: its profile's graph with the
+    schedule's ``pp_*`` attributes (Rule 10's data-parallel ranks included)."""
+    from planner.act.api import graph_for, headroom_for, usable_budget
 
     room = headroom_for(st.profile) if spec.headroom is None else spec.headroom
     usable, headroom_bytes = usable_budget(budget_bytes, room)
     g = graph_for(st.profile, solver=spec.solver, selective=False)
     dp = max(1, spec.world_size // (st.attrs["pp_stages"] * st.tp))  # Rule 10: the stage's data-parallel ranks
-    g.graph.update(st.attrs, pp_dp=dp, pp_dp_sharding=spec.sharding)
-    solve = _solver(spec.solver, spec.time_limit_s)
-    result = plan_stage(g, usable, solve)
-    if result.chosen is None:
-        return budget_with_headroom(result.lowest_peak_bytes, room)
-    sp, est = stage_peak(g, *result.chosen), simulate(g, *result.chosen)
+    g.graph.update(st.attrs, pp_dp=dp, pp_dp_sharding=spec.sharding, pp_blocks=[m for m in st.modules if m in g])
+    return g, room, usable, headroom_bytes
+
+
+def make_stage_plan(st: ProfiledStage, g: Any, chosen: tuple[list[str], dict[str, int]], sp: Any, no_plan_peak: int,
+                    lowest: int, headroom_bytes: int, solver: SolverInfo) -> StagePlan:
+    """The ``StagePlan`` of stage ``st`` checkpointing ``chosen`` on its graph ``g``, whose peak (with breakdown,
+    a ``solvers.pipeline.StagePeak``) is ``sp``."""
+    from solvers.cost_model import simulate
+
+    est = simulate(g, *chosen)
     m = st.attrs["pp_micro_batches"]
     predicted = Predicted(
         peak_bytes=sp.peak_bytes, params_bytes=sp.params_bytes, grads_bytes=sp.grads_bytes,
         optimizer_bytes=sp.optimizer_bytes,
         activations_bytes=sp.peak_bytes - sp.params_bytes - sp.grads_bytes - sp.optimizer_bytes,
         recompute_ms=round(m * est.recompute_ms, 6), step_ms=round(m * est.step_ms, 6), peak_at=sp.peak_at,
-        no_checkpoint_peak_bytes=stage_peak(g, []).peak_bytes, min_feasible_bytes=result.lowest_peak_bytes)
+        no_checkpoint_peak_bytes=no_plan_peak, min_feasible_bytes=lowest)
+    fp = st.fingerprint or st.profile.fingerprint
     return StagePlan(
         stage=st.attrs["pp_stage"], modules=st.modules, in_flight=sp.in_flight, held_bytes=sp.held_bytes,
         buffers_bytes=sp.buffers_bytes, recv_bytes=st.attrs["pp_recv_bytes"], send_bytes=st.attrs["pp_send_bytes"],
-        fingerprint=st.fingerprint or st.profile.fingerprint,
-        fingerprint_digest=(st.fingerprint or st.profile.fingerprint).digest(),
-        headroom_bytes=headroom_bytes, checkpoints=list(dict.fromkeys(g.nodes[n]["fqn"] for n in est.checkpointed)),
-        checkpoint_units=list(est.checkpointed), predicted=predicted,
-        solver=SolverInfo(name=solve.used, status="feasible",
-                          detail="stage peak searched over the solving graph's budget (NOTE [ Pipeline stages ], "
-                                 "Rule 9)"))
+        fingerprint=fp, fingerprint_digest=fp.digest(), headroom_bytes=headroom_bytes,
+        checkpoints=list(dict.fromkeys(g.nodes[n]["fqn"] for n in est.checkpointed)),
+        checkpoint_units=list(est.checkpointed), predicted=predicted, solver=solver)
 
 
 def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], fingerprint: Any, budget_bytes: int,
@@ -374,19 +402,23 @@ def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], finge
 
     worst = max(stages, key=lambda sp: sp.predicted.peak_bytes)
     first, attrs = profiled[0].profile, profiled[0].attrs
-    predicted = worst.predicted.model_copy(update=dict(  # the slowest stage sets the pipeline's pace
-        recompute_ms=max(sp.predicted.recompute_ms for sp in stages), step_ms=max(sp.predicted.step_ms for sp in stages)))
+    per_rank = len({s for _, s, _ in attrs.get("pp_rank_order", [(None, 0, None)])})  # NOTE [ Interleaved stages ]
+    pp = attrs["pp_stages"] // per_rank
+    ranks = [[sp for sp in stages if sp.stage % pp == r] for r in range(pp)]  # a rank runs its stages one by one
+    predicted = worst.predicted.model_copy(update=dict(  # the slowest rank sets the pipeline's pace
+        recompute_ms=max(round(sum(sp.predicted.recompute_ms for sp in rs), 6) for rs in ranks),
+        step_ms=max(round(sum(sp.predicted.step_ms for sp in rs), 6) for rs in ranks)))
     return Plan(
         fingerprint=fingerprint, fingerprint_digest=fingerprint.digest(), budget_bytes=budget_bytes,
         headroom_bytes=worst.headroom_bytes, checkpoints=[c for sp in stages for c in sp.checkpoints],
         checkpoint_units=[u for sp in stages for u in sp.checkpoint_units], solver=worst.solver, predicted=predicted,
         device=first.device, device_name=first.device_name, target=first.target, dtype=first.dtype,
-        recipe=first.recipe, optimizer=first.optimizer, world_size=max(len(stages) * profiled[0].tp, spec.world_size),
+        recipe=first.recipe, optimizer=first.optimizer, world_size=max(pp * profiled[0].tp, spec.world_size),
         sharding=spec.sharding, tensor_parallel=profiled[0].tp, torch_version=first.torch_version,
         remat_version=_version(), time_source=first.time_source, threads=first.threads,
         time_calibration=first.time_calibration, created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
-        pipeline=Pipeline(stages=attrs["pp_stages"], schedule=attrs["pp_schedule"],
-                          micro_batches=attrs["pp_micro_batches"]),
+        pipeline=Pipeline(stages=pp, schedule=attrs["pp_schedule"], micro_batches=attrs["pp_micro_batches"],
+                          stages_per_rank=per_rank),
         stages=stages, schema_version=PIPELINE_PLAN_VERSION)
 
 
@@ -404,7 +436,8 @@ def plan_pipeline(model_file: Any, budget: int | str, layout: Pipeline, *, tp: i
 
     solve = solve or SolveSpec()
     check_layout(layout.stages, layout.schedule, layout.micro_batches,
-                 solve.world_size if solve.world_size != 1 else None, solve.sharding, tp=tp)
+                 solve.world_size if solve.world_size != 1 else None, solve.sharding, tp=tp,
+                 stages_per_rank=layout.stages_per_rank)
     parse_bytes(budget)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     profiled = profile_stages(mf, layout, step=step, tp=tp, progress=progress)
@@ -412,10 +445,11 @@ def plan_pipeline(model_file: Any, budget: int | str, layout: Pipeline, *, tp: i
     return plan_stages(profiled, budget, fingerprint=fp, solve=solve)
 
 
-def pipeline_layout(stages: Any, schedule: str = "1f1b", micro_batches: Any = 1) -> Pipeline:
-    """The ``Pipeline`` of these settings, each checked with a one-line error naming the fix."""
-    check_layout(stages, schedule, micro_batches)
-    return Pipeline(stages=stages, schedule=schedule, micro_batches=micro_batches)
+def pipeline_layout(stages: Any, schedule: str = "1f1b", micro_batches: Any = 1, stages_per_rank: Any = 1) -> Pipeline:
+    """The ``Pipeline`` of these settings (``stages`` ranks of ``stages_per_rank`` stages each), each checked with a
+    one-line error naming the fix."""
+    check_layout(stages, schedule, micro_batches, stages_per_rank=stages_per_rank)
+    return Pipeline(stages=stages, schedule=schedule, micro_batches=micro_batches, stages_per_rank=stages_per_rank)
 
 
 __all__ = ["DecoderStage", "ProfiledStage", "check_decoder_lm", "pipeline_layout",

@@ -372,7 +372,7 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
 
     rows = []
     for r in sorted(results, key=lambda x: x["rank"]):
-        stage = r["rank"] * len(plan.stages) // plan.world_size if plan.stages else 0  # pp is the mesh's outer dim
+        stage = r["rank"] * plan.pipeline.stages // plan.world_size if plan.pipeline else 0  # pp: the mesh's outer dim
         p = plan.stages[stage].predicted if plan.stages else plan.predicted  # a pipeline: the rank's stage
         no_plan = p.no_checkpoint_peak_bytes
         rows.append(RankRow(

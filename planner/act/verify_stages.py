@@ -77,7 +77,6 @@ def _lay_out(stage: torch.nn.Module, plan: Plan, mesh: Any) -> torch.nn.Module:
 def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *, planned: bool,
                grads_path: Path | None) -> dict:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from planner.act.applier import apply_plan
     from planner.act.pipeline import split_batch, stage_module
@@ -88,24 +87,25 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
     assert pp is not None
     rank, in_stage = divmod(dist.get_rank(), plan.world_size // pp.stages)  # this rank's stage, its rank in the stage
     mf = load_model_file(args.model_file)
-    rng.seed_all(seed)  # the same weights as the reference's
-    stage = stage_module(mf.build_model().to(dev).train(), rank, pp.stages)
+    stages = []
+    for s in range(rank, pp.num_stages, pp.stages):  # V stages under interleaved-1f1b (NOTE [ Interleaved stages ])
+        rng.seed_all(seed)  # the same weights as the reference's
+        stages.append(stage_module(mf.build_model().to(dev).train(), s, pp.num_stages))
+    first, last = stages[0].first, stages[-1].last
     ids, labels = split_batch(to_device(mf.example_inputs(), dev))
-    ids = ids if stage.first else None  # a rank keeps what its stage reads (NOTE [ Pipeline stages ], Rule 6)
-    labels = labels if stage.last else None
-    handle = apply_plan(stage, plan) if planned else None
-    wrapped = _lay_out(stage, plan, mesh)
-    pstage = PipelineStage(wrapped, rank, pp.stages, dev, group=None if mesh is None else mesh["pp"].get_group())
-    kind = Schedule1F1B if pp.schedule == "1f1b" else ScheduleGPipe
-    schedule = kind(pstage, n_microbatches=pp.micro_batches, loss_fn=stage.loss)
-    opt = make_optimizer(plan.optimizer or "adamw", stage, impl=plan.recipe.optimizer_impl)
+    ids = ids if first else None  # a rank keeps what its stage reads (NOTE [ Pipeline stages ], Rule 6)
+    labels = labels if last else None
+    handles = [apply_plan(st, plan) for st in stages] if planned else []
+    wrapped = [_lay_out(st, plan, mesh) for st in stages]
+    schedule = _schedule(plan, stages, wrapped, dev, mesh)
+    opt = make_optimizer(plan.optimizer or "adamw", torch.nn.ModuleList(stages), impl=plan.recipe.optimizer_impl)
 
     def step() -> list:
         opt.zero_grad(set_to_none=True)
         losses: list = []
-        if stage.first:
+        if first:
             schedule.step(ids, return_outputs=False)
-        elif stage.last:
+        elif last:
             schedule.step(target=labels, losses=losses, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
@@ -116,8 +116,8 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
     losses = step()
     loss = float(torch.stack([x.detach() for x in losses]).mean()) if losses else 0.0
     if grads_path is not None:
-        _save_grads(stage, grads_path if in_stage == 0 else None)
-    recomputes = handle.recompute_count if handle else 0
+        _save_grads(stages, grads_path if in_stage == 0 else None)
+    recomputes = sum(h.recompute_count for h in handles)
     for i in range(args.steps):
         rng.seed_all(seed + 1 + i)
         step()
@@ -125,17 +125,31 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
     rng.seed_all(seed)
     peak = measure_step(step, dev)
     dist.barrier()
-    if handle:
-        handle.remove()
-    del stage, wrapped, pstage, schedule, opt, ids, labels
+    for h in handles:
+        h.remove()
+    del stages, wrapped, schedule, opt, ids, labels
     free(dev)
     return dict(peak=peak.peak_bytes, source=peak.source, loss=loss, recomputes=recomputes)
 
 
-def _save_grads(stage: torch.nn.Module, path: Path | None) -> None:
-    """The stage's gradients, full size (under tp or fsdp a collective: every rank of the stage calls it), saved to
-    ``path`` (one rank of the stage's)."""
-    grads = {n: None if p.grad is None else p.grad.detach() for n, p in stage.named_parameters()}
+def _schedule(plan: Plan, stages: list, wrapped: list, dev: torch.device, mesh: Any) -> Any:
+    """The plan's schedule over this rank's stages (one, or V under interleaved-1f1b)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    pp = plan.pipeline
+    assert pp is not None
+    group = None if mesh is None else mesh["pp"].get_group()
+    pstages = [PipelineStage(w, st.pp_stage, pp.num_stages, dev, group=group) for st, w in zip(stages, wrapped)]
+    if pp.schedule == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(pstages, n_microbatches=pp.micro_batches, loss_fn=stages[-1].loss)
+    kind = Schedule1F1B if pp.schedule == "1f1b" else ScheduleGPipe
+    return kind(pstages[0], n_microbatches=pp.micro_batches, loss_fn=stages[0].loss)
+
+
+def _save_grads(stages: list[torch.nn.Module], path: Path | None) -> None:
+    """The rank's stages' gradients, full size (under tp or fsdp a collective: every rank of the stage calls it),
+    saved to ``path`` (one rank of the stage's)."""
+    grads = {n: None if p.grad is None else p.grad.detach() for st in stages for n, p in st.named_parameters()}
     grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
     if path is not None:
         torch.save({n: None if g is None else g.to("cpu", copy=True) for n, g in grads.items()}, path)

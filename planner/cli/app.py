@@ -196,7 +196,7 @@ def _plan_pipeline(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
                        "now: drop --granularity and --device-memory")
     if o.device == "meta" and o.target is None:
         raise BadInput("--device meta models times for a target device: add --target NAME (remat devices lists them)")
-    layout = pipeline_layout(o.pp, o.schedule, o.micro_batches)
+    layout = pipeline_layout(o.pp, o.schedule, o.micro_batches, o.stages_per_rank)
     return plan_pipeline(_model_source(o.model, o), budget_bytes, layout, tp=o.tp, step=o.step_spec(), solve=o.solve_spec,
                          progress=_progress(log))
 

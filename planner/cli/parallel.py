@@ -3,8 +3,8 @@
 
 Example::
 
-    check_parallel(1, "none", 2, "1f1b", 4, 1, frozenset())     # a pipeline of 2 stages: fine
-    check_parallel(3, "none", 2, "1f1b", 4, 1, {"world_size"})  # BadInput: not tp x pp x dp
+    check_parallel(ParallelOptions.model_construct(pp=2, micro_batches=4, world_size=1, sharding="none"),
+                   frozenset())                                  # a pipeline of 2 stages: fine
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ PIPELINE = [
         "--pp", show_default=False, help="Pipeline stages, one rank each (torch.distributed.pipelining): one plan "
                                          "per stage; example_inputs() is one data-parallel replica's batch.")], None),
     _option("schedule", Annotated[str, typer.Option(
-        "--schedule", help="With --pp: the pipeline schedule, 1f1b or gpipe.")], "1f1b"),
+        "--schedule", help="With --pp: the pipeline schedule, 1f1b, gpipe or interleaved-1f1b (with "
+                           "--stages-per-rank).")], "1f1b"),
+    _option("stages_per_rank", Annotated[int, typer.Option(
+        "--stages-per-rank", help="With --schedule interleaved-1f1b: stages each of the --pp ranks holds (V >= 2; "
+                                  "the layers split over pp x V stages, stage s on rank s % pp).")], 1),
     _option("micro_batches", Annotated[int, typer.Option(
         "--micro-batches", help="With --pp: micro-batches the replica's batch is split into.")], 1),
     _option("tp", Annotated[int, typer.Option(
@@ -47,13 +51,13 @@ class ParallelOptions(BaseModel):
     pp: int | None = None
     schedule: str = "1f1b"
     micro_batches: int = 1
+    stages_per_rank: int = 1
     tp: int = 1
     sequence_parallel: bool = False
 
     @model_validator(mode="after")
     def _ranks(self) -> Any:
-        check_parallel(self.world_size, self.sharding, self.pp, self.schedule, self.micro_batches, self.tp,
-                       self.given, sequence_parallel=self.sequence_parallel)
+        check_parallel(self, self.given)
         check_honoured(self.pp, self.tp, {name for name in self.given if getattr(self, name, None)}
                        | ({"shapes"} if len(self.shapes) > 1 else set()))
         return self
@@ -76,7 +80,7 @@ NOT_HONOURED: dict[str, dict[str, str]] = {
 }
 """Per layout: the options its path does not honour yet, and why (NOTE [ Options a layout honours ])."""
 
-PIPELINE_ONLY = ("schedule", "micro_batches")
+PIPELINE_ONLY = ("schedule", "micro_batches", "stages_per_rank")
 """Options that only mean something with ``--pp``."""
 
 
@@ -99,18 +103,18 @@ def check_honoured(pp: int | None, tp: int, typed: set[str]) -> None:
                                options=(name,))
 
 
-def check_parallel(world_size: int, sharding: str, pp: int | None, schedule: str, micro_batches: int, tp: int,
-                   given: Any, *, sequence_parallel: bool = False) -> None:
+def check_parallel(o: Any, given: Any) -> None:
     """Data-parallel ranks (``planner.act.api.check_ranks``), or pipeline stages and tensor-parallel ranks
-    (``planner.options.check_layout``); ``given``: the options typed (the world size counts only then)."""
+    (``planner.options.check_layout``) of options ``o`` (``ParallelOptions``' fields, with ``world_size`` and
+    ``sharding``); ``given``: the options typed (the world size counts only then)."""
     from planner.act.api import check_ranks
     from planner.options import check_layout
 
-    if pp is None and tp == 1 and not sequence_parallel:
-        check_ranks(world_size, sharding)
+    if o.pp is None and o.tp == 1 and not o.sequence_parallel:
+        check_ranks(o.world_size, o.sharding)
     else:
-        check_layout(pp, schedule, micro_batches, world_size if "world_size" in given else None, sharding, tp=tp,
-                     sequence_parallel=sequence_parallel)
+        check_layout(o.pp, o.schedule, o.micro_batches, o.world_size if "world_size" in given else None, o.sharding,
+                     tp=o.tp, sequence_parallel=o.sequence_parallel, stages_per_rank=o.stages_per_rank)
 
 
 __all__ = ["NOT_HONOURED", "PIPELINE", "PIPELINE_ONLY", "ParallelOptions", "check_honoured", "check_parallel"]

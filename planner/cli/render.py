@@ -246,7 +246,12 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
         tp, dp = plan.tensor_parallel, plan.world_size // (pp.stages * plan.tensor_parallel)
         parts = ([f"{tp} tensor-parallel"] if tp > 1 else []) + ([f"{dp} data-parallel ({plan.sharding})"] if dp > 1 else [])
         ranks = " x ".join(parts) + " ranks each" if parts else "one rank each"
-        plain(out, f"pipeline: {pp.stages} stages ({pp.schedule}, {pp.micro_batches} micro-batches), {ranks} "
+        if pp.stages_per_rank > 1:  # NOTE [ Interleaved stages ]
+            what, ranks = f"{pp.stages} ranks of {pp.stages_per_rank} stages", f"stage s on rank s % {pp.stages} (a " \
+                                                                              f"stage's peak is its rank's)"
+        else:
+            what = f"{pp.stages} stages"
+        plain(out, f"pipeline: {what} ({pp.schedule}, {pp.micro_batches} micro-batches), {ranks} "
                    f"(budget and peaks are one rank's); below, the highest stage's peak and the slowest stage's recompute")
         out.print(stages_table(plan))
     elif plan.tensor_parallel > 1:

@@ -23,9 +23,17 @@ from planner.model.fields import MAX_COUNT, MAX_WORLD_SIZE, Bytes, FileModel, ba
 class Pipeline(FileModel):
     """How the ranks run as pipeline stages (NOTE [ Pipeline stages ] in solvers/pipeline.py)."""
 
-    stages: int = Field(ge=2, le=MAX_WORLD_SIZE, description="Pipeline stages, one rank each.")
-    schedule: Literal["1f1b", "gpipe"]
+    stages: int = Field(ge=2, le=MAX_WORLD_SIZE, description="Pipeline ranks (pp), one stage each but under "
+                                                             "interleaved-1f1b, where each holds stages_per_rank.")
+    schedule: Literal["1f1b", "gpipe", "interleaved-1f1b"]
     micro_batches: int = Field(ge=1, le=MAX_COUNT, description="Micro-batches the replica's batch is split into.")
+    stages_per_rank: int = Field(1, ge=1, le=MAX_COUNT, description="Stages each rank holds (V, interleaved-1f1b; "
+                                                                    "NOTE [ Interleaved stages ]).")
+
+    @property
+    def num_stages(self) -> int:
+        """Every stage of the pipeline: pp x V (stage s runs on rank s % pp)."""
+        return self.stages * self.stages_per_rank
 
 
 class StagePlan(FileModel):
@@ -58,8 +66,10 @@ def check_stages(plan: Any) -> None:
         if plan.stages:
             raise bad_field("stages", "stage plans without a pipeline")
         return
-    if [st.stage for st in plan.stages] != list(range(pp.stages)):
-        raise bad_field("stages", f"need one plan per stage 0..{pp.stages - 1}, in order")
+    if (pp.stages_per_rank > 1) != (pp.schedule == "interleaved-1f1b"):
+        raise bad_field("pipeline.stages_per_rank", "above 1 with interleaved-1f1b only, and needed by it")
+    if [st.stage for st in plan.stages] != list(range(pp.num_stages)):
+        raise bad_field("stages", f"need one plan per stage 0..{pp.num_stages - 1}, in order")
     ranks = pp.stages * plan.tensor_parallel
     if plan.world_size % ranks or (plan.world_size > ranks and plan.sharding == "none"):
         raise bad_field("world_size", f"{plan.world_size} is not the pipeline's {pp.stages} stages x tp "
@@ -76,9 +86,11 @@ def check_stages(plan: Any) -> None:
             raise bad_field(f"stages.{i}.in_flight", f"{st.in_flight} is more than the {pp.micro_batches} micro-batches")
 
 
-def unset_parallel_fields(plan: Any) -> dict[str, bool]:
+def unset_parallel_fields(plan: Any) -> dict[str, Any]:
     """The plan keys a plan without pipeline stages or tensor parallelism leaves out of its file (``Plan.to_json``)."""
-    unset = {} if plan.stages else {"pipeline": True, "stages": True}
+    unset: dict[str, Any] = {} if plan.stages else {"pipeline": True, "stages": True}
+    if plan.pipeline is not None and plan.pipeline.stages_per_rank == 1:
+        unset["pipeline"] = {"stages_per_rank": True}
     unset = unset if plan.sequence_parallel else {**unset, "sequence_parallel": True}
     return unset if plan.tensor_parallel > 1 else {**unset, "tensor_parallel": True}
 
