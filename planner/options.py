@@ -96,12 +96,18 @@ def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int
     if rest:
         raise BadInput(f"world size {world_size} is not tp x pp x dp with {what}: give {{world_size}} a multiple "
                        f"of {ranks} (dp = world size / {ranks}), e.g. {ranks}", options=("world_size",))
-    if stages is None and (dp > 1 or sharding != "none"):
-        raise BadInput(f"tensor parallelism with data parallelism beside it is planned with pipeline stages only, "
-                       f"for now: give {{world_size}} {ranks} and drop {{sharding}}", options=("world_size", "sharding"))
+    if stages is None and sharding == "ddp":
+        raise BadInput("tensor parallelism with DDP beside it is not planned: DDP does not take the DTensor parameters "
+                       "of a tensor-parallel layer; use {sharding} fsdp (FSDP2 over the data-parallel ranks)",
+                       options=("sharding",))
+    if stages is None and dp == 1 and sharding != "none":
+        raise BadInput(f"{{sharding}} {sharding} needs data-parallel ranks beside the {tp} tensor-parallel ones: give "
+                       f"{{world_size}} a multiple of {tp} above it (dp = world size / {tp}), or drop {{sharding}}",
+                       options=("world_size", "sharding"))
     if dp > 1 and sharding == "none":
-        raise BadInput(f"world size {world_size} is {what} x dp {dp}: say how the {dp} data-parallel ranks of each "
-                       f"stage train, {{sharding}} fsdp or ddp", options=("sharding",))
+        how = "{sharding} fsdp or ddp" if stages else "{sharding} fsdp (FSDP2)"
+        raise BadInput(f"world size {world_size} is {what} x dp {dp}: say how the {dp} data-parallel ranks "
+                       f"{'of each stage ' if stages else ''}train, {how}", options=("sharding",))
 
 
 def _check_stages(stages: Any, schedule: str, micro_batches: Any) -> None:

@@ -259,8 +259,11 @@ def test_stages_with_fsdp_ranks_verify_on_every_rank(tmp_path: Path):
                                          "of 2"),
     (["--tp", "2", "--pp", "2", "--world-size", "8"], "world size 8 is pp 2 and tp 2 x dp 2: say how the 2 "
                                                       "data-parallel ranks of each stage train, --sharding fsdp or ddp"),
-    (["--tp", "2", "--sharding", "fsdp", "--world-size", "2"], "tensor parallelism with data parallelism beside it "
-                                                               "is planned with pipeline stages only"),
+    (["--tp", "2", "--sharding", "fsdp", "--world-size", "2"], "--sharding fsdp needs data-parallel ranks beside the "
+                                                               "2 tensor-parallel ones"),
+    (["--tp", "2", "--sharding", "ddp", "--world-size", "4"], "use --sharding fsdp (FSDP2 over the data-parallel"),
+    (["--tp", "2", "--world-size", "4"], "world size 4 is tp 2 x dp 2: say how the 2 data-parallel ranks train, "
+                                         "--sharding fsdp (FSDP2)"),
     (["--tp", "0"], "tp must be an integer >= 1, got 0"),
 ])
 def test_bad_pipeline_and_tensor_parallel_settings_are_one_line_errors(args: list[str], needle: str, tmp_path: Path):
@@ -272,26 +275,30 @@ def test_bad_pipeline_and_tensor_parallel_settings_are_one_line_errors(args: lis
 
 
 def test_tensor_parallel_ranks_run_the_local_model(tmp_path: Path):
-    """tp 2 (NOTE [ Tensor-parallel ranks ]): the plan is made on the model with half the heads and MLP width,
-    names the full model's modules, and each of two gloo ranks measures its prediction within 2%."""
+    """tp 2 x dp 2 under FSDP2 (NOTE [ Tensor-parallel ranks ], Rules 2 and 5): the plan is made on the model
+    with half the heads and MLP width, sharded over the two data-parallel ranks, names the full model's
+    modules, and each of four gloo ranks on a (dp, tp) mesh measures its prediction within 2%. (tp alone
+    runs in the sequence-parallel test below.)"""
     from planner.act.tensor_parallel import local_model, plan_tensor_parallel
     from planner.act.verify_ranks import verify_ranks
     from planner.profiling.model_file import load_model_file
-    from planner.spec import StepSpec
+    from planner.spec import SolveSpec, StepSpec
 
     mf = load_model_file(LLAMA)
     local = local_model(mf.build_model(), 2)
     assert local.model.layers[0].self_attn.q_proj.weight.shape == (64, 128)
     assert local.model.layers[0].mlp.up_proj.weight.shape == (176, 128)
-    step = StepSpec(device="cpu", threads=1, steps=1)
-    roomy = plan_tensor_parallel(mf, "1GB", 2, step=step)
-    plan = plan_tensor_parallel(mf, int(roomy.predicted.no_checkpoint_peak_bytes * 0.8), 2, step=step)
-    assert plan.tensor_parallel == 2 == plan.world_size and plan.checkpoints
+    step, ranks = StepSpec(device="cpu", threads=1, steps=1), SolveSpec(world_size=4, sharding="fsdp")
+    roomy = plan_tensor_parallel(mf, "1GB", 2, step=step, solve=ranks)
+    plan = plan_tensor_parallel(mf, int(roomy.predicted.no_checkpoint_peak_bytes * 0.8), 2, step=step, solve=ranks)
+    assert plan.tensor_parallel == 2 and plan.world_size == 4 and plan.sharding == "fsdp" and plan.checkpoints
+    assert plan.fsdp_units == [f"model.layers.{i}" for i in range(4)]
     path = tmp_path / "plan.json"
     plan.save(path)
     assert Plan.load(path).tensor_parallel == 2 and json.loads(path.read_text())["schema_version"] == PIPELINE_PLAN_VERSION
     report = verify_ranks(LLAMA, path, steps=1)
     assert report.ok, report.problems
+    assert [(r.rank, r.tp_rank) for r in report.rows] == [(0, 0), (1, 1), (2, 0), (3, 1)]
 
 
 def test_sequence_parallel_ranks_shard_the_sequence_between_blocks(tmp_path: Path):

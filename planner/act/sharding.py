@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -34,10 +36,16 @@ def shard_for_plan(model: nn.Module, plan: Plan, *, device: torch.device | None 
         The model to train: the same object under FSDP2 (``fully_shard`` works in place), a
         ``DistributedDataParallel`` wrapper under DDP.
     """
+    mesh = None
     if plan.tensor_parallel > 1:  # NOTE [ Tensor-parallel ranks ]
         from planner.act.tensor_parallel import tensor_parallel
 
-        return tensor_parallel(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel)
+        tp = plan.tensor_parallel
+        if plan.sharding == "none":
+            return tensor_parallel(model, tp, sequence_parallel=plan.sequence_parallel)
+        mesh = _dp_tp_mesh(model, plan)  # Rule 5: the layers over "tp", then FSDP2 over "dp"
+        model = tensor_parallel(model, tp, mesh["tp"], sequence_parallel=plan.sequence_parallel)
+        mesh = mesh["dp"]
     if plan.sharding == "none":
         return model
     import torch.distributed as dist
@@ -55,8 +63,21 @@ def shard_for_plan(model: nn.Module, plan: Plan, *, device: torch.device | None 
     if missing:
         raise BadInput(f"the plan's FSDP units {missing} are not modules of this model; plan it again for this model")
     for fqn in plan.fsdp_units:
-        fully_shard(modules[fqn])
-    return fully_shard(model)
+        fully_shard(modules[fqn], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _dp_tp_mesh(model: nn.Module, plan: Plan) -> Any:
+    """The (dp, tp) device mesh of a tp x dp plan (NOTE [ Tensor-parallel ranks ], Rule 5)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = plan.tensor_parallel
+    if not dist.is_initialized() or dist.get_world_size() != plan.world_size:
+        raise BadInput(f"a plan for tp {tp} x dp {plan.world_size // tp} needs torch.distributed initialised with "
+                       f"{plan.world_size} ranks (torchrun, or remat verify, which starts the ranks itself)")
+    return init_device_mesh(next(model.parameters()).device.type, (plan.world_size // tp, tp),
+                            mesh_dim_names=("dp", "tp"))
 
 
 def check_fsdp_options(model: nn.Module, plan: Plan) -> None:

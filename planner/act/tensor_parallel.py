@@ -49,6 +49,12 @@ from planner.spec import SolveSpec, StepSpec
 # stage's tp ranks), so the send and receive buffers are those of one rank per stage. The stage
 # plan's fingerprint is the full-size stage's: a rank builds the full stage and lays it out with
 # DTensor (``tensor_parallel(stage, tp, mesh["tp"])``), whose parameters show their global shapes.
+# Rule 5. With FSDP2 beside it, no stages (tp x dp ranks, rank = dp rank x tp + tp rank, a (dp, tp)
+# mesh, torchtitan's 2D layout): each layer is laid out over ``mesh["tp"]`` and then
+# ``fully_shard`` over ``mesh["dp"]`` (``shard_for_plan``), so FSDP2 shards and gathers the
+# rank-local parameters. The plan is NOTE [ Per-rank memory ]'s FSDP2 plan of the rank-local
+# model's profile over dp ranks, every rule of it unchanged. DDP is refused: it does not take
+# DTensor parameters.
 
 
 def check_tp(config: Any, tp: Any) -> None:
@@ -134,7 +140,7 @@ def plan_tensor_parallel(model_file: Any, budget: int | str, tp: int, *, step: S
                          solve: SolveSpec | None = None, sequence_parallel: bool = False) -> Plan:
     """Profile the rank-local model of the model file's model and plan it for ``budget`` per rank
     (Rule 2; with ``sequence_parallel``, NOTE [ Sequence-parallel ranks ]). ``solve.world_size``, when not
-    1, must be ``tp``."""
+    1, is ``tp`` x dp, with ``solve.sharding`` fsdp for dp > 1 (Rule 5)."""
     from planner.act.api import plan_from_profile
     from planner.model.fingerprint import fingerprint
     from planner.options import check_layout
@@ -155,9 +161,11 @@ def plan_tensor_parallel(model_file: Any, budget: int | str, tp: int, *, step: S
         _check_sequence(mf.example_inputs(), tp)
     local = local_builder(full if meta else mf.build_model(), tp, sequence_parallel=sequence_parallel)()
     prof = run_profile(local, mf.example_inputs(), step=step)
-    plan = plan_from_profile(prof, budget, solve=solve.replace(world_size=1, sharding="none", selective=False))
+    dp = max(1, solve.world_size // tp)  # Rule 5: FSDP2 over dp ranks of the rank-local model
+    plan = plan_from_profile(prof, budget, solve=solve.replace(world_size=dp, sharding=solve.sharding if dp > 1 else
+                                                               "none", selective=False))
     fp = fingerprint(full, mf.example_inputs())
-    return plan.model_copy(update=dict(fingerprint=fp, fingerprint_digest=fp.digest(), world_size=tp,
+    return plan.model_copy(update=dict(fingerprint=fp, fingerprint_digest=fp.digest(), world_size=tp * dp,
                                        tensor_parallel=tp, sequence_parallel=sequence_parallel,
                                        schema_version=PIPELINE_PLAN_VERSION))
 

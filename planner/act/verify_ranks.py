@@ -121,7 +121,7 @@ def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int 
     say(f"training the reference: one process, {steps + 2} steps without the plan")
     reference = _reference(args)
     layout = (f"pipeline stages, {plan.pipeline.schedule}" if plan.pipeline is not None else
-              f"tensor parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else plan.sharding)
+              _tp_layout(plan) if plan.tensor_parallel > 1 else plan.sharding)
     say(f"training on {plan.world_size} ranks ({layout}), {steps + 2} steps without and with the plan")
     results = _spawn(args, plan.world_size)
     return _report(plan, str(model_file), "spawned", args, results, reference, peak_tolerance, grad_tolerance)
@@ -152,6 +152,12 @@ def _device_type(device: str, world_size: int) -> str:
 
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _tp_layout(plan: Plan) -> str:
+    """'tensor parallel 2', or with FSDP2 beside it 'tensor parallel 2 x FSDP2 over 2 ranks'."""
+    dp = plan.world_size // plan.tensor_parallel
+    return f"tensor parallel {plan.tensor_parallel}" + (f" x FSDP2 over {dp} ranks" if dp > 1 else "")
 
 
 def _free_port() -> int:
@@ -299,7 +305,11 @@ def _compared_step(model: torch.nn.Module, batch: Any, loss_fn: Any, plan: Plan)
 
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Gradients by plain FQN, unsharded on the CPU (a collective under FSDP2: every rank calls it)."""
+    import logging
+
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    # gathering a (dp, tp) parameter's gradient logs "2 sequential all_gather operations" once per rank
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     out: dict[str, torch.Tensor | None] = {}
     for name, p in inner.named_parameters():
         g = p.grad
@@ -402,8 +412,7 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
         model=label, device=args.device_type, world_size=plan.world_size,
         sharding=(f"pipeline {plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches"
                   + (f", tensor parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else "")
-                  if plan.pipeline is not None else f"tensor parallel {plan.tensor_parallel}"
-                  if plan.tensor_parallel > 1 else plan.sharding),
+                  if plan.pipeline is not None else _tp_layout(plan) if plan.tensor_parallel > 1 else plan.sharding),
         fsdp_units=plan.fsdp_units, launched=launched, peak_source=results[0]["source"], steps=args.steps,
         budget_bytes=plan.budget_bytes, peak_tolerance=peak_tolerance, grad_tolerance=grad_tolerance,
         rows=rows, loss_diff=loss_diff, max_grad_diff=grad_diff, problems=problems, notes=[], ok=not problems)

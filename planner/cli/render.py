@@ -256,6 +256,8 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
         out.print(stages_table(plan))
     elif plan.tensor_parallel > 1:
         sp = ", the sequence sharded between blocks" if plan.sequence_parallel else ""
+        dp = plan.world_size // plan.tensor_parallel
+        sp += f"; {dp} such groups under FSDP2 ({plan.world_size} ranks)" if dp > 1 else ""
         plain(out, f"tensor parallel: {plan.tensor_parallel} ranks share each layer{sp}; the plan, budget and peak are "
                    f"every rank's (made on the rank-local model)")
     elif plan.world_size > 1 or plan.sharding != "none":
