@@ -5,9 +5,10 @@ vs measured peak.
     python benchmarks/pipeline_stages.py --cases 1f1b:2:4,gpipe:2:2,tp2,tp2-sp,1f1b:2:4:tp2
     python benchmarks/pipeline_stages.py --cases 1f1b:2:4:dp2-fsdp,gpipe:2:4:dp2-fsdp,1f1b:2:4:dp2-ddp
     python benchmarks/pipeline_stages.py --cases interleaved-1f1b:2:4:v2     # 2 ranks of 2 stages each
+    python benchmarks/pipeline_stages.py --cases 1f1b:2:4:tp2:sp             # tp 2 + sequence parallel x pp 2
 
 A case is ``schedule:stages:micro-batches`` (pipeline stages), with ``:vN`` for N stages per rank
-(interleaved-1f1b), ``:tpN`` for N tensor-parallel ranks
+(interleaved-1f1b), ``:tpN`` (and ``:sp`` for sequence parallelism) for N tensor-parallel ranks
 per stage and ``:dpN-fsdp`` or ``:dpN-ddp`` for N data-parallel ranks per stage, or ``tpN`` (tensor parallelism alone), ``tpN-sp`` with sequence parallelism. For each: profile
 examples/llama_pp.py (a tiny LlamaForCausalLM from ``LlamaConfig``, library defaults but the sizes) on
 the CPU (each stage on one micro-batch; under tp the rank-local model), plan at the budget halfway
@@ -38,7 +39,7 @@ from planner.profiling.model_file import load_model_file  # noqa: E402
 from planner.spec import SolveSpec, StepSpec  # noqa: E402
 
 MODEL = ROOT / "examples" / "llama_pp.py"
-CASES = ("1f1b:2:4", "gpipe:2:4", "tp2", "tp2-sp", "1f1b:2:4:tp2", "interleaved-1f1b:2:4:v2")
+CASES = ("1f1b:2:4", "gpipe:2:4", "tp2", "tp2-sp", "1f1b:2:4:tp2", "interleaved-1f1b:2:4:v2", "1f1b:2:4:tp2:sp")
 STEP = StepSpec(device="cpu", threads=1)
 
 
@@ -64,14 +65,16 @@ def plan_case(case: str) -> tuple:
     schedule, stages, micro = parts[0], int(parts[1]), int(parts[2])
     tp = next((int(p[2:]) for p in parts[3:] if p.startswith("tp")), 1)
     per_rank = next((int(p[1:]) for p in parts[3:] if p.startswith("v")), 1)
+    sp = "sp" in parts[3:]
     dp, sharding = next(((int(p[2:].split("-")[0]), p.split("-")[1]) for p in parts[3:] if p.startswith("dp")),
                         (1, "none"))
-    profiled = profile_stages(mf, pipeline_layout(stages, schedule, micro, per_rank), step=STEP, tp=tp)
+    profiled = profile_stages(mf, pipeline_layout(stages, schedule, micro, per_rank), step=STEP, tp=tp,
+                              sequence_parallel=sp)
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
     solve = SolveSpec(world_size=stages * tp * dp, sharding=sharding)
     budget = _halfway(plan_stages(profiled, "1TB", fingerprint=fp, solve=solve).stages)
     label = f"pp {stages} {schedule} x{micro}" + (f", V {per_rank}" if per_rank > 1 else "") + \
-        (f", tp {tp}" if tp > 1 else "") + \
+        (f", tp {tp}" if tp > 1 else "") + (" + sp" if sp else "") + \
         (f", dp {dp} {sharding}" if dp > 1 else "")
     return plan_stages(profiled, budget, fingerprint=fp, solve=solve), budget, label
 
@@ -98,7 +101,7 @@ def run(case: str, out_dir: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=",".join(CASES), help="schedule:stages:micro-batches[:vN][:tpN][:dpN-fsdp|ddp], tpN or tpN-sp, "
+    ap.add_argument("--cases", default=",".join(CASES), help="schedule:stages:micro-batches[:vN][:tpN][:sp][:dpN-fsdp|ddp], tpN or tpN-sp, "
                                                             "comma-separated")
     ap.add_argument("--out", type=Path, default=Path("/tmp"), help="where the plan files go")
     args = ap.parse_args()

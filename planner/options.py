@@ -84,9 +84,6 @@ def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int
     if sequence_parallel and tp == 1:
         raise BadInput("{sequence_parallel} shards the sequence over tensor-parallel ranks: add {tp} N (N >= 2), or "
                        "drop it", options=("sequence_parallel", "tp"))
-    if sequence_parallel and stages is not None:
-        raise BadInput("sequence parallelism with pipeline stages is not planned yet: drop {sequence_parallel} "
-                       "(tp x pp without it is)", options=("sequence_parallel", "pp"))
     if stages is not None:
         _check_stages(stages, schedule, micro_batches)
     _check_interleaved(stages, schedule, micro_batches, stages_per_rank, world_size or tp * (stages or 1))

@@ -254,7 +254,6 @@ def test_stages_with_fsdp_ranks_verify_on_every_rank(tmp_path: Path):
     (["--pp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--tp", "2"],
      "interleaved-1f1b is planned with one rank per pipeline position for now"),
     (["--sequence-parallel"], "--sequence-parallel shards the sequence over tensor-parallel ranks: add --tp N"),
-    (["--tp", "2", "--sequence-parallel", "--pp", "2"], "sequence parallelism with pipeline stages is not planned"),
     (["--tp", "2", "--world-size", "3"], "world size 3 is not tp x pp x dp with tp 2: give --world-size a multiple "
                                          "of 2"),
     (["--tp", "2", "--pp", "2", "--world-size", "8"], "world size 8 is pp 2 and tp 2 x dp 2: say how the 2 "
@@ -358,9 +357,10 @@ def test_tp_that_does_not_divide_the_heads_is_a_one_line_error(tmp_path: Path):
 
 
 def test_tp_by_pp_ranks_each_plan_their_stage(tmp_path: Path):
-    """tp 2 x pp 2 (4 gloo ranks, rank = stage x 2 + tp rank): each stage profiled on its rank-local model,
-    its plan named by the full model's modules and fingerprint; every rank within 2% and the budget, the
-    gradients one process's."""
+    """tp 2 + sequence parallelism x pp 2 (4 gloo ranks, rank = stage x 2 + tp rank): each stage profiled on its
+    rank-local model with the sequence sharded between blocks and between stages (NOTE [ Sequence-parallel ranks ],
+    Rule 5), its plan named by the full model's modules and fingerprint; every rank within 2% and the budget, the
+    gradients one process's (tp x pp without sp: benchmarks/pipeline_stages.py)."""
     from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
     from planner.act.verify_ranks import verify_ranks
     from planner.model.fingerprint import fingerprint
@@ -369,13 +369,15 @@ def test_tp_by_pp_ranks_each_plan_their_stage(tmp_path: Path):
     from planner.spec import StepSpec
 
     mf = load_model_file(LLAMA)
-    profiled = profile_stages(mf, pipeline_layout(2, "1f1b", 2), step=StepSpec(device="cpu", threads=1, steps=1), tp=2)
+    profiled = profile_stages(mf, pipeline_layout(2, "1f1b", 2), step=StepSpec(device="cpu", threads=1, steps=1), tp=2,
+                              sequence_parallel=True)
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
     roomy = plan_stages(profiled, "1GB", fingerprint=fp)
     lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
     top = max(st.predicted.no_checkpoint_peak_bytes for st in roomy.stages)
     plan = plan_stages(profiled, (lowest + top) // 2, fingerprint=fp)
-    assert plan.world_size == 4 and plan.tensor_parallel == 2 and plan.checkpoints
+    assert plan.world_size == 4 and plan.tensor_parallel == 2 and plan.sequence_parallel and plan.checkpoints
+    assert plan.stages[0].send_bytes == plan.stages[1].recv_bytes == 4 * 64 * 128 * 4  # 4 rows, half of 128 positions
     q = next(p for p in plan.stages[1].fingerprint.params if p.name == "model.layers.2.self_attn.q_proj.weight")
     assert q.shape == [128, 128]  # the full-size stage's (a rank lays out the full stage with DTensor)
     path = tmp_path / "plan.json"

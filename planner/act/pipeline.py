@@ -48,6 +48,7 @@ class DecoderStage(nn.Module):
         inner = lm.model
         start, end = split_layers(len(inner.layers), num_stages)[stage]
         self.pp_stage, self.pp_stages = stage, num_stages
+        self.seq_shards = 1  # sequence parallelism: a later stage receives 1/seq_shards of the sequence
         self.first, self.last = stage == 0, stage == num_stages - 1
         inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(start, end)})
         if not self.first:
@@ -63,9 +64,11 @@ class DecoderStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.model
         h = inner.embed_tokens(x) if self.first else x
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = _causal_mask(self.config, h, pos)
-        pe = inner.rotary_emb(h, position_ids=pos)
+        seq = x.shape[1] if self.first else h.shape[1] * self.seq_shards  # positions of the whole sequence
+        shape = h.new_empty((h.shape[0], seq, 0))  # the whole sequence's shape for the mask, holding nothing
+        pos = torch.arange(seq, device=h.device).unsqueeze(0)
+        mask = _causal_mask(self.config, shape, pos)
+        pe = inner.rotary_emb(shape, position_ids=pos)
         for layer in inner.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)
             h = h[0] if isinstance(h, tuple) else h
@@ -150,15 +153,16 @@ class ProfiledStage:
     attrs: dict[str, Any]  # the pp_* attributes of solvers/contract.py
     modules: list[str]  # its repeated blocks
     tp: int = 1  # tensor-parallel ranks sharing each of its layers (the profile is one rank's)
+    sequence_parallel: bool = False  # the sequence sharded between blocks and between stages
     fingerprint: Any = None  # the stage module's, when not the profile's (tp: the full-size module's)
 
 
 def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None = None, tp: int = 1,
-                   progress: Any = None) -> list[ProfiledStage]:
+                   progress: Any = None, sequence_parallel: bool = False) -> list[ProfiledStage]:
     """Profile one micro-batch through each stage of ``layout`` (Rule 3 of NOTE [ Pipeline stages ]).
     ``step``: where and how (device, target, optimizer, timing steps, threads; the plain loop only);
     ``tp`` > 1: each stage's layers shared by ``tp`` ranks, one rank's stage profiled (NOTE [ Tensor-parallel
-    ranks ], Rule 4)."""
+    ranks ], Rule 4); ``sequence_parallel``: NOTE [ Sequence-parallel ranks ], Rule 5."""
     from planner.model.fingerprint import fingerprint
     from planner.profiling import profile as run_profile
     from planner.profiling.meta import build_on_meta
@@ -170,6 +174,11 @@ def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None =
     build = (lambda: build_on_meta(model_file.build_model)) if meta else model_file.build_model
     full = build()
     shapes = _shapes(full, model_file.example_inputs(), layout)
+    if sequence_parallel:
+        from planner.act.tensor_parallel import _check_sequence
+
+        _check_sequence(model_file.example_inputs(), tp)
+        shapes = shapes.sequence_sharded(tp)
     n = layout.num_stages  # pp x V (NOTE [ Interleaved stages ])
     spans = split_layers(shapes.layers, n)
     sigs = [_layer_signature(layer) for layer in full.model.layers]
@@ -177,7 +186,7 @@ def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None =
     if tp > 1:
         from planner.act.tensor_parallel import local_builder
 
-        build = local_builder(full, tp)
+        build = local_builder(full, tp, sequence_parallel=sequence_parallel, stages=True)
     del full
     shapes_seen: dict[tuple, tuple[int, Any]] = {}  # NOTE [ One profile per stage shape ]
     out = []
@@ -189,11 +198,12 @@ def profile_stages(model_file: Any, layout: Pipeline, *, step: StepSpec | None =
             prof = relabel_layers(prof, start - spans[like][0])
         else:
             say(f"profiling stage {s} of {n} (one micro-batch of {shapes.rows} rows)")
-            prof = _profile_stage(build(), s, n, shapes, step, run_profile)
+            prof = _profile_stage(build(), s, n, shapes, step, run_profile, tp if sequence_parallel else 1)
             shapes_seen[key] = (s, prof)
         fp = prof.fingerprint.model_copy(update=dict(params=[full_params[p.name] for p in prof.fingerprint.params])) \
             if tp > 1 else None  # the module a rank builds and lays out is full size (DTensors' global shapes)
-        out.append(ProfiledStage(prof, shapes.attrs(layout, s), [f"model.layers.{i}" for i in range(start, end)], tp, fp))
+        out.append(ProfiledStage(prof, shapes.attrs(layout, s), [f"model.layers.{i}" for i in range(start, end)], tp,
+                                 fingerprint=fp, sequence_parallel=sequence_parallel))
     return out
 
 
@@ -239,11 +249,14 @@ def _layer_signature(layer: nn.Module) -> tuple:
     return kinds, tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())
 
 
-def _profile_stage(model: nn.Module, s: int, num_stages: int, shapes: "_Shapes", step: StepSpec, run_profile: Any) -> Any:
-    """Stage ``s`` of ``model`` profiled on one micro-batch (Rule 3 of NOTE [ Pipeline stages ])."""
+def _profile_stage(model: nn.Module, s: int, num_stages: int, shapes: "_Shapes", step: StepSpec, run_profile: Any,
+                   seq_shards: int = 1) -> Any:
+    """Stage ``s`` of ``model`` profiled on one micro-batch (Rule 3 of NOTE [ Pipeline stages ]); ``seq_shards``:
+    the sequence-parallel ranks the sequence is sharded over between stages."""
     from planner.profiling.profiler import resolve_device
 
     stage = stage_module(model, s, num_stages)
+    stage.seq_shards = seq_shards
     hook = None if stage.first else stage.register_forward_pre_hook(_received)
     loss_fn = _stage_loss(stage, shapes.labels.to(resolve_device(step.device))) if stage.last else _feed_grad()
     x = shapes.ids if stage.first else torch.zeros(shapes.act_shape, dtype=shapes.dtype)
@@ -279,6 +292,14 @@ class _Shapes:
     dtype: torch.dtype
     act_bytes: int  # one micro-batch's activation between stages
     logits_bytes: int  # one micro-batch's logits (the last stage's output)
+
+    def sequence_sharded(self, tp: int) -> "_Shapes":
+        """These shapes with the activations between stages holding 1/tp of the sequence (NOTE [ Sequence-parallel
+        ranks ], Rule 5)."""
+        from dataclasses import replace
+
+        rows, seq, hidden = self.act_shape
+        return replace(self, act_shape=(rows, seq // tp, hidden), act_bytes=self.act_bytes // tp)
 
     def attrs(self, layout: Pipeline, s: int) -> dict[str, Any]:
         """The pp_* graph attributes of stage ``s`` (Rules 4 and 6)."""
@@ -414,7 +435,8 @@ def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], finge
         checkpoint_units=[u for sp in stages for u in sp.checkpoint_units], solver=worst.solver, predicted=predicted,
         device=first.device, device_name=first.device_name, target=first.target, dtype=first.dtype,
         recipe=first.recipe, optimizer=first.optimizer, world_size=max(pp * profiled[0].tp, spec.world_size),
-        sharding=spec.sharding, tensor_parallel=profiled[0].tp, torch_version=first.torch_version,
+        sharding=spec.sharding, tensor_parallel=profiled[0].tp, sequence_parallel=profiled[0].sequence_parallel,
+        torch_version=first.torch_version,
         remat_version=_version(), time_source=first.time_source, threads=first.threads,
         time_calibration=first.time_calibration, created=RunStamp(at=now_iso(), solver_seconds=round(seconds, 6)),
         pipeline=Pipeline(stages=pp, schedule=attrs["pp_schedule"], micro_batches=attrs["pp_micro_batches"],
@@ -423,11 +445,12 @@ def _pipeline_plan(stages: list[StagePlan], profiled: list[ProfiledStage], finge
 
 
 def plan_pipeline(model_file: Any, budget: int | str, layout: Pipeline, *, tp: int = 1, step: StepSpec | None = None,
-                  solve: SolveSpec | None = None, progress: Any = None) -> Plan:
+                  solve: SolveSpec | None = None, progress: Any = None, sequence_parallel: bool = False) -> Plan:
     """Profile each stage of the model file's model and plan it (NOTE [ Pipeline stages ]).
 
     ``model_file``: a path or a loaded ``ModelFile``; its ``example_inputs()`` is one data-parallel
-    replica's batch. ``tp``: tensor-parallel ranks per stage (NOTE [ Tensor-parallel ranks ]).
+    replica's batch. ``tp``: tensor-parallel ranks per stage (NOTE [ Tensor-parallel ranks ]), with the sequence
+    sharded over them when ``sequence_parallel`` (NOTE [ Sequence-parallel ranks ], Rule 5).
     ``solve.world_size``, when not 1, is ``layout.stages`` x ``tp`` x dp, with ``solve.sharding`` saying how a
     stage's dp ranks train (Rule 10)."""
     from planner.model.fingerprint import fingerprint
@@ -437,10 +460,10 @@ def plan_pipeline(model_file: Any, budget: int | str, layout: Pipeline, *, tp: i
     solve = solve or SolveSpec()
     check_layout(layout.stages, layout.schedule, layout.micro_batches,
                  solve.world_size if solve.world_size != 1 else None, solve.sharding, tp=tp,
-                 stages_per_rank=layout.stages_per_rank)
+                 stages_per_rank=layout.stages_per_rank, sequence_parallel=sequence_parallel)
     parse_bytes(budget)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
-    profiled = profile_stages(mf, layout, step=step, tp=tp, progress=progress)
+    profiled = profile_stages(mf, layout, step=step, tp=tp, progress=progress, sequence_parallel=sequence_parallel)
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
     return plan_stages(profiled, budget, fingerprint=fp, solve=solve)
 

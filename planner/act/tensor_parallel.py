@@ -78,10 +78,12 @@ def local_model(model: nn.Module, tp: int) -> nn.Module:
     return local_builder(model, tp)()
 
 
-def local_builder(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> Callable[[], nn.Module]:
+def local_builder(model: nn.Module, tp: int, *, sequence_parallel: bool = False,
+                  stages: bool = False) -> Callable[[], nn.Module]:
     """A function that builds ``local_model(model, tp)`` afresh on each call, from ``model``'s class and
     config only (a pipeline stage prunes its model: NOTE [ Pipeline stages ]); with ``sequence_parallel``,
-    its collectives emulated (NOTE [ Sequence-parallel ranks ], Rule 4)."""
+    its collectives emulated (NOTE [ Sequence-parallel ranks ], Rule 4; ``stages``: for pipeline stages, the first
+    layer's cut at the end of the embeddings)."""
     import torch
 
     from planner.act.pipeline import check_decoder_lm
@@ -101,7 +103,7 @@ def local_builder(model: nn.Module, tp: int, *, sequence_parallel: bool = False)
         with torch.device(device):
             local = kind(copy.deepcopy(cfg))
         local = local.to(dtype).train()
-        return _emulate_sequence_parallel(local, tp) if sequence_parallel else local
+        return _emulate_sequence_parallel(local, tp, stages) if sequence_parallel else local
 
     return build
 
@@ -205,7 +207,24 @@ def _check_sequence(batch: Any, tp: int) -> None:
 # Rule 4. The plan is made on the rank-local model of NOTE [ Tensor-parallel ranks ] with these
 # collectives emulated in place (``_emulate_sequence_parallel``: the same tensors, shapes and
 # order of allocation, the values repeated rather than exchanged), so the profile sees every
-# rank's activations per placement and the collectives' buffers.
+# rank's activations per placement and the collectives' buffers. The head's all-gather is emulated at
+# the end of the final norm's forward, not in a pre-hook of the head: the profiler's own pre-hooks
+# run first and would read the head's input as the S / N tensor, while on the ranks
+# ``PrepareModuleInput`` gathers before the head's (checkpointed) forward, so the head holds the whole
+# sequence (measured: a plan checkpointing the head was 63,536 bytes, 0.55%, low on the last stage of
+# tp 2 + sp x pp 2; with the head out of the plan, exact to 2,000 bytes). For the same reason a pipeline's
+# first stage emulates the first layer's cut at the end of the embeddings' forward (the first layer then
+# holds the rank's part when checkpointed, as on the ranks; as a pre-hook of the layer, the profiler read
+# its input as the whole embeddings: the first stage of tp 2 + sp x pp 2 with 2 micro-batches was 6.3%
+# high). The whole model's forward takes its positions from the embeddings' length, so there the cut
+# stays a pre-hook of the first layer (its checkpoint is counted whole: not measured).
+# Rule 5. With pipeline stages (``--pp``), the sequence stays sharded across a stage boundary, as
+# torchtitan runs it: a stage's last layer returns the rank's S / N positions (its reduce-scatter), the
+# schedule sends that local tensor, and the next stage's first layer takes it as is; only the first
+# stage cuts the embeddings and only the last gathers the head's input. So the activations sent and
+# received, their buffers and a stage's output are 1/N of the whole sequence (``_Shapes.sequence_sharded``
+# in planner/act/pipeline.py), and a later stage computes its positions, mask and rotary embeddings for
+# N times the positions it receives (``DecoderStage.seq_shards``).
 
 
 def _all_gather(x: Any, tp: int) -> Any:
@@ -238,7 +257,7 @@ def _collective(forward: Callable, backward: Callable, tp: int) -> Callable:
     return _Collective.apply
 
 
-def _emulate_sequence_parallel(local: nn.Module, tp: int) -> nn.Module:
+def _emulate_sequence_parallel(local: nn.Module, tp: int, stages: bool = False) -> nn.Module:
     """Rule 4: ``local`` (the rank-local model) with the collectives of Rule 1 emulated by hooks."""
     gather, scatter = (_collective(_all_gather, _reduce_scatter, tp), _collective(_reduce_scatter, _all_gather, tp))
 
@@ -248,7 +267,11 @@ def _emulate_sequence_parallel(local: nn.Module, tp: int) -> nn.Module:
     first = _collective(chunk, _all_gather, tp)
     layers = local.model.layers
     layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-    layers[0].register_forward_pre_hook(lambda _m, args: (first(args[0]), *args[1:]))
+    if stages:  # the cut ends the embeddings' forward: the first layer's input is the rank's part (Rule 4)
+        embed, embed_forward = local.model.embed_tokens, local.model.embed_tokens.forward
+        embed.forward = lambda *args, **kwargs: first(embed_forward(*args, **kwargs))
+    else:  # the whole model's forward takes its positions from the embeddings' length
+        layers[0].register_forward_pre_hook(lambda _m, args: (first(args[0]), *args[1:]))
     for layer in layers:
         layer.self_attn.register_forward_pre_hook(
             lambda _m, args, kwargs: (args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}),
@@ -256,7 +279,8 @@ def _emulate_sequence_parallel(local: nn.Module, tp: int) -> nn.Module:
         layer.mlp.register_forward_pre_hook(lambda _m, args: (gather(args[0]),))
         for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
             proj.register_forward_hook(lambda _m, _args, out: scatter(out))
-    local.lm_head.register_forward_pre_hook(lambda _m, args: (gather(args[0]),))
+    norm, norm_forward = local.model.norm, local.model.norm.forward
+    norm.forward = lambda *args, **kwargs: gather(norm_forward(*args, **kwargs))  # Rule 4: before the head's hooks
     return local
 
 
@@ -280,11 +304,15 @@ def _sequence_parallel_layout(model: nn.Module, mesh: Any) -> None:
     layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
     for layer in layers:
         parallelize_module(layer, mesh, layout)
-    parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                           use_local_output=True))
-    parallelize_module(model.model.norm, mesh, SequenceParallel(use_local_output=True))
-    parallelize_module(model.lm_head, mesh, PrepareModuleInput(input_layouts=(Shard(1),),
-                                                               desired_input_layouts=(Replicate(),), use_local_output=True))
+    if getattr(model, "first", True):  # a later pipeline stage receives the sequence sharded (Rule 5)
+        parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                               desired_input_layouts=(Shard(1),), use_local_output=True))
+    if model.model.norm is not None:  # the last stage's (Rule 5)
+        parallelize_module(model.model.norm, mesh, SequenceParallel(use_local_output=True))
+    if model.lm_head is not None:
+        parallelize_module(model.lm_head, mesh, PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                   desired_input_layouts=(Replicate(),),
+                                                                   use_local_output=True))
 
 
 __all__ = ["check_tp", "local_builder", "local_model", "plan_tensor_parallel", "tensor_parallel"]

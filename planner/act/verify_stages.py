@@ -60,7 +60,8 @@ def _lay_out(stage: torch.nn.Module, plan: Plan, mesh: Any) -> torch.nn.Module:
     if mesh is not None and plan.tensor_parallel > 1:
         from planner.act.tensor_parallel import tensor_parallel
 
-        tensor_parallel(stage, plan.tensor_parallel, mesh["tp"])
+        stage.seq_shards = plan.tensor_parallel if plan.sequence_parallel else 1  # Rule 5 of NOTE [ Sequence-parallel ranks ]
+        tensor_parallel(stage, plan.tensor_parallel, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     if mesh is None or mesh["dp"].size() == 1:
         return stage
     if plan.sharding == "ddp":

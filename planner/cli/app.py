@@ -198,7 +198,7 @@ def _plan_pipeline(o: PlanOptions, budget_bytes: int, log: Any) -> Any:
         raise BadInput("--device meta models times for a target device: add --target NAME (remat devices lists them)")
     layout = pipeline_layout(o.pp, o.schedule, o.micro_batches, o.stages_per_rank)
     return plan_pipeline(_model_source(o.model, o), budget_bytes, layout, tp=o.tp, step=o.step_spec(), solve=o.solve_spec,
-                         progress=_progress(log))
+                         progress=_progress(log), sequence_parallel=o.sequence_parallel)
 
 
 def _plan_tensor_parallel(o: PlanOptions, budget_bytes: int) -> Any:

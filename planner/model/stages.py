@@ -60,8 +60,8 @@ class StagePlan(FileModel):
 def check_stages(plan: Any) -> None:
     """A pipeline plan: one stage plan per stage, in order, each within the budget."""
     pp = plan.pipeline
-    if plan.sequence_parallel and (plan.tensor_parallel == 1 or pp is not None):
-        raise bad_field("sequence_parallel", "needs tensor_parallel > 1 and no pipeline stages")
+    if plan.sequence_parallel and plan.tensor_parallel == 1:
+        raise bad_field("sequence_parallel", "needs tensor_parallel > 1")
     if pp is None:
         if plan.stages:
             raise bad_field("stages", "stage plans without a pipeline")
