@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -199,6 +200,8 @@ def _child(rank: int, world_size: int, port: int, args: _Args, out_dir: str) -> 
     from planner.profiling.measure import count_cpu_allocations
 
     die_with_parent()
+    # gathering a 2D (FSDP2 x tp) gradient to full size logs "2 sequential all_gather operations" per rank
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if args.device_type == "cpu":
         count_cpu_allocations()  # before any tensor of the runs exists: see NOTE [ CPU peaks across threads ]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -305,11 +308,7 @@ def _compared_step(model: torch.nn.Module, batch: Any, loss_fn: Any, plan: Plan)
 
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Gradients by plain FQN, unsharded on the CPU (a collective under FSDP2: every rank calls it)."""
-    import logging
-
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    # gathering a (dp, tp) parameter's gradient logs "2 sequential all_gather operations" once per rank
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     out: dict[str, torch.Tensor | None] = {}
     for name, p in inner.named_parameters():
         g = p.grad
@@ -412,6 +411,7 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
         model=label, device=args.device_type, world_size=plan.world_size,
         sharding=(f"pipeline {plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches"
                   + (f", tensor parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else "")
+                  + (f", {plan.sharding.upper()} over the stage's data-parallel ranks" if plan.sharding != "none" else "")
                   if plan.pipeline is not None else _tp_layout(plan) if plan.tensor_parallel > 1 else plan.sharding),
         fsdp_units=plan.fsdp_units, launched=launched, peak_source=results[0]["source"], steps=args.steps,
         budget_bytes=plan.budget_bytes, peak_tolerance=peak_tolerance, grad_tolerance=grad_tolerance,
