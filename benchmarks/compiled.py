@@ -40,6 +40,7 @@ from planner.model.schema import Plan
 from planner.profiling import profile
 from planner.profiling.model_file import load_model_file
 from planner.profiling.profiler import resolve_device
+from planner.profiling.step_changes import find_step_changes, install
 
 MIB = 2**20
 
@@ -58,16 +59,22 @@ def main() -> None:
     prof = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=dev, steps=args.profile_steps,
                    threads=args.threads or None, compile="inductor")
     profile_s = time.perf_counter() - t0
-    variants = [Variant("torch.compile", lambda m, b: "-", None, compile_budget=None)]
-    variants += [Variant(f"torch.compile, activation_memory_budget {b:g}", lambda m, b: "-", None, compile_budget=b)
+    variants = [Variant("torch.compile", _same_step, None, compile_budget=None)]
+    if find_step_changes(mf.build_model()):  # what the step changes are worth to compile alone
+        variants.append(Variant("torch.compile, as built (no step changes)", lambda m, b: "-", None,
+                                compile_budget=None))
+    variants += [Variant(f"torch.compile, activation_memory_budget {b:g}", _same_step, None, compile_budget=b)
                  for b in args.budgets]
     kept = [_timed_peak(v, mf, dev) for v in variants]
     plans: dict[str, Plan | None] = {}
-    for v in [v for v in variants[1:] if v.peak_bytes]:
-        name = f"remat --compile at the peak of budget {v.compile_budget:g}"
+    targets = [(f"remat --compile at the peak of budget {v.compile_budget:g}", v.peak_bytes)
+               for v in variants if isinstance(v.compile_budget, float) and v.peak_bytes]
+    targets += [(f"remat --compile at {b / MIB:.2f} MiB (its own range)", b)
+                for b in _spread(prof, variants[0].peak_bytes, args.spread)]
+    for name, budget in targets:
         t1 = time.perf_counter()
         try:
-            plan = plan_from_profile(prof, v.peak_bytes)
+            plan = plan_from_profile(prof, budget)
         except BudgetInfeasible as e:  # compile went below what remat's candidates reach
             variants.append(Variant(name, lambda m, b: "-", None, error=str(e).split(": raise")[0][:160]))
             kept.append(None)
@@ -93,6 +100,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (one step per variant each)")
     p.add_argument("--profile-steps", type=int, default=2, help="timing steps of the profile")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--spread", type=int, default=0, metavar="N",
+                   help="also N remat plans at budgets spread evenly from the lowest its plans fit up to the "
+                        "plain compiled step's peak (for models where compile's budgets go below remat's reach)")
     return p.parse_args()
 
 
@@ -107,6 +117,27 @@ def _zoo_model(name: str) -> Any:
         raise SystemExit(f"--zoo {name}: not a zoo model; pick one of {', '.join(s.name for s in SPECS)}")
     return SimpleNamespace(build_model=lambda: spec.build(FULL).train(), example_inputs=lambda: spec.inputs(FULL),
                            loss_fn=spec.loss_fn, path=Path("benchmarks/zoo_models.py"))
+
+
+def _spread(prof: Any, top: int | None, n: int) -> list[int]:
+    """``n`` budgets from the lowest a remat plan fits (the minimum feasible peak, with headroom) up to,
+    not including, the measured peak of the plain compiled step."""
+    from planner.act.api import budget_with_headroom, graph_for, headroom_for
+    from solvers.dp import min_feasible_bytes
+
+    if n <= 0 or not top:
+        return []
+    low = budget_with_headroom(min_feasible_bytes(graph_for(prof, selective=False)), headroom_for(prof))
+    return [low + (top - low) * k // n for k in range(n)] if low < top else []
+
+
+def _same_step(model: torch.nn.Module, _batch: Any) -> str:
+    """torch.compile's variants run the step remat's plans run: the step changes ``apply_plan`` installs
+    (NOTE [ Step changes ]: a Hugging Face model trains with ``use_cache=False``), else compile's peaks
+    would count the keys and values its cache keeps (or not) and the comparison would be of two steps."""
+    changes = find_step_changes(model)
+    install(model, changes, say=False)
+    return "- (use_cache=False, as remat's plans run)" if changes else "-"
 
 
 def _timed_peak(v: Variant, mf: Any, dev: torch.device) -> Any:
