@@ -86,6 +86,12 @@ class Policy:
     """Keeps an output written in place, with its writers (``allow_cache_entry_mutation``)."""
     spread_ms: float = 0.0
     """The measured spread of ``recompute_ms`` (Rule (noise) of NOTE [ Selective menus ])."""
+    share: float = 1.0
+    """The share of the unit's forward the policy reruns (kernels by time, Python by calls)."""
+    calls: tuple[int, int] = (0, 0)
+    """Op calls (recomputed, kept): what the dispatch figures are paid on."""
+    op_cost_spread_ms: tuple[float, float] = (0.0, 0.0)
+    """The spreads of the dispatch figures it was priced with (``build_menu``'s)."""
 
     @property
     def cached_ids(self) -> frozenset[int]:
@@ -121,6 +127,19 @@ def describe(policy: Policy) -> str:
     kept = [f"{k} {_PLURAL[c] if k != 1 else c}" for c, k, _ in policy.counts if k]
     redo = [f"{r} {_PLURAL[c] if r != 1 else c}" for c, _, r in policy.counts if r]
     return f"saves {', '.join(kept) or 'nothing'}; recomputes {', '.join(redo) or 'nothing'}"
+
+
+def choice_spread_ms(a: Policy | bool, b: Policy | bool, forward_spread_ms: float) -> float:
+    """The measured spread of the difference of one unit's recompute under two choices, each a
+    ``Policy``, True (full checkpointing) or False (none): the unit's forward spread times the
+    difference of the shares it reruns, plus each dispatch figure's spread times the difference
+    of the calls it is paid on (errors the two prices share cancel; NOTE [ Robust choice ])."""
+    def parts(c: Policy | bool) -> tuple[float, int, int]:
+        return (c.share, *c.calls) if isinstance(c, Policy) else (1.0 if c else 0.0, 0, 0)
+
+    (sa, ra, ka), (sb, rb, kb) = parts(a), parts(b)
+    op = next((c.op_cost_spread_ms for c in (a, b) if isinstance(c, Policy)), (0.0, 0.0))
+    return forward_spread_ms * abs(sa - sb) + op[0] * abs(ra - rb) + op[1] * abs(ka - kb)
 
 
 # ----------------------------------------------------------------------------- menus
@@ -187,7 +206,12 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # saving F - recompute must exceed F's spread (``UnitRecord.forward_spread_ms``) times the
 # recomputed share plus n_r and n_k times the spreads of r and k (``Profile.sac_*_spread_ms``).
 # A policy within the noise of full checkpointing is a choice the next profile may reverse: it
-# is left out, and full checkpointing (cheaper in bytes) stands. Identical units have identical
+# is left out, and full checkpointing (cheaper in bytes) stands. Likewise for each op (or group)
+# the knapsack may keep: it is an item only when what keeping it saves exceeds the spread of that
+# saving (F's spread times the share it takes out of the replay, plus the spreads of r and k per
+# call). A pointwise op of tens of microseconds saves about its kernel less k - r, within the
+# dispatch figures' spread: kept in one profile and not in the next, it made GPT-2's and Qwen2's
+# policies differ run to run by 2 to 6 pointwise ops (docs/benchmarks.md, "Same plan every time"). Identical units have identical
 # menus (their op times are pooled, NOTE [ Op records ]), so the solvers' order breaks their ties,
 # and those a plan runs op-level run one policy (NOTE [ Robust choice ], Rule 3, in
 # planner/act/robust.py).
@@ -230,9 +254,10 @@ def build_menu(unit: UnitOps, *, tensor_bytes: dict[int, int], writers: dict[int
         ids = {t for op, _ in group if not (op.inplace or op.view) for t in op.output_ids}
         cost = sum(tensor_bytes[t] for t in ids if t not in outside)
         # what keeping the group saves (the NOTE's price of a policy, less the group); a group
-        # that saves nothing is never kept
-        value = price.saved(sum(o.forward_ms for o, _ in group), len(group))
-        if value > 0:
+        # that saves no more than its spread is never kept (Rule (noise))
+        kernel_ms = sum(o.forward_ms for o, _ in group)
+        value = price.saved(kernel_ms, len(group))
+        if value > 0 and value > price.saved_spread(kernel_ms, len(group)):
             items.append((cost, value, group))
     if not items or saved_bytes <= 0:
         return ()
@@ -285,6 +310,13 @@ class _Price:
         kept = self.calls - recomputed_calls
         return (self.forward_spread_ms * self.share(recomputed_kernel_ms, recomputed_calls)
                 + self.op_cost_spread_ms[0] * recomputed_calls + self.op_cost_spread_ms[1] * kept)
+
+    def saved_spread(self, kept_kernel_ms: float, kept_calls: int) -> float:
+        """The spread of ``saved``: the forward's spread times the share the kept calls take out of the
+        replay, plus both dispatch figures' spreads per kept call (``choice_spread_ms``)."""
+        share = self.share(self.kernel_ms, self.calls) - self.share(self.kernel_ms - kept_kernel_ms,
+                                                                    self.calls - kept_calls)
+        return self.forward_spread_ms * abs(share) + (self.op_cost_spread_ms[0] + self.op_cost_spread_ms[1]) * kept_calls
 
     def saved(self, kept_kernel_ms: float, kept_calls: int) -> float:
         """What keeping ``kept_calls`` calls of ``kept_kernel_ms`` saves, alone, against recomputing them."""
@@ -360,7 +392,10 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
         counts=tuple((c, *tally[c]) for c in order if c in tally),
         keeps_written=any(op.inplace for op, _ in members),
         spread_ms=price.spread_ms(*recomputed),
+        share=price.share(*recomputed),
+        calls=(recomputed[1], len(members)),
+        op_cost_spread_ms=price.op_cost_spread_ms,
     )
 
 
-__all__ = ["build_menu", "category", "describe", "indexed", "keepable", "MENU_STEPS", "OpCall", "Policy", "UnitOps"]
+__all__ = ["build_menu", "category", "choice_spread_ms", "describe", "indexed", "keepable", "MENU_STEPS", "OpCall", "Policy", "UnitOps"]

@@ -138,6 +138,39 @@ def test_dispatch_cost_is_timed_on_the_regions_alone(measured):
     assert cost.recomputed_op_spread_ms == pytest.approx(0.02 * ops[0] / calls) and cost.kept_op_spread_ms == 0.0
 
 
+def test_dispatch_cost_is_not_scaled_by_the_thread_factor(measured):
+    """NOTE [ Selective dispatch cost ], Rule 5: above one thread the dispatch figures are the thread's CPU
+    time at one thread, not scaled by the forward's thread factor (Python does not run faster on more
+    threads): a factor of 1000 leaves them at their one-thread size, well under a millisecond per call."""
+    from planner.profiling.sac_cost import measure_sac_cost
+    from planner.profiling.timing import ScaledCpuClock, num_threads
+
+    with num_threads(1):
+        cost = measure_sac_cost(_net(), _inputs(), measured, loss_fn=_loss, amp=None, dev=torch.device("cpu"),
+                                clock=ScaledCpuClock(2, scale=1000.0), rounds=2)
+    assert 0 < cost.recomputed_op_ms + cost.kept_op_ms < 2.0
+
+
+def test_each_cost_group_gets_its_thread_factor(measured):
+    """NOTE [ Thread factor per cost group ]: above one thread each group's forward is timed alone at one
+    thread and at the profile's, and the group's members, their submodules and their op calls are
+    rescaled from the whole forward's factor to the group's; the rest keeps the whole forward's."""
+    from planner.profiling.group_scale import GroupScale, measure_group_scales, with_group_scales
+
+    scaled = measured.model_copy(update={"time_source": "cpu-thread-time-scaled", "thread_scale": 0.5, "threads": 2})
+    kw = dict(loss_fn=_loss, amp=None, rounds=2)
+    found = measure_group_scales(_net(), _inputs(), scaled, threads=2, **kw)
+    assert [s.fqn for s in found if s.fqn.startswith("blocks.")] == ["blocks.0"] and all(s.scale > 0 for s in found)
+    assert measure_group_scales(_net(), _inputs(), scaled, threads=1, **kw) == []
+    out = with_group_scales(scaled, [GroupScale("blocks.0", 1.0, 0.0)])
+    for u, v in zip(scaled.units, out.units):
+        inside = v.fqn.startswith("blocks.")
+        assert v.forward_ms == pytest.approx(u.forward_ms * (2.0 if inside else 1.0)), v.fqn
+        assert (v.thread_scale == pytest.approx(1.0)) if inside else v.thread_scale == u.thread_scale
+    for o, p in zip(scaled.ops, out.ops):
+        assert p.forward_ms == pytest.approx(o.forward_ms * (2.0 if p.unit.startswith("blocks.") else 1.0))
+
+
 def test_dispatch_cost_is_measured_and_priced(measured, prof):
     """NOTE [ Selective dispatch cost ]: measured on the model, added to every policy per op call it
     recomputes and per op call it keeps, and a policy no faster than full checkpointing is left out."""
@@ -241,6 +274,54 @@ def test_a_policy_within_its_spread_of_full_checkpointing_stays_out():
     assert all(p.saved != quiet[0].saved for p in build_menu(replace(unit, forward_spread_ms=1.1 * at), **kw))
     dispatch = build_menu(unit, op_cost_ms=(0.01, 0.01), op_cost_spread_ms=(4.0, 4.0), **kw)
     assert dispatch == ()  # 4 ms of spread per call: no policy saves more than that
+
+
+def test_an_op_saving_within_its_spread_is_not_kept():
+    """NOTE [ Selective menus ], Rule (noise), per op: an op whose keeping saves no more than the spread
+    of that saving (the dispatch figures' spreads per call) is no item of the knapsack, so a gelu of
+    0.5 ms is kept at 0.2 ms of spread per figure and never at 0.3; the matmuls stay."""
+    ops = [_op(1, "aten.mm.default", 1, 5.0), _op(2, "aten.gelu.default", 2, 0.5), _op(3, "aten.mm.default", 3, 5.0)]
+    unit = UnitOps(ops, forward_ms=10.0, end_seq=9, saved_bytes=1000, first_save_inside={1: 2, 2: 3})
+    kw = dict(tensor_bytes={1: 400, 2: 50, 3: 100})
+    gelu = ("aten.gelu.default", 0)
+    assert any(gelu in p.saved for p in build_menu(unit, op_cost_spread_ms=(0.2, 0.2), **kw))
+    noisy = build_menu(unit, op_cost_spread_ms=(0.3, 0.3), **kw)
+    assert noisy and all(gelu not in p.saved for p in noisy)
+
+
+def test_difference_spread_counts_a_units_forward_once(graph):
+    """NOTE [ Robust choice ], Rule 1: a unit whole in one plan and op-level in the other differs by the
+    share of its forward the policy does not rerun, so its forward spread counts once, times that share."""
+    from planner.act.robust import difference_spread_ms
+
+    g = graph.copy()
+    block = next(n for n in g.nodes if n.startswith("blocks.") and g.nodes[n]["parent"] is None)
+    k = len(g.nodes[block]["menu"]) - 1
+    policy = g.nodes[block]["menu"][k]
+    g.nodes[block]["forward_spread_ms"] = 2.0
+    ops = simulate(g, [], {block: k})
+    assert 0 < policy.share < 1
+    assert difference_spread_ms(g, ops, simulate(g, [block])) == pytest.approx(2.0 * (1 - policy.share))
+    assert difference_spread_ms(g, ops, simulate(g, [])) == pytest.approx(2.0 * policy.share)
+    assert difference_spread_ms(g, ops, ops) == 0.0
+
+
+def test_the_simplest_choice_within_the_spread(graph):
+    """NOTE [ Robust choice ], Rule 4: a group's policy gives way to full checkpointing (or a policy
+    keeping fewer bytes) that fits and costs more by less than the spread of the difference; without
+    a spread the solver's choice stands."""
+    from planner.act.robust import simplest_within_spread
+
+    blocks = [n for n in graph.nodes if n.startswith("blocks.") and graph.nodes[n]["parent"] is None]
+    k = len(graph.nodes[blocks[0]]["menu"]) - 1
+    est = simulate(graph, [], {blocks[0]: k, blocks[1]: k})
+    big = simulate(graph, []).peak_bytes * 2
+    assert simplest_within_spread(graph, est, big).selective == est.selective  # the fixture: no spread
+    g = graph.copy()
+    for b in blocks:
+        g.nodes[b]["forward_spread_ms"] = 1e3
+    out = simplest_within_spread(g, simulate(g, [], {blocks[0]: k, blocks[1]: k}), big)
+    assert not out.selective and {blocks[0], blocks[1]} <= set(out.checkpointed)
 
 
 # ----------------------------------------------------------------------------- cost model and solvers

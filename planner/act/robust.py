@@ -16,6 +16,7 @@ import networkx as nx
 
 from planner.model.schema import LOSS_ID, ROOT_ID
 from solvers.cost_model import simulate, tie_groups
+from solvers.selective import Policy, choice_spread_ms
 
 # NOTE [ Robust choice ]
 # A plan is worth what its worst figure is worth (NOTE [ Unit costs ], Rule 4). The menus take
@@ -24,9 +25,13 @@ from solvers.cost_model import simulate, tie_groups
 # ties, never noise. One choice is left: op-level regions against whole modules, at one budget.
 # Rule. When the solver's plan holds op-level regions, the budget is solved again over whole
 # modules only; the op-level plan stands only when it is predicted cheaper than that plan by
-# more than the spread of the difference (``difference_spread_ms``: the forward spreads of the
-# units one plan checkpoints whole and the other does not, plus every policy's spread, times the
-# micro-batches). Otherwise the whole-module plan is returned: within the noise the two are
+# more than the spread of the difference (``difference_spread_ms``: per unit whose choice
+# differs, the spread of the difference of its two prices, ``solvers.selective.choice_spread_ms``:
+# its forward spread times the difference of the shares of it the two rerun, plus the dispatch
+# figures' spreads times the difference of the calls they are paid on; times the micro-batches.
+# A unit whole in one plan and op-level in the other counts its forward spread once, times the
+# share its policy does not rerun: before, it counted it whole and again inside the policy's
+# spread, which sent close cases to whole modules). Otherwise the whole-module plan is returned: within the noise the two are
 # the same price, and whole modules pay no selective dispatch, whose figures are the noisiest
 # (differences of region times over the op calls, NOTE [ Selective dispatch cost ]).
 # Rule 2 (symmetry). Units of one cost group (identical figures, identical menus) are
@@ -48,6 +53,16 @@ from solvers.cost_model import simulate, tie_groups
 # peak, then the menu's order) replaces the mix; when none fits, full checkpointing of those
 # members does, when it fits; else (no uniform choice fits) the solver's mix stands.
 # ``uniform_policies``; Rule 2 then arranges the group (one policy, full and none).
+# Rule 4 (the simplest choice within the noise). After Rule 3, a group's op-level members run
+# one policy, the one the solver found cheapest at the budget; the menu's other policies and
+# full checkpointing cost more time but keep fewer bytes, and where they cost more by less than
+# the spread of the difference (``choice_spread_ms`` per member, times the micro-batches) the
+# solver's pick was decided by noise: GPT-2's blocks kept 3 matmuls in one profile and 4 in the
+# next, or ran whole (docs/benchmarks.md, "Same plan every time"). So the first of full
+# checkpointing, then the menu's policies in its order (fewest kept bytes first) up to the
+# solver's, that fits the budget within that spread of the solver's overhead replaces it:
+# ``simplest_within_spread``. Where the figures separate the choices beyond their spread, the
+# solver's choice stands.
 
 
 OPTIMISERS = ("auto", "dp", "ilp")
@@ -90,11 +105,36 @@ def _top(g: nx.DiGraph, n: str) -> str:
 
 def difference_spread_ms(g: nx.DiGraph, ops: Any, whole: Any) -> float:
     """The measured spread of ``ops``'s recompute less ``whole``'s (two ``Estimate`` on ``g``'s units;
-    NOTE [ Robust choice ])."""
-    forward = {n: a.get("forward_spread_ms", 0.0) for n, a in g.nodes(data=True)}
-    differ = set(ops.checkpointed) ^ set(whole.checkpointed)
-    policies = sum(g.nodes[n]["menu"][k].spread_ms for n, k in ops.selective.items())
-    return g.graph.get("micro_batches", 1) * (sum(forward.get(n, 0.0) for n in differ) + policies)
+    NOTE [ Robust choice ], Rule 1)."""
+    def choice(est: Any, n: str) -> Policy | bool:
+        return g.nodes[n]["menu"][est.selective[n]] if n in est.selective else n in est.checkpointed
+
+    units = {*ops.checkpointed, *ops.selective, *whole.checkpointed, *whole.selective}
+    return g.graph.get("micro_batches", 1) * sum(
+        choice_spread_ms(choice(ops, n), choice(whole, n), g.nodes[n].get("forward_spread_ms", 0.0)) for n in units)
+
+
+def simplest_within_spread(g: nx.DiGraph, est: Any, usable: int) -> Any:
+    """``est`` with each cost group's policy replaced by full checkpointing, or by a policy earlier in
+    its menu, where that fits and costs more by no more than the spread of the difference (NOTE
+    [ Robust choice ], Rule 4)."""
+    skip = _skipped(g, est)
+    for members in _cost_groups(g):
+        op_level = [n for n in members if n in est.selective]
+        if skip.intersection(members) or not op_level or len({est.selective[n] for n in op_level}) > 1:
+            continue
+        a = g.nodes[op_level[0]]
+        menu, k = a["menu"], est.selective[op_level[0]]
+        others = {n: j for n, j in est.selective.items() if n not in op_level}
+        for alt in (-1, *range(k)):  # full checkpointing, then the menu's order up to the solver's policy
+            trial = simulate(g, [*est.checkpointed, *op_level], others, est.offloaded) if alt < 0 else \
+                simulate(g, est.checkpointed, {**others, **{n: alt for n in op_level}}, est.offloaded)
+            spread = g.graph.get("micro_batches", 1) * len(op_level) * choice_spread_ms(
+                menu[k], alt < 0 or menu[alt], a.get("forward_spread_ms", 0.0))
+            if trial.peak_bytes <= usable and trial.overhead_ms - est.overhead_ms <= spread:
+                est = trial
+                break
+    return est
 
 
 def uniform_policies(g: nx.DiGraph, est: Any, usable: int) -> Any:
@@ -138,4 +178,4 @@ def _skipped(g: nx.DiGraph, est: Any) -> set[str]:
     return skip | {_top(g, c) for c in est.offloaded}
 
 
-__all__ = ["canonical", "difference_spread_ms", "OPTIMISERS", "uniform_policies"]
+__all__ = ["canonical", "difference_spread_ms", "OPTIMISERS", "simplest_within_spread", "uniform_policies"]

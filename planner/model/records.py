@@ -40,6 +40,9 @@ class UnitRecord(FileModel):
     forward_spread_ms: Ms = Field(0.0, description="Interquartile range of the samples behind forward_ms (NOTE "
                                                    "[ Unit costs ], Rule 4); 0: one sample, or not measured.")
     backward_spread_ms: Ms = Field(0.0, description="Interquartile range of the samples behind backward_ms.")
+    thread_scale: NonNegFloat | None = Field(None, description="The thread factor of its cost group's forward, "
+                                             "which its forward figures were scaled by instead of the profile's "
+                                             "(NOTE [ Thread factor per cost group ]); None: the profile's.")
     input_ids: list[int] = Field(default_factory=list,
                                  description="Tensors (ids into Profile.tensors) passed in as inputs and created "
                                              "during the step. Pre-existing tensors (batch, parameters) are static.")

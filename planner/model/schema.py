@@ -267,8 +267,8 @@ class Profile(_Model):
     threads: Threads | None = Field(None, description="torch intra-op threads the CPU step ran with.")
     thread_scale: NonNegFloat | None = Field(
         None, description="'cpu-thread-time-scaled' only: the measured ratio of the forward's wall time at `threads` "
-                          "to its CPU time at one thread, which every figure was multiplied by (NOTE [ Unit costs ], "
-                          "Rule 1b).")
+                          "to its CPU time at one thread, which every figure but sac_*_op_ms was multiplied by (NOTE "
+                          "[ Unit costs ], Rule 1b).")
     thread_scale_spread: NonNegFloat = Field(0.0, description="Spread of thread_scale over its rounds.")
     time_calibration: str | None = Field(None, description="Roofline only: the calibration file its efficiency "
                                                            "constants came from; None: uncalibrated assumptions.")
@@ -302,7 +302,9 @@ class Profile(_Model):
     sac_recomputed_op_ms: Ms = Field(0.0, description="Milliseconds torch's selective checkpointing adds per "
                                                           "op call a region recomputes, beyond its kernel (NOTE "
                                                           "[ Selective dispatch cost ] in "
-                                                          "planner/profiling/sac_cost.py); 0 when not measured.")
+                                                          "planner/profiling/sac_cost.py): one thread's CPU time, "
+                                                          "not scaled by thread_scale (Rule 5); 0 when not "
+                                                          "measured.")
     host_link_bytes_per_s: NonNegFloat | None = Field(
         None, description="Bytes/s one way between the device and host memory, for offloaded activations "
                           "(NOTE [ Peak-memory model ], Rule 10): a memcpy measured on the CPU, a pinned copy "

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.model.schema import LOSS_ID, ROOT_ID, Profile
-from planner.profiling.timing import spread_ms
+from planner.profiling.timing import ScaledCpuClock, ThreadCpuClock, spread_ms
 
 SAC_ROUNDS = 9
 """Interleaved rounds of the four region runs (NOTE [ Selective dispatch cost ], Rule 2); each run
@@ -76,8 +76,15 @@ class SacCost(NamedTuple):
 # ((t_r - t_full) / N of each round; ``Profile.sac_recomputed_op_spread_ms``,
 # ``sac_kept_op_spread_ms``). A figure within its spread of 0 is noted in the profile
 # (``with_sac_cost``), and a policy enters a menu only when it saves more than the spread of its
-# price (NOTE [ Selective menus ], Rule (noise)). Above one CPU thread the rounds run at one
-# thread on the profile's scaled clock, like every other figure (NOTE [ Unit costs ], Rule 1b).
+# price (NOTE [ Selective menus ], Rule (noise)).
+#
+# Rule 5 (threads). Above one CPU thread the rounds run at one thread, like every other figure
+# (NOTE [ Unit costs ], Rule 1b), but the figures are the thread's CPU time unscaled: r and k are
+# Python (the dispatch modes' per-call work, the replayed module code), which runs on the calling
+# thread however many intra-op threads the kernels get, so the forward's thread factor (0.57 on
+# Qwen2 at 2 threads) does not apply to them. Scaled by it, Qwen2's op-level plans at 2 threads
+# were predicted at 38, 22 and 11 ms and measured at 64, 49 and 27 ms (docs/benchmarks.md,
+# "Predicted recompute vs measured overhead").
 #
 # Rule 3. On CUDA the Python work overlaps the kernels of earlier ops as long as the GPU is
 # busy: the profile's CUDA-event clock sees only what is not hidden. Meta profiles (no device
@@ -99,6 +106,7 @@ def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: C
         return SacCost(0.0, 0.0)
     modules = dict(model.named_modules())
     mods = [modules[fqn] for fqn, _ in regions]
+    clock = _python_clock(clock)
     # one micro-batch: the figures are per op call, and simulate counts a policy once per micro-batch
     step = make_step(model, inputs, loss_fn=loss_fn, optimizer=None, amp=amp)
     with restoring_model(model, dev):
@@ -108,6 +116,11 @@ def measure_sac_cost(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: C
             model.zero_grad(set_to_none=True)
             ms = _step_runs(step, model, mods, clock, rounds)
     return _figures(ms, n_ops)
+
+
+def _python_clock(clock: Any) -> Any:
+    """``clock``, or the unscaled thread CPU clock for a ``ScaledCpuClock`` (Rule 5)."""
+    return ThreadCpuClock() if isinstance(getattr(clock, "clock", clock), ScaledCpuClock) else clock
 
 
 def _figures(ms: dict[Any, list[list[float]]], n_ops: int) -> SacCost:

@@ -42,11 +42,15 @@ import torch
 #   times every figure (units, ops, selective dispatch) at one thread on the thread's CPU
 #   time, and multiplies it by the measured ratio of the forward's wall time at the user's N
 #   threads to its CPU time at one thread (``ScaledCpuClock.calibrate``: least of each over
-#   interleaved rounds; ``Profile.thread_scale``, its spread ``thread_scale_spread``; time
-#   source 'cpu-thread-time-scaled'). One factor for every figure: the plan is the plan of the
-#   one-thread figures, whatever the load, and the milliseconds are the N-thread step's. What
-#   it leaves out: ops that scale unlike the forward as a whole (Python dispatch not at all,
-#   large matmuls best); benchmarks/time_model.py measures the error at N threads. The memory
+#   interleaved rounds, kept within [1/N, 1]: above 1 is load, which a burner on a 2-core
+#   machine turned into factors of 0.5 to 3 between profiles, while the step on a machine of its
+#   own is not slower at N threads than at one; ``Profile.thread_scale``, its spread ``thread_scale_spread``; time
+#   source 'cpu-thread-time-scaled'). One factor for every figure, but two: selective
+#   checkpointing's dispatch, which is Python, is left unscaled (NOTE [ Selective dispatch
+#   cost ], Rule 5), and each cost group's forward gets the factor of its own forward (NOTE
+#   [ Thread factor per cost group ]): a block of small ops gains less from threads than a
+#   forward that ends in a large head matmul. The milliseconds are the N-thread step's;
+#   benchmarks/time_model.py measures their error at N threads. The memory
 #   step and the device's own peak run at N threads, as the user's step does.
 # Rule 2. Robust statistics. ``steps`` timing steps; a unit's cost is the median of its
 #   samples, not their mean: one step descheduled in the middle of one block does not move it.
@@ -121,7 +125,7 @@ class ScaledCpuClock(ThreadCpuClock):
     def timing(self) -> contextlib.AbstractContextManager:
         return num_threads(1)
 
-    def calibrate(self, step: Callable[..., Any], rounds: int = 3) -> None:
+    def calibrate(self, step: Callable[..., Any], rounds: int = 5) -> None:
         """``scale`` = least wall ms of the forward at ``threads`` / least thread CPU ms of it at one
         thread, over ``rounds`` interleaved rounds; ``spread``: the spread of the per-round ratios."""
         one, many = [], []
@@ -131,8 +135,15 @@ class ScaledCpuClock(ThreadCpuClock):
             with num_threads(self.threads):
                 many.append(_forward_ms(step, WallClock()))
         if min(one) > 0:
-            self.scale = min(many) / min(one)
+            self.scale = thread_factor(min(many), min(one), self.threads)
             self.spread = spread_ms([b / a for a, b in zip(one, many) if a > 0])
+
+
+def thread_factor(wall_ms: float, cpu_ms: float, threads: int) -> float:
+    """``wall_ms`` at ``threads`` over ``cpu_ms`` at one thread, within [1 / threads, 1] (NOTE [ Unit
+    costs ], Rule 1b): more threads do not make work more than that many times faster, nor slower
+    on a machine they have to themselves; a ratio above 1 is other processes' load."""
+    return min(1.0, max(1.0 / threads, wall_ms / cpu_ms))
 
 
 def _forward_ms(step: Callable[..., Any], clock: WallClock) -> float:
@@ -352,5 +363,5 @@ def time_interleaved(steps: Mapping[str, Callable[[], Any]], *, rounds: int, clo
 
 
 __all__ = ["calibrated", "clock_of", "CudaEventClock", "describe", "ExcludingClock", "HookFreeClock", "num_threads", "pick_clock",
-           "profile_clock", "robust_ms", "ScaledCpuClock", "signature", "spread_ms", "ThreadCpuClock",
+           "profile_clock", "robust_ms", "ScaledCpuClock", "signature", "spread_ms", "thread_factor", "ThreadCpuClock",
            "time_interleaved", "TIME_SOURCES", "timing_threads", "unit_costs", "UnitCost", "WallClock"]
