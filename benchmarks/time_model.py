@@ -103,6 +103,7 @@ def rows_for(name: str, *, threads: int | None, steps: int, rounds: int,
                          noise_ms=spread_ms(paired), plain_ms=min(plain), error_ms=predicted - measured,
                          allowed_ms=allowed, ok=abs(predicted - measured) <= allowed, time_source=prof.time_source,
                          clock=clock.source, threads=used, thread_scale=prof.thread_scale, profile_s=profile_s,
+                         group_scales=sorted({u.thread_scale for u in prof.units if u.thread_scale}),
                          load=os.getloadavg()[0], samples=samples[label], plain_samples=samples["plain"]))
     return rows
 
@@ -134,17 +135,25 @@ def print_table(rows: list[dict[str, Any]], command: str) -> None:
           f"{first.get('time_source')}, steps timed on {first.get('clock')}; measured = least planned - least "
           f"plain step over interleaved rounds; noise = interquartile range of the paired per-round differences\n")
     print("| model | budget, plan | checkpoints (op-level) | plain step ms | predicted ms | measured ms | error | "
-          "noise ms | paired median ms | ok | load |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+          "noise ms | paired median ms | ok | load | thread factor (groups) |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
     for r in rows:
         what = "same as whole modules" if r["same_as_modules"] else \
             f"{len(r['checkpoints'])} ({len(r['selective'])} op-level)"
         err = f"{100 * r['error_ms'] / r['measured_ms']:+.0f}%" if r["measured_ms"] > 0 else f"{r['error_ms']:+.1f} ms"
         print(f"| {r['model']} | {r['budget']} | {what} | {r['plain_ms']:.1f} | {r['predicted_ms']:.1f} | "
               f"{r['measured_ms']:.1f} | {err} | {r['noise_ms']:.1f} | {r['paired_median_ms']:.1f} | "
-              f"{'yes' if r['ok'] else 'NO'} | {r['load']:.1f} |")
+              f"{'yes' if r['ok'] else 'NO'} | {r['load']:.1f} | {_factors(r)} |")
     ok = sum(r["ok"] for r in rows)
     print(f"\n{ok} of {len(rows)} rows within max(15% of measured, 3 ms)")
+
+
+def _factors(row: dict[str, Any]) -> str:
+    """The profile's thread factor and its cost groups' (NOTE [ Thread factor per cost group ])."""
+    if not row["thread_scale"]:
+        return "-"
+    groups = ", ".join(f"{s:.3f}" for s in row["group_scales"])
+    return f"{row['thread_scale']:.3f}" + (f" ({groups})" if groups else "")
 
 
 def main() -> None:
