@@ -258,7 +258,7 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
     import torch.distributed as dist
 
     from planner.act.applier import apply_plan
-    from planner.profiling.measure import free, measure_step, to_device
+    from planner.profiling.measure import DISTRIBUTED_PEAK_REPEATS, free, measure_step, to_device
     from planner.profiling.model_file import load_model_file
     from planner.act.sharding import shard_for_plan
     from planner.profiling.step_changes import install
@@ -284,7 +284,8 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
     model.zero_grad(set_to_none=True)
     gc.collect()
     rng.seed_all(SEED)
-    peak = measure_step(step, dev)
+    repeats = DISTRIBUTED_PEAK_REPEATS if dev.type == "cpu" else 1  # NOTE [ Late frees on gloo's threads ]
+    peak = measure_step(step, dev, repeats=repeats)
     run = _RankRun(peak.peak_bytes, peak.source, loss, recomputes)
     if handle:
         handle.remove()
