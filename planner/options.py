@@ -86,7 +86,8 @@ def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int
                        "drop it", options=("sequence_parallel", "tp"))
     if stages is not None:
         _check_stages(stages, schedule, micro_batches)
-    _check_interleaved(stages, schedule, micro_batches, stages_per_rank, world_size or tp * (stages or 1))
+    _check_interleaved(stages, schedule, micro_batches, stages_per_rank, (world_size or tp * (stages or 1)) // tp,
+                       sharding)
     ranks = tp * (stages or 1)
     what = f"pp {stages} and tp {tp}" if stages else f"tp {tp}"
     dp, rest = divmod(world_size or ranks, ranks)
@@ -117,8 +118,10 @@ def _check_stages(stages: Any, schedule: str, micro_batches: Any) -> None:
         raise BadInput(f"micro-batches must be an integer >= 1, got {micro_batches!r}", options=("micro_batches",))
 
 
-def _check_interleaved(stages: Any, schedule: str, micro_batches: int, per_rank: Any, ranks: int) -> None:
-    """``--stages-per-rank`` V and interleaved-1f1b (NOTE [ Interleaved stages ], Rule 1), one line each."""
+def _check_interleaved(stages: Any, schedule: str, micro_batches: int, per_rank: Any, tp_groups: int,
+                       sharding: str) -> None:
+    """``--stages-per-rank`` V and interleaved-1f1b (NOTE [ Interleaved stages ], Rules 1 and 8), one line each;
+    ``tp_groups``: the world size over tp (pp x dp)."""
     if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1:
         raise BadInput(f"stages-per-rank must be an integer >= 1, got {per_rank!r}", options=("stages_per_rank",))
     if per_rank > 1 and schedule != "interleaved-1f1b":
@@ -135,10 +138,10 @@ def _check_interleaved(stages: Any, schedule: str, micro_batches: int, per_rank:
         raise BadInput(f"interleaved-1f1b with pp {stages} needs micro-batches a multiple of max(1, M // pp) = {rounds}; "
                        f"{micro_batches} is not: give {{micro_batches}} e.g. {', '.join(map(str, fits[:6]))}",
                        options=("micro_batches",))
-    if ranks > stages:
-        raise BadInput(f"interleaved-1f1b is planned with one rank per pipeline position for now (no tp, no "
-                       f"data-parallel ranks): drop {{tp}} and {{world_size}}, or use {{schedule}} 1f1b",
-                       options=("tp", "world_size", "schedule"))
+    if tp_groups > stages:
+        raise BadInput(f"interleaved-1f1b is planned without data-parallel ranks for now (world size pp x tp): drop "
+                       f"{{world_size}}, or use {{schedule}} 1f1b with {{sharding}} "
+                       f"{sharding if sharding != 'none' else 'fsdp'}", options=("world_size", "schedule", "sharding"))
 
 
 def check_model_fit(num_layers: int, stages: int, micro_batches: int, rows: int, per_rank: int = 1) -> None:

@@ -382,6 +382,27 @@ def test_verify_spawns_fsdp_ranks_and_each_is_predicted_within_2_percent(rank_mo
 
 
 @needs_gloo
+def test_a_rank_that_fails_ends_verify_with_its_error(model_file, plan_file, tmp_path):
+    """One rank raises while the other waits on it in a collective: verify ends at once with the failed rank's
+    error line (a chained traceback's cause), no rank left running (the failed rank does not wait at the group's
+    closing barrier for ranks that wait on it)."""
+    import time
+
+    from planner.act.verify_ranks import verify_ranks
+    from planner.errors import ProfileError
+
+    failing = tmp_path / "fails_on_rank_1.py"
+    failing.write_text(model_file.read_text().replace(
+        "def loss_fn(output):\n    return output",
+        "def loss_fn(output):\n    import os\n    if os.environ.get('RANK') == '1':\n"
+        "        raise ValueError('rank 1 ran out of data')\n    return output"))
+    start = time.perf_counter()
+    with pytest.raises(ProfileError, match="a rank failed: ValueError: rank 1 ran out of data"):
+        verify_ranks(failing, plan_file, steps=1)
+    assert time.perf_counter() - start < 120
+
+
+@needs_gloo
 def test_verify_under_torchrun_ddp_reports_every_rank_once(rank_model_file, tmp_path):
     plan_path = _mid_budget_plan(rank_model_file, "ddp", 2, tmp_path / "plan.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}

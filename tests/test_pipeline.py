@@ -145,9 +145,10 @@ def test_data_parallel_stages_add_buckets_or_shard_the_state():
 
 @pytest.fixture(scope="module")
 def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """pp 2, interleaved 1F1B with 2 stages per rank (NOTE [ Interleaved stages ]), 4 micro-batches at the budget
-    halfway between the layout's lowest feasible and no-checkpoint peaks (the worst rank's), planned on the CPU
-    (1F1B is verified on ranks below, with FSDP2 and with tp)."""
+    """pp 2, interleaved 1F1B with 2 stages per rank (NOTE [ Interleaved stages ]), 4 micro-batches, each stage's
+    layers shared by 2 tensor-parallel ranks with the sequence sharded (Rule 8), at the budget halfway between the
+    layout's lowest feasible and no-checkpoint peaks (the worst rank's), planned on the CPU (1F1B is verified on
+    ranks below, with FSDP2 and with tp)."""
     from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
     from planner.model.fingerprint import fingerprint
     from planner.profiling.meta import build_on_meta
@@ -156,7 +157,7 @@ def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     mf = load_model_file(LLAMA)
     profiled = profile_stages(mf, pipeline_layout(2, "interleaved-1f1b", 4, stages_per_rank=2),
-                              step=StepSpec(device="cpu", threads=1, steps=1))
+                              step=StepSpec(device="cpu", threads=1, steps=1), tp=2, sequence_parallel=True)
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
     roomy = plan_stages(profiled, "1GB", fingerprint=fp)
     lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
@@ -171,7 +172,8 @@ def test_the_plan_file_holds_one_plan_per_stage(pipeline_plan: Path):
     plan = Plan.load(pipeline_plan)
     data = json.loads(pipeline_plan.read_text())
     assert data["schema_version"] == PIPELINE_PLAN_VERSION and plan.pipeline.stages == 2
-    assert plan.pipeline.stages_per_rank == 2 and len(plan.stages) == 4 and plan.world_size == 2
+    assert plan.pipeline.stages_per_rank == 2 and len(plan.stages) == 4 and plan.world_size == 4
+    assert plan.tensor_parallel == 2 and plan.sequence_parallel
     assert [st.in_flight for st in plan.stages] == [4, 3, 2, 1]
     assert [st.modules for st in plan.stages] == [[f"model.layers.{i}"] for i in range(4)]
     assert plan.stages[0].checkpoints and plan.stages[1].checkpoints  # the halfway budget needs them on both ranks
@@ -201,13 +203,15 @@ def test_the_applier_applies_the_stage_plan_on_a_stage(pipeline_plan: Path):
 
 
 def test_verify_runs_each_stage_on_its_rank(pipeline_plan: Path):
-    """Two gloo ranks on the CPU, two stages each: each rank's measured peak within 2% of its prediction and within
-    the budget, the gradients those of one process (tests the whole path: stage modules, the schedule)."""
+    """Four gloo ranks on the CPU (2 pipeline positions x 2 tp ranks), two stages each: each rank's measured peak
+    within 2% of its prediction and within the budget, the gradients those of one process (tests the whole path:
+    stage modules, tp layout, the schedule)."""
     from planner.act.verify_ranks import verify_ranks
 
     report = verify_ranks(LLAMA, pipeline_plan, steps=1)
     assert report.ok, report.problems
-    assert [r.rank for r in report.rows] == [0, 1] and all(r.recomputes > 0 for r in report.rows)
+    assert [(r.stage, r.tp_rank) for r in report.rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r.recomputes > 0 for r in report.rows)
     assert report.max_grad_diff < 1e-6
 
 
@@ -251,8 +255,9 @@ def test_stages_with_fsdp_ranks_verify_on_every_rank(tmp_path: Path):
      "needs micro-batches a multiple of max(1, M // pp) = 2; 5 is not"),
     (["--pp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank", "3", "--micro-batches", "4"],
      "pp 2 x stages-per-rank 3 = 6 stages is more than the model's 4 layers: give --stages-per-rank 2 or fewer"),
-    (["--pp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--tp", "2"],
-     "interleaved-1f1b is planned with one rank per pipeline position for now"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--world-size", "4", "--sharding",
+      "ddp"], "interleaved-1f1b is planned without data-parallel ranks for now (world size pp x tp): drop "
+              "--world-size, or use --schedule 1f1b with --sharding ddp"),
     (["--sequence-parallel"], "--sequence-parallel shards the sequence over tensor-parallel ranks: add --tp N"),
     (["--tp", "2", "--world-size", "3"], "world size 3 is not tp x pp x dp with tp 2: give --world-size a multiple "
                                          "of 2"),

@@ -32,6 +32,7 @@ import gc
 import json
 import logging
 import os
+import re
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -179,8 +180,7 @@ def _spawn(args: _Args, world_size: int) -> list[dict]:
             while not context.join():
                 pass
         except mp.ProcessRaisedException as e:
-            last = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-            raise ProfileError(f"a rank failed: {last[-1] if last else e}") from None
+            raise ProfileError(f"a rank failed: {rank_error(str(e))}") from None
         except mp.ProcessExitedException as e:
             raise ProfileError(f"a rank exited without finishing ({e})") from None
         finally:  # interrupted, terminated or failed: no rank outlives this call (NOTE [ Signals and children ])
@@ -193,6 +193,16 @@ def _spawn(args: _Args, world_size: int) -> list[dict]:
             grads.update(torch.load(path, weights_only=True))
         results[0]["grads"] = grads
     return results
+
+
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|BadInput|Infeasible)\b.*?: \S")
+
+
+def rank_error(text: str, limit: int = 300) -> str:
+    """The first error line of a rank's traceback (a chained one's cause comes first), else its last line."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    line = next((ln for ln in lines if _ERROR_LINE.match(ln)), lines[-1] if lines else text)
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _child(rank: int, world_size: int, port: int, args: _Args, out_dir: str) -> None:
@@ -224,6 +234,7 @@ def _rank_main(args: _Args, grads_path: Path) -> dict:
         torch.cuda.set_device(dev)
     if created:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    finished = False
     try:
         plan = Plan.model_validate_json(args.plan_json)
         if plan.world_size != dist.get_world_size():
@@ -231,15 +242,19 @@ def _rank_main(args: _Args, grads_path: Path) -> dict:
         if plan.pipeline is not None:
             from planner.act.verify_stages import stage_rank_main
 
-            return stage_rank_main(args, plan, dev, grads_path, SEED)
-        base = _rank_run(args, plan, dev, planned=False, grads_path=None)
-        mine = _rank_run(args, plan, dev, planned=True, grads_path=grads_path)
-        return dict(rank=dist.get_rank(), no_plan_peak=base.peak_bytes, peak=mine.peak_bytes,
-                    source=mine.source, loss=mine.loss, recomputes=mine.recomputes)
+            result = stage_rank_main(args, plan, dev, grads_path, SEED)
+        else:
+            base = _rank_run(args, plan, dev, planned=False, grads_path=None)
+            mine = _rank_run(args, plan, dev, planned=True, grads_path=grads_path)
+            result = dict(rank=dist.get_rank(), no_plan_peak=base.peak_bytes, peak=mine.peak_bytes,
+                          source=mine.source, loss=mine.loss, recomputes=mine.recomputes)
+        finished = True
+        return result
     finally:
         if created:
             gc.collect()  # FSDP2's state and DDP's reducer hold the group in cycles
-            dist.barrier()
+            if finished:  # a failed rank must not wait for ranks that wait on it: it exits, and they fail
+                dist.barrier()
             dist.destroy_process_group()
 
 
