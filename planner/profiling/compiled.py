@@ -96,8 +96,26 @@ if TYPE_CHECKING:
 #   the next module's backward is recomputed there, not saved), and its temporaries overlap with
 #   that backward's. A second compile with the repeated blocks checkpointed (the candidates plans
 #   checkpoint first; a model without repeated blocks: every default candidate) is measured, and
-#   the bytes by which its peak exceeds the highest recompute probe of the cost model for that
-#   set become ``replay_transient_bytes`` (NOTE [ Peak-memory model ], Rule 11).
+#   the bytes by which its backward peak exceeds the highest recompute probe of the cost model for
+#   that set become ``replay_transient_bytes`` (NOTE [ Peak-memory model ], Rule 11); negative
+#   where the probe lies above the measurement (the fused replay's temporaries are smaller than
+#   the eager forward's that the probe counts), as Rule 9 has it.
+# Rule 9. The second compile bounds its own step. Its measured backward peak is an upper bound on
+#   every backward probe of the model for the set it ran (the repeated blocks checkpointed): a
+#   leaf's backward window above it is lowered to it (the window's peak of Rule 5 capped, so that
+#   its temporaries T lose the excess, never below 0), and the recompute probes meet it through
+#   Rule 8's offset. So that set is predicted at its measured peak where these probes set it.
+#   Which probes it may move: only those whose temporaries are eager figures (the leaves' backward
+#   windows, Rule 5; a replay's, Rule 8). The tail windows stay: they are the first compile's
+#   measured phase peaks, exact for the plain step, which lowering them would under-predict;
+#   where the second compile's step lies below its tail windows the model's held bytes are
+#   over, not its temporaries, and Rule 9 does not touch them. The forward phase stays too (no
+#   plan's peak is in it here). Why no other plan is under-predicted: a set that checkpoints
+#   the same regions up to a window has the same held and recomputed bytes there as the measured
+#   set (the probe is the same number, whose step was measured); a set that differs there keeps
+#   the lowered temporaries, on Rule 6's premise that a window's temporaries do not depend on
+#   the set, and the offset on a replay is one figure for every region, as Rule 8's was.
+#   docs/benchmarks.md has the probes it moved on the zoo models.
 
 from planner.profiling.compiled_graphs import (Graphs as _Graphs, Layout as _Layout, ModuleNames, is_view,
                                                Units as _Units, capturing, identities as _identities,
@@ -449,7 +467,7 @@ def profile_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
     replayed, regions = measure_compiled(model, inputs, eager, step=step, progress=say, checkpointed=candidates,
                                          timed=False)
     result = with_region_saves(result, eager, regions, model, candidates, graphs)
-    return with_replay_calibration(result, replayed, candidates)
+    return with_replay_calibration(with_backward_bounds(result, replayed, candidates), replayed, candidates)
 
 
 def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _Graphs, model: torch.nn.Module,
@@ -521,20 +539,61 @@ def default_candidates(profile: schema.Profile) -> list[str]:
     return sorted({g.nodes[n]["fqn"] for n in g.nodes if n not in (ROOT_ID, LOSS_ID)})
 
 
-def with_replay_calibration(profile: schema.Profile, replayed: CompiledStep, regions: list[str]) -> schema.Profile:
-    """``profile`` with ``replay_transient_bytes`` set so that the highest recompute probe with ``regions``
-    checkpointed meets the measured peak of that step (NOTE [ Compiled profile ], Rule 8)."""
-    from planner.model.graph import build_graph
+def with_backward_bounds(profile: schema.Profile, replayed: CompiledStep, regions: list[str]) -> schema.Profile:
+    """``profile`` with each leaf's backward window that, with ``regions`` checkpointed, is predicted
+    above the measured backward peak of that step lowered to it (NOTE [ Compiled profile ], Rule 9)."""
+    from planner.model.graph import build_graph, window_peaks
     from solvers.cost_model import window_bytes
 
     g = build_graph(profile, selective=False)
+    leaves = g.graph["leaves"]
+    probes = window_bytes(g, [n for n in g.nodes if g.nodes[n]["fqn"] in regions])
+    window_peak = window_peaks(profile.timeline, leaves)
+    caps_bytes = {}
+    for leaf in leaves:
+        excess = probes[f"backward of {leaf}"] - replayed.backward_peak_bytes
+        measured = window_peak.get(f"backward of {leaf}")
+        if excess > 0 and measured is not None:
+            caps_bytes[leaf] = max(0, measured - excess)
+    if not caps_bytes:
+        return profile
+    return profile.model_copy(update={"timeline": _capped_backward_windows(profile.timeline, leaves, caps_bytes)})
+
+
+def _capped_backward_windows(timeline: list[schema.MemoryEvent], leaves: list[str],
+                             caps_bytes: dict[str, int]) -> list[schema.MemoryEvent]:
+    """``timeline`` with the events of each leaf's backward window (as ``window_peaks`` bounds it)
+    capped at ``caps_bytes[leaf]``; a window without both bounds is left as it is (the safe side)."""
+    index = {(e.kind, e.unit): i for i, e in enumerate(timeline)}
+    bounds = [index.get(("bwd_start", n)) for n in reversed(leaves)]
+    bounds.append(index.get(("backward_end", None)))
+    out = list(timeline)
+    for leaf, lo, hi in zip(reversed(leaves), bounds, bounds[1:]):
+        if leaf not in caps_bytes or lo is None or hi is None:
+            continue
+        cap = caps_bytes[leaf]
+        for i in range(lo + 1, hi + 1):
+            e = out[i]
+            out[i] = e.model_copy(update={"live_bytes": min(e.live_bytes, cap), "peak_bytes": min(e.peak_bytes, cap)})
+    return out
+
+
+def with_replay_calibration(profile: schema.Profile, replayed: CompiledStep, regions: list[str]) -> schema.Profile:
+    """``profile`` with ``replay_transient_bytes`` set so that the highest recompute probe with ``regions``
+    checkpointed meets the measured backward peak of that step, from above or below (NOTE [ Compiled
+    profile ], Rules 8-9)."""
+    from planner.model.graph import build_graph
+    from solvers.cost_model import window_bytes
+
+    g = build_graph(profile.model_copy(update={"compile": profile.compile.model_copy(
+        update={"replay_transient_bytes": 0})}), selective=False)
     probes = window_bytes(g, [n for n in g.nodes if g.nodes[n]["fqn"] in regions])
     replay = max((v for k, v in probes.items() if k.startswith("recompute of")), default=None)
-    extra = 0 if replay is None else max(0, replayed.peak_bytes - replay)
-    info = profile.compile.model_copy(update={"replay_transient_bytes": extra})
+    offset = 0 if replay is None else replayed.backward_peak_bytes - replay
+    info = profile.compile.model_copy(update={"replay_transient_bytes": offset})
     return profile.model_copy(update={"compile": info})
 
 
 __all__ = ["CompiledStep", "PHASES", "checkpointing", "compiled_profile", "default_candidates", "held_bytes",
-           "measure_compiled", "phase_peaks", "phase_times", "profile_compiled", "with_region_saves",
-           "with_replay_calibration"]
+           "measure_compiled", "phase_peaks", "phase_times", "profile_compiled", "with_backward_bounds",
+           "with_region_saves", "with_replay_calibration"]
