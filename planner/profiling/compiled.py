@@ -107,14 +107,17 @@ if TYPE_CHECKING:
 #   Rule 8's offset. So that set is predicted at its measured peak where these probes set it.
 #   Which probes it may move: only those whose temporaries are eager figures (the leaves' backward
 #   windows, Rule 5; a replay's, Rule 8). The tail windows stay: they are the first compile's
-#   measured phase peaks, exact for the plain step, which lowering them would under-predict;
-#   where the second compile's step lies below its tail windows the model's held bytes are
-#   over, not its temporaries, and Rule 9 does not touch them. The forward phase stays too (no
-#   plan's peak is in it here). Why no other plan is under-predicted: a set that checkpoints
-#   the same regions up to a window has the same held and recomputed bytes there as the measured
-#   set (the probe is the same number, whose step was measured); a set that differs there keeps
-#   the lowered temporaries, on Rule 6's premise that a window's temporaries do not depend on
-#   the set, and the offset on a replay is one figure for every region, as Rule 8's was.
+#   measured phase peaks, exact for the plain step, which lowering them would under-predict. Where
+#   a checkpointed set's start of backward is over, the excess is in its held bytes or in what
+#   checkpointing changes there, not in eager temporaries, and the second compile's backward
+#   peak, reached elsewhere (a replay), does not bound that window.
+#   The forward phase stays too: a checkpointed step's peak lies in its backward. Why no other
+#   plan is under-predicted: a set that checkpoints the same regions up to a window has there the
+#   same held and recomputed bytes as the measured set, so the same probe, whose step was
+#   measured; a set that differs there keeps the lowered temporaries on Rule 6's premise that a
+#   window's temporaries do not depend on the set (a premise: each set compiles its own fused
+#   backward), and the replay offset is one figure for every region, as Rule 8's was (measured
+#   on the blocks, carried to the other candidates).
 #   docs/benchmarks.md has the probes it moved on the zoo models.
 
 from planner.profiling.compiled_graphs import (Graphs as _Graphs, Layout as _Layout, ModuleNames, is_view,
