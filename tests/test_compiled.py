@@ -17,7 +17,8 @@ from planner.model.graph import build_graph
 from planner.model.schema import COMPILED_PLAN_VERSION, CompileInfo, MemoryEvent, Plan, Profile
 from planner.model.synthetic import random_chain, synthetic_profile
 from planner.profiling import profile
-from planner.profiling.compiled import CompiledStep, phase_peaks, with_backward_bounds, with_replay_calibration
+from planner.profiling.compiled import (CompiledStep, _without_inputs, phase_peaks, with_backward_bounds,
+                                       with_replay_calibration)
 from planner.profiling.measure import make_optimizer, make_step
 from solvers.cost_model import simulate, window_bytes
 from tests.conftest import invoke
@@ -139,6 +140,19 @@ def test_the_second_compile_bounds_its_own_step():
     after = build_graph(with_replay_calibration(with_backward_bounds(p, measured, blocks), measured, blocks))
     assert simulate(after, blocks).peak_bytes == predicted - 100_000
     assert simulate(after, []).peak_bytes == simulate(before, []).peak_bytes
+
+
+def test_a_checkpointed_block_holds_only_the_inputs_its_compile_saves():
+    """NOTE [ Compiled profile ], Rule 4: the block drops an input the partitioner recomputes (rotary
+    tables); other units (its submodules among them) keep it."""
+    p = synthetic_profile(random_chain(random.Random(0), 2))
+    table = max(t.id for t in p.tensors) + 1
+    units = [u.model_copy(update={"input_ids": [*u.input_ids, table], "input_bytes": u.input_bytes + 64})
+             if u.fqn else u for u in p.units]
+    out = {u.fqn: u for u in _without_inputs(units, {"h.1"}, {table}, {table: 64})}
+    before = {u.fqn: u for u in units}
+    assert table not in out["h.1"].input_ids and out["h.1"].input_bytes == before["h.1"].input_bytes - 64
+    assert out["h.0"] == before["h.0"]
 
 
 def test_compile_refusals():

@@ -60,16 +60,20 @@ if TYPE_CHECKING:
 #   tensors, created at their owner's position; one that units outside its owner read (inductor
 #   computes the attention mask once, in the first layer, for every layer) is an input of each
 #   such unit too, so that a checkpointed reader holds it, once.
-# Rule 4. Checkpointed. A checkpointed unit's compiled forward keeps its inputs, as eager (what
-#   crosses into the region is saved: the eager input ids), and what the partitioner will not
-#   recompute. That is read from a second compile with the repeated blocks checkpointed
-#   (Rule 8): of the storages it saves that are not unit boundaries of the eager step and that
+# Rule 4. Checkpointed. A checkpointed unit's compiled forward keeps those of its inputs that the
+#   partitioner saves, and what it will not recompute. That is read from a second compile with
+#   the repeated blocks checkpointed (Rule 8). An input it does not save (it recomputes the
+#   rotary tables, the position ids and the attention mask from static memory inside each
+#   replay) is no input of the block: the block's record drops it, its submodules keep it (so
+#   that the forward still passes it on, in flight); only inputs that one of the two compiles
+#   names (an eager boundary tensor the second identified, a storage the first saved) are
+#   judged, the others stay (the safe side). Of the storages it saves that are not unit boundaries of the eager step and that
 #   the first compile did not save, those a region allocated and nothing outside it reads (a
 #   random op's seed) are retained bytes of its unit (``Profile.retained``, NOTE [ Peak-memory
 #   model ], Rule 7); those other units read (inductor computes the attention mask once, in the
 #   first layer, for every layer, and saves it only when the layers are checkpointed) are new
 #   inputs of the units that read them. Other candidates (finer ones inside a block, the
-#   modules around the blocks) are not measured this way: they keep their inputs only.
+#   modules around the blocks) are not measured this way: they keep all their inputs only.
 # Rule 5. Memory timeline. The compiled step is measured once with marks between its phases:
 #   the peaks of the forward (and in-model loss), the backward and the optimizer step. Inside
 #   the compiled graphs no module hook runs, so the leaves' windows come from the eager timeline,
@@ -156,10 +160,10 @@ def compiled_profile(eager: schema.Profile, graphs: _Graphs, model: torch.nn.Mod
     saves = [s.model_copy(update={"seq": k * s.seq}) for s in eager.saves if s.unit == LOSS_ID]
     readers = _forward_readers(graphs, lay)
     crossing: dict[str, set[int]] = defaultdict(set)  # unit -> compiled storages it reads from outside
+    ids = _tensor_ids(saved, lay, next_id)
     for s in saved:
-        tid = lay.identity.get(s.owner)
-        if tid is None:
-            tid, next_id = next_id, next_id + 1
+        tid = ids[s.owner]
+        if s.owner not in lay.identity:
             tensors.append(schema.TensorRecord(id=tid, nbytes=s.nbytes, created_seq=lay.position[s.owner],
                                                producer=lay.unit_of[s.owner]))
             made = set(lay.chains[s.owner])
@@ -185,6 +189,18 @@ def compiled_profile(eager: schema.Profile, graphs: _Graphs, model: torch.nn.Mod
         notes=[*eager.notes, f"compiled ({backend}): saves read from the partitioned graphs, times scaled by the "
                              f"compiled step's (NOTE [ Compiled profile ])"],
     ))
+
+
+def _tensor_ids(saved: list, lay: _Layout, first_new_id: int) -> dict[str, int]:
+    """Saved storage (its owner node) -> tensor id: the eager tensor it is (Rule 3), else a new id,
+    numbered from ``first_new_id`` in the order of ``saved``."""
+    out, next_id = {}, first_new_id
+    for s in saved:
+        if s.owner in lay.identity:
+            out[s.owner] = lay.identity[s.owner]
+        elif s.owner not in out:
+            out[s.owner], next_id = next_id, next_id + 1
+    return out
 
 
 def _with_inputs(units: list[schema.UnitRecord], crossing: dict[str, set[int]],
@@ -508,9 +524,39 @@ def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _G
                 crossing[u].add(next_id)
             next_id += 1
     nbytes = {t.id: t.nbytes for t in tensors}
+    unsaved = _unsaved_inputs(profile, eager, first, graphs, names, units, identity, saved)
     return profile.model_copy(update={
-        "tensors": tensors, "units": _with_inputs(profile.units, crossing, nbytes),
+        "tensors": tensors, "units": _with_inputs(_without_inputs(profile.units, wanted, unsaved, nbytes),
+                                                  crossing, nbytes),
         "retained": [schema.RetainedBytes(unit=u, nbytes=b) for u, b in retained.items()]})
+
+
+def _unsaved_inputs(profile: schema.Profile, eager: schema.Profile, first: _Graphs, graphs: _Graphs,
+                    names: ModuleNames, units: _Units, identity: dict[str, int], saved: list) -> set[int]:
+    """Tensors the compile with the regions checkpointed does not save although it knows them (Rule 4):
+    eager boundary tensors it identified, and the first compile's saved storages (by owner and bytes),
+    whose ids ``compiled_profile`` gave. What neither compile names stays an input (the safe side)."""
+    first_saved, first_stacks = saved_storages(first, names)
+    lay = _layout(first, first_stacks, units, eager)
+    first_ids = _tensor_ids(first_saved, lay, max((t.id for t in eager.tensors), default=-1) + 1)
+    pairs = {(s.owner, s.nbytes) for s in saved}
+    kept = {identity[s.owner] for s in saved if s.owner in identity}
+    kept |= {first_ids[s.owner] for s in first_saved if (s.owner, s.nbytes) in pairs}
+    known = set(identity.values()) | {t for o, t in first_ids.items() if o not in lay.identity}
+    return known - kept
+
+
+def _without_inputs(units: list[schema.UnitRecord], regions: set[str], unsaved: set[int],
+                    nbytes: dict[int, int]) -> list[schema.UnitRecord]:
+    """The units of ``regions`` without the inputs their compile does not save (Rule 4); their
+    submodules keep them, so that a tensor stays in flight where the forward still passes it on."""
+    out = []
+    for u in units:
+        drop = [t for t in u.input_ids if t in unsaved] if u.fqn in regions else []
+        out.append(u.model_copy(update={"input_ids": [t for t in u.input_ids if t not in drop],
+                                        "input_bytes": u.input_bytes - sum(nbytes[t] for t in drop)})
+                   if drop else u)
+    return out
 
 
 def _scale_of(profile: schema.Profile, eager: schema.Profile) -> int:
