@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 # Rule 4. Checkpointed. A checkpointed unit's compiled forward keeps those of its inputs that the
 #   partitioner saves, and what it will not recompute. That is read from a second compile with
 #   the repeated blocks checkpointed (Rule 8). An input it does not save (it recomputes the
-#   rotary tables, the position ids and the attention mask from static memory inside each
-#   replay) is no input of the block: the block's record drops it, its submodules keep it (so
+#   rotary tables and a 1 KiB tensor the root makes inside each replay, on Qwen2 and GPT-NeoX)
+#   is no input of the block: the block's record drops it, its submodules keep it (so
 #   that the forward still passes it on, in flight); only inputs that one of the two compiles
 #   names (an eager boundary tensor the second identified, a storage the first saved) are
 #   judged, the others stay (the safe side). Of the storages it saves that are not unit boundaries of the eager step and that
@@ -112,9 +112,10 @@ if TYPE_CHECKING:
 #   Which probes it may move: only those whose temporaries are eager figures (the leaves' backward
 #   windows, Rule 5; a replay's, Rule 8). The tail windows stay: they are the first compile's
 #   measured phase peaks, exact for the plain step, which lowering them would under-predict. Where
-#   a checkpointed set's start of backward is over, the excess is in its held bytes or in what
-#   checkpointing changes there, not in eager temporaries, and the second compile's backward
-#   peak, reached elsewhere (a replay), does not bound that window.
+#   a checkpointed set's start of backward is over, the excess is in its held bytes (measured: the
+#   output of the last checkpointed block, which the module after it saves in the plain compile
+#   and not with the block checkpointed), not in eager temporaries, and the second compile's
+#   backward peak, reached elsewhere (a replay), does not bound that window.
 #   The forward phase stays too: a checkpointed step's peak lies in its backward. Why no other
 #   plan is under-predicted: a set that checkpoints the same regions up to a window has there the
 #   same held and recomputed bytes as the measured set, so the same probe, whose step was
