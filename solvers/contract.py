@@ -107,7 +107,7 @@ class GraphAttrs(TypedDict):
                                                         "creates its gradient")]
     autocast_cached: Annotated[frozenset[int], Doc("tensors autocast caches to the forward's end (Rule 8)")]
     replay_transient_bytes: Annotated[int, Doc("a compiled step's replay temporaries, added to every recompute "
-                                               "probe (Rule 11); 0 for eager steps")]
+                                               "probe (Rule 11), signed; 0 for eager steps")]
     # static memory, one process
     params_bytes: Annotated[int, Doc("parameters")]
     buffers_bytes: Annotated[int, Doc("buffers")]

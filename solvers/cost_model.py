@@ -291,7 +291,9 @@ used there, and a tensor never held is held from there."""
 #
 # Rule 11. A compiled step (NOTE [ Compiled profile ] in planner/profiling/compiled.py): Rules 1-9
 # on the partitioner's saves, plus graph.graph "replay_transient_bytes" in every recompute probe:
-# a replay inside the fused backward overlaps its backward's temporaries (0 for eager steps).
+# a replay inside the fused backward overlaps its backward's temporaries (0 for eager steps). It is
+# signed: negative where the fused replay's temporaries are below the eager forward's that the probe
+# counts; a recompute's temporaries never go below 0.
 #
 # Not modelled: allocations too brief to leave a window; the planner's headroom
 # (planner.act.api.DEFAULT_HEADROOM) covers them. Per-rank memory: NOTE [ Per-rank memory ].
@@ -430,9 +432,10 @@ class CostModel(OffloadTerms):
         return self.backward_static(end, end)[0]
 
     def recompute_transient_bytes(self, c: str) -> int:
-        """The temporaries T of ``c``'s recompute: the largest forward T over its leaves (and Rule 11's)."""
-        return max((self.forward_base_bytes[i] - self.rank.fwd_static_bytes for i in self.node_leaves[c]),
-                   default=0) + self.graph.graph.get("replay_transient_bytes", 0)
+        """The temporaries T of ``c``'s recompute: the largest forward T over its leaves, with Rule 11's
+        offset, never below 0."""
+        return max(0, max((self.forward_base_bytes[i] - self.rank.fwd_static_bytes for i in self.node_leaves[c]),
+                          default=0) + self.graph.graph.get("replay_transient_bytes", 0))
 
     def recomputed_bytes(self, c: str, upto_seq: int, kept: frozenset[int] = frozenset()) -> int:
         """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the

@@ -4,6 +4,7 @@ enforces it within its budget, and a plan run in the other mode warns once."""
 
 from __future__ import annotations
 
+import random
 import warnings
 
 import pytest
@@ -13,11 +14,13 @@ from planner.act.api import plan_from_profile
 from planner.act.applier import apply_plan
 from planner.errors import BadInput
 from planner.model.graph import build_graph
-from planner.model.schema import COMPILED_PLAN_VERSION, Plan, Profile
+from planner.model.schema import COMPILED_PLAN_VERSION, CompileInfo, MemoryEvent, Plan, Profile
+from planner.model.synthetic import random_chain, synthetic_profile
 from planner.profiling import profile
-from planner.profiling.compiled import phase_peaks
+from planner.profiling.compiled import (CompiledStep, _without_inputs, phase_peaks, with_backward_bounds,
+                                       with_replay_calibration)
 from planner.profiling.measure import make_optimizer, make_step
-from solvers.cost_model import simulate
+from solvers.cost_model import simulate, window_bytes
 from tests.conftest import invoke
 from tests.model_files import TINY_SEQ_MODEL
 
@@ -106,6 +109,50 @@ def test_an_eager_plan_under_compile_warns_once(compiled_profile: Profile):
     said = _warnings(lambda: [compiled(**batch).backward() for _ in range(2)])
     torch._dynamo.reset()
     assert len(said) == 1 and "made for the eager step" in said[0]
+
+
+def _with_timeline(p: Profile, bwd_temporaries_bytes: int) -> Profile:
+    """``p`` as a compiled profile whose timeline measured each window at the model's bytes without
+    temporaries, the leaves' backward windows ``bwd_temporaries_bytes`` above (eager ones, Rule 5)."""
+    g = build_graph(p, selective=False)
+    leaves, bare = g.graph["leaves"], window_bytes(g, [], calibrated=False)
+    events = [("step_start", None, bare[f"forward of {leaves[0]}"])]
+    events += [(kind, n, bare[f"forward of {n}"]) for n in leaves for kind in ("fwd_start", "fwd_end")]
+    events += [("forward_end", None, bare["end of forward"]), ("backward_start", None, bare["start of backward"])]
+    events += [(kind, n, bare[f"backward of {n}"] + bwd_temporaries_bytes)
+               for n in reversed(leaves) for kind in ("bwd_start", "bwd_end")]
+    events += [("backward_end", None, bare["optimizer step"]), ("optimizer_end", None, bare["optimizer step"])]
+    timeline = [MemoryEvent(seq=i, kind=k, unit=u, live_bytes=b, peak_bytes=b) for i, (k, u, b) in enumerate(events)]
+    return p.model_copy(update={"timeline": timeline,
+                                "compile": CompileInfo(backend="inductor", torch_version=torch.__version__)})
+
+
+def test_the_second_compile_bounds_its_own_step():
+    """NOTE [ Compiled profile ], Rule 9: the blocks-checkpointed step measured below its prediction
+    is predicted at its measurement; the plain step's prediction does not move."""
+    p = _with_timeline(synthetic_profile(random_chain(random.Random(0), 4)), bwd_temporaries_bytes=4 << 20)
+    blocks = [f"h.{i}" for i in range(4)]
+    before = build_graph(p)
+    predicted = simulate(before, blocks).peak_bytes
+    measured = CompiledStep(forward_peak_bytes=0, backward_peak_bytes=predicted - 100_000, optimizer_peak_bytes=0,
+                            peak_bytes=predicted - 100_000, peak_source="test", forward_ms=0.0, backward_ms=0.0,
+                            optimizer_ms=0.0, first_compile_s=0.0)
+    after = build_graph(with_replay_calibration(with_backward_bounds(p, measured, blocks), measured, blocks))
+    assert simulate(after, blocks).peak_bytes == predicted - 100_000
+    assert simulate(after, []).peak_bytes == simulate(before, []).peak_bytes
+
+
+def test_a_checkpointed_block_holds_only_the_inputs_its_compile_saves():
+    """NOTE [ Compiled profile ], Rule 4: the block drops an input the partitioner recomputes (rotary
+    tables); other units (its submodules among them) keep it."""
+    p = synthetic_profile(random_chain(random.Random(0), 2))
+    table = max(t.id for t in p.tensors) + 1
+    units = [u.model_copy(update={"input_ids": [*u.input_ids, table], "input_bytes": u.input_bytes + 64})
+             if u.fqn else u for u in p.units]
+    out = {u.fqn: u for u in _without_inputs(units, {"h.1"}, {table}, {table: 64})}
+    before = {u.fqn: u for u in units}
+    assert table not in out["h.1"].input_ids and out["h.1"].input_bytes == before["h.1"].input_bytes - 64
+    assert out["h.0"] == before["h.0"]
 
 
 def test_compile_refusals():

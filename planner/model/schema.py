@@ -204,8 +204,10 @@ class CompileInfo(_Model):
     backend: str = Field(description="torch.compile backend, e.g. 'inductor'.")
     torch_version: str = Field(description="torch version that compiled it: another may partition differently.")
     first_compile_s: NonNegFloat = Field(0.0, description="Wall seconds of the profile's first compiled step.")
-    replay_transient_bytes: Bytes = Field(0, description="A compiled replay's temporaries beyond its saves "
-                                                       "(NOTE [ Peak-memory model ], Rule 11).")
+    replay_transient_bytes: int = Field(0, ge=-MAX_BYTES, le=MAX_BYTES,
+                                        description="A compiled replay's temporaries beyond its saves, signed: "
+                                                    "negative where the fused replay's are below the eager "
+                                                    "forward's (NOTE [ Peak-memory model ], Rule 11).")
 
 
 # ----------------------------------------------------------------------------- step changes

@@ -60,16 +60,20 @@ if TYPE_CHECKING:
 #   tensors, created at their owner's position; one that units outside its owner read (inductor
 #   computes the attention mask once, in the first layer, for every layer) is an input of each
 #   such unit too, so that a checkpointed reader holds it, once.
-# Rule 4. Checkpointed. A checkpointed unit's compiled forward keeps its inputs, as eager (what
-#   crosses into the region is saved: the eager input ids), and what the partitioner will not
-#   recompute. That is read from a second compile with the repeated blocks checkpointed
-#   (Rule 8): of the storages it saves that are not unit boundaries of the eager step and that
+# Rule 4. Checkpointed. A checkpointed unit's compiled forward keeps those of its inputs that the
+#   partitioner saves, and what it will not recompute. That is read from a second compile with
+#   the repeated blocks checkpointed (Rule 8). An input it does not save (it recomputes the
+#   rotary tables and a 1 KiB tensor the root makes inside each replay, on Qwen2 and GPT-NeoX)
+#   is no input of the block: the block's record drops it, its submodules keep it (so
+#   that the forward still passes it on, in flight); only inputs that one of the two compiles
+#   names (an eager boundary tensor the second identified, a storage the first saved) are
+#   judged, the others stay (the safe side). Of the storages it saves that are not unit boundaries of the eager step and that
 #   the first compile did not save, those a region allocated and nothing outside it reads (a
 #   random op's seed) are retained bytes of its unit (``Profile.retained``, NOTE [ Peak-memory
 #   model ], Rule 7); those other units read (inductor computes the attention mask once, in the
 #   first layer, for every layer, and saves it only when the layers are checkpointed) are new
 #   inputs of the units that read them. Other candidates (finer ones inside a block, the
-#   modules around the blocks) are not measured this way: they keep their inputs only.
+#   modules around the blocks) are not measured this way: they keep all their inputs only.
 # Rule 5. Memory timeline. The compiled step is measured once with marks between its phases:
 #   the peaks of the forward (and in-model loss), the backward and the optimizer step. Inside
 #   the compiled graphs no module hook runs, so the leaves' windows come from the eager timeline,
@@ -96,8 +100,30 @@ if TYPE_CHECKING:
 #   the next module's backward is recomputed there, not saved), and its temporaries overlap with
 #   that backward's. A second compile with the repeated blocks checkpointed (the candidates plans
 #   checkpoint first; a model without repeated blocks: every default candidate) is measured, and
-#   the bytes by which its peak exceeds the highest recompute probe of the cost model for that
-#   set become ``replay_transient_bytes`` (NOTE [ Peak-memory model ], Rule 11).
+#   the bytes by which its backward peak exceeds the highest recompute probe of the cost model for
+#   that set become ``replay_transient_bytes`` (NOTE [ Peak-memory model ], Rule 11); negative
+#   where the probe lies above the measurement (the fused replay's temporaries are smaller than
+#   the eager forward's that the probe counts), as Rule 9 has it.
+# Rule 9. The second compile bounds its own step. Its measured backward peak is an upper bound on
+#   every backward probe of the model for the set it ran (the repeated blocks checkpointed): a
+#   leaf's backward window above it is lowered to it (the window's peak of Rule 5 capped, so that
+#   its temporaries T lose the excess, never below 0), and the recompute probes meet it through
+#   Rule 8's offset. So that set is predicted at its measured peak where these probes set it.
+#   Which probes it may move: only those whose temporaries are eager figures (the leaves' backward
+#   windows, Rule 5; a replay's, Rule 8). The tail windows stay: they are the first compile's
+#   measured phase peaks, exact for the plain step, which lowering them would under-predict. Where
+#   a checkpointed set's start of backward is over, the excess is in its held bytes (measured: the
+#   output of the last checkpointed block, which the module after it saves in the plain compile
+#   and not with the block checkpointed), not in eager temporaries, and the second compile's
+#   backward peak, reached elsewhere (a replay), does not bound that window.
+#   The forward phase stays too: a checkpointed step's peak lies in its backward. Why no other
+#   plan is under-predicted: a set that checkpoints the same regions up to a window has there the
+#   same held and recomputed bytes as the measured set, so the same probe, whose step was
+#   measured; a set that differs there keeps the lowered temporaries on Rule 6's premise that a
+#   window's temporaries do not depend on the set (a premise: each set compiles its own fused
+#   backward), and the replay offset is one figure for every region, as Rule 8's was (measured
+#   on the blocks, carried to the other candidates).
+#   docs/benchmarks.md has the probes it moved on the zoo models.
 
 from planner.profiling.compiled_graphs import (Graphs as _Graphs, Layout as _Layout, ModuleNames, is_view,
                                                Units as _Units, capturing, identities as _identities,
@@ -135,10 +161,10 @@ def compiled_profile(eager: schema.Profile, graphs: _Graphs, model: torch.nn.Mod
     saves = [s.model_copy(update={"seq": k * s.seq}) for s in eager.saves if s.unit == LOSS_ID]
     readers = _forward_readers(graphs, lay)
     crossing: dict[str, set[int]] = defaultdict(set)  # unit -> compiled storages it reads from outside
+    ids = _tensor_ids(saved, lay, next_id)
     for s in saved:
-        tid = lay.identity.get(s.owner)
-        if tid is None:
-            tid, next_id = next_id, next_id + 1
+        tid = ids[s.owner]
+        if s.owner not in lay.identity:
             tensors.append(schema.TensorRecord(id=tid, nbytes=s.nbytes, created_seq=lay.position[s.owner],
                                                producer=lay.unit_of[s.owner]))
             made = set(lay.chains[s.owner])
@@ -164,6 +190,18 @@ def compiled_profile(eager: schema.Profile, graphs: _Graphs, model: torch.nn.Mod
         notes=[*eager.notes, f"compiled ({backend}): saves read from the partitioned graphs, times scaled by the "
                              f"compiled step's (NOTE [ Compiled profile ])"],
     ))
+
+
+def _tensor_ids(saved: list, lay: _Layout, first_new_id: int) -> dict[str, int]:
+    """Saved storage (its owner node) -> tensor id: the eager tensor it is (Rule 3), else a new id,
+    numbered from ``first_new_id`` in the order of ``saved``."""
+    out, next_id = {}, first_new_id
+    for s in saved:
+        if s.owner in lay.identity:
+            out[s.owner] = lay.identity[s.owner]
+        elif s.owner not in out:
+            out[s.owner], next_id = next_id, next_id + 1
+    return out
 
 
 def _with_inputs(units: list[schema.UnitRecord], crossing: dict[str, set[int]],
@@ -449,7 +487,7 @@ def profile_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
     replayed, regions = measure_compiled(model, inputs, eager, step=step, progress=say, checkpointed=candidates,
                                          timed=False)
     result = with_region_saves(result, eager, regions, model, candidates, graphs)
-    return with_replay_calibration(result, replayed, candidates)
+    return with_replay_calibration(with_backward_bounds(result, replayed, candidates), replayed, candidates)
 
 
 def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _Graphs, model: torch.nn.Module,
@@ -487,9 +525,39 @@ def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _G
                 crossing[u].add(next_id)
             next_id += 1
     nbytes = {t.id: t.nbytes for t in tensors}
+    unsaved = _unsaved_inputs(profile, eager, first, graphs, names, units, identity, saved)
     return profile.model_copy(update={
-        "tensors": tensors, "units": _with_inputs(profile.units, crossing, nbytes),
+        "tensors": tensors, "units": _with_inputs(_without_inputs(profile.units, wanted, unsaved, nbytes),
+                                                  crossing, nbytes),
         "retained": [schema.RetainedBytes(unit=u, nbytes=b) for u, b in retained.items()]})
+
+
+def _unsaved_inputs(profile: schema.Profile, eager: schema.Profile, first: _Graphs, graphs: _Graphs,
+                    names: ModuleNames, units: _Units, identity: dict[str, int], saved: list) -> set[int]:
+    """Tensors the compile with the regions checkpointed does not save although it knows them (Rule 4):
+    eager boundary tensors it identified, and the first compile's saved storages (by owner and bytes),
+    whose ids ``compiled_profile`` gave. What neither compile names stays an input (the safe side)."""
+    first_saved, first_stacks = saved_storages(first, names)
+    lay = _layout(first, first_stacks, units, eager)
+    first_ids = _tensor_ids(first_saved, lay, max((t.id for t in eager.tensors), default=-1) + 1)
+    pairs = {(s.owner, s.nbytes) for s in saved}
+    kept = {identity[s.owner] for s in saved if s.owner in identity}
+    kept |= {first_ids[s.owner] for s in first_saved if (s.owner, s.nbytes) in pairs}
+    known = set(identity.values()) | {t for o, t in first_ids.items() if o not in lay.identity}
+    return known - kept
+
+
+def _without_inputs(units: list[schema.UnitRecord], regions: set[str], unsaved: set[int],
+                    nbytes: dict[int, int]) -> list[schema.UnitRecord]:
+    """The units of ``regions`` without the inputs their compile does not save (Rule 4); their
+    submodules keep them, so that a tensor stays in flight where the forward still passes it on."""
+    out = []
+    for u in units:
+        drop = [t for t in u.input_ids if t in unsaved] if u.fqn in regions else []
+        out.append(u.model_copy(update={"input_ids": [t for t in u.input_ids if t not in drop],
+                                        "input_bytes": u.input_bytes - sum(nbytes[t] for t in drop)})
+                   if drop else u)
+    return out
 
 
 def _scale_of(profile: schema.Profile, eager: schema.Profile) -> int:
@@ -521,20 +589,61 @@ def default_candidates(profile: schema.Profile) -> list[str]:
     return sorted({g.nodes[n]["fqn"] for n in g.nodes if n not in (ROOT_ID, LOSS_ID)})
 
 
-def with_replay_calibration(profile: schema.Profile, replayed: CompiledStep, regions: list[str]) -> schema.Profile:
-    """``profile`` with ``replay_transient_bytes`` set so that the highest recompute probe with ``regions``
-    checkpointed meets the measured peak of that step (NOTE [ Compiled profile ], Rule 8)."""
-    from planner.model.graph import build_graph
+def with_backward_bounds(profile: schema.Profile, replayed: CompiledStep, regions: list[str]) -> schema.Profile:
+    """``profile`` with each leaf's backward window that, with ``regions`` checkpointed, is predicted
+    above the measured backward peak of that step lowered to it (NOTE [ Compiled profile ], Rule 9)."""
+    from planner.model.graph import build_graph, window_peaks
     from solvers.cost_model import window_bytes
 
     g = build_graph(profile, selective=False)
+    leaves = g.graph["leaves"]
+    probes = window_bytes(g, [n for n in g.nodes if g.nodes[n]["fqn"] in regions])
+    window_peak = window_peaks(profile.timeline, leaves)
+    caps_bytes = {}
+    for leaf in leaves:
+        excess = probes[f"backward of {leaf}"] - replayed.backward_peak_bytes
+        measured = window_peak.get(f"backward of {leaf}")
+        if excess > 0 and measured is not None:
+            caps_bytes[leaf] = max(0, measured - excess)
+    if not caps_bytes:
+        return profile
+    return profile.model_copy(update={"timeline": _capped_backward_windows(profile.timeline, leaves, caps_bytes)})
+
+
+def _capped_backward_windows(timeline: list[schema.MemoryEvent], leaves: list[str],
+                             caps_bytes: dict[str, int]) -> list[schema.MemoryEvent]:
+    """``timeline`` with the events of each leaf's backward window (as ``window_peaks`` bounds it)
+    capped at ``caps_bytes[leaf]``; a window without both bounds is left as it is (the safe side)."""
+    index = {(e.kind, e.unit): i for i, e in enumerate(timeline)}
+    bounds = [index.get(("bwd_start", n)) for n in reversed(leaves)]
+    bounds.append(index.get(("backward_end", None)))
+    out = list(timeline)
+    for leaf, lo, hi in zip(reversed(leaves), bounds, bounds[1:]):
+        if leaf not in caps_bytes or lo is None or hi is None:
+            continue
+        cap = caps_bytes[leaf]
+        for i in range(lo + 1, hi + 1):
+            e = out[i]
+            out[i] = e.model_copy(update={"live_bytes": min(e.live_bytes, cap), "peak_bytes": min(e.peak_bytes, cap)})
+    return out
+
+
+def with_replay_calibration(profile: schema.Profile, replayed: CompiledStep, regions: list[str]) -> schema.Profile:
+    """``profile`` with ``replay_transient_bytes`` set so that the highest recompute probe with ``regions``
+    checkpointed meets the measured backward peak of that step, from above or below (NOTE [ Compiled
+    profile ], Rules 8-9)."""
+    from planner.model.graph import build_graph
+    from solvers.cost_model import window_bytes
+
+    g = build_graph(profile.model_copy(update={"compile": profile.compile.model_copy(
+        update={"replay_transient_bytes": 0})}), selective=False)
     probes = window_bytes(g, [n for n in g.nodes if g.nodes[n]["fqn"] in regions])
     replay = max((v for k, v in probes.items() if k.startswith("recompute of")), default=None)
-    extra = 0 if replay is None else max(0, replayed.peak_bytes - replay)
-    info = profile.compile.model_copy(update={"replay_transient_bytes": extra})
+    offset = 0 if replay is None else replayed.backward_peak_bytes - replay
+    info = profile.compile.model_copy(update={"replay_transient_bytes": offset})
     return profile.model_copy(update={"compile": info})
 
 
 __all__ = ["CompiledStep", "PHASES", "checkpointing", "compiled_profile", "default_candidates", "held_bytes",
-           "measure_compiled", "phase_peaks", "phase_times", "profile_compiled", "with_region_saves",
-           "with_replay_calibration"]
+           "measure_compiled", "phase_peaks", "phase_times", "profile_compiled", "with_backward_bounds",
+           "with_region_saves", "with_replay_calibration"]
