@@ -34,7 +34,9 @@ from planner.model.records import (OffloadedUnit, MemoryEvent, OpRecord, ParamRe
                                    TensorRecord, UnitRecord)
 from solvers.contract import Sharding, Status
 
-PROFILE_SCHEMA_VERSION = 4
+PROFILE_SCHEMA_VERSION = 5
+"""4: compiled profiles (``Profile.compile``); 5: their ``replay_transient_bytes`` signed (NOTE [ Compiled profile ],
+Rule 9), so that an older reader refuses one with one line (upgrade). Eager profiles keep version 3."""
 PLAN_SCHEMA_VERSION = 7
 """2 added ``recipe`` (``Recipe``); version-1 files load as the default recipe (their ``amp`` kept).
 3 added op records (``Profile.ops``) and ``Plan.selective`` (op-level checkpointing); older files
@@ -43,7 +45,7 @@ still written as version 3, byte for byte as before (``SINGLE_SHAPE_PLAN_VERSION
 ``Plan.offload`` and the host fields (``host_budget_bytes``, ``predicted.host_peak_bytes`` and
 ``offload_ms``), written only by a plan that offloads; every other plan keeps its version and bytes.
 6 added ``compile`` (the step under torch.compile; profile version 4), written only when set. 7: pipeline/tp fields."""
-COMPILED_PROFILE_VERSION = 4
+COMPILED_PROFILE_VERSION = 5
 COMPILED_PLAN_VERSION, PIPELINE_PLAN_VERSION = 6, 7  # compiled plans; pipeline or tensor-parallel plans
 SINGLE_SHAPE_PLAN_VERSION = 3
 """The version a plan without buckets is written as: readers of version 3 read it unchanged."""
