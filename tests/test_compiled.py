@@ -17,8 +17,8 @@ from planner.model.graph import build_graph
 from planner.model.schema import COMPILED_PLAN_VERSION, CompileInfo, MemoryEvent, Plan, Profile
 from planner.model.synthetic import random_chain, synthetic_profile
 from planner.profiling import profile
-from planner.profiling.compiled import (CompiledStep, _without_inputs, phase_peaks, with_backward_bounds,
-                                       with_replay_calibration)
+from planner.profiling.compiled import CompiledStep, phase_peaks
+from planner.profiling.compiled_calibration import _without_inputs, with_backward_bounds, with_replay_calibration
 from planner.profiling.measure import make_optimizer, make_step
 from solvers.cost_model import simulate, window_bytes
 from tests.conftest import invoke
