@@ -86,8 +86,7 @@ def build_chain_terms(model: CostModel) -> ChainTerms:
         delta=tuple(tuple(tuple(row) for row in d) for d in delta),
         k=_chain_peaks(model, hold, unsaved_casts), tail_delta=tuple(tail_delta),
         tail_k=max(model.tail_forward_base_bytes + sum(b for _, b in unsaved_casts), model.tail_backward_base_bytes),
-        # Rule 11's replayed outputs stay held here (an over-count): exact only without them
-        const_bytes=model.rank.opt_static_bytes, exact=exact_holdings and exact_deltas and not model.replayers,
+        const_bytes=model.rank.opt_static_bytes, exact=exact_holdings and exact_deltas,
         cost_ms=tuple((0.0, g.nodes[x]["forward_ms"], *(p.recompute_ms for p in m))
                       for x, m in zip(model.leaves, menus)),
     )

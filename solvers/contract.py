@@ -108,8 +108,6 @@ class GraphAttrs(TypedDict):
     autocast_cached: Annotated[frozenset[int], Doc("tensors autocast caches to the forward's end (Rule 8)")]
     replay_transient_bytes: Annotated[int, Doc("a compiled step's replay temporaries, added to every recompute "
                                                "probe (Rule 11), signed; 0 for eager steps")]
-    compiled: Annotated[bool, Doc("the step runs under torch.compile: a checkpointed region's output that the "
-                                  "next window saves is replayed there (NOTE [ Peak-memory model ], Rule 11)")]
     # static memory, one process
     params_bytes: Annotated[int, Doc("parameters")]
     buffers_bytes: Annotated[int, Doc("buffers")]

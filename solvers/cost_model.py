@@ -293,21 +293,7 @@ used there, and a tensor never held is held from there."""
 # on the partitioner's saves, plus graph.graph "replay_transient_bytes" in every recompute probe:
 # a replay inside the fused backward overlaps its backward's temporaries (0 for eager steps). It is
 # signed: negative where the fused replay's temporaries are below the eager forward's that the probe
-# counts; a recompute's temporaries never go below 0. And replayed outputs (``replayed_saves``;
-# graph.graph "compiled"): the partitioner saves no value computed inside a checkpointed region
-# unless a later checkpointed region reads it (then as that region's input, Rule 3), so an output
-# of a checkpointed c that code after c saves is not kept from the forward: the fused backward
-# recomputes it where the first of those saves' backward needs it, and as c's output depends on
-# all of c's forward, c's whole replay runs there (torch's reordering_to_mimic_autograd_engine
-# inserts recomputed nodes just before their first use). So such a save is dropped when c is
-# checkpointed, as one made inside c is, and the output counts in flight in the forward window
-# that reads it (alive there, held or not). The recompute probe of c stays as Rule 4 writes it:
-# the rule takes only saves where that is exact, namely every later save of the output lies in the
-# window right after c and no other tensor is saved between c's end and the last of them, so
-# backward holds at the replay what it holds at end(c), and the replay's bytes (recomputed(c) and
-# G_c, which has the output) are alive in no other window's backward. Outputs read later (a skip
-# connection), or in the tail, or taken by a candidate starting after the first save, stay held:
-# an over-count, the safe side. Eager steps replay c at c's own backward, with the output held.
+# counts; a recompute's temporaries never go below 0.
 #
 # Not modelled: allocations too brief to leave a window; the planner's headroom
 # (planner.act.api.DEFAULT_HEADROOM) covers them. Per-rank memory: NOTE [ Per-rank memory ].
@@ -343,11 +329,6 @@ class CostModel(OffloadTerms):
     tail_backward_base_bytes: int
 
     tie_groups: tuple[tuple[str, ...], ...]  # NOTE [ Tied calls ]
-    # Rule 11 (compiled steps; empty for eager ones): (seq, tensor) of a save -> the candidates whose
-    # checkpointing drops it, and per leaf the tensors in flight in its forward window (``in_flight_ids``
-    # and the replayed outputs read there, alive in forward whether held or not).
-    replayers: Mapping[tuple[int, int], frozenset[str]]
-    forward_in_flight_ids: tuple[frozenset[int], ...]
 
     @staticmethod
     def attached(g: nx.DiGraph) -> CostModel | None:
@@ -389,16 +370,11 @@ class CostModel(OffloadTerms):
         def tr(attrs: dict, key: str) -> int:
             return attrs.get(key, 0) if calibrated else 0
 
-        replayers = replayed_saves(g, leaf_end, saves)
-        read_in = [set(g.nodes[leaf]["in_flight_ids"]) for leaf in leaves]
-        for seq, t in replayers:
-            read_in[bisect.bisect_left(leaf_end, seq)].add(t)
         fields = dict(
             graph=g, rank=rk, calibrated=calibrated, leaves=leaves, leaf_end_seq=leaf_end,
             tensor_bytes=g.graph["tensor_bytes"], saves=saves, save_seqs=tuple(s[0] for s in saves),
             node_leaves=node_leaves, grad_seqs=grad_seqs, grad_suffix=tuple(suffix), casts=casts,
-            cast_ids=frozenset(t for _, t in casts), tie_groups=tie_groups(g), replayers=replayers,
-            forward_in_flight_ids=tuple(frozenset(ids) for ids in read_in),
+            cast_ids=frozenset(t for _, t in casts), tie_groups=tie_groups(g),
         )
         # The bases need backward_static, which reads the fields above: a model without them first.
         partial = CostModel(**fields, forward_base_bytes=(), backward_base_bytes=(), tail_forward_base_bytes=0,
@@ -503,12 +479,9 @@ class CostModel(OffloadTerms):
                 if seq < pos.get(t, ALIVE_SEQ):
                     pos[t] = seq
         dropping = chosen | offloaded
-        replaying = (chosen - set(policies or ())) if self.replayers else frozenset()
         for seq, t, containers in self.saves:
             if dropping and any(c in dropping for c in containers):
                 continue
-            if replaying and not replaying.isdisjoint(self.replayers.get((seq, t), ())):
-                continue  # Rule 11: the region's replay re-creates it where this save's backward needs it
             if seq < pos.get(t, ALIVE_SEQ):
                 pos[t] = seq
         for c in chosen:
@@ -541,7 +514,7 @@ class CostModel(OffloadTerms):
         owner = {i: c for c in chosen | offloaded for i in self.node_leaves[c]}
         prev_end = -1
         for i, (leaf, end) in enumerate(zip(self.leaves, self.leaf_end_seq)):
-            in_flight_ids = self.forward_in_flight_ids[i]
+            in_flight_ids = g.nodes[leaf]["in_flight_ids"]
             h = held_upto(end)
             out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, ALIVE_SEQ) > end)
             out_extra += self.cached_casts(pos, end, in_flight_ids) + fwd_copy.get(i, 0)
@@ -574,45 +547,6 @@ class CostModel(OffloadTerms):
         from solvers.chain import build_chain_terms
 
         return build_chain_terms(self)
-
-
-def replayed_saves(g: nx.DiGraph, leaf_end_seq: tuple[int, ...],
-                   saves: tuple[tuple[int, int, tuple[str, ...]], ...]) -> dict[tuple[int, int], frozenset[str]]:
-    """Rule 11's replayed outputs of a compiled step: (seq, tensor) of each save -> the candidates whose
-    checkpointing drops it; empty for an eager step.
-
-    A save qualifies when it keeps an output c created, made after c and in the window right after c's
-    forward (every such save of that output there; a later reader, or one in the tail, keeps them all
-    held), when no other tensor is saved between c's end and the last of them (so c's replay, run
-    there, has the held bytes of c's recompute probe), and when no candidate that starts after the
-    first of them takes the output (the partitioner would save it as that region's input).
-    """
-    if not g.graph.get("compiled", False):
-        return {}
-    created, seqs = g.graph["tensor_created_seq"], [s for s, _, _ in saves]
-    saved_at: dict[int, list[int]] = {}
-    for seq, t, _ in saves:
-        saved_at.setdefault(t, []).append(seq)
-    taken_at: dict[int, list[tuple[int, str]]] = {}
-    for n, a in g.nodes(data=True):
-        for t in a["input_ids"]:
-            taken_at.setdefault(t, []).append((a["fwd_start_seq"], n))
-    out: dict[tuple[int, int], set[str]] = {}
-    for c, a in g.nodes(data=True):
-        lo, hi = a["fwd_start_seq"], a["fwd_end_seq"]
-        k = bisect.bisect_right(leaf_end_seq, hi)
-        if k == len(leaf_end_seq):
-            continue  # read in the tail only: left held (the safe side)
-        for t in a["output_ids"]:
-            later = [s for s in saved_at.get(t, ()) if s > hi]
-            if not later or not lo <= created.get(t, -1) <= hi or max(later) > leaf_end_seq[k]:
-                continue
-            between = saves[bisect.bisect_right(seqs, hi):bisect.bisect_right(seqs, max(later))]
-            if any(u != t for _, u, _ in between) or any(s > min(later) and d != c for s, d in taken_at.get(t, ())):
-                continue
-            for s in later:
-                out.setdefault((s, t), set()).add(c)
-    return {key: frozenset(cs) for key, cs in out.items()}
 
 
 # NOTE [ Tied calls ]
@@ -666,4 +600,4 @@ def _enclosing(g: nx.DiGraph, n: str, among) -> str | None:
 
 
 __all__ = ["ALIVE_SEQ", "CostModel", "Estimate", "calibrate", "check_checkpoint_set", "close_ties", "is_tied",
-           "policies_of", "replayed_saves", "simulate", "tie_groups", "window_bytes"]
+           "policies_of", "simulate", "tie_groups", "window_bytes"]

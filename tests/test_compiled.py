@@ -4,7 +4,6 @@ enforces it within its budget, and a plan run in the other mode warns once."""
 
 from __future__ import annotations
 
-import itertools
 import random
 import warnings
 
@@ -16,13 +15,12 @@ from planner.act.applier import apply_plan
 from planner.errors import BadInput
 from planner.model.graph import build_graph
 from planner.model.schema import COMPILED_PLAN_VERSION, CompileInfo, MemoryEvent, Plan, Profile
-from planner.model.synthetic import SynUnit, random_chain, synthetic_profile
+from planner.model.synthetic import random_chain, synthetic_profile
 from planner.profiling import profile
 from planner.profiling.compiled import (CompiledStep, _without_inputs, phase_peaks, with_backward_bounds,
                                        with_replay_calibration)
 from planner.profiling.measure import make_optimizer, make_step
 from solvers.cost_model import simulate, window_bytes
-from solvers.ilp.program import build_program, probe_values
 from tests.conftest import invoke
 from tests.model_files import TINY_SEQ_MODEL
 
@@ -155,26 +153,6 @@ def test_a_checkpointed_block_holds_only_the_inputs_its_compile_saves():
     before = {u.fqn: u for u in units}
     assert table not in out["h.1"].input_ids and out["h.1"].input_bytes == before["h.1"].input_bytes - 64
     assert out["h.0"] == before["h.0"]
-
-
-def test_a_checkpointed_blocks_output_the_next_block_saves_is_replayed_there():
-    """NOTE [ Peak-memory model ], Rule 11: under compile, h.1's output, which h.2 saves, is not held
-    from the forward when h.1 is checkpointed (the partitioner recomputes it in h.1's replay, at h.2's
-    backward), but stays in flight in h.2's forward; the eager step holds it; the ILP's program agrees."""
-    output_bytes = 1 << 16
-    units = [SynUnit(name=f"h.{i}", saves=[4096], saves_inputs=i == 2, output_bytes=output_bytes) for i in range(3)]
-    eager = synthetic_profile(units)
-    compiled = eager.model_copy(update={"compile": CompileInfo(backend="inductor", torch_version=torch.__version__)})
-    ge, gc = build_graph(eager), build_graph(compiled)
-    assert window_bytes(gc, []) == window_bytes(ge, [])
-    before, after = window_bytes(ge, ["h.1"]), window_bytes(gc, ["h.1"])
-    dropped = {"backward of h.2", "end of forward", "start of backward"}
-    assert {k for k in before if after[k] != before[k]} == dropped
-    assert all(before[k] - after[k] == output_bytes for k in dropped)
-    program = build_program(gc)
-    for chosen in itertools.chain.from_iterable(itertools.combinations(ge.graph["leaves"], k) for k in range(4)):
-        ilp = probe_values(program, frozenset(chosen))
-        assert all(ilp[k] == v for k, v in window_bytes(gc, chosen).items()), chosen
 
 
 def test_compile_refusals():

@@ -189,7 +189,6 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         autocast_cached=frozenset(t.id for t in p.tensors if t.autocast_cached),
         host_link_bytes_per_s=p.host_link_bytes_per_s, copy_engine=p.copy_engine,
         replay_transient_bytes=p.compile.replay_transient_bytes if p.compile else 0,
-        compiled=p.compile is not None,
     )
 
 

@@ -97,9 +97,8 @@ if TYPE_CHECKING:
 #   layers); docs/benchmarks.md has both measurements.
 # Rule 8. Replay. A checkpointed region's replay runs inside the fused backward graph: inductor
 #   recomputes a region where its first reader's backward needs it (a region's output read by
-#   the next module's backward is recomputed there, not saved: the cost model drops such a save
-#   when the region is checkpointed, NOTE [ Peak-memory model ], Rule 11), and its temporaries
-#   overlap with that backward's. A second compile with the repeated blocks checkpointed (the candidates plans
+#   the next module's backward is recomputed there, not saved), and its temporaries overlap with
+#   that backward's. A second compile with the repeated blocks checkpointed (the candidates plans
 #   checkpoint first; a model without repeated blocks: every default candidate) is measured, and
 #   the bytes by which its backward peak exceeds the highest recompute probe of the cost model for
 #   that set become ``replay_transient_bytes`` (NOTE [ Peak-memory model ], Rule 11); negative
@@ -113,12 +112,10 @@ if TYPE_CHECKING:
 #   Which probes it may move: only those whose temporaries are eager figures (the leaves' backward
 #   windows, Rule 5; a replay's, Rule 8). The tail windows stay: they are the first compile's
 #   measured phase peaks, exact for the plain step, which lowering them would under-predict. Where
-#   a checkpointed set's start of backward was over, the excess was in its held bytes (measured: the
+#   a checkpointed set's start of backward is over, the excess is in its held bytes (measured: the
 #   output of the last checkpointed block, which the module after it saves in the plain compile
 #   and not with the block checkpointed), not in eager temporaries, and the second compile's
-#   backward peak, reached elsewhere (a replay), does not bound that window: the cost model now
-#   drops that save (NOTE [ Peak-memory model ], Rule 11), where the reader lies in the window
-#   right after the block.
+#   backward peak, reached elsewhere (a replay), does not bound that window.
 #   The forward phase stays too: a checkpointed step's peak lies in its backward. Why no other
 #   plan is under-predicted: a set that checkpoints the same regions up to a window has there the
 #   same held and recomputed bytes as the measured set, so the same probe, whose step was

@@ -276,10 +276,7 @@ def _tensor_steps(groups: list[tuple[int, set[_Term]]], anc: dict[str, frozenset
 # x_v in {0, 1} per candidate v (checkpoint v). Antichain: per root-to-leaf path of the
 # candidate tree, sum x <= 1 ("antichain ..."). Hence a save event with containing nodes S is
 # active (held) iff 1 - sum_{c in S} x_c = 1, an affine expression; a checkpoint input of c is
-# active iff x_c. Under compile S also holds the candidates whose replay re-creates the saved
-# output (``CostModel.replayers``, NOTE [ Peak-memory model ], Rule 11; not their policies or
-# offload variables), and the forward row of the window that reads such an output counts it in
-# flight (``CostModel.forward_in_flight_ids``), as the row of the window that makes it does.
+# active iff x_c.
 #
 # Rule 2. Buckets and prefix ORs.
 # Only comparisons "holding position <= probe position" matter, so positions are replaced by
@@ -426,7 +423,6 @@ def _tensor_groups(g: nx.DiGraph, model: CostModel, var: _Vars, anc: dict[str, f
     holds: dict[int, dict[int, set[_Term]]] = {}
     for seq, t, containers in model.saves:
         regions = frozenset(containers) | {pv for c in containers for pv in var.alts[c]}
-        regions |= model.replayers.get((seq, t), frozenset())  # checkpointed (not its alternatives): Rule 11
         holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("save", regions))
     for v in var.names:
         if v in var.offloads:
@@ -438,10 +434,7 @@ def _tensor_groups(g: nx.DiGraph, model: CostModel, var: _Vars, anc: dict[str, f
         for j, pv in enumerate(var.policies(v)):
             for seq, t in g.nodes[v]["menu"][j].cached:
                 holds.setdefault(t, {}).setdefault(bucket(seq), set()).add(("input", pv))
-    out_leaves: dict[int, list[int]] = {}  # a replayed output is in flight where it is made and where it is read
-    for i, ids in enumerate(model.forward_in_flight_ids):
-        for t in ids:
-            out_leaves.setdefault(t, []).append(i)
+    out_leaf = {t: i for i, leaf in enumerate(model.leaves) for t in g.nodes[leaf]["in_flight_ids"]}
     step_cache: dict[tuple, tuple] = {}
     groups: dict[tuple, int] = {}
     for t, by_bucket in holds.items():
@@ -450,8 +443,8 @@ def _tensor_groups(g: nx.DiGraph, model: CostModel, var: _Vars, anc: dict[str, f
         if steps is None:
             steps = step_cache[key] = _tensor_steps([(b, set(ts)) for b, ts in key], anc)
         if steps:
-            fl = tuple(i for i in out_leaves.get(t, ()) if steps[0][0] <= bucket.leaf[i])
-            flying = None if not fl else fl[0] if len(fl) == 1 else fl  # eager: one leaf or none, as before
+            i = out_leaf.get(t)
+            flying = i if i is not None and steps[0][0] <= bucket.leaf[i] else None
             groups[(steps, flying)] = groups.get((steps, flying), 0) + model.tensor_bytes[t]
     return groups, len(holds)
 
@@ -479,9 +472,9 @@ def _running_sums(groups: dict[tuple, int], bucket: _Buckets,
             _lin_add(d, prev, -w)
             reps.append((b, cur))
             prev = cur
-        for i in () if flying is None else (flying,) if isinstance(flying, int) else flying:
-            last = [r for b, r in reps if b <= bucket.leaf[i]][-1]
-            _lin_add(in_flight.setdefault(i, {}), last, -w)
+        if flying is not None:
+            last = [r for b, r in reps if b <= bucket.leaf[flying]][-1]
+            _lin_add(in_flight.setdefault(flying, {}), last, -w)
     for d in delta.values():
         for k in [k for k, c in d.items() if c == 0]:
             del d[k]
@@ -501,7 +494,7 @@ def _probe_rows(g: nx.DiGraph, model: CostModel, var: _Vars, bucket: _Buckets,
     contains = {i: [c for c in var.names if i in model.node_leaves[base[c]]] for i in range(len(model.leaves))}
     casts = _cast_terms(g, model, var, scale)
     for i, (leaf, e) in enumerate(zip(model.leaves, model.leaf_end_seq)):
-        in_flight_ids = model.forward_in_flight_ids[i]
+        in_flight_ids = g.nodes[leaf]["in_flight_ids"]
         cast_form, cast_bytes = casts(e, in_flight_ids)
         fwd_extra = dict(in_flight.get(i, {}))
         _lin_add(fwd_extra, cast_form)
