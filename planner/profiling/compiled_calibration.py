@@ -35,7 +35,8 @@ def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _G
                 if n.op not in ("placeholder", "output")}
     chains = {name: units.chain(stack) for name, stack in stacks.items() if name in computed}
     identity = _identities(graphs, chains, units, eager)
-    known = {(s.owner, s.nbytes) for s in saved_storages(first, names)[0]}  # compile 1 has them already
+    first_saved, first_stacks = saved_storages(first, names)
+    known = {(s.owner, s.nbytes) for s in first_saved}  # compile 1 has them already
     wanted = set(regions)
     retained = {r.unit: r.nbytes for r in profile.retained}
     tensors, crossing = list(profile.tensors), defaultdict(set)
@@ -58,19 +59,19 @@ def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _G
                 crossing[u].add(next_id)
             next_id += 1
     nbytes = {t.id: t.nbytes for t in tensors}
-    unsaved = _unsaved_inputs(profile, eager, first, graphs, names, units, identity, saved)
+    unsaved = _unsaved_inputs(eager, first, first_saved, first_stacks, units, identity, saved)
     return profile.model_copy(update={
         "tensors": tensors, "units": _with_inputs(_without_inputs(profile.units, wanted, unsaved, nbytes),
                                                   crossing, nbytes),
         "retained": [schema.RetainedBytes(unit=u, nbytes=b) for u, b in retained.items()]})
 
 
-def _unsaved_inputs(profile: schema.Profile, eager: schema.Profile, first: _Graphs, graphs: _Graphs,
-                    names: ModuleNames, units: _Units, identity: dict[str, int], saved: list) -> set[int]:
-    """Tensors the compile with the regions checkpointed does not save although it knows them (Rule 4):
-    eager boundary tensors it identified, and the first compile's saved storages (by owner and bytes),
-    whose ids ``compiled_profile`` gave. What neither compile names stays an input (the safe side)."""
-    first_saved, first_stacks = saved_storages(first, names)
+def _unsaved_inputs(eager: schema.Profile, first: _Graphs, first_saved: list, first_stacks: dict, units: _Units,
+                    identity: dict[str, int], saved: list) -> set[int]:
+    """Tensors the compile with the regions checkpointed (``saved``) does not save although it knows them
+    (Rule 4): eager boundary tensors it identified, and the first compile's saved storages (``first_saved``,
+    by owner and bytes), whose ids ``compiled_profile`` gave. What neither compile names stays an input (the
+    safe side)."""
     lay = _layout(first, first_stacks, units, eager)
     first_ids = _tensor_ids(first_saved, lay, max((t.id for t in eager.tensors), default=-1) + 1)
     pairs = {(s.owner, s.nbytes) for s in saved}
