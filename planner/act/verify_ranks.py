@@ -273,7 +273,7 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
     import torch.distributed as dist
 
     from planner.act.applier import apply_plan
-    from planner.profiling.measure import DISTRIBUTED_PEAK_REPEATS, free, measure_step, to_device
+    from planner.profiling.measure import free, measure_rank_step, to_device
     from planner.profiling.model_file import load_model_file
     from planner.act.sharding import shard_for_plan
     from planner.profiling.step_changes import install
@@ -299,8 +299,7 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
     model.zero_grad(set_to_none=True)
     gc.collect()
     rng.seed_all(SEED)
-    repeats = DISTRIBUTED_PEAK_REPEATS if dev.type == "cpu" else 1  # NOTE [ Late frees on gloo's threads ]
-    peak = measure_step(step, dev, repeats=repeats)
+    peak = measure_rank_step(step, dev)  # NOTE [ Late frees on gloo's threads ]
     run = _RankRun(peak.peak_bytes, peak.source, loss, recomputes)
     if handle:
         handle.remove()

@@ -81,7 +81,7 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
 
     from planner.act.applier import apply_plan
     from planner.act.pipeline import split_batch, stage_module
-    from planner.profiling.measure import DISTRIBUTED_PEAK_REPEATS, free, make_optimizer, measure_step, to_device
+    from planner.profiling.measure import free, make_optimizer, measure_rank_step, to_device
     from planner.profiling.model_file import load_model_file
 
     pp = plan.pipeline
@@ -124,8 +124,7 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
         step()
     gc.collect()
     rng.seed_all(seed)
-    repeats = DISTRIBUTED_PEAK_REPEATS if dev.type == "cpu" else 1  # NOTE [ Late frees on gloo's threads ]
-    peak = measure_step(step, dev, repeats=repeats)
+    peak = measure_rank_step(step, dev)  # NOTE [ Late frees on gloo's threads ]
     dist.barrier()
     for h in handles:
         h.remove()

@@ -421,12 +421,18 @@ _MEASURERS: dict[str, Callable[[Callable[[], Any], torch.device, int], Measured]
 # rank threads than cores, as on a 2-core CI machine running 4 ranks), the rank's step goes on
 # allocating first, and its measured peak gains those buffers: a tp 2 x pp 2 rank measured
 # 11.93 MiB once in CI and 12,115,040 bytes (11.55 MiB) in five runs here, the same plan; the
-# difference is about three sequence-sharded activations of 131,072 bytes. Such timing only adds to a peak, so a rank's check measures
-# ``DISTRIBUTED_PEAK_REPEATS`` identical steps and keeps the lowest (``measure_step(repeats=)``);
-# on CUDA, NCCL stages in its own buffers and one step suffices.
+# difference is about three sequence-sharded activations of 131,072 bytes. Such timing only adds
+# to a peak, so a rank's check measures ``DISTRIBUTED_PEAK_REPEATS`` identical steps and keeps the
+# lowest (``measure_rank_step``); on CUDA, NCCL stages in its own buffers and one step suffices.
 
 DISTRIBUTED_PEAK_REPEATS = 3
 """Measured steps a distributed rank's check takes the lowest peak of (NOTE [ Late frees on gloo's threads ])."""
+
+
+def measure_rank_step(step_fn: Callable[[], Any], device: torch.device) -> Measured:
+    """``measure_step`` for one rank of a distributed check: on the CPU (gloo) the lowest peak of
+    ``DISTRIBUTED_PEAK_REPEATS`` steps, on CUDA one step (NOTE [ Late frees on gloo's threads ])."""
+    return measure_step(step_fn, device, repeats=DISTRIBUTED_PEAK_REPEATS if device.type == "cpu" else 1)
 
 _CPU_COUNTING = False
 
@@ -491,6 +497,7 @@ def measure_host_link(dev: torch.device, *, repeats: int = 5) -> tuple[float, bo
     return HOST_LINK_PROBE_BYTES / max(best, 1e-9), dev.type == "cuda"
 
 
-__all__ = ["AMP_DTYPES", "count_cpu_allocations", "DISTRIBUTED_PEAK_REPEATS", "cpu_allocations", "free", "HOST_LINK_PROBE_BYTES", "is_oom", "make_optimizer",
-           "make_step", "Mark", "measure_host_link", "measure_step", "Measured", "OPTIMIZERS", "quiet_stderr", "resolve_recipe",
+__all__ = ["AMP_DTYPES", "count_cpu_allocations", "cpu_allocations", "DISTRIBUTED_PEAK_REPEATS", "free",
+           "HOST_LINK_PROBE_BYTES", "is_oom", "make_optimizer", "make_step", "Mark", "measure_host_link",
+           "measure_rank_step", "measure_step", "Measured", "OPTIMIZERS", "quiet_stderr", "resolve_recipe",
            "SCALER_INIT_SCALE", "Step", "STEP_MARKS", "sync", "to_device", "user_code"]
