@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from solvers.errors import SolverError
 from solvers.offload_cost import OffloadTerms
 from solvers.rank_memory import RankMemory, rank_memory
-from solvers.ties import _enclosing, close_ties, is_tied, tie_groups  # NOTE [ Tied calls ]
+from solvers.ties import close_ties, enclosing, is_tied, tie_groups  # NOTE [ Tied calls ]
 
 if TYPE_CHECKING:
     from solvers.chain import ChainTerms
@@ -167,7 +167,7 @@ def _check_antichain(g: nx.DiGraph, full: frozenset[str], selective: Mapping[str
     if unknown:
         raise SolverError(f"unknown candidate(s) {unknown[:5]}; candidates are graph node ids")
     for n in chosen:
-        p = _enclosing(g, n, chosen)
+        p = enclosing(g, n, chosen)
         if p is not None:
             raise SolverError(f"cannot checkpoint both {p!r} and its descendant {n!r}")
     for group in tie_groups(g):

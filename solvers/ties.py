@@ -52,13 +52,13 @@ def close_ties(g: nx.DiGraph, chosen: Iterable[str]) -> list[str]:
         if out.isdisjoint(group):
             continue
         rest = out - set(group)
-        fits = all(_enclosing(g, n, rest) is None and not any(_enclosing(g, m, {n}) for m in rest)
+        fits = all(enclosing(g, n, rest) is None and not any(enclosing(g, m, {n}) for m in rest)
                    for n in group)
         out = rest | set(group) if fits else rest
     return sorted(out, key=lambda n: g.nodes[n]["order"])
 
 
-def _enclosing(g: nx.DiGraph, n: str, among) -> str | None:
+def enclosing(g: nx.DiGraph, n: str, among) -> str | None:
     """The nearest ancestor of graph node ``n`` that is in ``among``, or None."""
     p = g.nodes[n]["parent"]
     while p is not None and p not in among:
@@ -66,4 +66,4 @@ def _enclosing(g: nx.DiGraph, n: str, among) -> str | None:
     return p
 
 
-__all__ = ["close_ties", "is_tied", "tie_groups"]
+__all__ = ["close_ties", "enclosing", "is_tied", "tie_groups"]
