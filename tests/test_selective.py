@@ -114,9 +114,10 @@ class _RunClock:
 def test_dispatch_cost_is_timed_on_the_regions_alone(measured):
     """NOTE [ Selective dispatch cost ], Rule 2: one region per cost group (the three identical blocks
     are one) runs alone in interleaved rounds, as it is, fully checkpointed, recomputing and keeping
-    every op; the figures are the least times' differences over the regions' op calls, the first
-    round unrecorded, and they hold for one micro-batch under gradient accumulation (simulate counts
-    a policy once per micro-batch). The spread is that of the per-round figures."""
+    every op; each figure is the median of the per-round differences over the regions' op calls
+    (Rule 4), the first round unrecorded, and they hold for one micro-batch under gradient
+    accumulation (simulate counts a policy once per micro-batch). The spread is that of the per-round
+    figures."""
     from planner.model.schema import Recipe
     from planner.profiling.sac_cost import _regions, measure_sac_cost
 
@@ -133,9 +134,31 @@ def test_dispatch_cost_is_timed_on_the_regions_alone(measured):
             runs += [t(n) + (n * 0.04 if (i, policy, j) == (2, "r", 0) else 0.0) for j, n in enumerate(ops)]
     cost = measure_sac_cost(_net(), _inputs(), accum, loss_fn=_loss, amp=None, dev=torch.device("cpu"),
                             clock=_RunClock(runs), rounds=3)
-    assert cost.recomputed_op_ms == pytest.approx(0.01) and cost.kept_op_ms == pytest.approx(0.03)  # least times
+    assert cost.recomputed_op_ms == pytest.approx(0.01) and cost.kept_op_ms == pytest.approx(0.03)  # medians
     # inclusive quartiles of (0.01, 0.01, 0.01 + 0.04 * ops[0] / calls)
     assert cost.recomputed_op_spread_ms == pytest.approx(0.02 * ops[0] / calls) and cost.kept_op_spread_ms == 0.0
+
+
+def test_dispatch_figures_pair_the_runs_of_each_round(measured):
+    """NOTE [ Selective dispatch cost ], Rule 4: the machine slows by 20% after the first round. The
+    least times would set a run of a slow round against a run of the quick one (the recomputing
+    runs' least is a slow round's, a spike having hit the quick one) and read several times the
+    figure; the median of each round's own difference reads it as it is."""
+    from planner.profiling.sac_cost import _regions, measure_sac_cost
+
+    ops = [n for _, n in _regions(measured, _net())]
+    per_policy = {"t": lambda n: 10.0, "full": lambda n: 15.0, "r": lambda n: 15.0 + n * 0.01,
+                  "k": lambda n: 10.0 + n * 0.03}
+    runs = [1000.0] * 4 * len(ops)
+    for i, load in enumerate((1.0, 1.2, 1.2, 1.2, 1.2)):
+        for policy, t in per_policy.items():
+            runs += [t(n) * load + (50.0 if (i, policy) == (0, "r") else 0.0) for n in ops]
+    cost = measure_sac_cost(_net(), _inputs(), measured, loss_fn=_loss, amp=None, dev=torch.device("cpu"),
+                            clock=_RunClock(runs), rounds=5)
+    assert cost.recomputed_op_ms == pytest.approx(0.012) and cost.kept_op_ms == pytest.approx(0.036)
+    calls = sum(ops)
+    least_r = (len(ops) * 15.0 * 1.2 + calls * 0.012 - len(ops) * 15.0) / calls  # what least times read
+    assert least_r > 5 * cost.recomputed_op_ms
 
 
 def test_dispatch_cost_is_not_scaled_by_the_thread_factor(measured):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -23,9 +25,16 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from planner.model.schema import LOSS_ID, ROOT_ID, Profile
 from planner.profiling.timing import ScaledCpuClock, ThreadCpuClock, spread_ms
 
-SAC_ROUNDS = 9
-"""Interleaved rounds of the four region runs (NOTE [ Selective dispatch cost ], Rule 2); each run
-keeps its least time (noise only raises times), the per-round differences give the spread (Rule 4)."""
+SAC_ROUNDS = 27
+"""Interleaved rounds of the four region runs (NOTE [ Selective dispatch cost ], Rules 2 and 4): each
+figure is the median of its per-round differences, their interquartile range its spread."""
+
+SAC_MIN_ROUNDS = 9
+"""Rounds run whatever they cost; more run, up to ``SAC_ROUNDS``, while they fit ``SAC_CPU_SECONDS`` (Rule 4)."""
+
+SAC_CPU_SECONDS = 10.0
+"""CPU seconds of the calling thread the rounds may take, judged by the first (unrecorded) round: CPU
+time, so that how many rounds run does not depend on the machine's other load (Rule 4)."""
 
 
 class SacCost(NamedTuple):
@@ -51,11 +60,12 @@ class SacCost(NamedTuple):
 # Rule 2. So the profiler measures it on the model it profiles (``measure_sac_cost``), on the
 # same device and threads: the regions themselves, not the step. One top-level candidate per
 # cost group (identical units cost the same, NOTE [ Unit costs ], Rule 3) runs its forward and
-# backward alone, on the inputs it got in a plain step, in interleaved rounds (least times):
-# as it is (t), fully checkpointed (t_full), under selective checkpointing that recomputes
-# every op (t_r) and that keeps every op (t_k); N is their op calls. A policy costs
+# backward alone, on the inputs it got in a plain step, in interleaved rounds: as it is (t),
+# fully checkpointed (t_full), under selective checkpointing that recomputes every op (t_r)
+# and that keeps every op (t_k); N is their op calls. A policy costs
 #     forward_ms * (recomputed kernel time / kernel time) + n_recomputed * r + n_kept * k
-# with r = (t_r - t_full) / N and k = (t_k - t) / N: the two ends of every menu are priced as
+# with r = (t_r - t_full) / N and k = (t_k - t) / N, each the median over the rounds of that
+# round's difference (Rule 4): the two ends of every menu are priced as
 # measured, the recompute-everything end relative to full checkpointing, which the cost model
 # prices at forward_ms. A chain of small ops would be cheaper to time, but it under-states the
 # cost of a model's own ops several times over: the cost depends on the ops, so it is measured
@@ -72,11 +82,19 @@ class SacCost(NamedTuple):
 # whose regions cannot run alone on their recorded inputs (a forward that fails on them) is
 # timed by whole steps, as before (``_step_runs``).
 #
-# Rule 4. Each figure carries its spread: the interquartile range of its per-round estimates
-# ((t_r - t_full) / N of each round; ``Profile.sac_recomputed_op_spread_ms``,
-# ``sac_kept_op_spread_ms``). A figure within its spread of 0 is noted in the profile
-# (``with_sac_cost``), and a policy enters a menu only when it saves more than the spread of its
-# price (NOTE [ Selective menus ], Rule (noise)).
+# Rule 4. Each figure is the median of its per-round estimates ((t_r - t_full) / N of each
+# round: the two runs of a pair are a moment apart, so a change of the machine's load between
+# rounds cancels) and carries their interquartile range as its spread
+# (``Profile.sac_recomputed_op_spread_ms``, ``sac_kept_op_spread_ms``). The figure is a few
+# per cent of the region's time, so it needs rounds: on examples/gpt2.py (one thread, load
+# 1.2 to 1.8, four measurements each) 9 rounds gave r from 25 to 193 us and k from 55 to 207 us
+# by the median, from 31 to 133 us and 80 to 132 us by the difference of least times (what was
+# used before), and 27 rounds gave r from 61 to 83 us and k from 113 to 133 us by the median
+# (docs/benchmarks.md, "Same plan every time"). So up to ``SAC_ROUNDS`` rounds, at least
+# ``SAC_MIN_ROUNDS``, as many as fit ``SAC_CPU_SECONDS`` of CPU time at the first round's cost
+# (CPU time: the machine's other load does not change how many run). A figure within its
+# spread of 0 is noted in the profile (``with_sac_cost``), and a policy enters a menu only when
+# it saves more than the spread of its price (NOTE [ Selective menus ], Rule (noise)).
 #
 # Rule 5 (threads). Above one CPU thread the rounds run at one thread, like every other figure
 # (NOTE [ Unit costs ], Rule 1b), but the figures are the thread's CPU time unscaled: r and k are
@@ -126,9 +144,8 @@ def _python_clock(clock: Any) -> Any:
 def _figures(ms: dict[Any, list[list[float]]], n_ops: int) -> SacCost:
     """r and k (Rule 2) from each policy's run times (per round, per region), with their spreads."""
     def per_op(policy: Any, base: Any) -> tuple[float, float]:
-        least = sum(min(runs) for runs in zip(*ms[policy])) - sum(min(runs) for runs in zip(*ms[base]))
         rounds_ms = [(sum(a) - sum(b)) / n_ops for a, b in zip(ms[policy], ms[base])]
-        return max(0.0, least / n_ops), spread_ms(rounds_ms)
+        return max(0.0, statistics.median(rounds_ms)), spread_ms(rounds_ms)
 
     (r, r_spread), (k, k_spread) = per_op(CheckpointPolicy.PREFER_RECOMPUTE, "full"), per_op(CheckpointPolicy.MUST_SAVE, None)
     return SacCost(r, k, r_spread, k_spread)
@@ -167,7 +184,13 @@ def _region_runs(step: Callable[[], None], mods: list[nn.Module], amp: str | Non
     calls = _recorded_inputs(step, mods)
     amp_dtype = AMP_DTYPES[amp] if amp else None
     ms: dict[Any, list[list[float]]] = {policy: [] for policy in _POLICIES}
+    start = time.thread_time()
     for i in range(rounds + 1):
+        if i == 1:  # Rule 4: as many rounds as fit the CPU seconds, at least SAC_MIN_ROUNDS
+            each_s = max(time.thread_time() - start, 1e-9)
+            rounds = min(rounds, max(SAC_MIN_ROUNDS, int(SAC_CPU_SECONDS / each_s)))
+        if i > rounds:
+            break
         for policy, runs in ms.items():
             with _selective_regions(mods, policy):
                 row = [_region_ms(m, call, clock, dev, amp_dtype) for m, call in zip(mods, calls)]
