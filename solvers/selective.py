@@ -198,8 +198,9 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # the few heavy ops and recompute the many light ones, which is what a menu is made of
 # (op-level plans of examples/llama.py were measured 32 to 45% over their prediction;
 # docs/benchmarks.md, "Predicted recompute vs measured overhead").
-# Op times are least-of-a-few-steps (NOTE [ Op records ]) and F a median, so K / F is at most a
-# little low; on a profile whose op times are on another clock than F (older profiles, the
+# Op times are least-of-a-few-steps (NOTE [ Op records ]), priced by their work at their
+# overload's rate (NOTE [ Op work ], solvers/op_work.py, applied by the graph builder), and F a
+# median, so K / F is at most a little low; on a profile whose op times are on another clock than F (older profiles, the
 # memory step's wall times), K / F is capped at 1, the share model.
 #
 # Rule (noise). A policy enters the menu only when it saves more than its measured spread: the

@@ -26,6 +26,7 @@ from planner.model.schema import SINGLE_SHAPE_PLAN_VERSION, OpRef, Plan, Selecti
 from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.sizes import format_bytes
 from solvers import SOLVERS
+from solvers.op_work import priced_by_work
 from solvers.selective import OpCall, UnitOps, build_menu, describe
 
 D, HEADS, LAYERS, BATCH, SEQ = 32, 4, 3, 4, 24
@@ -201,8 +202,10 @@ def test_dispatch_cost_is_measured_and_priced(measured, prof):
     cost = (0.001, 0.002)
     g = graph_for(prof.model_copy(update={"sac_recomputed_op_ms": cost[0], "sac_kept_op_ms": cost[1]}))
     a = g.nodes["blocks.1"]
+    priced = dict(zip((o.seq for o in prof.ops), priced_by_work([(o.name, o.flops, o.moved_bytes, o.forward_ms)
+                                                                 for o in prof.ops])))  # NOTE [ Op work ]
     inside = [o for o in prof.ops if a["fwd_start_seq"] <= o.seq <= a["fwd_end_seq"]]
-    kernels_ms = sum(o.forward_ms for o in inside)
+    kernels_ms = sum(priced[o.seq] for o in inside)
     phi = min(1.0, kernels_ms / a["forward_ms"])  # the kernels' share of the forward; the rest is Python
     assert a["menu"]
     for pol in a["menu"]:
@@ -243,6 +246,10 @@ def test_profile_records_the_ops_of_each_unit(prof):
     assert by_name["aten.bernoulli_.float"].random and by_name["aten.bernoulli_.float"].inplace
     assert by_name["aten.empty_like.default"].mutated  # the dropout mask, filled in place later
     assert all(o.forward_ms >= 0 for o in ops)
+    qkv = by_name["aten.addmm.default"]  # NOTE [ Op work ]: the roofline's FLOPs and bytes, measured ops too
+    assert qkv.flops == 2 * BATCH * SEQ * D * 3 * D and qkv.moved_bytes >= qkv.output_bytes
+    assert by_name["aten.view.default"].moved_bytes == 0 and by_name["aten.view.default"].flops == 0
+    assert by_name["aten.bernoulli_.float"].moved_bytes > 0 and by_name["aten.bernoulli_.float"].flops == 0
     known = {t.id for t in prof.tensors}
     assert all(t in known for o in prof.ops for t in o.output_ids)
 
@@ -256,6 +263,22 @@ def test_meta_profile_records_ops_with_roofline_times():
 
 
 # ----------------------------------------------------------------------------- menus
+
+
+def test_op_times_are_priced_by_their_work():
+    """NOTE [ Op work ]: each overload's calls share one rate per kind of work (their summed times over
+    their summed FLOPs, or bytes where no FLOPs are known), so calls of equal work get equal times
+    whatever their measured order; a call without work keeps its time, and each overload's total is
+    unchanged."""
+    ops = [("aten.mul.Tensor", 0.0, 6_000_000, 0.10), ("aten.mul.Tensor", 0.0, 6_000_000, 0.21),
+           ("aten.mul.Tensor", 0.0, 12_000_000, 0.30), ("aten.tanh.default", 0.0, 6_000_000, 1.8),
+           ("aten.mm.default", 3e8, 4_000_000, 3.0), ("aten.mm.default", 1e8, 4_000_000, 1.2),
+           ("aten.view.default", 0.0, 0, 0.01)]
+    ms = priced_by_work(ops)
+    assert ms[0] == ms[1] == pytest.approx(0.61 / 24 * 6) and ms[2] == pytest.approx(2 * ms[0])
+    assert ms[3] == pytest.approx(1.8)  # its own rate: a transcendental is not a multiply
+    assert ms[4] == pytest.approx(3 * ms[5]) and ms[4] + ms[5] == pytest.approx(4.2)  # FLOPs, not bytes
+    assert ms[6] == 0.01
 
 
 def _op(seq: int, name: str, out: int | None, ms: float, **kw) -> OpCall:

@@ -233,12 +233,16 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
     more than once get none: the applier applies one policy to every call of a module."""
     import bisect
 
+    from solvers.op_work import priced_by_work
     from solvers.selective import OpCall, UnitOps, build_menu
 
     if not p.ops:
         return
     calls = Counter(u.fqn for u in p.units)
     ops = sorted(p.ops, key=lambda o: o.seq)
+    # NOTE [ Op work ]: measured op times priced by their work (the roofline's own are modelled already)
+    op_ms = dict(zip((o.seq for o in ops), (o.forward_ms for o in ops) if p.time_source == "roofline" else
+                     priced_by_work([(o.name, o.flops, o.moved_bytes, o.forward_ms) for o in ops])))
     op_seqs = [o.seq for o in ops]
     saves = sorted((s.seq, s.tensor_id) for s in p.saves)
     tb = g.graph["tensor_bytes"]
@@ -261,7 +265,7 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
             else:
                 outside.add(t)
         unit = UnitOps(
-            [OpCall(o.seq, o.name, tuple(o.output_ids), o.forward_ms, o.random, o.inplace, o.view, o.mutated,
+            [OpCall(o.seq, o.name, tuple(o.output_ids), op_ms[o.seq], o.random, o.inplace, o.view, o.mutated,
                     o.writes, o.read_between_writes) for o in inside],
             forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], first_save_inside=first_inside,
             saved_outside=frozenset(outside), forward_spread_ms=a["forward_spread_ms"])

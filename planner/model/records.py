@@ -84,6 +84,8 @@ class OpRecord(FileModel):
     output_bytes: Bytes = Field(0, description="Bytes of the storages the op allocated.")
     forward_ms: Ms = Field(0.0, description="Time of the op (measured on real devices, roofline on meta).")
     flops: NonNegFloat = Field(0.0, description="FLOPs of the op, where torch's flop counter knows it.")
+    moved_bytes: Bytes = Field(0, description="Bytes of its tensor inputs and outputs, as the roofline counts them "
+                                              "(NOTE [ Op work ] in solvers/op_work.py); 0 in older profiles.")
     random: bool = Field(False, description="Draws random numbers (dropout): tagged nondeterministic_seeded.")
     inplace: bool = Field(False, description="Writes one of its inputs (mutable schema: add_, copy_, out=).")
     view: bool = Field(False, description="Returns a view of an input (no new storage).")

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.model import schema
 from planner.profiling.model_file import Inputs
+from planner.profiling.roofline import op_work
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 from planner.profiling.units import Recorder, UnitCall, io_tensors
 from planner.profiling.timing import WallClock, describe, signature
@@ -78,6 +79,8 @@ class _OpCall:
     """Seq of the op that allocated the storage this in-place op writes."""
     mutated: bool = False
     read_since_alloc: bool = False
+    moved_bytes: int = 0
+    """Bytes the op reads and writes (NOTE [ Op work ])."""
     writes_after_read: bool = False
     """An op other than its writers read the output before a write (NOTE [ Op records ])."""
 
@@ -173,6 +176,7 @@ class MemoryRecorder(Recorder):
         """Unit id -> ``planner.profiling.timing.signature`` (NOTE [ Unit costs ], Rule 3)."""
         super().__init__(model)
         tracker.observer = self._on_op
+        tracker.work_of = op_work
 
     def _next(self) -> int:
         self.seq += 1
@@ -233,7 +237,7 @@ class MemoryRecorder(Recorder):
 
     def _op_cost(self) -> tuple[float, float]:
         """(ms, FLOPs) of the op the tracker just ran; the meta recorder reads its roofline."""
-        return self.tracker.last_op_ms, 0.0
+        return self.tracker.last_op_ms, self.tracker.last_op_work[0]
 
     def _record_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry], ms: float,
                    flops: float) -> None:
@@ -255,7 +259,8 @@ class MemoryRecorder(Recorder):
         tags = getattr(func, "tags", ())
         self.op_calls.append(_OpCall(self._next(), self.stack[-1].id, str(func), list(new), ms, flops,
                                 torch.Tag.nondeterministic_seeded in tags, func._schema.is_mutable, func.is_view,
-                                self.forward_ops, torch.Tag.dynamic_output_shape in tags, writes))
+                                self.forward_ops, torch.Tag.dynamic_output_shape in tags, writes,
+                                moved_bytes=self.tracker.last_op_work[1]))
 
     def use_op_times(self, runs: list[list[float]]) -> bool:
         """Each op's least time over ``runs`` (those that ran the same ops as the memory step), pooled
@@ -292,6 +297,7 @@ class MemoryRecorder(Recorder):
         return [schema.OpRecord(seq=op.seq, unit=op.unit, name=op.name,
                                 output_ids=[remap[self.tensors[e.serial].id] for e in op.new],
                                 output_bytes=sum(e.nbytes for e in op.new), forward_ms=op.ms, flops=op.flops,
+                                moved_bytes=op.moved_bytes,
                                 random=op.random, inplace=op.inplace, view=op.view, mutated=op.mutated,
                                 data_dependent=op.data_dependent, writes=op.writes,
                                 read_between_writes=op.writes_after_read)

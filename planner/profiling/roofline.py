@@ -117,6 +117,18 @@ class Roofline(TorchDispatchMode):
         return column or peak.fp32
 
 
+def op_work(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, int]:
+    """(FLOPs, bytes moved) of one op, as the roofline counts them (NOTE [ Op work ] in
+    solvers/op_work.py prices measured op times by them)."""
+    if _moves_nothing(func, args, out):
+        return 0.0, 0
+    try:
+        flops = Roofline._op_flops(func, args, kwargs or {}, out)
+    except Exception:  # noqa: BLE001 - a formula that does not take these arguments: no FLOPs known
+        flops = 0.0
+    return flops, sum(_moved_bytes(t) for t in iter_tensors(args, kwargs or {}, out))
+
+
 def _moves_nothing(func: Any, args: tuple, out: Any) -> bool:
     """Views (``_unsafe_view`` too: its output shares the input's storage), metadata queries
     (``prim.device``), and allocations that write nothing."""
@@ -198,4 +210,4 @@ def fit_calibration(pairs: list[tuple[schema.Profile, schema.Profile]], *, measu
         modelled_over_measured_before=ratio)
 
 
-__all__ = ["BANDWIDTH_EFFICIENCY", "fit_calibration", "MATMUL_EFFICIENCY", "Roofline"]
+__all__ = ["op_work", "BANDWIDTH_EFFICIENCY", "fit_calibration", "MATMUL_EFFICIENCY", "Roofline"]

@@ -111,6 +111,9 @@ class LiveBytesTracker(TorchDispatchMode):
         self._serials = itertools.count()
         self._closed = False
         self.last_op_ms = 0.0
+        self.work_of: Callable[..., tuple[float, int]] | None = None
+        """(func, args, kwargs, out) -> (FLOPs, bytes moved) of an op, for the observer (NOTE [ Op work ])."""
+        self.last_op_work: tuple[float, int] = (0.0, 0)
         self.last_written: tuple[StorageEntry, ...] = ()
         """Entries of the tensors the last op wrote in place, for the observer."""
         """Wall time of the last op's kernel call (synchronised on CUDA), for the observer."""
@@ -179,6 +182,8 @@ class LiveBytesTracker(TorchDispatchMode):
         if sync is not None:
             sync()
         self.last_op_ms = (time.perf_counter() - t0) * 1e3
+        if self.work_of is not None:
+            self.last_op_work = self.work_of(func, args, kwargs, out)
         new: list[StorageEntry] = []
         for t in iter_tensors(out):
             st = _storage(t)
