@@ -6,8 +6,9 @@
 Profiles the model once (one step), then repeats NOTE [ Selective dispatch cost ]'s region rounds
 (``planner.profiling.sac_cost``) ``--repeats`` times per round count, the counts interleaved, at one
 thread on the thread's CPU time. Per measurement it prints r and k two ways: the median of each
-round's paired difference (what the profiler takes) and the difference of least times (what it
-took before), each per op call in microseconds, and the load average. The spread between the
+round's paired difference (what the profiler takes, with the interquartile range of the rounds:
+the profile's spread) and the difference of least times (what it took before), each per op call
+in microseconds, and the load average. The spread between the
 measurements of one count is what a profile's r and k move by from one run to the next.
 """
 
@@ -28,7 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 from planner.profiling import profile, sac_cost  # noqa: E402
 from planner.profiling.model_file import load_model_file  # noqa: E402
 from planner.profiling.step_changes import profiled_with_step_changes  # noqa: E402
-from planner.profiling.timing import ThreadCpuClock, num_threads  # noqa: E402
+from planner.profiling.timing import ThreadCpuClock, num_threads, spread_ms  # noqa: E402
 
 
 def main() -> int:
@@ -81,9 +82,11 @@ def _measure(args: argparse.Namespace, model: torch.nn.Module, inputs: object, p
             med_r = statistics.median(a - b for a, b in zip(rec, full)) / n
             med_k = statistics.median(a - b for a, b in zip(kept, t)) / n
             least_r, least_k = (min(rec) - min(full)) / n, (min(kept) - min(t)) / n
+            iqr_r = spread_ms([(a - b) / n for a, b in zip(rec, full)])
+            iqr_k = spread_ms([(a - b) / n for a, b in zip(kept, t)])
             rows[count].append((med_r, med_k, least_r, least_k))
             print(f"{args.model} rounds {count:2d} measurement {rep + 1}: median r {med_r * 1e3:4.0f} us, "
-                  f"k {med_k * 1e3:4.0f} us | least times r {least_r * 1e3:4.0f} us, k {least_k * 1e3:4.0f} us "
+                  f"k {med_k * 1e3:4.0f} us (spread over the rounds {iqr_r * 1e3:.0f}, {iqr_k * 1e3:.0f} us) | least times r {least_r * 1e3:4.0f} us, k {least_k * 1e3:4.0f} us "
                   f"| {n} op calls, load {os.getloadavg()[0]:.1f}", flush=True)
 
 
