@@ -18,7 +18,8 @@ from planner.model.schema import COMPILED_PLAN_VERSION, CompileInfo, MemoryEvent
 from planner.model.synthetic import random_chain, synthetic_profile
 from planner.profiling import profile
 from planner.profiling.compiled import CompiledStep, phase_peaks
-from planner.profiling.compiled_calibration import _without_inputs, with_backward_bounds, with_replay_calibration
+from planner.profiling.compiled_calibration import (_replayed_before, _without_inputs, with_backward_bounds,
+                                                     with_replay_calibration)
 from planner.profiling.measure import make_optimizer, make_step
 from solvers.cost_model import simulate, window_bytes
 from tests.conftest import invoke
@@ -153,6 +154,28 @@ def test_a_checkpointed_block_holds_only_the_inputs_its_compile_saves():
     before = {u.fqn: u for u in units}
     assert table not in out["h.1"].input_ids and out["h.1"].input_bytes == before["h.1"].input_bytes - 64
     assert out["h.0"] == before["h.0"]
+
+
+def test_a_checkpointed_block_holds_what_its_compile_keeps_to_replay_the_code_before_it():
+    """NOTE [ Compiled profile ], Rule 4: an eager tensor that only the compile with the blocks
+    checkpointed saves (GPT-2's embeddings, kept to replay the embedding dropout inside the first
+    block's replay) is an input of the first checkpointed block after it; one the first compile
+    saves already, or one made after every region, is left as it is."""
+    from collections import defaultdict
+
+    from planner.model.records import TensorRecord
+
+    p = synthetic_profile(random_chain(random.Random(0), 2))
+    units = {u.fqn: u for u in p.units}
+    new = max(t.id for t in p.tensors) + 1
+    early = TensorRecord(id=new, nbytes=64, created_seq=units["h.0"].fwd_start_seq - 1)
+    late = TensorRecord(id=new + 1, nbytes=64, created_seq=units["h.1"].fwd_end_seq + 1)
+    p = p.model_copy(update={"tensors": [*p.tensors, early, late]})
+    crossing: dict[str, set[int]] = defaultdict(set)
+    for t in (early.id, late.id, p.saves[0].tensor_id):
+        _replayed_before(p, {f: u.id for f, u in units.items()}, ["h.0", "h.1"], t, {s.tensor_id for s in p.saves},
+                         crossing)
+    assert dict(crossing) == {units["h.0"].id: {early.id}}
 
 
 def test_compile_refusals():

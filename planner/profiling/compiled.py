@@ -72,7 +72,11 @@ if TYPE_CHECKING:
 #   random op's seed) are retained bytes of its unit (``Profile.retained``, NOTE [ Peak-memory
 #   model ], Rule 7); those other units read (inductor computes the attention mask once, in the
 #   first layer, for every layer, and saves it only when the layers are checkpointed) are new
-#   inputs of the units that read them. Other candidates (finer ones inside a block, the
+#   inputs of the units that read them. An eager tensor it saves that the first compile does not
+#   is the input of code before a region that the region's replay re-runs (GPT-2: the token and
+#   position embeddings, kept to replay the embedding dropout inside the first block's replay,
+#   where the first compile kept the dropout's output): an input of the first region after it,
+#   held while that region is checkpointed. Other candidates (finer ones inside a block, the
 #   modules around the blocks) are not measured this way: they keep all their inputs only.
 # Rule 5. Memory timeline. The compiled step is measured once with marks between its phases:
 #   the peaks of the forward (and in-model loss), the backward and the optimizer step. Inside

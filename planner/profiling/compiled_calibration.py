@@ -42,8 +42,12 @@ def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _G
     tensors, crossing = list(profile.tensors), defaultdict(set)
     next_id = max((t.id for t in tensors), default=-1) + 1
     scale = _scale_of(profile, eager)
+    held = {r.tensor_id for r in profile.saves}
     for s in saved:
-        if s.owner in identity or (s.owner, s.nbytes) in known:
+        if (s.owner, s.nbytes) in known:
+            continue
+        if s.owner in identity:  # an eager tensor kept for a replay of code before a region
+            _replayed_before(profile, units.of_fqn, regions, identity[s.owner], held, crossing)
             continue
         made = set(chains.get(s.owner, [ROOT_ID]))
         outside = {u for r in _readers_of(graphs, s.owner) for u in chains.get(r, []) if u not in made}
@@ -64,6 +68,21 @@ def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _G
         "tensors": tensors, "units": _with_inputs(_without_inputs(profile.units, wanted, unsaved, nbytes),
                                                   crossing, nbytes),
         "retained": [schema.RetainedBytes(unit=u, nbytes=b) for u, b in retained.items()]})
+
+
+def _replayed_before(profile: schema.Profile, of_fqn: dict[str, str], regions: list[str], tensor: int,
+                     held: set[int], crossing: dict[str, set[int]]) -> None:
+    """An eager tensor the compile with ``regions`` checkpointed saves and the first compile does not
+    (Rule 4): the input of code between it and the first region after it, which the region's replay
+    re-runs (GPT-2's token and position embeddings, kept to replay the embedding dropout inside the
+    first block's replay); an input of that region, held while it is checkpointed."""
+    if tensor in held:
+        return
+    created = next(t.created_seq for t in profile.tensors if t.id == tensor)
+    starts = sorted((u.fwd_start_seq, u.id) for u in profile.units if u.id in {of_fqn[f] for f in regions})
+    first = next((u for start, u in starts if start >= created), None)
+    if first is not None:
+        crossing[first].add(tensor)
 
 
 def _unsaved_inputs(eager: schema.Profile, first: _Graphs, first_saved: list, first_stacks: dict, units: _Units,
