@@ -252,10 +252,30 @@ def _rank_main(args: _Args, grads_path: Path) -> dict:
         return result
     finally:
         if created:
-            gc.collect()  # FSDP2's state and DDP's reducer hold the group in cycles
-            if finished:  # a failed rank must not wait for ranks that wait on it: it exits, and they fail
-                dist.barrier()
-            dist.destroy_process_group()
+            _close_group(finished)  # NOTE [ Rank exit ]
+
+
+# NOTE [ Rank exit ]
+# A rank that leaves the process group to the interpreter's exit can abort there: gloo's worker
+# threads still hold work whose tensors have Python references, and finalization destroys them
+# without the GIL ("terminate called without an active exception", SIGABRT; seen once under
+# torchrun after a correct report, so torchrun returned 1). DDP's reducer and FSDP2's state hold
+# the group in reference cycles, so ``destroy_process_group`` alone does not free it. So every
+# rank, spawned or launched by torchrun: collects the cycles once its runs are over, waits at a
+# barrier for every rank to be done with the group (only when its own runs finished: a failed
+# rank must not wait for ranks that wait on it; it exits, and they fail), then destroys it.
+
+
+def _close_group(finished: bool) -> None:
+    """Collect the cycles that hold the process group, wait for every rank when ``finished``, destroy it
+    (NOTE [ Rank exit ])."""
+    import torch.distributed as dist
+
+    gc.collect()
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 # ----------------------------------------------------------------------------- one run on one rank
@@ -365,6 +385,7 @@ def _torchrun_report(args: _Args, plan: Plan, label: str, peak_tolerance: float,
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("nccl" if args.device_type == "cuda" else "gloo")
+    finished = False
     try:
         with tempfile.TemporaryDirectory(prefix="remat_ranks_") as tmp:
             result = _rank_main(args, Path(tmp, "grads.pt"))
@@ -380,10 +401,11 @@ def _torchrun_report(args: _Args, plan: Plan, label: str, peak_tolerance: float,
             report = None
         box = [report]
         dist.broadcast_object_list(box, src=0)
+        finished = True
         return box[0]
     finally:
         if created:
-            dist.destroy_process_group()
+            _close_group(finished)  # NOTE [ Rank exit ]
 
 
 # ----------------------------------------------------------------------------- the report
