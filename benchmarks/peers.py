@@ -7,7 +7,8 @@
 Variants, each a fresh ``build_model()`` trained with the step of ``planner.profiling.measure.make_step``:
 
 - no checkpointing;
-- every layer: Hugging Face's ``model.gradient_checkpointing_enable()`` (use_reentrant=False);
+- every layer: Hugging Face's ``model.gradient_checkpointing_enable()`` (use_reentrant=False); on other
+  models every repeated block (the ``every-1`` baseline) applied by ``apply_plan``;
 - every second block: a plan checkpointing blocks 0, 2, 4, ... applied by ``apply_plan``;
 - remat, whole modules: ``planner.act.api.plan_from_profile(..., selective=False)``, applied by ``apply_plan``;
 - remat, op-level: the same with selective (op-level) policies allowed (the default);
@@ -104,10 +105,16 @@ def main() -> None:
     ops = plan_from_profile(prof, budget)
     every_2 = plan_from_profile(prof, nothing.peak_bytes, solver="every-2")
     every_1 = run_solver(g, "every-1", budget)
+    if hasattr(mf.build_model(), "gradient_checkpointing_enable"):
+        every = Variant("every layer (HF gradient_checkpointing_enable)", _hf_every_layer, every_1.peak_bytes,
+                        predicted_recompute_ms=every_1.recompute_ms)
+    else:  # the same rule, every repeated block, where the model has no switch of its own
+        blocks = plan_from_profile(prof, nothing.peak_bytes, solver="every-1")
+        every = Variant("every layer (apply_plan)", _applier(blocks), blocks.predicted.peak_bytes,
+                        predicted_recompute_ms=blocks.predicted.recompute_ms)
     variants = [
         Variant("no checkpointing", lambda m, b: "-", nothing.peak_bytes, predicted_recompute_ms=0.0),
-        Variant("every layer (HF gradient_checkpointing_enable)", _hf_every_layer, every_1.peak_bytes,
-                predicted_recompute_ms=every_1.recompute_ms),
+        every,
         Variant("every 2nd block (apply_plan)", _applier(every_2), every_2.predicted.peak_bytes,
                 predicted_recompute_ms=every_2.predicted.recompute_ms),
         Variant(f"remat, whole modules ({modules.solver.name}, {modules.solver.status})", _applier(modules),
