@@ -62,6 +62,11 @@ class UnitOps:
     """Tensors that something outside the unit saves."""
     forward_spread_ms: float = 0.0
     """The spread of ``forward_ms`` (``UnitRecord.forward_spread_ms``)."""
+    thread_factor: float = 1.0
+    """The ratio of ``forward_ms`` to the forward's one-thread time (the unit's cost group's thread
+    factor, NOTE [ Thread factor per cost group ]; 1 when the figures are one thread's)."""
+    threads: int = 1
+    """The CPU threads ``forward_ms`` is for."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,18 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # the few heavy ops and recompute the many light ones, which is what a menu is made of
 # (op-level plans of examples/llama.py were measured 32 to 45% over their prediction;
 # docs/benchmarks.md, "Predicted recompute vs measured overhead").
+# Rule (threads). Above one CPU thread F and the op times are one thread's CPU times times the
+# cost group's thread factor f (NOTE [ Thread factor per cost group ]), measured on the whole
+# forward, kernels and Python together. The Python runs on the calling thread at any thread
+# count; only the kernels are spread over the pool. So at N threads the Python's share of F is
+# not 1 - phi but q = (1 - phi) / f, and the kernels' the rest, 1 - q (capped so that the kernels
+# keep at least 1/N of their one-thread time: q <= 1 - phi / (N f)), and a policy costs
+#     F * ((1 - q) * K_r / K + q * n_r / N) + n_r * r + n_k * k,
+# still exact at both ends. Scaling the Python by f with the kernels under-priced the policies
+# that rerun the Python of many light ops and keep the few heavy kernels (which gain most from
+# threads): Qwen2's op-level plans at 2 threads were measured 19 to 57% over their prediction,
+# and peers.py measured Qwen2's default op-level plan slower than every layer
+# (docs/benchmarks.md, "Predicted recompute vs measured overhead"). At one thread q = 1 - phi.
 # Op times are least-of-a-few-steps (NOTE [ Op records ]), priced by their work at their
 # overload's rate (NOTE [ Op work ], solvers/op_work.py, applied by the graph builder), and F a
 # median, so K / F is at most a little low; on a profile whose op times are on another clock than F (older profiles, the
@@ -249,7 +266,8 @@ def build_menu(unit: UnitOps, *, tensor_bytes: dict[int, int], writers: dict[int
         unit.forward_spread_ms
     calls = indexed(ops)
     total_ms = sum(op.forward_ms for op in ops)
-    price = _Price(forward_ms, total_ms, len(calls), op_cost_ms, forward_spread_ms, op_cost_spread_ms)
+    price = _Price(forward_ms, total_ms, len(calls), op_cost_ms, forward_spread_ms, op_cost_spread_ms,
+                   unit.thread_factor, unit.threads)
     items = []
     for group in _random_together(calls, _groups(calls, writers or {})):
         ids = {t for op, _ in group if not (op.inplace or op.view) for t in op.output_ids}
@@ -288,6 +306,8 @@ class _Price:
     op_cost_ms: tuple[float, float]
     forward_spread_ms: float
     op_cost_spread_ms: tuple[float, float]
+    thread_factor: float = 1.0
+    threads: int = 1
 
     @property
     def phi(self) -> float:
@@ -296,11 +316,22 @@ class _Price:
             return 1.0
         return min(1.0, self.kernel_ms / self.forward_ms)
 
+    @property
+    def python(self) -> float:
+        """The Python's share of the forward at the profile's threads (Rule (threads) of the NOTE):
+        its one-thread share 1 - phi over the thread factor, at most what leaves the kernels 1/N of
+        their one-thread time."""
+        f = self.thread_factor
+        if f >= 1.0 or f <= 0.0:
+            return 1.0 - self.phi
+        return min((1.0 - self.phi) / f, 1.0 - self.phi / (max(1, self.threads) * f))
+
     def share(self, recomputed_kernel_ms: float, recomputed_calls: int) -> float:
         """The share of the forward a policy reruns: kernels by time, Python by calls."""
         kernels = recomputed_kernel_ms / self.kernel_ms if self.kernel_ms > 0 else 1.0
         calls = recomputed_calls / self.calls if self.calls else 1.0
-        return self.phi * kernels + (1.0 - self.phi) * calls
+        q = self.python
+        return (1.0 - q) * kernels + q * calls
 
     def recompute_ms(self, recomputed_kernel_ms: float, recomputed_calls: int) -> float:
         kept = self.calls - recomputed_calls

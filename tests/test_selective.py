@@ -207,10 +207,14 @@ def test_dispatch_cost_is_measured_and_priced(measured, prof):
     inside = [o for o in prof.ops if a["fwd_start_seq"] <= o.seq <= a["fwd_end_seq"]]
     kernels_ms = sum(priced[o.seq] for o in inside)
     phi = min(1.0, kernels_ms / a["forward_ms"])  # the kernels' share of the forward; the rest is Python
+    # above one thread the Python's share is the one-thread share over the thread factor (Rule (threads))
+    unit = next(u for u in prof.units if u.fqn == "blocks.1")
+    f, n = (unit.thread_scale or prof.thread_scale, prof.threads) if prof.thread_scale else (1.0, 1)
+    q = 1 - phi if f >= 1 else min((1 - phi) / f, 1 - phi / (n * f))
     assert a["menu"]
     for pol in a["menu"]:
         kept = len(pol.saved)  # op calls, writers of a kept output included
-        share = phi * (1 - pol.saved_ms / kernels_ms) + (1 - phi) * (len(inside) - kept) / len(inside)
+        share = (1 - q) * (1 - pol.saved_ms / kernels_ms) + q * (len(inside) - kept) / len(inside)
         recompute = a["forward_ms"] * share
         assert pol.recompute_ms == pytest.approx(recompute + cost[0] * (len(inside) - kept) + cost[1] * kept)
     full = graph_for(measured).nodes["blocks.1"]
@@ -304,6 +308,37 @@ def test_menu_is_a_front_and_keeps_only_keepable_ops():
     phi = 10.6 / 22.0
     assert menu[0].recompute_ms == pytest.approx(22.0 * (phi * (1 - 5.0 / 10.6) + (1 - phi) * 5 / 6))
     assert describe(menu[0]) == "saves 1 matmul; recomputes 1 matmul, 2 pointwise"  # gelu, empty_like
+
+
+def test_above_one_thread_the_python_is_priced_at_one_thread():
+    """NOTE [ Selective menus ], Rule (threads): at N threads the forward's figures are one thread's times
+    the thread factor f, but its Python runs on one thread, so the Python's share of F is (1 - phi) / f
+    and a policy rerunning most calls and few kernels costs more than the one-thread share says; the
+    full replay stays F, and at f = 1 (one thread) the price is the one-thread one."""
+    ops = [_op(1, "aten.mm.default", 1, 5.0), _op(2, "aten.gelu.default", 2, 0.5),
+           _op(3, "aten.mm.default", 3, 5.0), _op(4, "aten.add.Tensor", 4, 0.1)]
+    tb = {1: 400, 2: 400, 3: 100, 4: 100}
+    one = UnitOps(ops, forward_ms=11.0, end_seq=9, saved_bytes=1000, first_save_inside={1: 2, 2: 3})
+    two = replace(one, thread_factor=0.6, threads=2)  # the same forward's figures at 2 threads: 18.33 ms at one
+    phi = 10.6 / 11.0
+    q = (1 - phi) / 0.6  # the Python's share of the 2-thread forward
+    dearer = 0
+    for p in build_menu(two, tensor_bytes=tb):
+        kernels = (10.6 - p.saved_ms) / 10.6
+        calls = p.calls[0] / 4
+        assert p.recompute_ms == pytest.approx(11.0 * ((1 - q) * kernels + q * calls))
+        if calls > kernels:  # reruns more of the calls than of the kernel time: more than the one-thread share
+            assert p.recompute_ms > 11.0 * (phi * kernels + (1 - phi) * calls)
+            dearer += 1
+    assert dearer
+    assert [p.recompute_ms for p in build_menu(replace(two, thread_factor=1.0), tensor_bytes=tb)] == \
+        [p.recompute_ms for p in build_menu(one, tensor_bytes=tb)]
+    # at f = 1/N the kernels cannot have gained more than N: the Python's share is capped, here at 1 - phi
+    floor = replace(one, thread_factor=0.5, threads=2)
+    cap = 1 - phi / (2 * 0.5)
+    assert cap < (1 - phi) / 0.5
+    for p in build_menu(floor, tensor_bytes=tb):
+        assert p.share == pytest.approx((1 - cap) * (10.6 - p.saved_ms) / 10.6 + cap * p.calls[0] / 4)
 
 
 def test_a_policy_within_its_spread_of_full_checkpointing_stays_out():

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from typing import Iterable
+from typing import Any, Iterable
 
 import networkx as nx
 
@@ -268,10 +268,21 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
             [OpCall(o.seq, o.name, tuple(o.output_ids), op_ms[o.seq], o.random, o.inplace, o.view, o.mutated,
                     o.writes, o.read_between_writes) for o in inside],
             forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], first_save_inside=first_inside,
-            saved_outside=frozenset(outside), forward_spread_ms=a["forward_spread_ms"])
+            saved_outside=frozenset(outside), forward_spread_ms=a["forward_spread_ms"],
+            **_thread_factor(p, units.get(n)))
         a["menu"] = build_menu(unit, tensor_bytes=tb, writers=writers,
                                op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms),
                                op_cost_spread_ms=(p.sac_recomputed_op_spread_ms, p.sac_kept_op_spread_ms))
+
+
+def _thread_factor(p: Profile, u: UnitRecord | None) -> dict[str, Any]:
+    """The thread factor and count a unit's forward figures are for (NOTE [ Selective menus ], Rule
+    (threads)): its cost group's factor, else the profile's; none where the figures are not scaled
+    (``Profile.thread_scale`` is set on the 'cpu-thread-time-scaled' clock only)."""
+    if not p.thread_scale:
+        return {}
+    f = u.thread_scale if u is not None and u.thread_scale else p.thread_scale
+    return {"thread_factor": f, "threads": p.threads or 1}
 
 
 def _link_tree(g: nx.DiGraph, chosen: list[str], units: dict[str, UnitRecord]) -> None:
