@@ -47,12 +47,20 @@ from solvers.selective import Policy, choice_spread_ms
 # Rule 3 (one policy per group). Members of one cost group that a plan runs op-level run one
 # policy. A solver may mix them (layer 1 keeping 5 matmuls and 7 pointwise ops, layer 2 keeping 6
 # and 8: qwen2 at the mid budget, docs/benchmarks.md), a choice between near-equal prices that
-# the next profile's figures reverse. So before Rule 1, when a group's op-level members hold two
-# or more policies, each policy of the menu is tried on all of them (the group's other members
-# keep their choice), and the one that fits the budget at the least overhead (then the lower
-# peak, then the menu's order) replaces the mix; when none fits, full checkpointing of those
-# members does, when it fits; else (no uniform choice fits) the solver's mix stands.
-# ``uniform_policies``; Rule 2 then arranges the group (one policy, full and none).
+# the next profile's figures reverse. And how many members it runs op-level is the same accident:
+# on five GPT-2 profiles the solvers' mixes (within 0.03% of the budget) held three or four
+# op-level blocks, and one policy for those members gave three blocks keeping 2 matmuls in one
+# profile and four keeping 4 in the next, where every profile priced the three-block plan lower
+# (57.1 to 64.5 ms against 57.5 to 68.1; docs/benchmarks.md, "Same plan every time"). So before
+# Rule 1, when a group has op-level members, the group is re-chosen over its uniform plans: n_full
+# members fully checkpointed, n_op (at least one) running one policy k of the menu, the rest not
+# checkpointed, the strongest on the earliest members or on the latest; for each (k, n_op) the
+# fewest n_full that fit. The one that fits at the least overhead (then the lower peak, the fewer
+# op-level members, the menu's order) replaces the group's choices; the rest of the plan stays.
+# Groups of more than ``UNIFORM_SEARCH_MEMBERS`` members (the search is k x n^2 cost-model runs)
+# keep the solver's op-level members and give them the policy of the menu that fits at the least
+# overhead. Where nothing uniform fits: full checkpointing of the op-level members when that
+# fits, else the solver's mix. ``uniform_policies``; Rule 2 then arranges the group.
 # Rule 4 (the simplest choice within the noise). After Rule 3, a group's op-level members run
 # one policy, the one the solver found cheapest at the budget; the menu's other policies and
 # full checkpointing cost more time but keep fewer bytes, and where they cost more by less than
@@ -138,23 +146,60 @@ def simplest_within_spread(g: nx.DiGraph, est: Any, usable: int) -> Any:
 
 
 def uniform_policies(g: nx.DiGraph, est: Any, usable: int) -> Any:
-    """``est`` with one op-level policy per cost group (NOTE [ Robust choice ], Rule 3)."""
+    """``est`` with one op-level policy per cost group, and the group's members re-chosen among the
+    uniform plans (NOTE [ Robust choice ], Rule 3)."""
     skip = _skipped(g, est)
     for members in _cost_groups(g):
         op_level = [n for n in members if n in est.selective]
-        if skip.intersection(members) or len({est.selective[n] for n in op_level}) < 2:
+        if skip.intersection(members) or not op_level:
             continue
-        others = {n: k for n, k in est.selective.items() if n not in op_level}
-        trials = [simulate(g, est.checkpointed, {**others, **{n: k for n in op_level}}, est.offloaded)
-                  for k in range(len(g.nodes[op_level[0]]["menu"]))]
-        fits = [t for t in trials if t.peak_bytes <= usable]
-        if fits:
-            est = min(fits, key=lambda t: (t.overhead_ms, t.peak_bytes))  # min keeps the menu's order on a tie
+        if len(members) > UNIFORM_SEARCH_MEMBERS:
+            est = _one_policy(g, est, usable, op_level)
             continue
-        full = simulate(g, [*est.checkpointed, *op_level], others, est.offloaded)
-        if full.peak_bytes <= usable:
-            est = full
+        best = _best_uniform(g, est, usable, members)
+        est = best if best is not None else _one_policy(g, est, usable, op_level)
     return est
+
+
+UNIFORM_SEARCH_MEMBERS = 32
+"""Cost groups up to this size are re-chosen over every uniform plan (Rule 3); larger ones keep the
+solver's members and take one policy for them."""
+
+
+def _best_uniform(g: nx.DiGraph, est: Any, usable: int, members: list[str]) -> Any | None:
+    """The uniform plan of one cost group (``n_full`` members fully checkpointed, ``n_op`` running one
+    policy of the menu, the rest not checkpointed; the strongest choices on the earliest members or on
+    the latest) that fits ``usable`` at the least overhead, then the lower peak, then the fewer members
+    op-level and the menu's order; the rest of ``est`` kept. None when none fits."""
+    others_full = [n for n in est.checkpointed if n not in members]
+    others_sel = {n: k for n, k in est.selective.items() if n not in members}
+    menu_size, n = len(g.nodes[members[0]]["menu"]), len(members)
+    found = []
+    for k in range(menu_size):
+        for n_op in range(1, n + 1):
+            for order in (members, members[::-1]):
+                for n_full in range(n - n_op + 1):  # more full checkpoints: more recompute, a lower peak
+                    trial = simulate(g, [*others_full, *order[:n_full]],
+                                     {**others_sel, **{m: k for m in order[n_full:n_full + n_op]}}, est.offloaded)
+                    if trial.peak_bytes <= usable:
+                        found.append(((round(trial.overhead_ms, 9), trial.peak_bytes, n_op, k), trial))
+                        break
+    return min(found, key=lambda f: f[0])[1] if found else None
+
+
+def _one_policy(g: nx.DiGraph, est: Any, usable: int, op_level: list[str]) -> Any:
+    """``est`` with its op-level members of one group running the policy that fits at the least
+    overhead, else fully checkpointed where that fits, else as it was."""
+    if len({est.selective[n] for n in op_level}) < 2:
+        return est
+    others = {n: k for n, k in est.selective.items() if n not in op_level}
+    trials = [simulate(g, est.checkpointed, {**others, **{n: k for n in op_level}}, est.offloaded)
+              for k in range(len(g.nodes[op_level[0]]["menu"]))]
+    fits = [t for t in trials if t.peak_bytes <= usable]
+    if fits:
+        return min(fits, key=lambda t: (t.overhead_ms, t.peak_bytes))  # min keeps the menu's order on a tie
+    full = simulate(g, [*est.checkpointed, *op_level], others, est.offloaded)
+    return full if full.peak_bytes <= usable else est
 
 
 def _cost_groups(g: nx.DiGraph) -> list[list[str]]:
@@ -178,4 +223,5 @@ def _skipped(g: nx.DiGraph, est: Any) -> set[str]:
     return skip | {_top(g, c) for c in est.offloaded}
 
 
-__all__ = ["canonical", "difference_spread_ms", "OPTIMISERS", "simplest_within_spread", "uniform_policies"]
+__all__ = ["canonical", "difference_spread_ms", "OPTIMISERS", "simplest_within_spread", "uniform_policies",
+           "UNIFORM_SEARCH_MEMBERS"]
