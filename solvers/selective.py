@@ -24,6 +24,10 @@ from typing import Sequence
 MENU_STEPS = 8
 """Byte levels per unit menu: at most MENU_STEPS - 1 policies (NOTE [ Selective menus ])."""
 
+MIN_ITEM_SHARE = 0.15
+"""An op (or group) is kept on its own only when it saves at least this share of what the unit's
+heaviest one saves (NOTE [ Selective menus ], Rule (material))."""
+
 _GRID = 1024
 """Held bytes on the knapsack front are rounded up to saved_bytes / _GRID."""
 
@@ -234,6 +238,17 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # and those a plan runs op-level run one policy (NOTE [ Robust choice ], Rule 3, in
 # planner/act/robust.py).
 #
+# Rule (material). An op (or group) is an item only when it also saves at least MIN_ITEM_SHARE
+# (15%) of what the unit's heaviest item saves. The light ops of a block (norms, clones,
+# pointwise, each 0.03 to 0.3 ms on one CPU thread against 0.6 to 3.9 ms for a matmul) save about
+# their dispatch figures' spread: on five GPT-2 profiles under a burner, ten of them per block
+# saved 0.9 to 1.3 times their spread, so which of them entered the menu moved with the spreads,
+# and with it the policy at a byte level (3 matmuls and 1 pointwise op kept in one profile, 2
+# matmuls in the others, at the same bytes; docs/benchmarks.md, "Same plan every time"). A share
+# of the heaviest item is a ratio of op times priced by their work (NOTE [ Op work ]), which moves
+# little between profiles (Qwen2's lightest matmul is 17.1 to 18.4% of its heaviest over five,
+# GPT-2's heaviest pointwise op 8.9 to 9.3%). What it gives up: the light ops' savings, a few
+# per cent of a unit's forward, within their noise by the measurement above.
 # The whole-step cost model (NOTE [ Peak-memory model ], "Selective regions") then prices
 # every policy exactly, positions included; this per-unit pricing only picks the menu.
 #
@@ -278,6 +293,8 @@ def build_menu(unit: UnitOps, *, tensor_bytes: dict[int, int], writers: dict[int
         value = price.saved(kernel_ms, len(group))
         if value > 0 and value > price.saved_spread(kernel_ms, len(group)):
             items.append((cost, value, group))
+    heaviest = max((value for _, value, _ in items), default=0.0)
+    items = [it for it in items if it[1] >= MIN_ITEM_SHARE * heaviest]  # Rule (material)
     if not items or saved_bytes <= 0:
         return ()
     front = _knapsack_front([(c, ms) for c, ms, _ in items], max(1, math.ceil(saved_bytes / _GRID)))
@@ -430,4 +447,5 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
     )
 
 
-__all__ = ["build_menu", "category", "choice_spread_ms", "describe", "indexed", "keepable", "MENU_STEPS", "OpCall", "Policy", "UnitOps"]
+__all__ = ["build_menu", "category", "choice_spread_ms", "describe", "indexed", "keepable", "MENU_STEPS",
+           "MIN_ITEM_SHARE", "OpCall", "Policy", "UnitOps"]
