@@ -17,11 +17,13 @@ from planner.model.graph import build_graph
 from planner.model.schema import COMPILED_PLAN_VERSION, CompileInfo, MemoryEvent, Plan, Profile
 from planner.model.synthetic import random_chain, synthetic_profile
 from planner.profiling import profile
-from planner.profiling.compiled import CompiledStep, phase_peaks
+from planner.profiling.compiled import CompiledStep, measure_compiled, phase_peaks
 from planner.profiling.compiled_calibration import (_replayed_before, _without_inputs, with_backward_bounds,
                                                      with_replay_calibration)
+from planner.profiling.compiled_graphs import ModuleNames, saved_storages
 from planner.profiling.measure import make_optimizer, make_step
-from solvers.cost_model import simulate, window_bytes
+from planner.spec import StepSpec
+from solvers.cost_model import CostModel, simulate, window_bytes
 from tests.conftest import invoke
 from tests.model_files import TINY_SEQ_MODEL
 
@@ -176,6 +178,64 @@ def test_a_checkpointed_block_holds_what_its_compile_keeps_to_replay_the_code_be
         _replayed_before(p, {f: u.id for f, u in units.items()}, ["h.0", "h.1"], t, {s.tensor_id for s in p.saves},
                          crossing)
     assert dict(crossing) == {units["h.0"].id: {early.id}}
+
+
+class _CausalBlock(torch.nn.Module):
+    """Attention whose causal mask each block makes from the sequence length alone: inductor's CSE
+    keeps one, made in the first block, for every block (as GPT-2's under compile)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.qk, self.out = torch.nn.Linear(width, 2 * width), torch.nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        n = h.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
+        q, k = self.qk(h).chunk(2, dim=-1)
+        scores = (q @ k.transpose(1, 2)).masked_fill(~causal, float("-inf"))
+        return h + self.out(scores.softmax(-1) @ h)
+
+
+class _CausalModel(torch.nn.Module):
+    def __init__(self, width: int = 16, vocab: int = 32):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.blocks = torch.nn.Sequential(*[_CausalBlock(width) for _ in range(2)])
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.blocks(self.embed(input_ids)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _causal_model() -> _CausalModel:
+    torch.manual_seed(0)
+    return _CausalModel()
+
+
+def _causal_batch() -> dict:
+    ids = torch.randint(0, 32, (2, 48), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _held_beyond_saved(p: Profile, fqns: list[str]) -> int:
+    """Bytes the model holds with ``fqns`` checkpointed less the bytes the compile of that set saves."""
+    model = _causal_model()
+    spec = StepSpec(device="cpu", threads=1, steps=1, compile="inductor")
+    _step, graphs = measure_compiled(model, _causal_batch(), p, step=spec, progress=lambda _m: None,
+                                     checkpointed=fqns, timed=False)
+    saved, _stacks = saved_storages(graphs, ModuleNames(model))
+    g = build_graph(p)
+    held = CostModel.of(g).holdings(frozenset(n for n in g.nodes if g.nodes[n]["fqn"] in fqns))
+    return sum(g.graph["tensor_bytes"][t] for t in held) - sum(s.nbytes for s in saved)
+
+
+def test_what_a_checkpointed_block_makes_for_later_blocks_is_held_only_while_it_is_checkpointed():
+    """NOTE [ Compiled profile ], Rule 4 (issue #24): the compile saves the mask the first block makes
+    for every block only when that block is checkpointed, and recomputes it otherwise, and it keeps
+    no RNG state per region; the model holds the same, so what it holds beyond the compile's saves
+    does not depend on the set."""
+    p = profile(_causal_model(), _causal_batch(), device="cpu", threads=1, steps=1, compile="inductor")
+    assert _held_beyond_saved(p, ["blocks.1"]) == _held_beyond_saved(p, ["blocks.0", "blocks.1"])
 
 
 def test_compile_refusals():

@@ -67,12 +67,23 @@ if TYPE_CHECKING:
 #   is no input of the block: the block's record drops it, its submodules keep it (so
 #   that the forward still passes it on, in flight); only inputs that one of the two compiles
 #   names (an eager boundary tensor the second identified, a storage the first saved) are
-#   judged, the others stay (the safe side). Of the storages it saves that are not unit boundaries of the eager step and that
-#   the first compile did not save, those a region allocated and nothing outside it reads (a
-#   random op's seed) are retained bytes of its unit (``Profile.retained``, NOTE [ Peak-memory
-#   model ], Rule 7); those other units read (inductor computes the attention mask once, in the
-#   first layer, for every layer, and saves it only when the layers are checkpointed) are new
-#   inputs of the units that read them. An eager tensor it saves that the first compile does not
+#   judged, the others stay (the safe side). Of the storages it saves that are not unit
+#   boundaries of the eager step and that the first compile did not save, those a region
+#   allocated are retained bytes of that region (``Profile.retained``, NOTE [ Peak-memory
+#   model ], Rule 7), held while it is checkpointed: a random op's seed, and what later regions
+#   read (GPT-2: inductor computes the attention mask once, in the first layer, for every layer).
+#   Why not inputs of the regions that read it: the partitioner saves such a storage because its
+#   own region is checkpointed (a value one checkpointed region makes and a later one reads is
+#   saved at the boundary, torch's ``cleanup_recompute_tags``); with that region not
+#   checkpointed it recomputes it, as the first compile does, and a reader that held it as an
+#   input over-counted it (docs/benchmarks.md, issue #24: GPT-2 with h.1 and h.2). Exact would
+#   be "held while its region and a later reader are both checkpointed"; the cost model holds
+#   by one unit, so the region checkpointed without a reader over-counts it (the safe side).
+#   Those storages code outside every region allocated and regions read are new inputs of the
+#   units that read them. The CPU RNG state an eager checkpoint keeps per region
+#   (``Profile.region_state_bytes``, NOTE [ Validation step ]) is not kept under compile (no
+#   backward graph saves it, and the measured peaks do not hold it): 0 in a compiled profile.
+#   An eager tensor it saves that the first compile does not
 #   is the input of code before a region that the region's replay re-runs (GPT-2: the token and
 #   position embeddings, kept to replay the embedding dropout inside the first block's replay,
 #   where the first compile kept the dropout's output): an input of the first region after it,
@@ -186,7 +197,7 @@ def compiled_profile(eager: schema.Profile, graphs: _Graphs, model: torch.nn.Mod
     return eager.model_copy(update=dict(
         tensors=tensors, saves=saves, ops=[], timeline=timeline,
         units=_with_inputs(_scaled_units(eager, k, step), crossing, {t.id: t.nbytes for t in tensors}),
-        params=scaled["params"], step=_compiled_step_record(eager, k, step),
+        params=scaled["params"], step=_compiled_step_record(eager, k, step), region_state_bytes=0,  # Rule 4
         sac_recomputed_op_ms=0.0, sac_kept_op_ms=0.0, sac_recomputed_op_spread_ms=0.0, sac_kept_op_spread_ms=0.0,
         schema_version=schema.COMPILED_PROFILE_VERSION,
         compile=schema.CompileInfo(backend=backend, torch_version=torch.__version__,

@@ -26,9 +26,9 @@ from planner.profiling.compiled_graphs import (Graphs as _Graphs, ModuleNames, U
 def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _Graphs, model: torch.nn.Module,
                       regions: list[str], first: _Graphs) -> schema.Profile:
     """``profile`` with what the compile with ``regions`` checkpointed saves beyond the regions'
-    inputs (NOTE [ Compiled profile ], Rule 4): storages a region allocated that nothing outside it
-    reads (a random op's seed) as retained bytes of its unit; storages read by other units (inductor
-    computes the attention mask once, in the first layer, for all) as new inputs of those units."""
+    inputs (NOTE [ Compiled profile ], Rule 4): storages a region allocated (a random op's seed; the
+    attention mask inductor computes once, in the first layer, for all) as retained bytes of its
+    unit; storages code outside every region allocated and regions read as new inputs of those units."""
     names, units = ModuleNames(model), _Units(eager)
     saved, stacks = saved_storages(graphs, names)
     computed = {f"{k}:{n.name}" for k, fw in enumerate(graphs.forward) for n in fw.graph.nodes
@@ -49,13 +49,14 @@ def with_region_saves(profile: schema.Profile, eager: schema.Profile, graphs: _G
         if s.owner in identity:  # an eager tensor kept for a replay of code before a region
             _replayed_before(profile, units.of_fqn, regions, identity[s.owner], held, crossing)
             continue
-        made = set(chains.get(s.owner, [ROOT_ID]))
-        outside = {u for r in _readers_of(graphs, s.owner) for u in chains.get(r, []) if u not in made}
         region = next((f for f in stacks.get(s.owner, []) if f in wanted), None)
-        if not outside and region is not None:
+        if region is not None:  # kept because its region is checkpointed (Rule 4)
             unit = units.of_fqn[region]
             retained[unit] = retained.get(unit, 0) + s.nbytes
-        elif outside:
+            continue
+        made = set(chains.get(s.owner, [ROOT_ID]))
+        outside = {u for r in _readers_of(graphs, s.owner) for u in chains.get(r, []) if u not in made}
+        if outside:
             owner_unit = chains[s.owner][-1] if s.owner in chains else ROOT_ID
             tensors.append(schema.TensorRecord(id=next_id, nbytes=s.nbytes, producer=owner_unit,
                                                created_seq=scale * units.by_id[owner_unit].fwd_start_seq))
