@@ -26,7 +26,7 @@ from solvers.dp import min_feasible_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
 from planner.act.robust import (OPTIMISERS as _OPTIMISERS, canonical, difference_spread_ms, simplest_within_spread,
-                                uniform_policies)
+                                group_search)
 from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
 from planner.model.schema import (COMPILED_PLAN_VERSION, OFFLOAD_PLAN_VERSION, OpRef, Plan, Predicted, Profile, RunStamp,
                                   SelectiveRegion, SolverInfo, now_iso)
@@ -159,7 +159,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
         raise _no_plan(profile, g, sol, budget_bytes, headroom)
     est = simulate(g, sol.checkpointed, sol.selective, sol.offloaded)  # every call of a module, or none
     if est.selective and solver in _OPTIMISERS:  # NOTE [ Robust choice ], Rules 3, 4 and 1
-        est = simplest_within_spread(g, uniform_policies(g, est, usable), usable)
+        est = simplest_within_spread(g, group_search(g, est, usable), usable)
         g, sol, est = _robust_choice(profile, spec, usable, g, sol, est, host_budget)
     if solver in _OPTIMISERS:  # baselines (every-2, sqrt, ...) place their checkpoints by rule
         est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2

@@ -1,15 +1,17 @@
 """Choices robust to measurement noise: NOTE [ Robust choice ]'s rules applied to a solver's plan
-(one op-level policy per cost group, identical units arranged by a stated rule, the spread of an
-op-level plan's advantage over whole modules).
+(each cost group's plan searched over its canonical plans, identical units arranged by a stated rule,
+the spread of an op-level plan's advantage over whole modules).
 
 Example::
 
-    est = uniform_policies(g, est, usable_bytes)   # one policy per cost group (Rule 3)
+    est = group_search(g, est, usable_bytes)       # each cost group's plan searched (Rule 3)
     est = canonical(g, est, usable_bytes)          # identical units arranged in forward order (Rule 2)
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
 
 import networkx as nx
@@ -44,25 +46,30 @@ from solvers.selective import Policy, choice_spread_ms
 # on a tie), is the plan when its peak is no higher than the solver's (the recompute is the same
 # by construction); else the solver's arrangement stands. Top-level candidates only, not modules
 # called more than once.
-# Rule 3 (one policy per group). Members of one cost group that a plan runs op-level run one
-# policy. A solver may mix them (layer 1 keeping 5 matmuls and 7 pointwise ops, layer 2 keeping 6
-# and 8: qwen2 at the mid budget, docs/benchmarks.md), a choice between near-equal prices that
-# the next profile's figures reverse. And how many members it runs op-level is the same accident:
-# on five GPT-2 profiles the solvers' mixes (within 0.03% of the budget) held three or four
-# op-level blocks, and one policy for those members gave three blocks keeping 2 matmuls in one
-# profile and four keeping 4 in the next, where every profile priced the three-block plan lower
-# (57.1 to 64.5 ms against 57.5 to 68.1; docs/benchmarks.md, "Same plan every time"). So before
-# Rule 1, when a group has op-level members, the group is re-chosen over its uniform plans: n_full
-# members fully checkpointed, n_op (at least one) running one policy k of the menu, the rest not
-# checkpointed, the strongest on the earliest members or on the latest; for each (k, n_op) the
-# fewest n_full that fit. The one that fits at the least overhead (then the lower peak, the fewer
-# op-level members, the menu's order) replaces the group's choices; the rest of the plan stays.
-# Groups of more than ``UNIFORM_SEARCH_MEMBERS`` members (the search is k x n^2 cost-model runs)
-# keep the solver's op-level members and give them the policy of the menu that fits at the least
-# overhead. Where nothing uniform fits: full checkpointing of the op-level members when that
-# fits, else the solver's mix. ``uniform_policies``; Rule 2 then arranges the group.
-# Rule 4 (the simplest choice within the noise). After Rule 3, a group's op-level members run
-# one policy, the one the solver found cheapest at the budget; the menu's other policies and
+# Rule 3 (the group's plan, searched). Which members of a cost group a solver makes op-level,
+# and on which policies, is its search's accident among near-equal plans: on five GPT-2 profiles
+# its mixes (within 0.03% of the budget) held three or four op-level blocks, and the ILP stops at
+# a time limit. So before Rule 1, when a group has op-level members, the group is re-chosen over
+# its canonical plans: every multiset of choices for its n members (full checkpointing, each
+# policy of the menu, none; at least one op-level), arranged strongest first on the earliest
+# members or on the latest (Rule 2's arrangements). The one that fits at the least overhead
+# (then the lower peak, then the stronger choices, then the earlier arrangement) replaces the
+# group's choices; the rest of the plan stays. That is the exact optimum over the group's
+# canonical plans, a function of the figures and not of the solver's search. Round 11 searched
+# only the uniform plans (n_full members full, n_op on one policy k, the rest none); once Rule
+# (material) steadied the menus (NOTE [ Selective menus ]), that restriction no longer bought
+# steadiness and cost time: on ten kept profiles each under a burner, Qwen2's plans at the mid
+# budget were predicted 51.6 ms on average with it and 42.3 ms with the canonical search (the
+# modal plan in 6 of 10 and 7 of 10), GPT-2's 51.2 and 49.2 ms (10 of 10 either way), Llama's
+# unchanged (whole layers; docs/benchmarks.md, "Same plan every time").
+# Groups with more than ``CANONICAL_SEARCH_PLANS`` canonical plans (2 C(n + m + 1, n) for a
+# menu of m) are searched over their uniform plans only (k x n^2 cost-model runs), and groups
+# of more than ``UNIFORM_SEARCH_MEMBERS`` members keep the solver's op-level members and give
+# them the policy of the menu that fits at the least overhead. Where nothing searched fits:
+# full checkpointing of the op-level members when that fits, else the solver's mix.
+# ``group_search``; Rule 2 then arranges the group.
+# Rule 4 (the simplest choice within the noise). When after Rule 3 a group's op-level members
+# run one policy (the one found cheapest at the budget), the menu's other policies and
 # full checkpointing cost more time but keep fewer bytes, and where they cost more by less than
 # the spread of the difference (``choice_spread_ms`` per member, times the micro-batches) the
 # solver's pick was decided by noise: GPT-2's blocks kept 3 matmuls in one profile and 4 in the
@@ -145,9 +152,9 @@ def simplest_within_spread(g: nx.DiGraph, est: Any, usable: int) -> Any:
     return est
 
 
-def uniform_policies(g: nx.DiGraph, est: Any, usable: int) -> Any:
-    """``est`` with one op-level policy per cost group, and the group's members re-chosen among the
-    uniform plans (NOTE [ Robust choice ], Rule 3)."""
+def group_search(g: nx.DiGraph, est: Any, usable: int) -> Any:
+    """``est`` with each cost group that has op-level members re-chosen over its canonical plans, or
+    over its uniform plans where those are too many (NOTE [ Robust choice ], Rule 3)."""
     skip = _skipped(g, est)
     for members in _cost_groups(g):
         op_level = [n for n in members if n in est.selective]
@@ -156,14 +163,45 @@ def uniform_policies(g: nx.DiGraph, est: Any, usable: int) -> Any:
         if len(members) > UNIFORM_SEARCH_MEMBERS:
             est = _one_policy(g, est, usable, op_level)
             continue
-        best = _best_uniform(g, est, usable, members)
+        search = _best_canonical if canonical_plans(g, members) <= CANONICAL_SEARCH_PLANS else _best_uniform
+        best = search(g, est, usable, members)
         est = best if best is not None else _one_policy(g, est, usable, op_level)
     return est
 
 
+CANONICAL_SEARCH_PLANS = 4096
+"""Cost groups with up to this many canonical plans (multisets of choices, two arrangements each) are
+re-chosen over all of them (Rule 3): about 0.1 ms of cost model each on a 4-layer decoder."""
+
+
+def canonical_plans(g: nx.DiGraph, members: list[str]) -> int:
+    """How many canonical plans a cost group has: multisets of n choices out of m + 2, two arrangements."""
+    return 2 * math.comb(len(members) + len(g.nodes[members[0]]["menu"]) + 1, len(members))
+
+
+def _best_canonical(g: nx.DiGraph, est: Any, usable: int, members: list[str]) -> Any | None:
+    """The canonical plan of one cost group (a multiset of choices: full checkpointing -1, policy k of
+    the menu, none m; strongest first on the earliest members or on the latest; at least one
+    op-level) that fits ``usable`` at the least overhead, then the lower peak, then the stronger
+    choices and the earlier arrangement; the rest of ``est`` kept. None when none fits."""
+    others_full = [n for n in est.checkpointed if n not in members]
+    others_sel = {n: k for n, k in est.selective.items() if n not in members}
+    m = len(g.nodes[members[0]]["menu"])
+    found = []
+    for ranks in itertools.combinations_with_replacement(range(-1, m + 1), len(members)):
+        if all(r in (-1, m) for r in ranks):
+            continue  # no op-level member: whole modules are Rule 1's to weigh
+        for side, order in enumerate((members, members[::-1])):
+            trial = simulate(g, [*others_full, *(n for n, r in zip(order, ranks) if r == -1)],
+                             {**others_sel, **{n: r for n, r in zip(order, ranks) if 0 <= r < m}}, est.offloaded)
+            if trial.peak_bytes <= usable:
+                found.append(((round(trial.overhead_ms, 9), trial.peak_bytes, ranks, side), trial))
+    return min(found, key=lambda f: f[0])[1] if found else None
+
+
 UNIFORM_SEARCH_MEMBERS = 32
-"""Cost groups up to this size are re-chosen over every uniform plan (Rule 3); larger ones keep the
-solver's members and take one policy for them."""
+"""Cost groups up to this size with too many canonical plans are searched over their uniform plans
+(Rule 3); larger ones keep the solver's members and take one policy for them."""
 
 
 def _best_uniform(g: nx.DiGraph, est: Any, usable: int, members: list[str]) -> Any | None:
@@ -223,5 +261,5 @@ def _skipped(g: nx.DiGraph, est: Any) -> set[str]:
     return skip | {_top(g, c) for c in est.offloaded}
 
 
-__all__ = ["canonical", "difference_spread_ms", "OPTIMISERS", "simplest_within_spread", "uniform_policies",
-           "UNIFORM_SEARCH_MEMBERS"]
+__all__ = ["canonical", "canonical_plans", "CANONICAL_SEARCH_PLANS", "difference_spread_ms", "group_search",
+           "OPTIMISERS", "simplest_within_spread", "UNIFORM_SEARCH_MEMBERS"]
