@@ -16,10 +16,11 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 MENU_STEPS = 8
 """Byte levels per unit menu: at most MENU_STEPS - 1 policies (NOTE [ Selective menus ])."""
@@ -234,8 +235,8 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # call). A pointwise op of tens of microseconds saves about its kernel less k - r, within the
 # dispatch figures' spread: kept in one profile and not in the next, it made GPT-2's and Qwen2's
 # policies differ run to run by 2 to 6 pointwise ops (docs/benchmarks.md, "Same plan every time"). Identical units have identical
-# menus (their op times are pooled, NOTE [ Op records ]), so the solvers' order breaks their ties,
-# and those a plan runs op-level run one policy (NOTE [ Robust choice ], Rule 3, in
+# menus (their op times are pooled, NOTE [ Op records ]), and a group's plan is searched over its
+# canonical arrangements, not left to the solvers' order (NOTE [ Robust choice ], Rule 3, in
 # planner/act/robust.py).
 #
 # Rule (material). An op (or group) is an item only when it also saves at least MIN_ITEM_SHARE
@@ -249,6 +250,14 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # little between profiles (Qwen2's lightest matmul is 17.1 to 18.4% of its heaviest over five,
 # GPT-2's heaviest pointwise op 8.9 to 9.3%). What it gives up: the light ops' savings, a few
 # per cent of a unit's forward, within their noise by the measurement above.
+# Rule (ties). Two sets of ops that keep the same bytes and save within the spread of their
+# difference (F's spread times the difference of the shares they take out of the replay, plus
+# the spreads of r and k per call of difference) are one choice to the knapsack: the set of
+# fewer items is taken, then the earlier ops. Qwen2's query projection and
+# its key and value projections together (GQA: half the width each) keep the same 1 MiB and the
+# same work; the dispatch figures of one more kept call decided between them, and the policy
+# kept one in four profiles and the other two in the fifth (docs/benchmarks.md, "Same plan every
+# time").
 # The whole-step cost model (NOTE [ Peak-memory model ], "Selective regions") then prices
 # every policy exactly, positions included; this per-unit pricing only picks the menu.
 #
@@ -292,12 +301,13 @@ def build_menu(unit: UnitOps, *, tensor_bytes: dict[int, int], writers: dict[int
         kernel_ms = sum(o.forward_ms for o, _ in group)
         value = price.saved(kernel_ms, len(group))
         if value > 0 and value > price.saved_spread(kernel_ms, len(group)):
-            items.append((cost, value, group))
-    heaviest = max((value for _, value, _ in items), default=0.0)
+            items.append((cost, value, group, kernel_ms))
+    heaviest = max((it[1] for it in items), default=0.0)
     items = [it for it in items if it[1] >= MIN_ITEM_SHARE * heaviest]  # Rule (material)
     if not items or saved_bytes <= 0:
         return ()
-    front = _knapsack_front([(c, ms) for c, ms, _ in items], max(1, math.ceil(saved_bytes / _GRID)))
+    front = _knapsack_front([(c, ms, (kernel, len(group))) for c, ms, group, kernel in items],
+                            max(1, math.ceil(saved_bytes / _GRID)), price.difference_spread)
     menu: dict[frozenset[int], Policy] = {}
     for j in range(1, steps):
         level = saved_bytes * j / steps
@@ -306,7 +316,7 @@ def build_menu(unit: UnitOps, *, tensor_bytes: dict[int, int], writers: dict[int
         if best is None or best[2] in menu:
             continue
         chosen = best[2]
-        menu[chosen] = _policy([items[i] for i in sorted(chosen)], calls, price, end_seq, tensor_bytes,
+        menu[chosen] = _policy([items[i][:3] for i in sorted(chosen)], calls, price, end_seq, tensor_bytes,
                                first_save_inside)
     # a policy no faster than full checkpointing beyond its spread keeps bytes for nothing (Rule (noise))
     return tuple(sorted((p for p in menu.values() if forward_ms - p.recompute_ms > p.spread_ms),
@@ -367,6 +377,15 @@ class _Price:
                                                                     self.calls - kept_calls)
         return self.forward_spread_ms * abs(share) + (self.op_cost_spread_ms[0] + self.op_cost_spread_ms[1]) * kept_calls
 
+    def difference_spread(self, kernel_ms: float, calls: int) -> float:
+        """The spread of the difference of two policies' recompute whose kept kernel time and calls differ
+        by ``kernel_ms`` and ``calls``: the forward's spread times the difference of their shares, plus
+        both dispatch figures' spreads per call of difference (Rule (ties) of the NOTE)."""
+        q = self.python
+        kernels = kernel_ms / self.kernel_ms if self.kernel_ms > 0 else 0.0
+        share = (1.0 - q) * kernels + q * (calls / self.calls if self.calls else 0.0)
+        return self.forward_spread_ms * abs(share) + (self.op_cost_spread_ms[0] + self.op_cost_spread_ms[1]) * abs(calls)
+
     def saved(self, kept_kernel_ms: float, kept_calls: int) -> float:
         """What keeping ``kept_calls`` calls of ``kept_kernel_ms`` saves, alone, against recomputing them."""
         return (self.recompute_ms(self.kernel_ms, self.calls)
@@ -403,18 +422,27 @@ def _random_together(calls: list[tuple[OpCall, int]],
     return [*rest, [m for g in random for m in g]]
 
 
-def _knapsack_front(items: list[tuple[int, float]], grid: int) -> list[tuple[int, float, frozenset[int]]]:
-    """Pareto front of (bytes, ms saved) over subsets of ``items``; bytes rounded up to ``grid``."""
-    front: list[tuple[int, float, frozenset[int]]] = [(0, 0.0, frozenset())]
-    for i, (cost, ms) in enumerate(items):
+def _knapsack_front(items: list[tuple[int, float, tuple[float, int]]], grid: int,
+                    difference_spread: Callable[[float, int], float] = lambda kernel_ms, calls: 0.0,
+                    ) -> list[tuple[int, float, frozenset[int]]]:
+    """Pareto front of (bytes, ms saved) over subsets of ``items`` (bytes, ms saved, (kernel ms, calls)
+    kept); bytes rounded up to ``grid``. Subsets of equal bytes whose savings differ by no more than
+    ``difference_spread`` of their kept kernel time and calls are one choice: the fewest items, then
+    the earliest (Rule (ties) of NOTE [ Selective menus ])."""
+    front: list[tuple[int, float, frozenset[int], float, int]] = [(0, 0.0, frozenset(), 0.0, 0)]
+    for i, (cost, ms, (kernel_ms, calls)) in enumerate(items):
         c = -(-cost // grid) * grid
-        merged = front + [(b + c, v + ms, s | {i}) for b, v, s in front]
+        merged = front + [(b + c, v + ms, s | {i}, k + kernel_ms, n + calls) for b, v, s, k, n in front]
         merged.sort(key=lambda p: (p[0], -p[1]))
         front = []
-        for p in merged:
+        for _, run in itertools.groupby(merged, key=lambda p: p[0]):
+            run = list(run)
+            best = run[0]  # the most saved at these bytes; then the fewest items within the spread of it
+            p = min((q for q in run if best[1] - q[1] <= difference_spread(best[3] - q[3], best[4] - q[4])),
+                    key=lambda q: (len(q[2]), sorted(q[2])))
             if not front or p[1] > front[-1][1]:
                 front.append(p)
-    return front
+    return [(b, v, s) for b, v, s, _, _ in front]
 
 
 def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list[tuple[OpCall, int]],
