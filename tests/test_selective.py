@@ -569,6 +569,15 @@ def test_a_group_is_searched_over_its_canonical_plans(prof, graph):
     budget = max(mixed.peak_bytes, more.peak_bytes)
     a, b = group_search(graph, mixed, budget), group_search(graph, more, budget)
     assert (a.selective, list(a.checkpointed)) == (b.selective, list(b.checkpointed))
+    # a group with more canonical plans than the search takes keeps the solver's choices
+    from planner.act import robust
+
+    cap, robust.CANONICAL_SEARCH_PLANS = robust.CANONICAL_SEARCH_PLANS, 0
+    try:
+        kept = group_search(graph, mixed, roomy)
+    finally:
+        robust.CANONICAL_SEARCH_PLANS = cap
+    assert (kept.selective, list(kept.checkpointed)) == (mixed.selective, list(mixed.checkpointed))
     # whatever the solver, a plan's group is one of its canonical plans: the strongest choices first
     for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
         plan = plan_from_profile(prof, _budget(graph, frac))

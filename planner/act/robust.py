@@ -63,11 +63,11 @@ from solvers.selective import Policy, choice_spread_ms
 # modal plan in 6 of 10 and 7 of 10), GPT-2's 51.2 and 49.2 ms (10 of 10 either way), Llama's
 # unchanged (whole layers; docs/benchmarks.md, "Same plan every time").
 # Groups with more than ``CANONICAL_SEARCH_PLANS`` canonical plans (2 C(n + m + 1, n) for a
-# menu of m) are searched over their uniform plans only (k x n^2 cost-model runs), and groups
-# of more than ``UNIFORM_SEARCH_MEMBERS`` members keep the solver's op-level members and give
-# them the policy of the menu that fits at the least overhead. Where nothing searched fits:
-# full checkpointing of the op-level members when that fits, else the solver's mix.
-# ``group_search``; Rule 2 then arranges the group.
+# menu of m: a 12-layer group with a menu of five has 37,128) keep the solver's choices, which
+# are optimal over the whole plan space, uniform plans included; round 11's uniform search for
+# them (k x n^2 cost-model runs) could only return a plan the solver's costs no more than. Where
+# no canonical plan fits (the solver's mix fits only in its own arrangement), the solver's
+# choices stay. ``group_search``; Rule 2 then arranges the group.
 # Rule 4 (the simplest choice within the noise). When after Rule 3 a group's op-level members
 # run one policy (the one found cheapest at the budget), the menu's other policies and
 # full checkpointing cost more time but keep fewer bytes, and where they cost more by less than
@@ -153,23 +153,18 @@ def simplest_within_spread(g: nx.DiGraph, est: Any, usable: int) -> Any:
 
 
 def group_search(g: nx.DiGraph, est: Any, usable: int) -> Any:
-    """``est`` with each cost group that has op-level members re-chosen over its canonical plans, or
-    over its uniform plans where those are too many (NOTE [ Robust choice ], Rule 3)."""
+    """``est`` with each cost group that has op-level members re-chosen over its canonical plans where
+    they are at most ``CANONICAL_SEARCH_PLANS`` (NOTE [ Robust choice ], Rule 3)."""
     skip = _skipped(g, est)
     for members in _cost_groups(g):
-        op_level = [n for n in members if n in est.selective]
-        if skip.intersection(members) or not op_level:
+        if skip.intersection(members) or not any(n in est.selective for n in members):
             continue
-        if len(members) > UNIFORM_SEARCH_MEMBERS:
-            est = _one_policy(g, est, usable, op_level)
-            continue
-        search = _best_canonical if canonical_plans(g, members) <= CANONICAL_SEARCH_PLANS else _best_uniform
-        best = search(g, est, usable, members)
-        est = best if best is not None else _one_policy(g, est, usable, op_level)
+        if canonical_plans(g, members) <= CANONICAL_SEARCH_PLANS:
+            est = _best_canonical(g, est, usable, members) or est
     return est
 
 
-CANONICAL_SEARCH_PLANS = 4096
+CANONICAL_SEARCH_PLANS = 8192
 """Cost groups with up to this many canonical plans (multisets of choices, two arrangements each) are
 re-chosen over all of them (Rule 3): about 0.1 ms of cost model each on a 4-layer decoder."""
 
@@ -199,47 +194,6 @@ def _best_canonical(g: nx.DiGraph, est: Any, usable: int, members: list[str]) ->
     return min(found, key=lambda f: f[0])[1] if found else None
 
 
-UNIFORM_SEARCH_MEMBERS = 32
-"""Cost groups up to this size with too many canonical plans are searched over their uniform plans
-(Rule 3); larger ones keep the solver's members and take one policy for them."""
-
-
-def _best_uniform(g: nx.DiGraph, est: Any, usable: int, members: list[str]) -> Any | None:
-    """The uniform plan of one cost group (``n_full`` members fully checkpointed, ``n_op`` running one
-    policy of the menu, the rest not checkpointed; the strongest choices on the earliest members or on
-    the latest) that fits ``usable`` at the least overhead, then the lower peak, then the fewer members
-    op-level and the menu's order; the rest of ``est`` kept. None when none fits."""
-    others_full = [n for n in est.checkpointed if n not in members]
-    others_sel = {n: k for n, k in est.selective.items() if n not in members}
-    menu_size, n = len(g.nodes[members[0]]["menu"]), len(members)
-    found = []
-    for k in range(menu_size):
-        for n_op in range(1, n + 1):
-            for order in (members, members[::-1]):
-                for n_full in range(n - n_op + 1):  # more full checkpoints: more recompute, a lower peak
-                    trial = simulate(g, [*others_full, *order[:n_full]],
-                                     {**others_sel, **{m: k for m in order[n_full:n_full + n_op]}}, est.offloaded)
-                    if trial.peak_bytes <= usable:
-                        found.append(((round(trial.overhead_ms, 9), trial.peak_bytes, n_op, k), trial))
-                        break
-    return min(found, key=lambda f: f[0])[1] if found else None
-
-
-def _one_policy(g: nx.DiGraph, est: Any, usable: int, op_level: list[str]) -> Any:
-    """``est`` with its op-level members of one group running the policy that fits at the least
-    overhead, else fully checkpointed where that fits, else as it was."""
-    if len({est.selective[n] for n in op_level}) < 2:
-        return est
-    others = {n: k for n, k in est.selective.items() if n not in op_level}
-    trials = [simulate(g, est.checkpointed, {**others, **{n: k for n in op_level}}, est.offloaded)
-              for k in range(len(g.nodes[op_level[0]]["menu"]))]
-    fits = [t for t in trials if t.peak_bytes <= usable]
-    if fits:
-        return min(fits, key=lambda t: (t.overhead_ms, t.peak_bytes))  # min keeps the menu's order on a tie
-    full = simulate(g, [*est.checkpointed, *op_level], others, est.offloaded)
-    return full if full.peak_bytes <= usable else est
-
-
 def _cost_groups(g: nx.DiGraph) -> list[list[str]]:
     """Top-level candidates with one cost group, forward time and menu, two or more, in forward order."""
     from solvers.base import top_level
@@ -262,4 +216,4 @@ def _skipped(g: nx.DiGraph, est: Any) -> set[str]:
 
 
 __all__ = ["canonical", "canonical_plans", "CANONICAL_SEARCH_PLANS", "difference_spread_ms", "group_search",
-           "OPTIMISERS", "simplest_within_spread", "UNIFORM_SEARCH_MEMBERS"]
+           "OPTIMISERS", "simplest_within_spread"]
