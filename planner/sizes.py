@@ -47,6 +47,8 @@ def parse_bytes(text: str | int | float) -> int:
         value, unit = float(m.group(1)), m.group(2).lower()
         if unit not in _MULTIPLIERS:
             raise BadInput(f"invalid size {raw!r}: unknown unit {m.group(2)!r}; {_HINT}")
+    if math.isinf(value):  # 1e400 reads as infinity: a size, only far too large
+        raise BadInput(f"invalid size {text!r}: more than 1 EiB, above any device's memory; {_HINT}")
     if not math.isfinite(value) or value <= 0:
         raise BadInput(f"invalid size {text!r}: a memory budget must be positive; {_HINT}")
     product = value * _MULTIPLIERS[unit]

@@ -83,6 +83,7 @@ def example_inputs():
     ("-1GB", "must be positive"),
     ("0", "must be positive"),
     ("12XB", "unknown unit 'XB'"),
+    ("1e400", "more than 1 EiB"),  # reads as infinity: too large, not negative
 ])
 def test_bad_budget(profile_path: Path, budget: str, needle: str):
     r = invoke("plan", f"--budget={budget}", "--profile", profile_path)
