@@ -124,6 +124,14 @@ _PLURAL = {"matmul": "matmuls", "attention": "attention", "softmax": "softmax", 
            "dropout": "dropout", "pointwise": "pointwise"}
 
 
+def spread_of_median(spread_ms: float, rounds: int) -> float:
+    """The spread (interquartile range) of the median of ``rounds`` values whose own interquartile range is
+    ``spread_ms``: its large-sample range, ``spread_ms * sqrt(pi / 2) / sqrt(rounds)`` (NOTE [ Selective
+    dispatch cost ], Rule 4, in planner/profiling/sac_cost.py); ``spread_ms`` itself when the rounds are
+    not known (0) or fewer than two."""
+    return spread_ms * math.sqrt(math.pi / 2) / math.sqrt(rounds) if rounds >= 2 else spread_ms
+
+
 def category(name: str, *, random: bool = False) -> str:
     """'matmul', 'attention', 'softmax', 'norm', 'dropout' or 'pointwise' (everything else)."""
     for cat, keys in _CATEGORIES:
@@ -476,4 +484,4 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
 
 
 __all__ = ["build_menu", "category", "choice_spread_ms", "describe", "indexed", "keepable", "MENU_STEPS",
-           "MIN_ITEM_SHARE", "OpCall", "Policy", "UnitOps"]
+           "MIN_ITEM_SHARE", "OpCall", "Policy", "spread_of_median", "UnitOps"]

@@ -198,7 +198,10 @@ def test_each_cost_group_gets_its_thread_factor(measured):
 def test_dispatch_cost_is_measured_and_priced(measured, prof):
     """NOTE [ Selective dispatch cost ]: measured on the model, added to every policy per op call it
     recomputes and per op call it keeps, and a policy no faster than full checkpointing is left out."""
+    from planner.profiling.sac_cost import SAC_MIN_ROUNDS, SAC_ROUNDS
+
     assert measured.sac_recomputed_op_ms > 0 and measured.sac_kept_op_ms > 0
+    assert SAC_MIN_ROUNDS <= measured.sac_rounds <= SAC_ROUNDS  # the rounds the figures are medians of
     cost = (0.001, 0.002)
     g = graph_for(prof.model_copy(update={"sac_recomputed_op_ms": cost[0], "sac_kept_op_ms": cost[1]}))
     a = g.nodes["blocks.1"]
@@ -503,6 +506,25 @@ def test_op_level_plan_stands_only_beyond_the_spread(prof, graph, monkeypatch):
     robust = plan_from_profile(prof, budget)
     assert robust.selective == [] and robust.checkpoints == whole.checkpoints
     assert robust.predicted.recompute_ms == pytest.approx(whole.predicted.recompute_ms)
+
+
+def test_dispatch_spreads_are_priced_as_the_spread_of_their_median(prof):
+    """NOTE [ Selective dispatch cost ], Rule 4: the menus take the dispatch figures' spread over the
+    rounds times sqrt(pi / 2) / sqrt(rounds), the spread of their median; unknown rounds (older
+    profiles): the spread as recorded."""
+    import math
+
+    from solvers.selective import spread_of_median
+
+    assert spread_of_median(0.2, 0) == 0.2 and spread_of_median(0.2, 1) == 0.2
+    assert spread_of_median(0.2, 27) == pytest.approx(0.2 * math.sqrt(math.pi / 2 / 27))
+    spread = 0.02  # ms a call: this model's ops take microseconds (the ``prof`` fixture)
+    noisy = prof.model_copy(update={"sac_recomputed_op_spread_ms": spread, "sac_kept_op_spread_ms": spread})
+    recorded = graph_for(noisy.model_copy(update={"sac_rounds": 0})).nodes["blocks.1"]["menu"]
+    medians = graph_for(noisy.model_copy(update={"sac_rounds": 25})).nodes["blocks.1"]["menu"]
+    assert recorded == () and medians  # 20 us a call keeps every policy out; its median's 5 us does not
+    for pol in medians:  # each policy's spread carries the median's dispatch spread, a fifth of it at 25 rounds
+        assert pol.op_cost_spread_ms == pytest.approx((spread * math.sqrt(math.pi / 2) / 5,) * 2)
 
 
 def test_identical_units_get_one_arrangement(prof, graph):

@@ -234,7 +234,7 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
     import bisect
 
     from solvers.op_work import priced_by_work
-    from solvers.selective import OpCall, UnitOps, build_menu
+    from solvers.selective import OpCall, UnitOps, build_menu, spread_of_median
 
     if not p.ops:
         return
@@ -272,7 +272,8 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
             **_thread_factor(p, units.get(n)))
         a["menu"] = build_menu(unit, tensor_bytes=tb, writers=writers,
                                op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms),
-                               op_cost_spread_ms=(p.sac_recomputed_op_spread_ms, p.sac_kept_op_spread_ms))
+                               op_cost_spread_ms=(spread_of_median(p.sac_recomputed_op_spread_ms, p.sac_rounds),
+                                                  spread_of_median(p.sac_kept_op_spread_ms, p.sac_rounds)))
 
 
 def _thread_factor(p: Profile, u: UnitRecord | None) -> dict[str, Any]:

@@ -322,6 +322,8 @@ class Profile(_Model):
                                                              "was measured in (NOTE [ Selective dispatch cost ], "
                                                              "Rule 4); 0 when not measured.")
     sac_kept_op_spread_ms: Ms = Field(0.0, description="Spread of sac_kept_op_ms over its rounds (the same NOTE).")
+    sac_rounds: int = Field(0, ge=0, description="Rounds the sac figures are medians of (the same NOTE): priced "
+                                                 "with the median's spread; 0: not recorded, spreads as they are.")
     notes: list[str] = Field(default_factory=list)
     compile: CompileInfo | None = Field(None, description="The step under torch.compile (version 4); None: eager.")
 

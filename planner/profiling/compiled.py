@@ -198,7 +198,7 @@ def compiled_profile(eager: schema.Profile, graphs: _Graphs, model: torch.nn.Mod
         tensors=tensors, saves=saves, ops=[], timeline=timeline,
         units=_with_inputs(_scaled_units(eager, k, step), crossing, {t.id: t.nbytes for t in tensors}),
         params=scaled["params"], step=_compiled_step_record(eager, k, step), region_state_bytes=0,  # Rule 4
-        sac_recomputed_op_ms=0.0, sac_kept_op_ms=0.0, sac_recomputed_op_spread_ms=0.0, sac_kept_op_spread_ms=0.0,
+        sac_recomputed_op_ms=0.0, sac_kept_op_ms=0.0, sac_recomputed_op_spread_ms=0.0, sac_kept_op_spread_ms=0.0, sac_rounds=0,
         schema_version=schema.COMPILED_PROFILE_VERSION,
         compile=schema.CompileInfo(backend=backend, torch_version=torch.__version__,
                                    first_compile_s=round(step.first_compile_s, 3)),

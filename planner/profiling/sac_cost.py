@@ -45,6 +45,7 @@ class SacCost(NamedTuple):
     kept_op_ms: float
     recomputed_op_spread_ms: float = 0.0
     kept_op_spread_ms: float = 0.0
+    rounds: int = 0
 
 
 # NOTE [ Selective dispatch cost ]
@@ -95,6 +96,15 @@ class SacCost(NamedTuple):
 # (CPU time: the machine's other load does not change how many run). A figure within its
 # spread of 0 is noted in the profile (``with_sac_cost``), and a policy enters a menu only when
 # it saves more than the spread of its price (NOTE [ Selective menus ], Rule (noise)).
+# The spread over the rounds is how far one round's figure strays; the prices use the median,
+# which strays less: their spread is the median's (``solvers.selective.spread_of_median``: the
+# interquartile range over the rounds times 1.2533 / sqrt(rounds), the large-sample range of a
+# median), and the profile records the rounds (``Profile.sac_rounds``). Taken as they were, the
+# spreads over the rounds (9 to 236 us on thirty profiles under a burner, 13x between two of
+# one model) times the dozens of op calls a block pays them on made the choice between
+# op-level and whole layers a matter of which profile it was: GPT-2's op-level plan was predicted
+# 33 to 41 ms cheaper than whole blocks in all fifteen profiles, and sent to whole blocks in
+# one, where that spread read 50 ms (docs/benchmarks.md, "Same plan every time").
 #
 # Rule 5 (threads). Above one CPU thread the rounds run at one thread, like every other figure
 # (NOTE [ Unit costs ], Rule 1b), but the figures are the thread's CPU time unscaled: r and k are
@@ -148,7 +158,7 @@ def _figures(ms: dict[Any, list[list[float]]], n_ops: int) -> SacCost:
         return max(0.0, statistics.median(rounds_ms)), spread_ms(rounds_ms)
 
     (r, r_spread), (k, k_spread) = per_op(CheckpointPolicy.PREFER_RECOMPUTE, "full"), per_op(CheckpointPolicy.MUST_SAVE, None)
-    return SacCost(r, k, r_spread, k_spread)
+    return SacCost(r, k, r_spread, k_spread, rounds=len(ms[None]))
 
 
 def _regions(prof: Profile, model: nn.Module) -> list[tuple[str, int]]:
@@ -265,7 +275,8 @@ def with_sac_cost(prof: Profile, cost: SacCost) -> Profile:
                          f"with it as measured, and a policy enters a menu only when it saves more than its spread")
     return prof.model_copy(update={"sac_recomputed_op_ms": cost.recomputed_op_ms, "sac_kept_op_ms": cost.kept_op_ms,
                                    "sac_recomputed_op_spread_ms": cost.recomputed_op_spread_ms,
-                                   "sac_kept_op_spread_ms": cost.kept_op_spread_ms, "notes": notes})
+                                   "sac_kept_op_spread_ms": cost.kept_op_spread_ms, "sac_rounds": cost.rounds,
+                                   "notes": notes})
 
 
 @contextlib.contextmanager
