@@ -493,19 +493,29 @@ def test_module_level_only_without_selective(prof):
 
 
 def test_op_level_plan_stands_only_beyond_the_spread(prof, graph, monkeypatch):
-    """NOTE [ Robust choice ]: an op-level plan predicted cheaper than the whole-module plan by less
-    than the spread of the difference gives way to the whole-module plan."""
-    import planner.act.api as api
+    """NOTE [ Robust choice ], Rule 1: an op-level plan predicted cheaper than the whole-module plan by
+    less than the spread of the difference, or by less than OP_LEVEL_MIN_GAIN of the whole-module
+    plan's overhead, gives way to the whole-module plan; beyond both it stands."""
+    import planner.act.robust as robust
 
     budget = _budget(graph, 0.6)
     ops, whole = plan_from_profile(prof, budget), plan_from_profile(prof, budget, selective=False)
     assert ops.selective and ops.predicted.recompute_ms < whole.predicted.recompute_ms
     est = simulate(graph, ops.checkpoint_units)
-    assert api.difference_spread_ms(graph, est, est) == 0.0  # the fixture's figures carry no spread
-    monkeypatch.setattr(api, "difference_spread_ms", lambda *_: whole.predicted.recompute_ms)
-    robust = plan_from_profile(prof, budget)
-    assert robust.selective == [] and robust.checkpoints == whole.checkpoints
-    assert robust.predicted.recompute_ms == pytest.approx(whole.predicted.recompute_ms)
+    assert robust.difference_spread_ms(graph, est, est) == 0.0  # the fixture's figures carry no spread
+    gain = 1 - ops.predicted.recompute_ms / whole.predicted.recompute_ms  # the fixture's overhead is its recompute
+    assert gain > robust.OP_LEVEL_MIN_GAIN
+    with monkeypatch.context() as m:
+        m.setattr(robust, "difference_spread_ms", lambda *_: whole.predicted.recompute_ms)
+        spread = plan_from_profile(prof, budget)
+    with monkeypatch.context() as m:
+        m.setattr(robust, "OP_LEVEL_MIN_GAIN", gain * 1.01)
+        small = plan_from_profile(prof, budget)
+    for robust_plan in (spread, small):
+        assert robust_plan.selective == [] and robust_plan.checkpoints == whole.checkpoints
+        assert robust_plan.predicted.recompute_ms == pytest.approx(whole.predicted.recompute_ms)
+    monkeypatch.setattr(robust, "OP_LEVEL_MIN_GAIN", gain * 0.99)
+    assert plan_from_profile(prof, budget).selective == ops.selective
 
 
 def test_dispatch_spreads_are_priced_as_the_spread_of_their_median(prof):

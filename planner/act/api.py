@@ -25,8 +25,8 @@ from solvers.cost_model import simulate, window_bytes
 from solvers.dp import min_feasible_bytes
 from planner.errors import BadInput, BudgetInfeasible, SolverError
 from planner.model.graph import build_graph
-from planner.act.robust import (OPTIMISERS as _OPTIMISERS, canonical, difference_spread_ms, simplest_within_spread,
-                                group_search)
+from planner.act.robust import (OPTIMISERS as _OPTIMISERS, canonical, difference_spread_ms, group_search, op_level_stands,
+                                simplest_within_spread)
 from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
 from planner.model.schema import (COMPILED_PLAN_VERSION, OFFLOAD_PLAN_VERSION, OpRef, Plan, Predicted, Profile, RunStamp,
                                   SelectiveRegion, SolverInfo, now_iso)
@@ -231,12 +231,13 @@ def _no_plan(profile: Profile, g: nx.DiGraph, sol: Any, budget_bytes: int, headr
 def _robust_choice(profile: Profile, spec: SolveSpec, usable: int, g: nx.DiGraph, sol: Any,
                    est: Any, host_budget: int | None = None) -> tuple[nx.DiGraph, Any, Any]:
     """The whole-module plan instead of ``est`` (with selective regions) when it fits and costs no more
-    recompute (and exposed copies) than the two differ by their spreads (NOTE [ Robust choice ])."""
+    recompute (and exposed copies) than the op-level plan saves beyond the spread of the difference and
+    the time model's accuracy (NOTE [ Robust choice ], Rule 1)."""
     wg = graph_for(profile, solve=spec.replace(selective=False))
     whole = solve_graph(wg, usable, solver=spec.solver, time_limit_s=spec.time_limit_s, host_budget_bytes=host_budget)
     if whole.status != "infeasible":
         plain = simulate(wg, whole.checkpointed, offloaded=whole.offloaded)
-        if plain.peak_bytes <= usable and plain.overhead_ms - est.overhead_ms <= difference_spread_ms(g, est, plain):
+        if plain.peak_bytes <= usable and not op_level_stands(g, est, plain):
             return wg, whole, plain
     return g, sol, est
 
