@@ -124,6 +124,13 @@ _PLURAL = {"matmul": "matmuls", "attention": "attention", "softmax": "softmax", 
            "dropout": "dropout", "pointwise": "pointwise"}
 
 
+OP_RATE_SPREAD = 0.05
+"""How far apart two ops of equal work may be priced by noise, as a share of their time (Rule (ties) of
+NOTE [ Selective menus ]): op times are priced at their overload's rate (NOTE [ Op work ]), one
+overload's ops agree within 5% in a profile, and the addmm and mm rates of Qwen2's equal-work
+projections differed by 4.7% in one of five profiles and 0.4% in another."""
+
+
 def spread_of_median(spread_ms: float, rounds: int) -> float:
     """The spread (interquartile range) of the median of ``rounds`` values whose own interquartile range is
     ``spread_ms``: its large-sample range, ``spread_ms * sqrt(pi / 2) / sqrt(rounds)`` (NOTE [ Selective
@@ -260,8 +267,9 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # per cent of a unit's forward, within their noise by the measurement above.
 # Rule (ties). Two sets of ops that keep the same bytes and save within the spread of their
 # difference (F's spread times the difference of the shares they take out of the replay, plus
-# the spreads of r and k per call of difference) are one choice to the knapsack: the set of
-# fewer items is taken, then the earlier ops. Qwen2's query projection and
+# the spreads of r and k per call of difference, plus OP_RATE_SPREAD of the share of the ops in
+# one set and not the other: ops of equal work priced at two overloads' rates) are one choice to
+# the knapsack: the set of fewer items is taken, then the earlier ops. Qwen2's query projection and
 # its key and value projections together (GQA: half the width each) keep the same 1 MiB and the
 # same work; the dispatch figures of one more kept call decided between them, and the policy
 # kept one in four profiles and the other two in the fifth (docs/benchmarks.md, "Same plan every
@@ -385,14 +393,18 @@ class _Price:
                                                                     self.calls - kept_calls)
         return self.forward_spread_ms * abs(share) + (self.op_cost_spread_ms[0] + self.op_cost_spread_ms[1]) * kept_calls
 
-    def difference_spread(self, kernel_ms: float, calls: int) -> float:
+    def difference_spread(self, kernel_ms: float, calls: int, moved_kernel_ms: float = 0.0) -> float:
         """The spread of the difference of two policies' recompute whose kept kernel time and calls differ
-        by ``kernel_ms`` and ``calls``: the forward's spread times the difference of their shares, plus
-        both dispatch figures' spreads per call of difference (Rule (ties) of the NOTE)."""
+        by ``kernel_ms`` and ``calls``, and which keep ``moved_kernel_ms`` of kernels one keeps and the
+        other does not: the forward's spread times the difference of their shares, both dispatch
+        figures' spreads per call of difference, and OP_RATE_SPREAD of the moved kernels' share of the
+        forward (Rule (ties) of the NOTE)."""
         q = self.python
         kernels = kernel_ms / self.kernel_ms if self.kernel_ms > 0 else 0.0
+        moved = moved_kernel_ms / self.kernel_ms if self.kernel_ms > 0 else 0.0
         share = (1.0 - q) * kernels + q * (calls / self.calls if self.calls else 0.0)
-        return self.forward_spread_ms * abs(share) + (self.op_cost_spread_ms[0] + self.op_cost_spread_ms[1]) * abs(calls)
+        return (self.forward_spread_ms * abs(share) + (self.op_cost_spread_ms[0] + self.op_cost_spread_ms[1]) * abs(calls)
+                + OP_RATE_SPREAD * self.forward_ms * (1.0 - q) * moved)
 
     def saved(self, kept_kernel_ms: float, kept_calls: int) -> float:
         """What keeping ``kept_calls`` calls of ``kept_kernel_ms`` saves, alone, against recomputing them."""
@@ -431,12 +443,14 @@ def _random_together(calls: list[tuple[OpCall, int]],
 
 
 def _knapsack_front(items: list[tuple[int, float, tuple[float, int]]], grid: int,
-                    difference_spread: Callable[[float, int], float] = lambda kernel_ms, calls: 0.0,
+                    difference_spread: Callable[[float, int, float], float] = lambda kernel_ms, calls, moved: 0.0,
                     ) -> list[tuple[int, float, frozenset[int]]]:
     """Pareto front of (bytes, ms saved) over subsets of ``items`` (bytes, ms saved, (kernel ms, calls)
     kept); bytes rounded up to ``grid``. Subsets of equal bytes whose savings differ by no more than
-    ``difference_spread`` of their kept kernel time and calls are one choice: the fewest items, then
-    the earliest (Rule (ties) of NOTE [ Selective menus ])."""
+    ``difference_spread`` of the differences of their kept kernel time and calls and the kernel time
+    of the items in one and not the other are one choice: the fewest items, then the earliest (Rule
+    (ties) of NOTE [ Selective menus ])."""
+    kernels = [kernel_ms for _, _, (kernel_ms, _) in items]
     front: list[tuple[int, float, frozenset[int], float, int]] = [(0, 0.0, frozenset(), 0.0, 0)]
     for i, (cost, ms, (kernel_ms, calls)) in enumerate(items):
         c = -(-cost // grid) * grid
@@ -446,8 +460,9 @@ def _knapsack_front(items: list[tuple[int, float, tuple[float, int]]], grid: int
         for _, run in itertools.groupby(merged, key=lambda p: p[0]):
             run = list(run)
             best = run[0]  # the most saved at these bytes; then the fewest items within the spread of it
-            p = min((q for q in run if best[1] - q[1] <= difference_spread(best[3] - q[3], best[4] - q[4])),
-                    key=lambda q: (len(q[2]), sorted(q[2])))
+            p = min((q for q in run if best[1] - q[1] <= difference_spread(
+                best[3] - q[3], best[4] - q[4], sum(kernels[j] for j in best[2] ^ q[2]))),
+                key=lambda q: (len(q[2]), sorted(q[2])))
             if not front or p[1] > front[-1][1]:
                 front.append(p)
     return [(b, v, s) for b, v, s, _, _ in front]
@@ -484,4 +499,4 @@ def _policy(kept: list[tuple[int, float, list[tuple[OpCall, int]]]], calls: list
 
 
 __all__ = ["build_menu", "category", "choice_spread_ms", "describe", "indexed", "keepable", "MENU_STEPS",
-           "MIN_ITEM_SHARE", "OpCall", "Policy", "spread_of_median", "UnitOps"]
+           "MIN_ITEM_SHARE", "OP_RATE_SPREAD", "OpCall", "Policy", "spread_of_median", "UnitOps"]
