@@ -393,22 +393,19 @@ class _Price:
     def saved_spread(self, kept_kernel_ms: float, kept_calls: int) -> float:
         """The spread of ``saved``: the forward's spread times the share the kept calls take out of the
         replay, plus both dispatch figures' spreads per kept call (``choice_spread_ms``)."""
-        share = self.share(self.kernel_ms, self.calls) - self.share(self.kernel_ms - kept_kernel_ms,
-                                                                    self.calls - kept_calls)
-        return self.forward_spread_ms * abs(share) + (self.op_cost_spread_ms[0] + self.op_cost_spread_ms[1]) * kept_calls
+        return self.difference_spread(kept_kernel_ms, kept_calls)
 
     def difference_spread(self, kernel_ms: float, calls: int, moved_kernel_ms: float = 0.0) -> float:
         """The spread of the difference of two policies' recompute whose kept kernel time and calls differ
         by ``kernel_ms`` and ``calls``, and which keep ``moved_kernel_ms`` of kernels one keeps and the
         other does not: the forward's spread times the difference of their shares, both dispatch
         figures' spreads per call of difference, and OP_RATE_SPREAD of the moved kernels' share of the
-        forward (Rule (ties) of the NOTE)."""
-        q = self.python
-        kernels = kernel_ms / self.kernel_ms if self.kernel_ms > 0 else 0.0
+        forward (Rule (ties) of the NOTE). With no moved kernels, against keeping nothing: ``saved``'s
+        spread."""
+        share = self.share(self.kernel_ms, self.calls) - self.share(self.kernel_ms - kernel_ms, self.calls - calls)
         moved = moved_kernel_ms / self.kernel_ms if self.kernel_ms > 0 else 0.0
-        share = (1.0 - q) * kernels + q * (calls / self.calls if self.calls else 0.0)
         return (self.forward_spread_ms * abs(share) + (self.op_cost_spread_ms[0] + self.op_cost_spread_ms[1]) * abs(calls)
-                + OP_RATE_SPREAD * self.forward_ms * (1.0 - q) * moved)
+                + OP_RATE_SPREAD * self.forward_ms * (1.0 - self.python) * moved)
 
     def saved(self, kept_kernel_ms: float, kept_calls: int) -> float:
         """What keeping ``kept_calls`` calls of ``kept_kernel_ms`` saves, alone, against recomputing them."""
@@ -447,8 +444,7 @@ def _random_together(calls: list[tuple[OpCall, int]],
 
 
 def _knapsack_front(items: list[tuple[int, float, tuple[float, int]]], grid: int,
-                    difference_spread: Callable[[float, int, float], float] = lambda kernel_ms, calls, moved: 0.0,
-                    ) -> list[tuple[int, float, frozenset[int]]]:
+                    difference_spread: Callable[[float, int, float], float]) -> list[tuple[int, float, frozenset[int]]]:
     """Pareto front of (bytes, ms saved) over subsets of ``items`` (bytes, ms saved, (kernel ms, calls)
     kept); bytes rounded up to ``grid``. Subsets of equal bytes whose savings differ by no more than
     ``difference_spread`` of the differences of their kept kernel time and calls and the kernel time

@@ -100,18 +100,22 @@ def canonical(g: nx.DiGraph, est: Any, usable: int) -> Any:
         ranks = sorted(_rank(g, est, n) for n in members)
         if len(members) < 2 or skip.intersection(members) or ranks[0] == ranks[-1]:
             continue
-        trials = []
-        for order in (ranks, ranks[::-1]):  # strongest on the earliest members, then on the latest
-            assign = dict(zip(members, order))
-            full = [n for n in est.checkpointed if n not in assign] + [n for n, r in assign.items() if r == -1]
-            sel = {n: k for n, k in est.selective.items() if n not in assign}
-            sel.update({n: r for n, r in assign.items() if 0 <= r < len(g.nodes[n]["menu"])})
-            trials.append(simulate(g, full, sel, est.offloaded))
+        trials = [_with_ranks(g, est, dict(zip(members, order)))  # strongest on the earliest members, then
+                  for order in (ranks, ranks[::-1])]                # on the latest
         best = min(trials, key=lambda t: t.peak_bytes)  # the earlier-first on a tie
         same_ms = abs(best.recompute_ms - est.recompute_ms) <= 1e-9 * max(1.0, est.recompute_ms)
         if same_ms and best.peak_bytes <= min(usable, est.peak_bytes):
             est = best
     return est
+
+
+def _with_ranks(g: nx.DiGraph, est: Any, assign: dict[str, int]) -> Any:
+    """``simulate`` of ``est`` with the members in ``assign`` given those choices as ranks (``_rank``:
+    -1 full checkpointing, k policy k of the menu, the menu's length none), in ``assign``'s order."""
+    full = [n for n in est.checkpointed if n not in assign] + [n for n, r in assign.items() if r == -1]
+    sel = {n: k for n, k in est.selective.items() if n not in assign}
+    sel.update({n: r for n, r in assign.items() if 0 <= r < len(g.nodes[n]["menu"])})
+    return simulate(g, full, sel, est.offloaded)
 
 
 def _rank(g: nx.DiGraph, est: Any, n: str) -> int:
@@ -201,16 +205,14 @@ def _best_canonical(g: nx.DiGraph, est: Any, usable: int, members: list[str]) ->
     the menu, none m; strongest first on the earliest members or on the latest; at least one
     op-level) that fits ``usable`` at the least overhead, then the lower peak, then the stronger
     choices and the earlier arrangement; the rest of ``est`` kept. None when none fits."""
-    others_full = [n for n in est.checkpointed if n not in members]
-    others_sel = {n: k for n, k in est.selective.items() if n not in members}
     m = len(g.nodes[members[0]]["menu"])
     found = []
     for ranks in itertools.combinations_with_replacement(range(-1, m + 1), len(members)):
         if all(r in (-1, m) for r in ranks):
             continue  # no op-level member: whole modules are Rule 1's to weigh
-        for side, order in enumerate((members, members[::-1])):
-            trial = simulate(g, [*others_full, *(n for n, r in zip(order, ranks) if r == -1)],
-                             {**others_sel, **{n: r for n, r in zip(order, ranks) if 0 <= r < m}}, est.offloaded)
+        sides = (members, members[::-1]) if ranks[0] != ranks[-1] else (members,)  # one choice: one arrangement
+        for side, order in enumerate(sides):
+            trial = _with_ranks(g, est, dict(zip(order, ranks)))
             if trial.peak_bytes <= usable:
                 found.append(((round(trial.overhead_ms, 9), trial.peak_bytes, ranks, side), trial))
     return min(found, key=lambda f: f[0])[1] if found else None
