@@ -186,6 +186,8 @@ def test_impossible_profile_numbers_are_refused(profile_path: Path, tmp_path: Pa
      "predicted.peak_bytes"),
     ("peak not its breakdown", lambda d: d["predicted"].__setitem__("activations_bytes", 1), "predicted.peak_bytes"),
     ("headroom above the budget", lambda d: d.__setitem__("headroom_bytes", 10**12), "headroom_bytes"),
+    ("recompute longer than the step", lambda d: d["predicted"].__setitem__("recompute_ms", 1e30),
+     "predicted.recompute_ms: 1e+30 ms of recompute"),
     ("unknown module", lambda d: d["checkpoints"].append("no.such.module"), "checkpoints."),
     ("negative gap", lambda d: d["solver"].__setitem__("gap", -0.5), "solver.gap"),
 ])

@@ -47,7 +47,7 @@ def batch(rows: int, tokens: int) -> dict[str, torch.Tensor]:
 def one_plan(model: nn.Module, shape: tuple[int, int], checkpoints: list[str]) -> Plan:
     fp = fingerprint(model, batch(*shape))
     predicted = Predicted(peak_bytes=shape[1] << 16, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
-                          activations_bytes=shape[1] << 16, recompute_ms=float(len(checkpoints)), step_ms=1.0)
+                          activations_bytes=shape[1] << 16, recompute_ms=float(len(checkpoints)), step_ms=10.0)
     return Plan(fingerprint=fp, fingerprint_digest=fp.digest(), budget_bytes=1 << 30, checkpoints=checkpoints,
                 checkpoint_units=checkpoints, solver=SolverInfo(name="manual", status="optimal"), predicted=predicted)
 
@@ -92,6 +92,21 @@ def test_buckets_are_sorted_the_top_level_is_the_largest_and_a_bucket_reads_as_i
     assert singles[0].fingerprint_digest == fingerprint(model, batch(*SHORT)).digest()
     assert singles[0].to_json() == one_plan(model, SHORT, []).model_copy(
         update={"created": singles[0].created}).to_json()
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda b: b["predicted"].__setitem__("activations_bytes", 1), "buckets.0.predicted.peak_bytes"),
+    (lambda b: b["predicted"].__setitem__("peak_bytes", 1 << 40), "buckets.0.predicted.peak_bytes"),
+    (lambda b: b["predicted"].__setitem__("recompute_ms", 1e30), "buckets.0.predicted.recompute_ms"),
+    (lambda b: b["checkpoints"].append("no.such.module"), "buckets.0.checkpoints.0"),
+])
+def test_a_bucket_is_checked_as_its_own_plan_is(tmp_path, edit, needle):
+    data = json.loads(bucketed(TinyLM()).to_json())
+    edit(data["buckets"][0])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(Exception, match=needle):
+        Plan.load(bad)
 
 
 def test_a_single_shape_plan_file_is_unchanged_and_older_plans_load(tmp_path):

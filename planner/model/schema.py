@@ -29,7 +29,7 @@ from planner.files import atomic_write_text
 from planner.model.fields import MAX_BYTES, MAX_COUNT, MAX_WORLD_SIZE, Bytes, Count, Ms, NonNegFloat, Seq, Threads, now_iso
 from planner.model.fields import FileModel as _Model  # the base of every model below: unknown fields are an error
 from planner.model.fields import bad_field as _bad, load_versioned as _load_versioned
-from planner.model.stages import Pipeline, StagePlan, check_stages, unset_parallel_fields
+from planner.model.stages import Pipeline, StagePlan, check_predicted, check_stages, unset_parallel_fields
 from planner.model.records import (OffloadedUnit, MemoryEvent, OpRecord, ParamRecord, SaveRecord, StepRecord, StepStructure,
                                    TensorRecord, UnitRecord)
 from solvers.contract import Sharding, Status
@@ -322,8 +322,7 @@ class Profile(_Model):
                                                              "was measured in (NOTE [ Selective dispatch cost ], "
                                                              "Rule 4); 0 when not measured.")
     sac_kept_op_spread_ms: Ms = Field(0.0, description="Spread of sac_kept_op_ms over its rounds (the same NOTE).")
-    sac_rounds: int = Field(0, ge=0, description="Rounds the sac figures are medians of (the same NOTE): priced "
-                                                 "with the median's spread; 0: not recorded, spreads as they are.")
+    sac_rounds: int = Field(0, ge=0, description="Rounds the sac figures are medians of (the same NOTE); 0: not recorded.")
     notes: list[str] = Field(default_factory=list)
     compile: CompileInfo | None = Field(None, description="The step under torch.compile (version 4); None: eager.")
 
@@ -563,28 +562,23 @@ def _check_profile(p: Profile) -> None:
 def _check_plan(plan: Plan) -> None:
     """Rule 2 of NOTE [ Numbers in files ] for a plan: the prediction adds up and fits the budget,
     the checkpointed modules exist in the model it was made for."""
-    pr = plan.predicted
     if plan.headroom_bytes >= plan.budget_bytes:
         raise _bad("headroom_bytes", f"{plan.headroom_bytes} is not below budget_bytes {plan.budget_bytes}")
-    parts = pr.params_bytes + pr.grads_bytes + pr.optimizer_bytes + pr.activations_bytes
-    if parts != pr.peak_bytes:
-        raise _bad("predicted.peak_bytes", f"{pr.peak_bytes} is not the sum of its breakdown (params, grads, "
-                                           f"optimizer, activations: {parts})")
-    if pr.peak_bytes > plan.budget_bytes - plan.headroom_bytes:
-        raise _bad("predicted.peak_bytes", f"{pr.peak_bytes} exceeds budget_bytes {plan.budget_bytes} less "
-                                           f"headroom_bytes {plan.headroom_bytes}")
+    for where, pr in (("predicted", plan.predicted), *((f"buckets.{i}.predicted", b.predicted) for i, b in enumerate(plan.buckets))):
+        check_predicted(where, pr, plan.budget_bytes, plan.headroom_bytes)
     check_stages(plan)
     if plan.world_size > 1 and plan.sharding == "none" and plan.pipeline is None and plan.tensor_parallel != plan.world_size:
         raise _bad("world_size", f"{plan.world_size} ranks need sharding 'ddp' or 'fsdp', the plan says 'none'")
     modules = {*plan.fingerprint.modules, ""}  # '' is the root, which named_modules lists first
-    if pr.host_peak_bytes is not None and plan.host_budget_bytes is not None \
-            and pr.host_peak_bytes > plan.host_budget_bytes:
-        raise _bad("predicted.host_peak_bytes", f"{pr.host_peak_bytes} exceeds host_budget_bytes "
+    host_peak_bytes = plan.predicted.host_peak_bytes
+    if host_peak_bytes is not None and plan.host_budget_bytes is not None and host_peak_bytes > plan.host_budget_bytes:
+        raise _bad("predicted.host_peak_bytes", f"{host_peak_bytes} exceeds host_budget_bytes "
                                                 f"{plan.host_budget_bytes}")
     if plan.offload and plan.buckets:
         raise _bad("offload", "a bucketed plan cannot offload (one input shape per offload plan)")
     for field, names in (("checkpoints", plan.checkpoints), ("selective", [r.fqn for r in plan.selective]),
-                         ("offload", [u.fqn for u in plan.offload])):
+                         ("offload", [u.fqn for u in plan.offload]),
+                         *((f"buckets.{i}.checkpoints", b.checkpoints) for i, b in enumerate(plan.buckets))):
         for i, name in enumerate(names):
             if name not in modules:
                 raise _bad(f"{field}.{i}", f"module {name!r} is not in the model (fingerprint.modules)")

@@ -57,6 +57,21 @@ class StagePlan(FileModel):
     predicted: Predicted = Field(description="This stage's peak under its schedule, on its rank.")
 
 
+def check_predicted(where: str, pr: Any, budget_bytes: int, headroom_bytes: int) -> None:
+    """One prediction adds up: its peak is the sum of its breakdown and fits the budget less the headroom,
+    and its step (which includes the recompute and offload time) is no shorter than those."""
+    parts = pr.params_bytes + pr.grads_bytes + pr.optimizer_bytes + pr.activations_bytes
+    if parts != pr.peak_bytes:
+        raise bad_field(f"{where}.peak_bytes", f"{pr.peak_bytes} is not the sum of its breakdown (params, grads, "
+                                               f"optimizer, activations: {parts})")
+    if pr.peak_bytes > budget_bytes - headroom_bytes:
+        raise bad_field(f"{where}.peak_bytes", f"{pr.peak_bytes} exceeds budget_bytes {budget_bytes} less "
+                                               f"headroom_bytes {headroom_bytes}")
+    if pr.recompute_ms + (pr.offload_ms or 0.0) > pr.step_ms * (1 + 1e-9) + 1e-6:
+        raise bad_field(f"{where}.recompute_ms", f"{pr.recompute_ms} ms of recompute (with offload_ms) exceed "
+                                                 f"the {pr.step_ms} ms step_ms that includes them")
+
+
 def check_stages(plan: Any) -> None:
     """A pipeline plan: one stage plan per stage, in order, each within the budget."""
     pp = plan.pipeline
@@ -75,13 +90,7 @@ def check_stages(plan: Any) -> None:
         raise bad_field("world_size", f"{plan.world_size} is not the pipeline's {pp.stages} stages x tp "
                                       f"{plan.tensor_parallel} x dp ranks (with a sharding when dp > 1)")
     for i, st in enumerate(plan.stages):
-        pr = st.predicted
-        parts = pr.params_bytes + pr.grads_bytes + pr.optimizer_bytes + pr.activations_bytes
-        if parts != pr.peak_bytes:
-            raise bad_field(f"stages.{i}.predicted.peak_bytes", f"{pr.peak_bytes} is not the sum of its breakdown ({parts})")
-        if pr.peak_bytes > plan.budget_bytes - st.headroom_bytes:
-            raise bad_field(f"stages.{i}.predicted.peak_bytes", f"{pr.peak_bytes} exceeds budget_bytes "
-                                                           f"{plan.budget_bytes} less headroom_bytes {st.headroom_bytes}")
+        check_predicted(f"stages.{i}.predicted", st.predicted, plan.budget_bytes, st.headroom_bytes)
         if st.in_flight > pp.micro_batches:
             raise bad_field(f"stages.{i}.in_flight", f"{st.in_flight} is more than the {pp.micro_batches} micro-batches")
 
