@@ -175,16 +175,25 @@ def test_dispatch_cost_is_not_scaled_by_the_thread_factor(measured):
     assert 0 < cost.recomputed_op_ms + cost.kept_op_ms < 2.0
 
 
-def test_each_cost_group_gets_its_thread_factor(measured):
+def _cores_were(monkeypatch, ours: bool) -> None:
+    """Every many-thread run of NOTE [ Clean rounds ] reads as clean (``ours``) or as slowed by another process."""
+    from planner.profiling import timing
+
+    monkeypatch.setattr(timing.BusyClock, "clean", lambda self, wall_ms, threads: ours)
+
+
+def test_each_cost_group_gets_its_thread_factor(measured, monkeypatch):
     """NOTE [ Thread factor per cost group ]: above one thread each group's forward is timed alone at one
     thread and at the profile's, and the group's members, their submodules and their op calls are
     rescaled from the whole forward's factor to the group's; the rest keeps the whole forward's."""
     from planner.profiling.group_scale import GroupScale, measure_group_scales, with_group_scales
 
+    _cores_were(monkeypatch, True)  # ours in every round (Rule 4)
     scaled = measured.model_copy(update={"time_source": "cpu-thread-time-scaled", "thread_scale": 0.5, "threads": 2})
     kw = dict(loss_fn=_loss, amp=None, rounds=2)
     found = measure_group_scales(_net(), _inputs(), scaled, threads=2, **kw)
     assert [s.fqn for s in found if s.fqn.startswith("blocks.")] == ["blocks.0"] and all(s.scale > 0 for s in found)
+    assert all(s.clean_rounds == s.rounds == 2 for s in found)
     assert measure_group_scales(_net(), _inputs(), scaled, threads=1, **kw) == []
     out = with_group_scales(scaled, [GroupScale("blocks.0", 1.0, 0.0)])
     for u, v in zip(scaled.units, out.units):
@@ -193,6 +202,23 @@ def test_each_cost_group_gets_its_thread_factor(measured):
         assert (v.thread_scale == pytest.approx(1.0)) if inside else v.thread_scale == u.thread_scale
     for o, p in zip(scaled.ops, out.ops):
         assert p.forward_ms == pytest.approx(o.forward_ms * (2.0 if p.unit.startswith("blocks.") else 1.0))
+
+
+def test_a_group_timed_while_the_cores_were_busy_keeps_the_whole_forwards_factor(measured, monkeypatch):
+    """Rule 4 of the same NOTE: a round counts only when the process had the profile's threads' cores;
+    with too few such rounds the group keeps the whole forward's factor, and the note says why."""
+    from planner.profiling import group_scale
+
+    scaled = measured.model_copy(update={"time_source": "cpu-thread-time-scaled", "thread_scale": 0.5, "threads": 2})
+    _cores_were(monkeypatch, False)
+    found = group_scale.measure_group_scales(_net(), _inputs(), scaled, threads=2, loss_fn=_loss, amp=None, rounds=3)
+    assert found and all(s.scale is None and s.clean_rounds == 0 and s.rounds == 9 for s in found)  # 3 x 3 rounds
+    out = group_scale.with_group_scales(scaled, found)
+    assert [u.forward_ms for u in out.units] == [u.forward_ms for u in scaled.units]
+    assert "blocks.0's group: the whole forward's (0 of 9 rounds clean, the cores were busy)" in out.notes[-1]
+    _cores_were(monkeypatch, True)
+    found = group_scale.measure_group_scales(_net(), _inputs(), scaled, threads=2, loss_fn=_loss, amp=None, rounds=3)
+    assert all(s.scale is not None and s.clean_rounds == s.rounds == 3 for s in found)
 
 
 def test_dispatch_cost_is_measured_and_priced(measured, prof):

@@ -6,6 +6,8 @@ clock and thread count recorded), not on how fast anything ran.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -101,6 +103,39 @@ def test_more_threads_time_at_one_thread_and_scale():
     ops = [[o.forward_ms for o in prof.ops if o.unit.startswith(f"{u}.") or o.unit == u] for u in ("1", "2", "3")]
     assert ops[0] and ops[0] == ops[1] == ops[2]  # op times pooled over the cost group (NOTE [ Op records ])
     assert "cpu-thread-time-scaled at 2 threads" in time_line(prof.time_source, prof.threads, prof.time_calibration)
+
+
+def test_a_thread_factor_counts_only_the_rounds_the_threads_were_ours(monkeypatch):
+    """NOTE [ Clean rounds ]: an N-thread run counts when the process's CPU time over it was close to N
+    times its wall time; rounds go on until enough are clean, at most three times as many; too few
+    clean, and the whole forward's factor is taken over every round. Scripted runs, and one real clock."""
+    from planner.profiling import timing
+
+    clock = timing.BusyClock()
+    time.sleep(0.1)  # workers of an earlier parallel region stop spinning
+    t0 = clock.stamp()
+    while time.perf_counter() - t0 < 0.02:  # one thread busy: its CPU time is at most the wall time
+        pass
+    wall_ms = clock.ms(t0, clock.stamp())
+    assert 0 < clock.cpu_ms and not clock.clean(wall_ms, 2)
+
+    busy = iter([False, True, True, False, True, False, False] + [True] * 30)
+    state = {"busy": False}
+
+    def run(clock):  # 10 ms at one thread; at two, 6 ms, or 12 ms when another process had a core
+        if isinstance(clock, timing.ThreadCpuClock):
+            state["busy"] = next(busy, True)  # the N-thread run that follows sees this
+            return 10.0
+        return 12.0 if state["busy"] else 6.0
+
+    monkeypatch.setattr(timing.BusyClock, "clean", lambda self, wall_ms, threads: not state["busy"])
+    r = timing.thread_rounds(run, threads=2, rounds=3)
+    # the unrecorded round (Rule 3) took the first draw; then busy, busy, clean, busy, clean, clean: stop
+    assert [b for b, _ in r.every] == [12.0, 12.0, 6.0, 12.0, 6.0, 6.0] and len(r.clean) == 3
+    assert r.enough_clean(3) and {b for b, _ in r.clean} == {6.0}
+    monkeypatch.setattr(timing.BusyClock, "clean", lambda self, wall_ms, threads: False)
+    r = timing.thread_rounds(lambda clock: 10.0 if isinstance(clock, timing.ThreadCpuClock) else 12.0, threads=2, rounds=3)
+    assert (len(r.every), len(r.clean), r.enough_clean(3)) == (9, 0, False)  # three times the wanted rounds, none clean
 
 
 def test_the_profilers_own_hooks_do_not_count(monkeypatch):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from planner.model.schema import Profile
-from planner.profiling.timing import ScaledCpuClock, ThreadCpuClock, WallClock, num_threads, spread_ms, thread_factor
+from planner.profiling.timing import ScaledCpuClock, num_threads, spread_ms, thread_factor, thread_rounds
 
 # NOTE [ Thread factor per cost group ]
 # Above one CPU thread every figure is a one-thread CPU time times the thread factor of the
@@ -39,17 +39,22 @@ from planner.profiling.timing import ScaledCpuClock, ThreadCpuClock, WallClock, 
 # records it); the backward and the rest of the step keep the whole forward's. Selective
 # dispatch is Python and unscaled either way (NOTE [ Selective dispatch cost ], Rule 5).
 # Rule 3. A group whose region cannot run alone keeps the whole forward's factor.
+# Rule 4. Only clean rounds count (NOTE [ Clean rounds ] in planner/profiling/timing.py): a group
+# with too few keeps the whole forward's factor (as Rule 3), and the profile's note says so.
 
 GROUP_ROUNDS = 7
-"""Interleaved rounds per cost group (Rule 1)."""
+"""Clean interleaved rounds wanted per cost group (Rules 1 and 4)."""
 
 
 class GroupScale(NamedTuple):
-    """The thread factor of one cost group's forward and its spread over the rounds (Rule 1)."""
+    """The thread factor of one cost group's forward, its spread and its clean rounds (Rules 1 and 4);
+    ``scale`` is None where too few rounds were clean (the group keeps the whole forward's factor)."""
 
     fqn: str
-    scale: float
+    scale: float | None
     spread: float
+    clean_rounds: int = GROUP_ROUNDS
+    rounds: int = GROUP_ROUNDS
 
 
 def measure_group_scales(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[[Any], Any] | None,
@@ -81,21 +86,17 @@ def _measure(model: nn.Module, inputs: Any, prof: Profile, loss_fn: Callable[[An
     autocast = (lambda: torch.autocast("cpu", dtype=AMP_DTYPES[amp])) if amp else contextlib.nullcontext
     out = []
     for fqn, m, call in zip(fqns, mods, calls):
-        one, many = [], []
         try:
-            for i in range(rounds + 1):
-                with num_threads(1):
-                    a = _forward_ms(m, call, ThreadCpuClock(), autocast)
-                with num_threads(threads):
-                    b = _forward_ms(m, call, WallClock(), autocast)
-                if i:
-                    one.append(a)
-                    many.append(b)
+            r = thread_rounds(lambda clock, m=m, call=call: _forward_ms(m, call, clock, autocast), threads, rounds)
         except Exception:  # noqa: BLE001 - a region that cannot run alone keeps the whole factor (Rule 3)
             continue
-        if min(one) > 0:
-            out.append(GroupScale(fqn, thread_factor(min(many), min(one), threads),
-                                  spread_ms([b / a for a, b in zip(one, many) if a > 0])))
+        if min(r.one) <= 0:
+            continue
+        if not r.enough_clean(rounds):
+            out.append(GroupScale(fqn, None, 0.0, len(r.clean), len(r.every)))
+            continue
+        out.append(GroupScale(fqn, thread_factor(min(b for b, _ in r.clean), min(r.one), threads),
+                              spread_ms([b / a for b, a in r.clean if a > 0]), len(r.clean), len(r.every)))
     model.zero_grad(set_to_none=True)
     return out
 
@@ -115,7 +116,7 @@ def with_group_scales(prof: Profile, scales: list[GroupScale]) -> Profile:
     if not scales or prof.time_source != ScaledCpuClock.source or not prof.thread_scale:
         return prof
     by_fqn = {u.fqn: u for u in prof.units}
-    factor = {by_fqn[s.fqn].cost_group or s.fqn: s.scale for s in scales if s.fqn in by_fqn}
+    factor = {by_fqn[s.fqn].cost_group or s.fqn: s.scale for s in scales if s.fqn in by_fqn and s.scale is not None}
     ranges = [(u.fwd_start_seq, u.fwd_end_seq, factor[key] / prof.thread_scale)
               for u in prof.units if (key := u.cost_group or u.fqn) in factor]
 
@@ -128,7 +129,9 @@ def with_group_scales(prof: Profile, scales: list[GroupScale]) -> Profile:
     ops = [o if (ratio := ratio_of(o.seq, o.seq)) is None else o.model_copy(update={"forward_ms": o.forward_ms * ratio})
            for o in prof.ops]
     notes = [*prof.notes, "thread factor per cost group (NOTE [ Thread factor per cost group ]): " + ", ".join(
-        f"{s.fqn}'s group {s.scale:.3f} (spread {s.spread:.3f})" for s in scales) + f"; whole forward {prof.thread_scale:.3f}"]
+        f"{s.fqn}'s group {s.scale:.3f} (spread {s.spread:.3f}, {s.clean_rounds} of {s.rounds} rounds clean)"
+        if s.scale is not None else f"{s.fqn}'s group: the whole forward's ({s.clean_rounds} of {s.rounds} rounds clean, "
+        f"the cores were busy)" for s in scales) + f"; whole forward {prof.thread_scale:.3f}"]
     return prof.model_copy(update={"units": units, "ops": ops, "notes": notes})
 
 
