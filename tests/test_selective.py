@@ -221,6 +221,19 @@ def test_a_group_timed_while_the_cores_were_busy_keeps_the_whole_forwards_factor
     assert all(s.scale is not None and s.clean_rounds == s.rounds == 3 for s in found)
 
 
+def test_each_group_takes_the_lesser_factor_of_two_windows():
+    """Rule 5 of the same NOTE: the rounds run in two windows, and a slow spell in one does not set the factor."""
+    from planner.profiling.group_scale import GroupScale, least_group_scales
+
+    before = [GroupScale("blocks.0", 0.77, 0.01, 7, 7), GroupScale("head", None, 0.0, 1, 21)]
+    after = [GroupScale("blocks.0", 0.64, 0.03, 7, 9), GroupScale("head", 0.9, 0.02, 7, 8)]
+    assert least_group_scales(before, after) == [GroupScale("blocks.0", 0.64, 0.03, 14, 16),
+                                                 GroupScale("head", 0.9, 0.02, 8, 29)]
+    both_busy = least_group_scales([GroupScale("head", None, 0.0, 0, 21)], [GroupScale("head", None, 0.0, 2, 21)])
+    assert both_busy == [GroupScale("head", None, 0.0, 2, 42)]
+    assert least_group_scales([], []) == []
+
+
 def test_dispatch_cost_is_measured_and_priced(measured, prof):
     """NOTE [ Selective dispatch cost ]: measured on the model, added to every policy per op call it
     recomputes and per op call it keeps, and a policy no faster than full checkpointing is left out."""

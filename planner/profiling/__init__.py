@@ -228,7 +228,7 @@ def profile_as_run(model: torch.nn.Module, inputs: Inputs, *, step: StepSpec,
 def _validated(model: torch.nn.Module, inputs: Inputs, result: schema.Profile, step: StepSpec, dev: torch.device,
                progress: Progress | None) -> schema.Profile:
     """``result`` with the validation step's findings and the selective dispatch cost."""
-    from planner.profiling.group_scale import measure_group_scales, with_group_scales
+    from planner.profiling.group_scale import least_group_scales, measure_group_scales, with_group_scales
     from planner.profiling.measure import to_device
     from planner.profiling.sac_cost import measure_sac_cost, with_sac_cost
     from planner.profiling.timing import clock_of, num_threads, timing_threads
@@ -241,17 +241,20 @@ def _validated(model: torch.nn.Module, inputs: Inputs, result: schema.Profile, s
     result.retained, result.excluded, result.region_state_bytes = found
     if not result.ops or step.compile is not None:  # op-level policies are eager only (NOTE [ Compiled profile ])
         return result
-    say("timing selective checkpointing's dispatch")
     with num_threads(step.threads):
-        clock = clock_of(result, dev)
-        with timing_threads(clock):
-            cost = measure_sac_cost(model, to_device(inputs, dev), result, loss_fn=step.loss_fn, amp=amp, dev=dev,
-                                    clock=clock)
-        if result.thread_scale:
-            say("timing each cost group's thread factor")
-        scales = measure_group_scales(model, to_device(inputs, dev), result, loss_fn=step.loss_fn, amp=amp,
-                                      threads=result.threads or 1)
-    return with_group_scales(with_sac_cost(result, cost), scales)
+        windows = []  # NOTE [ Thread factor per cost group ], Rule 5: two windows, the dispatch timing between
+        for when in ("before", "after"):
+            if result.thread_scale:
+                say(f"timing each cost group's thread factor ({when} the dispatch)")
+            windows.append(measure_group_scales(model, to_device(inputs, dev), result, loss_fn=step.loss_fn, amp=amp,
+                                                threads=result.threads or 1))
+            if when == "before":
+                say("timing selective checkpointing's dispatch")
+                clock = clock_of(result, dev)
+                with timing_threads(clock):
+                    cost = measure_sac_cost(model, to_device(inputs, dev), result, loss_fn=step.loss_fn, amp=amp,
+                                            dev=dev, clock=clock)
+    return with_group_scales(with_sac_cost(result, cost), least_group_scales(*windows))
 
 
 def _with_host_link(result: schema.Profile, step: StepSpec, dev: torch.device) -> schema.Profile:

@@ -41,6 +41,14 @@ from planner.profiling.timing import ScaledCpuClock, num_threads, spread_ms, thr
 # Rule 3. A group whose region cannot run alone keeps the whole forward's factor.
 # Rule 4. Only clean rounds count (NOTE [ Clean rounds ] in planner/profiling/timing.py): a group
 # with too few keeps the whole forward's factor (as Rule 3), and the profile's note says so.
+# Rule 5. Two windows, seconds apart: the rounds run before and again after the selective dispatch
+# timing, and each group takes the lesser factor of the two (``least_group_scales``). Some slow
+# spells are not another process on the cores: in them every two-thread run of Llama's layer ran
+# at 0.72 to 0.83 of its one-thread time for the whole of one window (against 0.56 to 0.74 in the
+# next), with the process's CPU time at two threads and no page faults; the group read 0.719 to
+# 0.771 in such profiles and 0.956 in one run of benchmarks/time_model.py (the whole forward:
+# 0.62 to 0.74), so the layers' recompute was predicted 43% over its measured overhead. The least
+# of two windows is wrong only when both fall in such a spell.
 
 GROUP_ROUNDS = 7
 """Clean interleaved rounds wanted per cost group (Rules 1 and 4)."""
@@ -111,6 +119,20 @@ def _forward_ms(m: nn.Module, call: tuple[tuple, dict], clock: Any, autocast: Ca
     return clock.ms(t0, t1)
 
 
+def least_group_scales(*windows: list[GroupScale]) -> list[GroupScale]:
+    """Per group, the window's ``GroupScale`` of the lesser factor (Rule 5), its clean rounds and rounds
+    summed over the windows; a group no window could time keeps the whole forward's factor."""
+    out: dict[str, GroupScale] = {}
+    for s in (s for w in windows for s in w):
+        seen = out.get(s.fqn)
+        if seen is None:
+            out[s.fqn] = s
+            continue
+        best = min((x for x in (seen, s) if x.scale is not None), key=lambda x: x.scale, default=seen)
+        out[s.fqn] = best._replace(clean_rounds=seen.clean_rounds + s.clean_rounds, rounds=seen.rounds + s.rounds)
+    return list(out.values())
+
+
 def with_group_scales(prof: Profile, scales: list[GroupScale]) -> Profile:
     """``prof`` with each measured group's forward figures rescaled to its own factor (Rule 2)."""
     if not scales or prof.time_source != ScaledCpuClock.source or not prof.thread_scale:
@@ -135,4 +157,4 @@ def with_group_scales(prof: Profile, scales: list[GroupScale]) -> Profile:
     return prof.model_copy(update={"units": units, "ops": ops, "notes": notes})
 
 
-__all__ = ["GROUP_ROUNDS", "GroupScale", "measure_group_scales", "with_group_scales"]
+__all__ = ["GROUP_ROUNDS", "GroupScale", "least_group_scales", "measure_group_scales", "with_group_scales"]
