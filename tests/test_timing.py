@@ -135,7 +135,12 @@ def test_a_thread_factor_counts_only_the_rounds_the_threads_were_ours(monkeypatc
     assert r.enough_clean(3) and {b for b, _ in r.clean} == {6.0}
     monkeypatch.setattr(timing.BusyClock, "clean", lambda self, wall_ms, threads: False)
     r = timing.thread_rounds(lambda clock: 10.0 if isinstance(clock, timing.ThreadCpuClock) else 12.0, threads=2, rounds=3)
-    assert (len(r.every), len(r.clean), r.enough_clean(3)) == (9, 0, False)  # three times the wanted rounds, none clean
+    assert (len(r.every), len(r.clean), r.enough_clean(3)) == (3, 0, False)  # none clean: the wanted rounds only
+    state["busy"] = False
+    flips = iter([True, False] + [True] * 30)  # one clean round among the first three: on, up to 3 x 3
+    monkeypatch.setattr(timing.BusyClock, "clean", lambda self, wall_ms, threads: not next(flips))
+    r = timing.thread_rounds(lambda clock: 10.0 if isinstance(clock, timing.ThreadCpuClock) else 12.0, threads=2, rounds=3)
+    assert (len(r.every), len(r.clean)) == (9, 1)
 
 
 def test_the_profilers_own_hooks_do_not_count(monkeypatch):

@@ -158,7 +158,8 @@ class ScaledCpuClock(ThreadCpuClock):
 #   beside a busy process that the wall time shows were slowed. A probe matmul before and after
 #   each run (tried first) missed half of those: a burst falls between the probes.
 # Rule 2. Rounds go on until the wanted number are clean or ``CLEAN_ROUNDS_FACTOR`` times it have
-#   run. With fewer than ``CLEAN_MIN_ROUNDS`` clean, the whole forward's factor is taken over every
+#   run, and stop at the wanted number when none was clean (a machine busy all along, or more
+#   threads than cores: the profile takes no longer than before). With fewer than ``CLEAN_MIN_ROUNDS`` clean, the whole forward's factor is taken over every
 #   round, as before (there is nothing steadier to fall back on), and a cost group's is not taken
 #   (it keeps the whole forward's); the profile's notes give the clean rounds of each.
 # Rule 3. One round, unrecorded, comes first: the first call at a thread count pays for its pool.
@@ -228,6 +229,8 @@ def thread_rounds(run: Callable[[WallClock], float], threads: int, rounds: int) 
             out.clean.append((b, a))
             if len(out.clean) >= rounds:
                 break
+        elif len(out.every) >= rounds and not out.clean:
+            break  # Rule 2: busy all along, more rounds would not be cleaner
     return out
 
 
