@@ -23,7 +23,8 @@ Variants, each a fresh ``build_model()`` trained with the step of ``planner.prof
 
 The budget is halfway between the predicted peaks of checkpointing every layer (baseline
 ``all``) and of checkpointing nothing: the range where a fixed rule wastes either memory or time.
-Step times: ``--repeats`` rounds of one step per variant in turn (round-robin, so drift on a
+Step times: ``--repeats`` rounds of one step per variant in turn (round-robin, each round starting
+one variant later so that none always runs after the same one; so drift on a
 shared machine hits every variant alike); the table gives medians, and the recompute overhead
 relative to every layer, (t - t_none) / (t_every_layer - t_none), from the least CPU time of
 each variant over the rounds (with --threads 1, robust to other jobs). Peaks: one step per
@@ -275,7 +276,7 @@ def _time_round_robin(variants: list[Variant], kept: list[Any], mf: Any, dev: to
             for v, b in zip(variants, kept) if not v.error]
     for r in range(repeats):
         print(f"round {r + 1}/{repeats}", file=sys.stderr)
-        for v, step in runs:
+        for v, step in runs[r % len(runs):] + runs[:r % len(runs)]:  # each round starts one variant later
             torch.manual_seed(r)
             sync(dev)
             t0, c0 = time.perf_counter(), time.process_time()

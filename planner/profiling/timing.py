@@ -436,16 +436,18 @@ def unit_costs(samples: Mapping[str, Sequence[tuple[float, float]]],
 
 def time_interleaved(steps: Mapping[str, Callable[[], Any]], *, rounds: int, clock: Any,
                      on_round: Callable[[int], None] | None = None) -> dict[str, tuple[list[float], list[float]]]:
-    """Run one step of each of ``steps`` in turn, ``rounds`` times; name -> (clock ms, wall ms) per round.
+    """Run one step of each of ``steps`` in turn, ``rounds`` times, each round starting one step later;
+    name -> (clock ms, wall ms) per round.
 
     Interleaving puts every variant through the same drift of a shared machine; compare medians.
     ``clock`` is a ``pick_clock`` clock: on the CPU at one thread the thread's CPU time.
     """
     out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in steps}
+    order = list(steps.items())
     for r in range(rounds):
         if on_round is not None:
             on_round(r)
-        for name, step in steps.items():
+        for name, step in order[r % len(order):] + order[:r % len(order)]:  # none always after the same one
             torch.manual_seed(r)
             clock.sync()
             wall, start = time.perf_counter(), clock.stamp()
