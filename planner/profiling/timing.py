@@ -146,9 +146,10 @@ class ScaledCpuClock(ThreadCpuClock):
 # than the rounds, not one as long as them: Llama's layers read 0.958 where the whole forward read
 # 0.659 (round 12), GPT-2's blocks 1.000 against 0.650 (round 11), each plan predicted up to 69%
 # over its measured overhead. Beside a process busy at random (0.05 to 0.4 s on, as long off),
-# 15 measurements of a GPT-2 block's factor read 0.67 to 0.87 over every round and 0.69 to 0.75
-# over the clean rounds of Rule 1; Llama's layer 0.615 to 0.786 and 0.626 to 0.75 (idle: 0.61
-# to 0.75 either way; docs/benchmarks.md, "Clean rounds").
+# the largest of 15 to 25 measurements of one block's factor fell with the clean rounds of Rule 1
+# in three of four runs (GPT-2 0.875 to 0.752, Llama 1.000 to 0.707 and 0.786 to 0.750) and rose
+# in the fourth (GPT-2 0.810 to 1.000): both ways keep outliers that the process's CPU time does
+# not see (docs/benchmarks.md, "Thread factors: every round or clean rounds").
 # Rule 1. Each N-thread run is timed on ``BusyClock``: the wall clock, and the process's CPU time
 #   (every thread's) between the same two stamps. The run had the cores to itself when the
 #   process's CPU time was at least ``CLEAN_CPU_SHARE`` of N times its wall time (idle OpenMP
