@@ -241,20 +241,21 @@ def _validated(model: torch.nn.Module, inputs: Inputs, result: schema.Profile, s
     result.retained, result.excluded, result.region_state_bytes = found
     if not result.ops or step.compile is not None:  # op-level policies are eager only (NOTE [ Compiled profile ])
         return result
+    on_dev = to_device(inputs, dev)
+
+    def group_scales(when: str):  # NOTE [ Thread factor per cost group ], Rule 5: two windows, the dispatch between
+        if result.thread_scale:
+            say(f"timing each cost group's thread factor ({when} the dispatch)")
+        return measure_group_scales(model, on_dev, result, loss_fn=step.loss_fn, amp=amp, threads=result.threads or 1)
+
     with num_threads(step.threads):
-        windows = []  # NOTE [ Thread factor per cost group ], Rule 5: two windows, the dispatch timing between
-        for when in ("before", "after"):
-            if result.thread_scale:
-                say(f"timing each cost group's thread factor ({when} the dispatch)")
-            windows.append(measure_group_scales(model, to_device(inputs, dev), result, loss_fn=step.loss_fn, amp=amp,
-                                                threads=result.threads or 1))
-            if when == "before":
-                say("timing selective checkpointing's dispatch")
-                clock = clock_of(result, dev)
-                with timing_threads(clock):
-                    cost = measure_sac_cost(model, to_device(inputs, dev), result, loss_fn=step.loss_fn, amp=amp,
-                                            dev=dev, clock=clock)
-    return with_group_scales(with_sac_cost(result, cost), least_group_scales(*windows))
+        before = group_scales("before")
+        say("timing selective checkpointing's dispatch")
+        clock = clock_of(result, dev)
+        with timing_threads(clock):
+            cost = measure_sac_cost(model, on_dev, result, loss_fn=step.loss_fn, amp=amp, dev=dev, clock=clock)
+        after = group_scales("after")
+    return with_group_scales(with_sac_cost(result, cost), least_group_scales(before, after))
 
 
 def _with_host_link(result: schema.Profile, step: StepSpec, dev: torch.device) -> schema.Profile:

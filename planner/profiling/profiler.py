@@ -49,7 +49,7 @@ from planner.profiling.recording import (
 )
 from planner.profiling.units import Recorder, StepTimes, UnitCall
 from planner.profiling.timing import (
-    CLEAN_MIN_ROUNDS, HookFreeClock, calibrated, num_threads, profile_clock, robust_ms, spread_ms, timing_threads,
+    HookFreeClock, calibrated, num_threads, profile_clock, robust_ms, spread_ms, timing_threads,
     unit_costs,
 )
 from planner.spec import StepSpec
@@ -100,9 +100,7 @@ def measure_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *
     result = assemble_profile(model, inputs, dev, step, times, mem, measured, as_run=as_run)
     if as_run is not None:
         reconcile(result, as_run)
-    notes = [*result.notes, f"thread factor of the whole forward {scaled.scale:.3f} over {scaled.clean_rounds} of "
-             f"{scaled.rounds} rounds clean" + ("" if scaled.clean_rounds >= CLEAN_MIN_ROUNDS else ", the rest busy: "
-             "taken over every round") + " (NOTE [ Clean rounds ])"] if scaled else result.notes
+    notes = [*result.notes, scaled.note()] if scaled else result.notes
     return result.model_copy(update={"time_source": clock.source, "notes": notes,
                                      "threads": torch.get_num_threads() if dev.type == "cpu" else None,
                                      "thread_scale": scaled.scale if scaled else None,

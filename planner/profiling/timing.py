@@ -119,6 +119,7 @@ class ScaledCpuClock(ThreadCpuClock):
     def __init__(self, threads: int, scale: float = 1.0, spread: float = 0.0):
         self.threads, self.scale, self.spread = threads, scale, spread
         self.clean_rounds = self.rounds = 0  # of the last calibrate (NOTE [ Clean rounds ])
+        self.over_every_round = False  # the last calibrate had too few clean rounds (Rule 2)
 
     def ms(self, start: float, end: float) -> float:
         return (end - start) * 1e3 * self.scale
@@ -131,11 +132,18 @@ class ScaledCpuClock(ThreadCpuClock):
         thread, over ``rounds`` clean interleaved rounds (NOTE [ Clean rounds ]; every round where too
         few were clean); ``spread``: the spread of the per-round ratios."""
         r = thread_rounds(lambda clock: _forward_ms(step, clock), self.threads, rounds)
-        pairs = r.clean if r.enough_clean(rounds) else r.every
+        self.over_every_round = not r.enough_clean(rounds)
+        pairs = r.every if self.over_every_round else r.clean
         self.clean_rounds, self.rounds = len(r.clean), len(r.every)
         if min(r.one) > 0:
             self.scale = thread_factor(min(b for b, _ in pairs), min(r.one), self.threads)
             self.spread = spread_ms([b / a for b, a in pairs if a > 0])
+
+    def note(self) -> str:
+        """The profile's note on the last calibrate: its factor and the rounds it was taken over."""
+        taken = ", the rest busy: taken over every round" if self.over_every_round else ""
+        return (f"thread factor of the whole forward {self.scale:.3f} over {self.clean_rounds} of {self.rounds} "
+                f"rounds clean{taken} (NOTE [ Clean rounds ])")
 
 
 # NOTE [ Clean rounds ]
