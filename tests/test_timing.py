@@ -143,6 +143,26 @@ def test_a_thread_factor_counts_only_the_rounds_the_threads_were_ours(monkeypatc
     assert (len(r.every), len(r.clean)) == (9, 1)
 
 
+def test_the_whole_forwards_factor_says_which_rounds_it_was_taken_over(monkeypatch):
+    """NOTE [ Clean rounds ], Rule 2: ``calibrate`` takes the clean rounds when enough were clean, every
+    round otherwise, and the profile's note (``ScaledCpuClock.note``) says which."""
+    from planner.profiling import timing
+
+    clean = timing.ThreadRounds(one=[10.0] * 4, every=[(6.0, 10.0), (9.0, 10.0), (6.5, 10.0), (7.0, 10.0)],
+                                clean=[(6.0, 10.0), (6.5, 10.0), (7.0, 10.0)])
+    monkeypatch.setattr(timing, "thread_rounds", lambda run, threads, rounds: clean)
+    clock = timing.ScaledCpuClock(2)
+    clock.calibrate(lambda: None, rounds=3)
+    assert (clock.scale, clock.over_every_round) == (0.6, False)
+    assert clock.note() == "thread factor of the whole forward 0.600 over 3 of 4 rounds clean (NOTE [ Clean rounds ])"
+    busy = clean._replace(every=[(9.0, 10.0), (8.0, 10.0), (9.5, 10.0)], one=[10.0] * 3, clean=[(9.0, 10.0)])
+    monkeypatch.setattr(timing, "thread_rounds", lambda run, threads, rounds: busy)
+    clock.calibrate(lambda: None, rounds=3)
+    assert (clock.scale, clock.over_every_round) == (0.8, True)
+    assert clock.note() == ("thread factor of the whole forward 0.800 over 1 of 3 rounds clean, the rest busy: "
+                            "taken over every round (NOTE [ Clean rounds ])")
+
+
 def test_the_profilers_own_hooks_do_not_count(monkeypatch):
     """NOTE [ Unit costs ], Rule 5: on the CPU clocks a unit's forward leaves out the time the
     recorder's own hooks take (its own and its submodules'). Here each hook's bookkeeping takes
