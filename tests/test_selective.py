@@ -604,13 +604,27 @@ def test_identical_units_get_one_arrangement(prof, graph):
                                                      selective=False).checkpoints
 
 
+def _canonical_fits(g, blocks: list[str], usable: int) -> list:
+    """Every canonical plan of ``blocks`` (NOTE [ Robust choice ], Rule 3) with an op-level member that fits."""
+    import itertools
+
+    menu = g.nodes[blocks[0]]["menu"]
+    out = []
+    for ranks in itertools.combinations_with_replacement(range(-1, len(menu) + 1), len(blocks)):
+        if any(0 <= r < len(menu) for r in ranks):
+            for order in (blocks, blocks[::-1]):
+                t = simulate(g, [b for b, r in zip(order, ranks) if r == -1],
+                             {b: r for b, r in zip(order, ranks) if 0 <= r < len(menu)})
+                if t.peak_bytes <= usable:
+                    out.append(t)
+    return out
+
+
 def test_a_group_is_searched_over_its_canonical_plans(prof, graph):
     """NOTE [ Robust choice ], Rule 3: a cost group with op-level members is re-chosen over its canonical
     plans (every multiset of choices, strongest first on the earliest or the latest members): the
     least overhead of those that fit, by brute force over every assignment of the group, whatever mix
     and members the solver returned."""
-    import itertools
-
     from planner.act.robust import CANONICAL_SEARCH_PLANS, canonical_plans, group_search
 
     blocks = [n for n in graph.nodes if n.startswith("blocks.") and graph.nodes[n]["parent"] is None]
@@ -618,16 +632,8 @@ def test_a_group_is_searched_over_its_canonical_plans(prof, graph):
     assert len(menu) >= 2, "the fixture's blocks have menus of several policies"
     assert canonical_plans(graph, blocks) <= CANONICAL_SEARCH_PLANS
 
-    def canonical_fits(usable: int) -> list:  # every canonical plan with an op-level member that fits
-        out = []
-        for ranks in itertools.combinations_with_replacement(range(-1, len(menu) + 1), len(blocks)):
-            if any(0 <= r < len(menu) for r in ranks):
-                for order in (blocks, blocks[::-1]):
-                    t = simulate(graph, [b for b, r in zip(order, ranks) if r == -1],
-                                 {b: r for b, r in zip(order, ranks) if 0 <= r < len(menu)})
-                    if t.peak_bytes <= usable:
-                        out.append(t)
-        return out
+    def canonical_fits(usable: int) -> list:
+        return _canonical_fits(graph, blocks, usable)
 
     mixed = simulate(graph, [], {blocks[0]: 0, blocks[1]: len(menu) - 1})
     roomy = simulate(graph, []).peak_bytes * 2
@@ -660,6 +666,28 @@ def test_a_group_is_searched_over_its_canonical_plans(prof, graph):
             (o.op, o.index) for o in r.save) == tuple(p.saved)}
         ranks = [-1 if b in plan.checkpoints else rank.get(b, len(menu)) for b in blocks]
         assert ranks in (sorted(ranks), sorted(ranks, reverse=True)), (frac, ranks)
+
+
+def test_a_groups_plans_within_their_spread_go_to_the_highest_peak(graph, monkeypatch):
+    """NOTE [ Robust choice ], Rule 3 (ties): canonical plans within the spread of their difference from
+    the least overhead are one price to the measurement; of them the group takes the one that keeps the
+    most bytes within the budget (bytes are exact), not the one the noise made least. Brute force over
+    the group's canonical plans, with the spread of every difference set to 1 ms."""
+    from planner.act import robust
+
+    blocks = [n for n in graph.nodes if n.startswith("blocks.") and graph.nodes[n]["parent"] is None]
+    usable = _budget(graph, 0.6)
+    fits = _canonical_fits(graph, blocks, usable)
+    least = min(t.overhead_ms for t in fits)
+    start = simulate(graph, [], {blocks[0]: 0})
+    assert robust.group_search(graph, start, usable).overhead_ms == pytest.approx(least)  # no spread: the least
+    monkeypatch.setattr(robust, "difference_spread_ms", lambda g, a, b: 1.0)
+    near = [t for t in fits if t.overhead_ms - least <= 1.0]
+    highest = max(t.peak_bytes for t in near)
+    assert highest > min(t.peak_bytes for t in near if t.overhead_ms == least), "the fixture has such a tie"
+    out = robust.group_search(graph, start, usable)
+    assert out.peak_bytes == highest <= usable and out.overhead_ms - least <= 1.0
+    assert out.overhead_ms == min(t.overhead_ms for t in near if t.peak_bytes == highest)
 
 
 # ----------------------------------------------------------------------------- plan file and applier
