@@ -145,3 +145,35 @@ def test_a_plan_for_a_model_that_rebuilds_itself_in_its_first_step_applies_to_th
     report = verify(Swapping(), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1, tolerance=0.0)
     assert report.ok, report.problems
     assert abs(report.prediction_error) <= 0.02
+
+
+class SparseEmbedding(nn.Module):
+    """A token embedding with sparse gradients (``nn.Embedding(sparse=True)``, trained with SGD: Adam
+    refuses sparse gradients) under residual MLP blocks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, WIDTH, sparse=True)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
+                                                  nn.Linear(4 * WIDTH, WIDTH)) for _ in range(LAYERS))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_sparse_gradients_are_compared():
+    # verify compared gradients elementwise, and a sparse gradient has no ``==``: NotImplementedError
+    ids = torch.randint(0, 64, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    prof = planner.profile(SparseEmbedding(), ids, loss_fn=_mean_square, device="cpu", optimizer="sgd", steps=1,
+                           threads=1)
+    g = graph_for(prof)
+    plan = planner.plan(prof, (min_feasible_bytes(g) + simulate(g, []).peak_bytes) // 2)
+    assert plan.checkpoints
+    report = verify(SparseEmbedding(), plan, inputs=ids, loss_fn=_mean_square, device="cpu", steps=1, tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.max_grad_diff == 0.0
+    assert abs(report.prediction_error) <= 0.02

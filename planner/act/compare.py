@@ -30,6 +30,7 @@ def max_abs_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | 
             continue
         if x is None or y is None or x.shape != y.shape:
             return float("inf")
+        x, y = _dense(x), _dense(y)
         if x.numel() == 0 or (not x.is_floating_point() and torch.equal(x, y)):
             continue
         x, y = x.detach().double(), y.detach().double()
@@ -43,7 +44,13 @@ def max_abs_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | 
 def nonfinite(tensors: dict[str, torch.Tensor | None]) -> list[str]:
     """The names of the floating-point tensors holding a NaN or an inf."""
     return [n for n, t in tensors.items()
-            if t is not None and t.is_floating_point() and t.numel() and not bool(t.isfinite().all())]
+            if t is not None and t.is_floating_point() and t.numel() and not bool(_dense(t).isfinite().all())]
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a strided tensor: the sparse gradient of an ``nn.Embedding(sparse=True)`` has no elementwise
+    comparison; densified (duplicate indices summed), two runs' gradients compare value by value."""
+    return t if t.layout == torch.strided else t.to_dense()
 
 
 def nonfinite_notes(grads: dict[str, torch.Tensor | None], loss: float) -> list[str]:
