@@ -177,3 +177,25 @@ def test_sparse_gradients_are_compared():
     assert report.ok, report.problems
     assert report.max_grad_diff == 0.0
     assert abs(report.prediction_error) <= 0.02
+
+
+def _pruned() -> nn.Module:
+    """Residual MLP blocks whose first projection is pruned (``torch.nn.utils.prune``): the module keeps
+    ``weight = weight_orig * weight_mask`` as a plain attribute, a tensor with a graph."""
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = SpectralNormed()
+    for block in model.blocks:
+        block[1] = prune.l1_unstructured(nn.Linear(WIDTH, 4 * WIDTH), "weight", amount=0.5)
+    return model
+
+
+def test_a_pruned_model_is_verified():
+    # NOTE [ Derived tensor attributes ]: verify's deepcopy of the model raised on the pruned weight
+    model = _pruned()
+    plan = _mid_plan(model, _tokens())
+    assert plan.checkpoints
+    report = verify(_pruned(), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1, tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.max_grad_diff == 0.0 and abs(report.prediction_error) <= 0.02
