@@ -214,7 +214,7 @@ used there, and a tensor never held is held from there."""
 #   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
 #   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
 #                          + G_c + max T_fwd over the leaves of c
-#   tail forward/backward: static (+ grads after l_n) + |all held| + T_tail
+#   tail forward/backward: static + |all held| + T_tail
 #   optimizer step:        static + all grads + the optimizer's measured temporaries
 # where out_i are tensors created in window i that later code still uses (in flight, alive
 # whether held or not), R_i are the tensors a checkpointed unit c containing l_i re-creates
@@ -231,7 +231,9 @@ used there, and a tensor never held is held from there."""
 # over-counts by up to their bytes wherever the measured window peak falls below it (T is
 # never negative): under amp, each fp32 gradient replaces the bf16/fp16 cast it was computed
 # from (docs/zoo.md, the recipe table). Window i's gradients are in T_bwd(i), measured; the
-# next window's probe counts them in full.
+# next window's probe counts them in full. So too the tail: its own gradients (a head's, or with
+# no leaves at all, every candidate excluded, the whole model's) are in T_tail; counted in full
+# beside every held tensor they over-predicted a spectral-normed model's unplanned step by 7.7%.
 #
 # Rule 6. T are *temporaries* not explained by held tensors: activation gradients in flight,
 # kernel workspaces, tensors freed within the window. They are calibrated once per graph from
@@ -383,13 +385,18 @@ class CostModel(OffloadTerms):
         fwd_base = tuple(rk.fwd_static_bytes + tr(g.nodes[leaf], "fwd_transient_bytes") for leaf in leaves)
         bwd_base = tuple(partial.backward_static(end, end)[0] + tr(g.nodes[leaf], "bwd_transient_bytes")
                          for leaf, end in zip(leaves, leaf_end))
-        last_end = leaf_end[-1] if leaf_end else -1
         return CostModel(
             **fields, forward_base_bytes=fwd_base, backward_base_bytes=bwd_base,
             tail_forward_base_bytes=rk.fwd_static_bytes + tr(g.graph, "tail_fwd_transient_bytes"),
-            tail_backward_base_bytes=(partial.backward_static(last_end, ALIVE_SEQ)[0]
+            tail_backward_base_bytes=(partial.backward_static(partial.tail_seq, ALIVE_SEQ)[0]
                                       + tr(g.graph, "tail_bwd_transient_bytes")),
         )
+
+    @property
+    def tail_seq(self) -> int:
+        """Where the tail's gradients are counted from: after every forward use, so the tail's own
+        gradients are in its measured temporaries (NOTE [ Peak-memory model ], Rule 5)."""
+        return max(self.leaf_end_seq[-1] if self.leaf_end_seq else -1, self.graph.graph["forward_end_seq"])
 
     def grads_after(self, seq: int) -> int:
         """Bytes of parameter gradients (one process) whose last forward use is after ``seq``."""
@@ -513,7 +520,6 @@ class CostModel(OffloadTerms):
 
         fwd_p, fwd_g = rk.fwd_extra
         owner = {i: c for c in chosen | offloaded for i in self.node_leaves[c]}
-        prev_end = -1
         for i, (leaf, end) in enumerate(zip(self.leaves, self.leaf_end_seq)):
             in_flight_ids = g.nodes[leaf]["in_flight_ids"]
             h = held_upto(end)
@@ -525,7 +531,6 @@ class CostModel(OffloadTerms):
             rec = (0 if c is None else self.restored_bytes(c, end) if c in offloaded
                    else self.recomputed_bytes(c, end, kept.get(c, frozenset())))
             yield f"backward of {leaf}", self.backward_base_bytes[i] + h + rec + bwd_copy.get(i, 0), grads, extra
-            prev_end = end
         for c in sorted(chosen, key=lambda n: g.nodes[n]["order"]):  # ties resolve the same way every run
             end = g.nodes[c]["fwd_end_seq"]
             static, grads, extra = self.backward_static(end, end)
@@ -536,7 +541,7 @@ class CostModel(OffloadTerms):
         h_all, n = prefix[-1], len(self.leaves)
         yield ("end of forward", self.tail_forward_base_bytes + h_all + self.cached_casts(pos, ALIVE_SEQ)
                + fwd_copy.get(n, 0), fwd_g, fwd_p)
-        _, grads, extra = self.backward_static(prev_end, ALIVE_SEQ)
+        _, grads, extra = self.backward_static(self.tail_seq, ALIVE_SEQ)
         yield "start of backward", self.tail_backward_base_bytes + h_all + bwd_copy.get(n, 0), grads, extra
         all_grads = -(-g.graph["grads_bytes"] // rk.grad_divisor)
         ddp_buckets = fwd_g if g.graph.get("sharding") == "ddp" else 0

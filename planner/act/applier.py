@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.act import buckets
+from planner.act.aliases import distinct_tensors
 from planner.act.existing import (TWICE_FIX, TwiceGuard, listing, modules_by_plain_name, overlap,  # noqa: F401
                                    user_checkpointed)
 from planner.act.sharding import check_fsdp_options
@@ -144,16 +145,18 @@ class CheckpointedForward:
         if torch.compiler.is_compiling():
             return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
         self.counts.calls += 1
-        return checkpoint(self._replayable(len(args), tuple(kwargs)), *args, *kwargs.values(),
+        distinct, slots = distinct_tensors((*args, *kwargs.values()))  # NOTE [ Aliased arguments ]
+        return checkpoint(self._replayable(len(args), tuple(kwargs), slots), *distinct,
                           use_reentrant=False, preserve_rng_state=True, **self.options, **extra)
 
 
-    def _replayable(self, n_args: int, keys: tuple[str, ...]):
+    def _replayable(self, n_args: int, keys: tuple[str, ...], slots: list[int]):
         first_run = True
         host = None  # numpy's and Python's generators as the forward found them (NOTE [ Randomness outside torch ])
 
-        def run(*flat: Any) -> Any:
+        def run(*distinct: Any) -> Any:
             nonlocal first_run, host
+            flat = [distinct[i] for i in slots]
             args, kwargs = flat[:n_args], dict(zip(keys, flat[n_args:]))
             if first_run:
                 first_run = False

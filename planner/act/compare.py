@@ -1,5 +1,6 @@
 """Gradients and buffers of two runs compared element by element (``remat verify``, one process and
-ranks). See NOTE [ Comparing non-finite values ].
+ranks), and the copy of the model each run trains (``run_copy``). See NOTE [ Comparing non-finite values ]
+and NOTE [ Derived tensor attributes ].
 
 Example::
 
@@ -7,6 +8,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -30,6 +33,7 @@ def max_abs_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | 
             continue
         if x is None or y is None or x.shape != y.shape:
             return float("inf")
+        x, y = _dense(x), _dense(y)
         if x.numel() == 0 or (not x.is_floating_point() and torch.equal(x, y)):
             continue
         x, y = x.detach().double(), y.detach().double()
@@ -43,7 +47,13 @@ def max_abs_diff(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | 
 def nonfinite(tensors: dict[str, torch.Tensor | None]) -> list[str]:
     """The names of the floating-point tensors holding a NaN or an inf."""
     return [n for n, t in tensors.items()
-            if t is not None and t.is_floating_point() and t.numel() and not bool(t.isfinite().all())]
+            if t is not None and t.is_floating_point() and t.numel() and not bool(_dense(t).isfinite().all())]
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a strided tensor: the sparse gradient of an ``nn.Embedding(sparse=True)`` has no elementwise
+    comparison; densified (duplicate indices summed), two runs' gradients compare value by value."""
+    return t if t.layout == torch.strided else t.to_dense()
 
 
 def nonfinite_notes(grads: dict[str, torch.Tensor | None], loss: float) -> list[str]:
@@ -53,4 +63,26 @@ def nonfinite_notes(grads: dict[str, torch.Tensor | None], loss: float) -> list[
             f"{loss:g}): they are compared element by element, NaN where NaN; fix the loss"] if bad else []
 
 
-__all__ = ["max_abs_diff", "nonfinite", "nonfinite_notes"]
+# NOTE [ Derived tensor attributes ]
+#
+# ``verify`` trains two copies of the model, each ``copy.deepcopy`` of the one it was given, and torch
+# deep-copies a tensor only when it is a leaf of the autograd graph. A model may hold a tensor computed
+# from its parameters as a plain attribute: ``torch.nn.utils.prune`` keeps ``weight = weight_orig *
+# weight_mask`` on the module (its forward pre-hook computes it again before every forward), as the
+# older ``torch.nn.utils.weight_norm`` and ``spectral_norm`` do. deepcopy raised on any pruned model
+# ("Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol"). So such
+# an attribute is copied as a detached clone: the same values, no graph to copy; the hook that derived it
+# derives it again in the copy's first forward, from the copy's own parameters.
+
+def run_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(model)``, a derived (non-leaf) tensor attribute copied detached (NOTE [ Derived tensor
+    attributes ])."""
+    memo: dict[int, object] = {}
+    for m in model.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                memo[id(value)] = value.detach().clone()
+    return copy.deepcopy(model, memo)
+
+
+__all__ = ["max_abs_diff", "nonfinite", "nonfinite_notes", "run_copy"]

@@ -31,7 +31,6 @@ NOTE [ Peak-memory model ] in ``solvers/cost_model.py``); nothing is re-derived 
 
 from __future__ import annotations
 
-import copy
 import gc
 import itertools
 import statistics
@@ -46,7 +45,7 @@ from pydantic import BaseModel, Field
 
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
-from planner.act.compare import max_abs_diff, nonfinite_notes
+from planner.act.compare import max_abs_diff, nonfinite_notes, run_copy
 from planner.errors import BadInput
 from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
@@ -385,7 +384,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     """Train a copy of ``master`` on ``inputs``; ``plan`` is what is predicted for them, ``applied`` (default
     ``plan``) what is applied: a bucketed plan whose bucket for these inputs is ``plan``. With ``compile``
     the step trains ``torch.compile(model, backend=compile)``, compiled afresh."""
-    model = copy.deepcopy(master).to(dev).train()
+    model = run_copy(master).to(dev).train()  # NOTE [ Derived tensor attributes ]
     batch = to_device(inputs, dev)
     handle = apply_plan(model, applied or plan, inputs=batch) if planned else None
     # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)

@@ -360,9 +360,10 @@ def window_peaks(tl: list, leaves: list[str]) -> dict[str, int | None]:
     """Measured peak of every window of NOTE [ Peak-memory model ], named as the cost model's probes.
 
     ``tl`` is a timeline of events with ``kind``, ``unit`` and ``peak_bytes`` (``MemoryEvent``);
-    empty when there is no timeline.
+    empty when there is no timeline. Without leaves (every candidate excluded) the tail windows are
+    the whole forward and the whole backward.
     """
-    if not tl or not leaves:
+    if not tl:
         return {}
     index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
     pos_of = {e.kind: i for i, e in enumerate(tl) if e.unit is None}

@@ -1,4 +1,4 @@
-"""The records a ``Profile`` holds: module calls (``UnitRecord``), tensors, saves, op calls,
+"""The records a ``Profile`` holds: what the model is (``Fingerprint``), module calls (``UnitRecord``), tensors, saves, op calls,
 parameters, the memory timeline and the step's totals. None of this imports torch.
 
 Example::
@@ -8,11 +8,79 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from planner.model.fields import Bytes, Count, FileModel, Ms, NonNegFloat, Seq
+
+
+class TensorSig(FileModel):
+    name: str = Field(description="Parameter FQN, or input path such as 'input_ids' or '0'.")
+    shape: list[Count]
+    dtype: str
+
+
+class Fingerprint(FileModel):
+    """What a plan is valid for: module names, parameter shapes/dtypes and input shapes."""
+
+    model_class: str
+    modules: list[str] = Field(description="FQNs of all submodules, in named_modules() order.")
+    params: list[TensorSig]
+    inputs: list[TensorSig]
+    built_modules: list[str] | None = Field(None, description=(
+        "FQNs of the submodules as the model was built, when its first training step changed them (NOTE "
+        "[ Modules made by the first step ]); None: the same as ``modules``. Written only when set."))
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)  # a fingerprint without built modules is written (and digested) as before
+        if data.get("built_modules", 0) is None:
+            del data["built_modules"]
+        return data
+
+    def digest(self) -> str:
+        """Stable sha256 of the fingerprint (first 16 hex digits)."""
+        text = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def differences(self, other: "Fingerprint") -> list[str]:
+        """Human-readable list of what differs between ``self`` (plan) and ``other`` (model); none when
+        ``other`` matches the model either as built or after its first step (``built_modules``)."""
+        if self.built_modules is not None:
+            built = self.model_copy(update={"modules": self.built_modules, "built_modules": None})
+            if not built.differences(other):
+                return []
+        out: list[str] = []
+        if self.model_class != other.model_class:
+            out.append(f"model class: plan has {self.model_class}, model is {other.model_class}")
+        mine, theirs = set(self.modules), set(other.modules)
+        for name in sorted(mine - theirs)[:10]:
+            out.append(f"module {name!r} is in the plan but not in the model")
+        for name in sorted(theirs - mine)[:10]:
+            out.append(f"module {name!r} is in the model but not in the plan")
+        pa = {p.name: p for p in self.params}
+        pb = {p.name: p for p in other.params}
+        for name in sorted(set(pa) & set(pb)):
+            if (pa[name].shape, pa[name].dtype) != (pb[name].shape, pb[name].dtype):
+                out.append(
+                    f"parameter {name}: plan has {pa[name].shape} {pa[name].dtype}, "
+                    f"model has {pb[name].shape} {pb[name].dtype}"
+                )
+        for name in sorted(set(pa) ^ set(pb))[:10]:
+            where = "plan" if name in pa else "model"
+            out.append(f"parameter {name!r} only in the {where}")
+        ia = {i.name: i for i in self.inputs}
+        ib = {i.name: i for i in other.inputs}
+        for name in sorted(set(ia) | set(ib)):
+            a, b = ia.get(name), ib.get(name)
+            if a is None or b is None or (a.shape, a.dtype) != (b.shape, b.dtype):
+                fa = f"{a.shape} {a.dtype}" if a else "absent"
+                fb = f"{b.shape} {b.dtype}" if b else "absent"
+                out.append(f"input {name}: plan has {fa}, model has {fb}")
+        return out
 
 
 class UnitRecord(FileModel):

@@ -18,8 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +28,7 @@ from planner.model.fields import MAX_BYTES, MAX_COUNT, MAX_WORLD_SIZE, Bytes, Co
 from planner.model.fields import FileModel as _Model  # the base of every model below: unknown fields are an error
 from planner.model.fields import bad_field as _bad, load_versioned as _load_versioned
 from planner.model.stages import Pipeline, StagePlan, check_predicted, check_stages, unset_parallel_fields
-from planner.model.records import (OffloadedUnit, MemoryEvent, OpRecord, ParamRecord, SaveRecord, StepRecord, StepStructure,
+from planner.model.records import (Fingerprint, TensorSig, OffloadedUnit, MemoryEvent, OpRecord, ParamRecord, SaveRecord, StepRecord, StepStructure,
                                    TensorRecord, UnitRecord)
 from solvers.contract import Sharding, Status
 
@@ -58,61 +56,6 @@ ROOT_ID = "<root>"
 """Unit id of the model's root module call."""
 LOSS_ID = "<loss>"
 """Unit id of the pseudo-unit that stands for ``loss_fn`` (code run outside the model)."""
-
-
-# ----------------------------------------------------------------------------- fingerprint
-
-
-class TensorSig(_Model):
-    name: str = Field(description="Parameter FQN, or input path such as 'input_ids' or '0'.")
-    shape: list[Count]
-    dtype: str
-
-
-class Fingerprint(_Model):
-    """What a plan is valid for: module names, parameter shapes/dtypes and input shapes."""
-
-    model_class: str
-    modules: list[str] = Field(description="FQNs of all submodules, in named_modules() order.")
-    params: list[TensorSig]
-    inputs: list[TensorSig]
-
-    def digest(self) -> str:
-        """Stable sha256 of the fingerprint (first 16 hex digits)."""
-        text = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    def differences(self, other: "Fingerprint") -> list[str]:
-        """Human-readable list of what differs between ``self`` (plan) and ``other`` (model)."""
-        out: list[str] = []
-        if self.model_class != other.model_class:
-            out.append(f"model class: plan has {self.model_class}, model is {other.model_class}")
-        mine, theirs = set(self.modules), set(other.modules)
-        for name in sorted(mine - theirs)[:10]:
-            out.append(f"module {name!r} is in the plan but not in the model")
-        for name in sorted(theirs - mine)[:10]:
-            out.append(f"module {name!r} is in the model but not in the plan")
-        pa = {p.name: p for p in self.params}
-        pb = {p.name: p for p in other.params}
-        for name in sorted(set(pa) & set(pb)):
-            if (pa[name].shape, pa[name].dtype) != (pb[name].shape, pb[name].dtype):
-                out.append(
-                    f"parameter {name}: plan has {pa[name].shape} {pa[name].dtype}, "
-                    f"model has {pb[name].shape} {pb[name].dtype}"
-                )
-        for name in sorted(set(pa) ^ set(pb))[:10]:
-            where = "plan" if name in pa else "model"
-            out.append(f"parameter {name!r} only in the {where}")
-        ia = {i.name: i for i in self.inputs}
-        ib = {i.name: i for i in other.inputs}
-        for name in sorted(set(ia) | set(ib)):
-            a, b = ia.get(name), ib.get(name)
-            if a is None or b is None or (a.shape, a.dtype) != (b.shape, b.dtype):
-                fa = f"{a.shape} {a.dtype}" if a else "absent"
-                fb = f"{b.shape} {b.dtype}" if b else "absent"
-                out.append(f"input {name}: plan has {fa}, model has {fb}")
-        return out
-
 
 
 # ----------------------------------------------------------------------------- recipe

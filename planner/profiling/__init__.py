@@ -207,6 +207,7 @@ def profile_as_run(model: torch.nn.Module, inputs: Inputs, *, step: StepSpec,
     from planner.profiling.step_changes import profiled_with_step_changes
 
     dev = resolve_device(step.device)
+    built = [name for name, _ in model.named_modules() if name]  # NOTE [ Modules made by the first step ]
     # see NOTE [ Step changes ]: profile the step the plan will run
     with profiled_with_step_changes(model) as changes:
         if dev.type == "meta":
@@ -222,7 +223,35 @@ def profile_as_run(model: torch.nn.Module, inputs: Inputs, *, step: StepSpec,
 
                 result = profile_compiled(model, inputs, result, step=step, progress=progress)
     result.step_changes = changes
-    return result
+    return with_built_modules(result, built)
+
+
+# NOTE [ Modules made by the first step ]
+#
+# A model may rebuild part of itself in its first training forward: Hugging Face's BigBird, given
+# sequences too short for block-sparse attention, swaps every layer's attention module for a full
+# one (``set_attention_type``), with a dropout module the block-sparse one lacks. The profile sees the
+# model after that step, but a training job applies the plan to the model as built, before its first
+# step: against the profiled module list alone it was refused (``PlanMismatch``: modules "in the plan
+# but not in the model"). So the profile's fingerprint keeps the module list as built too
+# (``Fingerprint.built_modules``, only when it differs), and a model matching either list matches.
+# The units the first step made are excluded from plans: the model as built has no such module to
+# checkpoint (its plan would name a module that does not exist yet, and the module it would wrap is
+# replaced when the step runs).
+
+def with_built_modules(result: schema.Profile, built: list[str]) -> schema.Profile:
+    """``result`` knowing the model's modules as built, and with the units its first step made excluded
+    (NOTE [ Modules made by the first step ])."""
+    from planner.model.schema import ExcludedUnit
+
+    if built == result.fingerprint.modules:
+        return result
+    made = set(result.fingerprint.modules) - set(built)
+    excluded = [*result.excluded, *(ExcludedUnit(module=fqn, reason="the model's first training step made it: "
+                                                        "the model as built has no such module")
+                                    for fqn in dict.fromkeys(u.fqn for u in result.units if u.fqn in made))]
+    return result.model_copy(update={"fingerprint": result.fingerprint.model_copy(update={"built_modules": built}),
+                                     "excluded": excluded})
 
 
 def _validated(model: torch.nn.Module, inputs: Inputs, result: schema.Profile, step: StepSpec, dev: torch.device,
