@@ -199,3 +199,31 @@ def test_a_pruned_model_is_verified():
     report = verify(_pruned(), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1, tolerance=0.0)
     assert report.ok, report.problems
     assert report.max_grad_diff == 0.0 and abs(report.prediction_error) <= 0.02
+
+
+class Residual(nn.Module):
+    """An MLP of residual blocks trained on a batch that takes a gradient (input attributions)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
+                                    for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def test_a_batch_that_takes_a_gradient_is_a_new_batch_each_step():
+    # NOTE [ Inputs that take a gradient ]: the profile held the last step's x.grad from the step's start
+    # (the batch's bytes over the measured peak) and gave the user's tensor back with a .grad it did not have
+    model = Residual()
+    x = torch.randn(4 * ROWS * SEQ, WIDTH, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    plan = _mid_plan(model, x)
+    assert x.grad is None
+    report = verify(model, plan, inputs=x.detach().clone().requires_grad_(True), loss_fn=_mean_square,
+                    optimizer="none", threads=1, tolerance=0)
+    assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
+    assert report.predicted_peak_bytes == report.measured_peak_bytes
