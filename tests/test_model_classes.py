@@ -147,6 +147,19 @@ def test_a_plan_for_a_model_that_rebuilds_itself_in_its_first_step_applies_to_th
     assert abs(report.prediction_error) <= 0.02
 
 
+
+def test_the_model_as_built_is_known_on_the_memory_safe_path_too():
+    # NOTE [ Modules made by the first step ]: with a device-memory cap the fake-tensor pass runs the model
+    # first, so the module list taken later was the rebuilt model's and the plan named modules it lacks
+    from planner.profiling.memsafe import profile_within
+
+    x = _tokens().requires_grad_(True)
+    prof = profile_within(Swapping(), x, device="cpu", device_memory_bytes=200_000, loss_fn=_mean_square,
+                          optimizer="none", steps=1, threads=1)
+    assert prof.fingerprint.built_modules is not None and "blocks.0.1.act" not in prof.fingerprint.built_modules
+    assert [x.module for x in prof.excluded if x.module.endswith(".act")] == [f"blocks.{i}.1.act" for i in range(LAYERS)]
+    assert x.grad is None  # NOTE [ Inputs that take a gradient ]
+
 class SparseEmbedding(nn.Module):
     """A token embedding with sparse gradients (``nn.Embedding(sparse=True)``, trained with SGD: Adam
     refuses sparse gradients) under residual MLP blocks."""

@@ -245,7 +245,7 @@ def with_built_modules(result: schema.Profile, built: list[str]) -> schema.Profi
     (NOTE [ Modules made by the first step ])."""
     from planner.model.schema import ExcludedUnit
 
-    if built == result.fingerprint.modules:
+    if built in (result.fingerprint.modules, result.fingerprint.built_modules):  # nothing made, or known
         return result
     made = set(result.fingerprint.modules) - set(built)
     excluded = [*result.excluded, *(ExcludedUnit(module=fqn, reason="the model's first training step made it: "

@@ -51,16 +51,19 @@ def profile_within(model: torch.nn.Module, inputs: Inputs, *, step: StepSpec | N
     Raises:
         ProfileError: user code failed, or nothing fits and no fake-tensor fallback exists.
     """
-    from planner.profiling import check_step
+    from planner.profiling import check_step, with_built_modules
+    from planner.profiling.measure import kept_input_grads
     from planner.profiling.step_changes import profiled_with_step_changes
 
     spec = step_spec(step, **step_fields)
     check_step(spec)
-    # see NOTE [ Step changes ]: every path below (the full profile, the checkpointed one, the fake-tensor
-    # ones) profiles the step the plan will run; ``profile_as_run`` finds the same changes already installed
-    with profiled_with_step_changes(model) as changes:
+    built = [name for name, _ in model.named_modules() if name]  # before any pass runs the model (NOTE
+    # [ Modules made by the first step ]); see NOTE [ Step changes ]: every path below (the full profile,
+    # the checkpointed one, the fake-tensor ones) profiles the step the plan will run; ``profile_as_run``
+    # finds the same changes already installed
+    with profiled_with_step_changes(model) as changes, kept_input_grads(inputs):
         prof = _profile_within(model, inputs, spec, progress)
-    return prof.model_copy(update={"step_changes": changes})
+    return with_built_modules(prof.model_copy(update={"step_changes": changes}), built)
 
 
 def _validated(model: torch.nn.Module, inputs: Inputs, prof: schema.Profile, step: StepSpec, dev: torch.device,
