@@ -169,6 +169,12 @@ def _edit(src: Path, dst: Path, edit) -> Path:
     ("zero threads", lambda d: d.__setitem__("threads", 0), "threads"),
     ("unit ends before it starts", lambda d: d["units"][1].__setitem__("fwd_end_seq", 0), "units.1.fwd_end_seq"),
     ("save of a missing tensor", lambda d: d["saves"][0].__setitem__("tensor_id", 10**6), "saves.0.tensor_id"),
+    ("two tensors of one id", lambda d: d["tensors"].append(dict(d["tensors"][0])), "tensors: two tensors share an id"),
+    ("two parameters of one name", lambda d: d["params"].append(dict(d["params"][0])), "params: two parameters share"),
+    ("a unit its own parent", lambda d: d["units"][2].__setitem__("parent", d["units"][2]["id"]), "units.2.parent: 'h.1' "
+     "is its own ancestor"),
+    ("units of no module (was an internal error)", lambda d: d["fingerprint"].__setitem__("modules", []),
+     "units.1.fqn: 'h.0' is not a module of the model"),
 ])
 def test_impossible_profile_numbers_are_refused(profile_path: Path, tmp_path: Path, what, edit, needle):
     bad = _edit(profile_path, tmp_path / "bad.json", edit)

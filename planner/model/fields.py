@@ -36,7 +36,7 @@ class FileModel(BaseModel):
 # than a plan labelled optimal with "recompute nan ms".
 # Rule 1. Sizes are integers in [0, MAX_BYTES]; times, FLOPs and seconds are finite and >= 0;
 #   sequence numbers, indices and counts are integers in [0, MAX_COUNT]; thread counts >= 1.
-# Rule 2. Figures that must agree with their neighbours are checked together (``_check_profile``,
+# Rule 2. Figures that must agree with their neighbours are checked together (``check_records``,
 #   ``_check_plan``): a unit ends after it starts, records point at tensors and units that exist,
 #   a plan's predicted peak is its breakdown's sum and fits its budget less the headroom.
 # Rule 3. An error names the path into the file (``units.3.forward_ms``) and the value found.
