@@ -196,6 +196,11 @@ def test_impossible_profile_numbers_are_refused(profile_path: Path, tmp_path: Pa
      "predicted.recompute_ms: 1e+30 ms of recompute"),
     ("unknown module", lambda d: d["checkpoints"].append("no.such.module"), "checkpoints."),
     ("negative gap", lambda d: d["solver"].__setitem__("gap", -0.5), "solver.gap"),
+    ("negative window", lambda d: d["predicted"]["windows"].__setitem__("forward of h.0", -5),
+     "predicted.windows.forward of h.0: input should be greater than or equal to 0 (got -5)"),
+    ("negative granularity", lambda d: d.__setitem__("granularity", -3), "granularity: input should be greater"),
+    ("FSDP unit not in the model", lambda d: d.__setitem__("fsdp_units", ["no.such.module"]),
+     "fsdp_units.0: module 'no.such.module' is not in the model"),
 ])
 def test_impossible_plan_numbers_are_refused(plan_path: Path, tmp_path: Path, what, edit, needle):
     bad = _edit(plan_path, tmp_path / "bad.json", edit)

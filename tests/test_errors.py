@@ -237,6 +237,10 @@ def _bad_files(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
         "JSON, not remat": ('{"a": 1}\n', "is JSON but not a remat"),
         "newer schema": (re.sub(r'"schema_version": \d+', '"schema_version": 99', text, count=1),
                          "schema_version 99, this remat reads version"),
+        "no schema version": (re.sub(r'"schema_version": \d+', '"schema_version": true', text, count=1),
+                              "schema_version true, which no remat writes (an integer from 1 to"),
+        "schema version 0": (re.sub(r'"schema_version": \d+', '"schema_version": 0', text, count=1),
+                             "schema_version 0, which no remat writes"),
     }
     out = {}
     for i, (name, (content, needle)) in enumerate(files.items()):
@@ -250,6 +254,7 @@ def test_bad_plan_files(tmp_path: Path, plan_path: Path):
     for name, (path, needle) in _bad_files(tmp_path, plan_path).items():
         out = check(invoke("show", path), 2, "error: ", needle)
         assert "re-create" in out or "upgrade" in out or "pass a file written by" in out, name
+        assert "upgrade" not in out or "newer" in name, name  # an old or invalid version: upgrading does not help
 
 
 def test_bad_profile_files(tmp_path: Path, profile_path: Path):

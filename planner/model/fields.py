@@ -91,7 +91,10 @@ def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: st
             f"pass a file written by `remat {what}`"
         )
     sv = data.get("schema_version")
-    if not isinstance(sv, int) or sv > version or sv < 1:
+    if not isinstance(sv, int) or isinstance(sv, bool) or sv < 1:  # JSON true is no version
+        raise PlanFileError(f"{what} file {path} has schema_version {json.dumps(sv)}, which no remat writes (an "
+                            f"integer from 1 to {version}); re-create it with `remat {what} ...`")
+    if sv > version:
         raise PlanFileError(
             f"{what} file {path} has schema_version {sv!r}, this remat reads version {version}; "
             f"upgrade remat (pip install -U remat) or re-create the file"

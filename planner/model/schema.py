@@ -376,7 +376,7 @@ class Predicted(_Model):
                                                             "peak (written only when the plan offloads).")
     offload_ms: Ms | None = Field(None, description="Copy time of the offloaded units not hidden behind "
                                                     "compute, per step (written only when the plan offloads).")
-    windows: dict[str, int] = Field(default_factory=dict,
+    windows: dict[str, Bytes] = Field(default_factory=dict,
                                     description="Predicted bytes of every forward and backward window, in forward "
                                                 "order ('forward of h.0', ...; see NOTE [ Peak-memory model ]): "
                                                 "verify compares them with the measured windows.")
@@ -452,7 +452,7 @@ class Plan(_Model):
                                                               "tensors (written only when the plan offloads).")
     solver: SolverInfo
     predicted: Predicted
-    granularity: int = 0
+    granularity: Count = 0
     device: str = ""
     device_name: str = ""
     target: str | None = None
@@ -540,7 +540,7 @@ def _check_plan(plan: Plan) -> None:
     if plan.offload and plan.buckets:
         raise _bad("offload", "a bucketed plan cannot offload (one input shape per offload plan)")
     for field, names in (("checkpoints", plan.checkpoints), ("selective", [r.fqn for r in plan.selective]),
-                         ("offload", [u.fqn for u in plan.offload]),
+                         ("offload", [u.fqn for u in plan.offload]), ("fsdp_units", plan.fsdp_units),
                          *((f"buckets.{i}.checkpoints", b.checkpoints) for i, b in enumerate(plan.buckets))):
         for i, name in enumerate(names):
             if name not in modules:
