@@ -41,6 +41,13 @@ from planner.errors import BadInput
 #   replaced the profile with the plan, and `remat plan model.py -o model.py` the user's model source.
 
 
+def as_path(value: object, expected: str) -> Path:
+    """``value`` (a str or ``os.PathLike``) as a ``Path``; ``BadInput`` saying what was ``expected`` otherwise."""
+    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+        return Path(value)
+    raise BadInput(f"expected {expected} (a str or os.PathLike), got {type(value).__name__}")
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` (text as UTF-8) to ``path`` by NOTE [ Writing output files ]; returns ``path`` as given."""
     given = Path(path)
@@ -161,4 +168,4 @@ def _temp_beside(given: Path, target: Path) -> tuple[int, str]:
         raise BadInput(f"cannot write {given}: {e.strerror}; pick a writable location") from None
 
 
-__all__ = ["atomic_write", "atomic_write_text", "check_output", "check_writable"]
+__all__ = ["as_path", "atomic_write", "atomic_write_text", "check_output", "check_writable"]

@@ -14,9 +14,11 @@ import pytest
 import torch
 from torch import nn
 
+import planner
 from planner.errors import BadInput, ModelLoadError, PlanMismatch
 from planner.files import atomic_write, check_writable
 from planner.model.schema import Plan, Profile
+from planner.spec import SolveSpec, StepSpec
 from tests.conftest import invoke
 from tests.test_errors import check, model_file
 
@@ -147,6 +149,36 @@ def test_python_api_takes_paths_and_refuses_bad_solve_fields(profile_path: Path,
     assert SolveSpec(time_limit_s=math.inf).time_limit_s is None
     with pytest.raises(BadInput, match="takes a torch.nn.Module or a model file"):
         planner.profile("not a model", torch.ones(1))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p: planner.plan(p, "10MB", headroom="5%").headroom_bytes, None),  # as --headroom 5% (was TypeError)
+    (lambda p: planner.plan(p, "10MB", headroom="auto").headroom_bytes, None),
+    (lambda p: planner.plan(p, "10MB", headroom=0.5), "headroom 0.5 must be at least 0% and below 50%"),
+    (lambda p: planner.plan(p, "10MB", selective="no"), "selective must be True or False, got 'no'"),
+    (lambda p: planner.plan(p, "10MB", offload="yes"), "offload must be True or False, got 'yes'"),
+    (lambda p: SolveSpec(headroom=[1]), "headroom [1] is not a fraction; use e.g. 0.5% or 0.005"),
+    (lambda p: StepSpec(steps="3"), "steps must be an integer >= 1, got '3'"),  # was TypeError
+    (lambda p: StepSpec(warmup_steps=1.5), "warmup_steps must be an integer >= 0, got 1.5"),
+    (lambda p: StepSpec(loss_fn="mse"), "loss_fn must be callable"),
+    (lambda p: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), optimizer=torch.optim.SGD),
+     "unknown optimizer <class 'torch.optim.sgd.SGD'>; choose one of adamw"),  # was AttributeError
+    (lambda p: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), device=None),
+     "unknown device None; use auto, cpu, cuda, cuda:N or a torch.device"),  # was TypeError
+    (lambda p: planner.apply_plan(torch.nn.Linear(2, 2), 42),
+     "expected a Plan or the path of a plan file (a str or os.PathLike), got int"),  # was TypeError
+    (lambda p: planner.load_model_file(None),
+     "expected the path of a model file (a str or os.PathLike), got NoneType"),  # was TypeError
+])
+def test_python_api_arguments_of_the_wrong_type_are_one_line(profile_path: Path, call, message):
+    """The library refuses a value of the wrong type as it refuses a bad value: ``BadInput`` saying what it takes,
+    never a TypeError or AttributeError from deep inside; the CLI's forms (headroom '5%', 'auto') are taken."""
+    if message is None:
+        assert call(profile_path) >= 0
+        return
+    with pytest.raises(BadInput) as err:
+        call(profile_path)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 # ----------------------------------------------------------------------------- 2. numbers in files

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from planner.errors import PlanFileError
+from planner.files import as_path
 from planner.sizes import MAX_SIZE_BYTES
 
 
@@ -69,7 +70,7 @@ def now_iso() -> str:
 def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str) -> Any:
     """``cls`` validated from the JSON file ``path`` of ``kind`` (at most schema ``version``), or ``PlanFileError``
     naming what is wrong and how to fix it (``what``: 'profile' or 'plan', the command that writes it)."""
-    path = Path(path)
+    path = as_path(path, f"a {cls.__name__} or the path of a {what} file")
     if not path.exists():
         raise PlanFileError(f"{what} file {path} does not exist; check the path")
     if path.is_dir():
