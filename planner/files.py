@@ -84,16 +84,18 @@ def check_writable(path: str | Path) -> None:
     os.unlink(probe)
 
 
-def check_output(path: str | Path | None, inputs: Mapping[str, str | Path | None]) -> None:
+def check_output(path: str | Path | None, inputs: Mapping[str, str | Path | None],
+                 outputs: Mapping[str, str | Path | None] | None = None) -> None:
     """Rule 5 and ``check_writable``: refuse, before any profiling, an output ``path`` that is one of
-    ``inputs`` (what each is, e.g. "the model file", to the path given; None for one not given)."""
+    ``inputs`` (what each is, e.g. "the model file", to the path given; None for one not given) or one of
+    the command's other ``outputs`` (e.g. "the file -o writes")."""
     if path is None:
         return
     given = Path(path)
-    for what, source in inputs.items():
+    for what, source in (*inputs.items(), *(outputs or {}).items()):
         if source is not None and _same_file(given, Path(source)):
-            raise BadInput(f"cannot write {given}: it is {what}, which this command reads; writing there would "
-                           f"replace it; write to another file")
+            why = " too" if what in (outputs or {}) else ", which this command reads; writing there would replace it"
+            raise BadInput(f"cannot write {given}: it is {what}{why}; write to another file")
     check_writable(given)
 
 

@@ -112,6 +112,7 @@ def test_output_that_is_an_input_is_refused(profile_path: Path, tmp_path: Path):
                          "the file -o writes")):
         out = check(invoke(*cmd), 2, f"it is {needle}")
         assert "write to another file" in out and len(out.strip().splitlines()) <= 2
+        assert ("which this command reads" in out) == ("-o writes" not in needle), out  # -o is written, not read
     assert {p: p.read_bytes() for p in before} == before and link.is_symlink()
 
 

@@ -485,13 +485,14 @@ def _model_sources(model: Path | None, o: HfSource) -> list[tuple[dict[str, int]
             for shape in o.shapes]
 
 
-def _check_output(o: Any, path: Path | None, **also: Path | None) -> None:
-    """Fail before minutes of profiling, not after, when ``path`` cannot be written or is one of the
-    command's inputs (NOTE [ Writing output files ], Rule 5); the write itself is ``atomic_write_text``."""
+def _check_output(o: Any, path: Path | None, **outputs: Path | None) -> None:
+    """Fail before minutes of profiling, not after, when ``path`` cannot be written, is one of the
+    command's inputs or another of its ``outputs`` (NOTE [ Writing output files ], Rule 5); the write
+    itself is ``atomic_write_text``."""
     from planner.files import check_output
 
     check_output(path, {"the model file": o.model, "the profile read by --profile": getattr(o, "profile", None),
-                        "the config read by --hf": o.hf, **also})
+                        "the config read by --hf": o.hf}, outputs)
 
 
 def _file_kind(path: Path) -> str | None:
