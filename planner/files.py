@@ -127,6 +127,17 @@ def _target(path: Path) -> Path:
     return target
 
 
+def device_kind(path: str | Path) -> str | None:
+    """'a character device', 'a block device' or 'a socket' when ``path`` is one, else None: what an input
+    file must not be. Reading /dev/zero or /dev/urandom as JSON never ends, and its memory grows with it;
+    a FIFO is let through, as ``<(cat plan.json)`` is one."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return _kind(mode) if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode) else None
+
+
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket")):
@@ -170,4 +181,4 @@ def _temp_beside(given: Path, target: Path) -> tuple[int, str]:
         raise BadInput(f"cannot write {given}: {e.strerror}; pick a writable location") from None
 
 
-__all__ = ["as_path", "atomic_write", "atomic_write_text", "check_output", "check_writable"]
+__all__ = ["as_path", "atomic_write", "atomic_write_text", "check_output", "check_writable", "device_kind"]

@@ -182,6 +182,46 @@ def test_python_api_arguments_of_the_wrong_type_are_one_line(profile_path: Path,
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="needs /dev/null")
+def test_input_that_is_a_device_is_refused(profile_path: Path, tmp_path: Path):
+    """A plan, profile or model file that is a character device is refused by name before it is read: /dev/zero and
+    /dev/urandom were read until memory ran out (remat show /dev/zero never ended); /dev/null stands in for them."""
+    model = tmp_path / "null.py"
+    model.symlink_to("/dev/null")
+    for cmd, line in ((["show", "/dev/null"], "error: /dev/null is a character device, not a plan file; pass the file "
+                                             "`remat plan` wrote"),
+                      (["plan", "--budget", "1GB", "--profile", "/dev/null", "-q"], "error: /dev/null is a character "
+                       "device, not a profile file; pass the file `remat profile` wrote"),
+                      (["plan", "--budget", "1GB", model, "-q"], f"error: model file {model} is a character device; "
+                       f"pass the Python file that defines build_model() and example_inputs()")):
+        r = invoke(*cmd)
+        assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == line, r.output
+
+
+@pytest.mark.parametrize("kind", ["plan", "profile"])
+def test_show_reads_a_pipe_once(plan_path: Path, profile_path: Path, kind: str):
+    """``remat show <(cat plan.json)``: a pipe can be read once; show read it to learn its kind, then again to
+    load it, and called the pipe empty."""
+    import threading
+
+    text = (plan_path if kind == "plan" else profile_path).read_bytes()
+    read_end, write_end = os.pipe()
+
+    def feed() -> None:
+        with os.fdopen(write_end, "wb") as w:
+            w.write(text)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        r = invoke("show", f"/dev/fd/{read_end}", "--json")
+    finally:
+        feeder.join()
+        os.close(read_end)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["kind"] == f"remat-{kind}"
+
+
 # ----------------------------------------------------------------------------- 2. numbers in files
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import sys
 import traceback
@@ -338,16 +337,18 @@ def compare_cmd(o: CompareOptions) -> None:
 def show_cmd(o: ShowOptions) -> None:
     """Show a plan file (or a profile file) as tables."""
     from planner.act.api import graph_for
+    from planner.model.fields import read_document
     from planner.model.schema import Plan, Profile
 
     out, log = render.consoles(quiet=o.quiet)
-    if _file_kind(o.path) == "remat-profile":
+    document = read_document(o.path, "plan")  # read once: a pipe (<(cat plan.json)) cannot be read again
+    if isinstance(document, dict) and document.get("kind") == "remat-profile":
         if o.why:
             raise BadInput("--why explains a plan: remat show plan.json --why --profile profile.json")
-        prof = Profile.load(o.path)
+        prof = Profile.load(o.path, document)
         output.print_json(prof) if o.as_json else render.show_profile(out, prof, graph_for(prof))
         return
-    plan = Plan.load(o.path)
+    plan = Plan.load(o.path, document)
     if o.why and plan.pipeline is not None:
         raise BadInput("--why explains a plan made on one profile; a pipeline plan has one per stage: drop --why")
     if o.why and o.profile is None:
@@ -493,15 +494,6 @@ def _check_output(o: Any, path: Path | None, **outputs: Path | None) -> None:
 
     check_output(path, {"the model file": o.model, "the profile read by --profile": getattr(o, "profile", None),
                         "the config read by --hf": o.hf}, outputs)
-
-
-def _file_kind(path: Path) -> str | None:
-    """The ``kind`` a JSON file declares, or None; loading reports what is wrong with it."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data.get("kind") if isinstance(data, dict) else None
 
 
 def _profile_source(o: StepOptions, log: Any) -> Any:

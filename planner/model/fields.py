@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from planner.errors import PlanFileError
-from planner.files import as_path
+from planner.files import as_path, device_kind
 from planner.sizes import MAX_SIZE_BYTES
 
 
@@ -67,24 +67,34 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
 
 
-def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str) -> Any:
-    """``cls`` validated from the JSON file ``path`` of ``kind`` (at most schema ``version``), or ``PlanFileError``
-    naming what is wrong and how to fix it (``what``: 'profile' or 'plan', the command that writes it)."""
-    path = as_path(path, f"a {cls.__name__} or the path of a {what} file")
+def read_document(path: str | Path, what: str) -> Any:
+    """The JSON in the file ``path``, read once, or ``PlanFileError`` naming what is wrong (``what``: 'profile'
+    or 'plan', the command that writes it): missing, a folder or a device, empty, or not JSON."""
+    path = as_path(path, f"the path of a {what} file")
     if not path.exists():
         raise PlanFileError(f"{what} file {path} does not exist; check the path")
     if path.is_dir():
         raise PlanFileError(f"{path} is a directory, not a {what} file")
+    if device := device_kind(path):
+        raise PlanFileError(f"{path} is {device}, not a {what} file; pass the file `remat {what}` wrote")
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise PlanFileError(f"{what} file {path} is empty; re-create it with `remat {what} ...`")
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanFileError(
             f"{what} file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
             f"it may be truncated: re-create it with `remat {what} ...`"
         ) from None
+
+
+def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str, document: Any = None) -> Any:
+    """``cls`` validated from the JSON file ``path`` of ``kind`` (at most schema ``version``), or ``PlanFileError``
+    naming what is wrong and how to fix it (``what``: 'profile' or 'plan', the command that writes it).
+    ``document``: the file's JSON when ``read_document`` read it already (a pipe, ``<(cat plan.json)``, reads once)."""
+    path = as_path(path, f"a {cls.__name__} or the path of a {what} file")
+    data = read_document(path, what) if document is None else document
     if not isinstance(data, dict) or data.get("kind") != kind:
         found = data.get("kind") if isinstance(data, dict) else type(data).__name__
         raise PlanFileError(
@@ -118,4 +128,4 @@ def field_error(e: ValidationError) -> str:
 
 
 __all__ = ["bad_field", "Bytes", "Count", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
-           "MAX_COUNT", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "Seq", "Threads"]
+           "MAX_COUNT", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]

@@ -342,8 +342,9 @@ class Profile(_Model):
         return atomic_write_text(path, self.model_dump_json(indent=1, exclude=None if self.compile else {"compile"}))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
-        return _load_versioned(cls, path, "remat-profile", PROFILE_SCHEMA_VERSION, "profile")
+    def load(cls, path: str | Path, document: Any = None) -> "Profile":
+        """Read and validate the file ``path`` (``document``: its JSON, when read already); ``PlanFileError``."""
+        return _load_versioned(cls, path, "remat-profile", PROFILE_SCHEMA_VERSION, "profile", document)
 
 
 # ----------------------------------------------------------------------------- plan
@@ -515,8 +516,9 @@ class Plan(_Model):
         return self.model_dump_json(indent=2, exclude=exclude or None) + "\n"
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
-        return _load_versioned(cls, path, "remat-plan", PLAN_SCHEMA_VERSION, "plan")
+    def load(cls, path: str | Path, document: Any = None) -> "Plan":
+        """Read and validate the file ``path`` (``document``: its JSON, when read already); ``PlanFileError``."""
+        return _load_versioned(cls, path, "remat-plan", PLAN_SCHEMA_VERSION, "plan", document)
 
 
 # ----------------------------------------------------------------------------- consistency
