@@ -297,6 +297,28 @@ def test_plan_for_another_model_or_renamed_modules(tmp_path: Path):
           "re-plan")
 
 
+def test_a_plan_for_a_much_larger_model_lists_some_differences_and_cli_advice(tmp_path: Path):
+    """verify of a plan for another model: the first PlanMismatch.SHOWN differences and how many more (they were
+    all listed, hundreds for a renamed 7B model), and advice verify can take: it offered 'pass strict=False',
+    which verify has no option for."""
+    from planner.act.applier import apply_plan
+
+    plan_file = tmp_path / "plan.json"
+    assert invoke("plan", "--budget", "1GB", model_file(tmp_path, GOOD_MODEL, "good.py"), "--device", "cpu",
+                  "--steps", "1", "-o", plan_file, "-q").exit_code == 0
+    wide = GOOD_MODEL.replace("nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))",
+                              "nn.Sequential(*[nn.Linear(8, 8) for _ in range(30)], nn.Linear(8, 2))")
+    r = invoke("verify", model_file(tmp_path, wide, "wide.py"), plan_file, "--device", "cpu", "--steps", "1", "-q")
+    out = check(r, 2, "error: the plan was made for another model or input shapes:", "... and ")
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 + PlanMismatch.SHOWN + 2 and lines[-1] == "re-plan for this model (remat plan MODEL.py ...)"
+    assert "strict=False" not in out
+    with pytest.raises(PlanMismatch) as info:  # the library: the same listing, every difference kept
+        apply_plan(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(30)]), Plan.load(plan_file))
+    assert len(info.value.differences) > PlanMismatch.SHOWN and str(info.value).count("\n") == PlanMismatch.SHOWN + 2
+    assert str(info.value).endswith("pass strict=False to apply the modules that exist")
+
+
 # ----------------------------------------------------------------------------- output paths
 
 
