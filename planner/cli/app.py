@@ -542,7 +542,7 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
         raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} time a real step; --device meta runs two "
                        f"steps on fake tensors and models the times for --target: drop "
                        f"{'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
-    step = o.step_spec(device_memory_bytes=_device_memory(o.device_memory, meta))
+    step = o.step_spec(device_memory_bytes=_device_memory(o.device_memory, meta, "device_memory" in o.given))
     if step.device_memory_bytes is not None and not is_plain(step.recipe):
         raise BadInput("--device-memory measures the plain training step (with --amp) for now; drop it, or drop "
                        "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach")
@@ -562,20 +562,22 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
         return profile(mf, step=step, progress=say)
 
 
-def _device_memory(text: str | None, meta: bool) -> int | None:
-    """--device-memory (or REMAT_DEVICE_MEMORY) in bytes; None when not given."""
+def _device_memory(text: str | None, meta: bool, typed: bool) -> int | None:
+    """--device-memory (or, not ``typed``, REMAT_DEVICE_MEMORY: its errors name it) in bytes; None when not given."""
+    from planner.cli.options import DEVICE_MEMORY_ENV
     from planner.sizes import parse_bytes
 
     if text is None or not text.strip():
         return None
+    env = "" if typed else f"; it comes from the environment, {DEVICE_MEMORY_ENV}={text}: unset it"
     if meta:
-        raise BadInput("--device-memory caps a device that runs the step; --device meta runs nothing (drop one)")
+        raise BadInput(f"--device-memory caps a device that runs the step; --device meta runs nothing (drop one){env}")
     try:
         value = parse_bytes(text)
     except BadInput as e:
-        raise BadInput(f"--device-memory: {e}") from None
+        raise BadInput(f"--device-memory: {e}{env}") from None
     if value <= 0:
-        raise BadInput(f"--device-memory must be positive, got {text!r}")
+        raise BadInput(f"--device-memory must be positive, got {text!r}{env}")
     return value
 
 
