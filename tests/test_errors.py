@@ -104,6 +104,14 @@ def test_budget_forms_accepted_and_echoed(profile_path: Path, budget: str, nbyte
     check(r, 0, f"budget {budget} = {nbytes} bytes")
 
 
+def test_absurd_frontier_points_are_refused(profile_path: Path, tmp_path: Path):
+    """--points 100000 swept for hours (every solver at each budget); a plot shows far fewer than 1000."""
+    out = tmp_path / "frontier.json"
+    check(invoke("frontier", "--profile", profile_path, "--points", "100000", "-o", out), 2,
+          "Invalid value for '--points': Input should be less than or equal to 1000")
+    assert not out.exists()
+
+
 def test_budget_below_minimum(profile_path: Path, tmp_path: Path):
     out = tmp_path / "plan.json"
     check(invoke("plan", "--budget", "1MB", "--profile", profile_path, "-o", out), 1,

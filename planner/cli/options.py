@@ -485,11 +485,15 @@ PROFILE_CMD = [
     _output("Write the profile here (atomic). Without it nothing is written."),
     *MEASURED_STEP, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
+MAX_POINTS = 1000
+"""The most budgets a frontier sweeps: more than a plot shows, and every solver plans at each (the ILP up to
+--time-limit): --points 100000 ran on for hours."""
+
 FRONTIER = [
     _model_arg(MODEL_HELP),
     _param("points", Annotated[int, typer.Option(
-        "--points", min=1, help="Budgets swept, evenly spaced from the lowest feasible peak to the peak without "
-                                "checkpointing.")], 12),
+        "--points", min=1, max=MAX_POINTS, help="Budgets swept, evenly spaced from the lowest feasible peak to the "
+                                                "peak without checkpointing.")], 12),
     _param("plot", Annotated[Path | None, typer.Option(
         "--plot", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
     _output("Write the points as JSON here (atomic)."),
