@@ -184,8 +184,9 @@ def test_python_api_arguments_of_the_wrong_type_are_one_line(profile_path: Path,
 
 @pytest.mark.skipif(not Path("/dev/null").exists(), reason="needs /dev/null")
 def test_input_that_is_a_device_is_refused(profile_path: Path, tmp_path: Path):
-    """A plan, profile or model file that is a character device is refused by name before it is read: /dev/zero and
-    /dev/urandom were read until memory ran out (remat show /dev/zero never ended); /dev/null stands in for them."""
+    """A plan, profile, model or --hf config file that is a character device is refused by name before it is read:
+    /dev/zero and /dev/urandom were read until memory ran out (remat show /dev/zero never ended); /dev/null stands
+    in for them."""
     model = tmp_path / "null.py"
     model.symlink_to("/dev/null")
     for cmd, line in ((["show", "/dev/null"], "error: /dev/null is a character device, not a plan file; pass the file "
@@ -193,7 +194,10 @@ def test_input_that_is_a_device_is_refused(profile_path: Path, tmp_path: Path):
                       (["plan", "--budget", "1GB", "--profile", "/dev/null", "-q"], "error: /dev/null is a character "
                        "device, not a profile file; pass the file `remat profile` wrote"),
                       (["plan", "--budget", "1GB", model, "-q"], f"error: model file {model} is a character device; "
-                       f"pass the Python file that defines build_model() and example_inputs()")):
+                       f"pass the Python file that defines build_model() and example_inputs()"),
+                      (["plan", "--budget", "1GB", "--hf", "/dev/null", "--batch", "2", "--seq-len", "8", "-q"],
+                       "error: --hf: /dev/null is a character device; pass a Hugging Face config.json or the folder "
+                       "that holds it")):
         r = invoke(*cmd)
         assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == line, r.output
 
