@@ -88,6 +88,18 @@ def run_child(cmd: Sequence[str], *, env: dict[str, str] | None = None) -> int:
         end(proc)
 
 
+def how_it_ended(rc: int) -> str:
+    """A child's exit status ``rc`` (``Popen.returncode``) in words: 'exited with status 7', or for a
+    negative status 'was killed by SIGKILL (signal 9)'."""
+    if rc >= 0:
+        return f"exited with status {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = "a signal"
+    return f"was killed by {name} (signal {-rc})"
+
+
 def end(proc: Any) -> None:
     """End ``proc`` (a ``subprocess.Popen`` or ``multiprocessing.Process``) if it still runs, and reap it."""
     alive = proc.poll() is None if hasattr(proc, "poll") else proc.is_alive()
@@ -114,4 +126,5 @@ def _reap(proc: Any, timeout: float | None = 0) -> bool:
     return not proc.is_alive()
 
 
-__all__ = ["child_env", "die_with_parent", "end", "GRACE_S", "PARENT_ENV", "run_child", "signals_raise"]
+__all__ = ["child_env", "die_with_parent", "end", "GRACE_S", "how_it_ended", "PARENT_ENV", "run_child",
+           "signals_raise"]

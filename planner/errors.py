@@ -41,9 +41,19 @@ class PlanFileError(RematError):
 class PlanMismatch(RematError):
     """A plan was made for another model or other input shapes. ``differences`` lists them."""
 
+    SHOWN = 12
+    """Differences a message lists; ``differences`` holds them all (a 7B model renamed differs in hundreds)."""
+
     def __init__(self, message: str, differences: list[str] | None = None):
         super().__init__(message)
         self.differences = list(differences or [])
+
+    @classmethod
+    def listing(cls, head: str, differences: list[str], advice: str) -> "PlanMismatch":
+        """``head``, the first ``SHOWN`` differences one a line (then how many more), and ``advice``."""
+        shown = differences[:cls.SHOWN]
+        more = [f"... and {len(differences) - len(shown)} more"] if len(differences) > len(shown) else []
+        return cls(f"{head}:\n  " + "\n  ".join(shown + more) + f"\n{advice}", differences)
 
 
 class BudgetInfeasible(RematError):

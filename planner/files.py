@@ -41,6 +41,13 @@ from planner.errors import BadInput
 #   replaced the profile with the plan, and `remat plan model.py -o model.py` the user's model source.
 
 
+def as_path(value: object, expected: str) -> Path:
+    """``value`` (a str or ``os.PathLike``) as a ``Path``; ``BadInput`` saying what was ``expected`` otherwise."""
+    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+        return Path(value)
+    raise BadInput(f"expected {expected} (a str or os.PathLike), got {type(value).__name__}")
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` (text as UTF-8) to ``path`` by NOTE [ Writing output files ]; returns ``path`` as given."""
     given = Path(path)
@@ -77,16 +84,18 @@ def check_writable(path: str | Path) -> None:
     os.unlink(probe)
 
 
-def check_output(path: str | Path | None, inputs: Mapping[str, str | Path | None]) -> None:
+def check_output(path: str | Path | None, inputs: Mapping[str, str | Path | None],
+                 outputs: Mapping[str, str | Path | None] | None = None) -> None:
     """Rule 5 and ``check_writable``: refuse, before any profiling, an output ``path`` that is one of
-    ``inputs`` (what each is, e.g. "the model file", to the path given; None for one not given)."""
+    ``inputs`` (what each is, e.g. "the model file", to the path given; None for one not given) or one of
+    the command's other ``outputs`` (e.g. "the file -o writes")."""
     if path is None:
         return
     given = Path(path)
-    for what, source in inputs.items():
+    for what, source in (*inputs.items(), *(outputs or {}).items()):
         if source is not None and _same_file(given, Path(source)):
-            raise BadInput(f"cannot write {given}: it is {what}, which this command reads; writing there would "
-                           f"replace it; write to another file")
+            why = " too" if what in (outputs or {}) else ", which this command reads; writing there would replace it"
+            raise BadInput(f"cannot write {given}: it is {what}{why}; write to another file")
     check_writable(given)
 
 
@@ -116,6 +125,17 @@ def _target(path: Path) -> Path:
         via = f" (via the link to {target})" if target != path.absolute() else ""
         raise BadInput(f"cannot write {path}{via}: it is {what}, not a regular file; give a file path")
     return target
+
+
+def device_kind(path: str | Path) -> str | None:
+    """'a character device', 'a block device' or 'a socket' when ``path`` is one, else None: what an input
+    file must not be. Reading /dev/zero or /dev/urandom as JSON never ends, and its memory grows with it;
+    a FIFO is let through, as ``<(cat plan.json)`` is one."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return _kind(mode) if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode) else None
 
 
 def _kind(mode: int) -> str:
@@ -161,4 +181,4 @@ def _temp_beside(given: Path, target: Path) -> tuple[int, str]:
         raise BadInput(f"cannot write {given}: {e.strerror}; pick a writable location") from None
 
 
-__all__ = ["atomic_write", "atomic_write_text", "check_output", "check_writable"]
+__all__ = ["as_path", "atomic_write", "atomic_write_text", "check_output", "check_writable", "device_kind"]

@@ -35,9 +35,9 @@ def parse_sharding(value: str) -> Sharding:
 
 def parse_amp(value: str | None) -> Amp | None:
     """'bf16'/'bfloat16' -> 'bf16', 'fp16'/'float16' -> 'fp16'; None, '', 'none', 'off' -> None."""
-    if value is None or value.strip().lower() in _NO_AMP:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NO_AMP):
         return None
-    amp = _AMP_ALIASES.get(value.strip().lower())
+    amp = _AMP_ALIASES.get(value.strip().lower()) if isinstance(value, str) else None
     if amp is None:
         raise BadInput(f"unknown amp {value!r}; use bf16, fp16 or none")
     return amp  # type: ignore[return-value]
@@ -45,11 +45,32 @@ def parse_amp(value: str | None) -> Amp | None:
 
 def parse_optimizer(value: str) -> OptimizerName:
     """``value`` as an ``OptimizerName`` (any case); ``BadInput`` if it is none of them."""
-    v = value.strip().lower()
+    v = value.strip().lower() if isinstance(value, str) else value
     if v not in OPTIMIZER_NAMES:
         raise BadInput(f"unknown optimizer {value!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
     return v  # type: ignore[return-value]
 
+
+def parse_fraction(value: Any, field: str) -> float:
+    """'0.5%' or '0.005' (or the number) -> 0.005, below one half; ``BadInput`` naming ``field`` otherwise."""
+    t = str(value).strip()
+    try:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(value)
+        fraction = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise BadInput(f"{{{field}}} {value!r} is not a fraction; use e.g. 0.5% or 0.005", options=(field,)) from None
+    if not 0 <= fraction < 0.5:
+        raise BadInput(f"{{{field}}} {value!r} must be at least 0% and below 50%", options=(field,))
+    return fraction
+
+
+def parse_headroom(value: Any) -> float | None:
+    """The part of a budget kept free: None or 'auto' (None: ``planner.act.api.headroom_for`` decides), else
+    ``parse_fraction`` ('2%', 0.02)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse_fraction(value, "headroom")
 
 
 COMPILE_BACKENDS = ("inductor",)
@@ -160,4 +181,5 @@ def check_model_fit(num_layers: int, stages: int, micro_batches: int, rows: int,
 
 
 __all__ = ["Amp", "COMPILE_BACKENDS", "check_layout", "check_model_fit", "compile_backend", "OPTIMIZER_NAMES",
-           "OptimizerName", "parse_amp", "parse_compile", "parse_optimizer", "parse_sharding"]
+           "OptimizerName", "parse_amp", "parse_compile", "parse_fraction", "parse_headroom", "parse_optimizer",
+           "parse_sharding"]

@@ -8,6 +8,7 @@ Example::
 
     from planner.spec import SolveSpec, StepSpec
     from planner.model.schema import Recipe
+from planner.options import parse_headroom
 
     step = StepSpec(device="cuda", device_memory_bytes=16 << 30, recipe=Recipe(amp="bf16", grad_accum=4))
     plan = planner.plan(model, "12GB", inputs=batch, step=step, solve=SolveSpec(solver="ilp", time_limit_s=30))
@@ -22,6 +23,7 @@ from typing import Any, Callable, Literal
 
 from planner.errors import BadInput
 from planner.model.schema import Recipe
+from planner.options import parse_headroom
 
 ProfilingPath = Literal["plain", "meta", "capped", "memory-safe"]
 """How ``planner.profile`` measures a step (``profiling_path``): as it runs; on fake tensors; in a
@@ -69,6 +71,12 @@ class StepSpec:
         elif not isinstance(self.recipe, Recipe):
             raise BadInput(f"recipe must be a planner.model.schema.Recipe (or None: the plain loop), got "
                            f"{type(self.recipe).__name__}")
+        _check_ints(self, steps=1, warmup_steps=0)
+        if self.threads is not None:
+            _check_ints(self, threads=1)
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise BadInput(f"loss_fn must be callable (loss_fn(output) or loss_fn(output, batch)), got "
+                           f"{type(self.loss_fn).__name__}")
 
     def replace(self, **changes: Any) -> StepSpec:
         """A copy with ``changes``."""
@@ -91,7 +99,8 @@ class SolveSpec:
     sharding: str = "none"
     """'none', 'ddp' or 'fsdp' (FSDP2)."""
     headroom: float | None = None
-    """Fraction of the budget kept free; None: from how the profile was made (NOTE [ Headroom from evidence ])."""
+    """Fraction of the budget kept free (0.02, or '2%' as the CLI takes it); None or 'auto': from how the profile
+    was made (NOTE [ Headroom from evidence ])."""
     selective: bool = True
     """Let the solver checkpoint units op by op too; False: whole modules only."""
     offload: bool = False
@@ -107,14 +116,23 @@ class SolveSpec:
             raise BadInput(f"time_limit_s must be a positive number of seconds (None: no limit), got {limit!r}")
         if limit == math.inf:  # as HiGHS and CBC read it: no limit
             object.__setattr__(self, "time_limit_s", None)
-        for name, low in (("granularity", 0), ("world_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise BadInput(f"{name} must be an integer >= {low}, got {value!r}")
+        _check_ints(self, granularity=0, world_size=1)
+        for name in ("selective", "offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise BadInput(f"{name} must be True or False, got {getattr(self, name)!r}")
+        object.__setattr__(self, "headroom", parse_headroom(self.headroom))
 
     def replace(self, **changes: Any) -> SolveSpec:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_ints(spec: Any, **lowest: int) -> None:
+    """``BadInput`` unless each named field of ``spec`` is an integer (not a bool) at least its lowest value."""
+    for name, low in lowest.items():
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise BadInput(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 STEP_FIELDS = frozenset(f.name for f in dataclasses.fields(StepSpec))

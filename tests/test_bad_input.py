@@ -14,9 +14,11 @@ import pytest
 import torch
 from torch import nn
 
+import planner
 from planner.errors import BadInput, ModelLoadError, PlanMismatch
 from planner.files import atomic_write, check_writable
 from planner.model.schema import Plan, Profile
+from planner.spec import SolveSpec, StepSpec
 from tests.conftest import invoke
 from tests.test_errors import check, model_file
 
@@ -110,6 +112,7 @@ def test_output_that_is_an_input_is_refused(profile_path: Path, tmp_path: Path):
                          "the file -o writes")):
         out = check(invoke(*cmd), 2, f"it is {needle}")
         assert "write to another file" in out and len(out.strip().splitlines()) <= 2
+        assert ("which this command reads" in out) == ("-o writes" not in needle), out  # -o is written, not read
     assert {p: p.read_bytes() for p in before} == before and link.is_symlink()
 
 
@@ -149,6 +152,80 @@ def test_python_api_takes_paths_and_refuses_bad_solve_fields(profile_path: Path,
         planner.profile("not a model", torch.ones(1))
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda p: planner.plan(p, "10MB", headroom="5%").headroom_bytes, None),  # as --headroom 5% (was TypeError)
+    (lambda p: planner.plan(p, "10MB", headroom="auto").headroom_bytes, None),
+    (lambda p: planner.plan(p, "10MB", headroom=0.5), "headroom 0.5 must be at least 0% and below 50%"),
+    (lambda p: planner.plan(p, "10MB", selective="no"), "selective must be True or False, got 'no'"),
+    (lambda p: planner.plan(p, "10MB", offload="yes"), "offload must be True or False, got 'yes'"),
+    (lambda p: SolveSpec(headroom=[1]), "headroom [1] is not a fraction; use e.g. 0.5% or 0.005"),
+    (lambda p: StepSpec(steps="3"), "steps must be an integer >= 1, got '3'"),  # was TypeError
+    (lambda p: StepSpec(warmup_steps=1.5), "warmup_steps must be an integer >= 0, got 1.5"),
+    (lambda p: StepSpec(loss_fn="mse"), "loss_fn must be callable"),
+    (lambda p: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), optimizer=torch.optim.SGD),
+     "unknown optimizer <class 'torch.optim.sgd.SGD'>; choose one of adamw"),  # was AttributeError
+    (lambda p: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), device=None),
+     "unknown device None; use auto, cpu, cuda, cuda:N or a torch.device"),  # was TypeError
+    (lambda p: planner.apply_plan(torch.nn.Linear(2, 2), 42),
+     "expected a Plan or the path of a plan file (a str or os.PathLike), got int"),  # was TypeError
+    (lambda p: planner.load_model_file(None),
+     "expected the path of a model file (a str or os.PathLike), got NoneType"),  # was TypeError
+])
+def test_python_api_arguments_of_the_wrong_type_are_one_line(profile_path: Path, call, message):
+    """The library refuses a value of the wrong type as it refuses a bad value: ``BadInput`` saying what it takes,
+    never a TypeError or AttributeError from deep inside; the CLI's forms (headroom '5%', 'auto') are taken."""
+    if message is None:
+        assert call(profile_path) >= 0
+        return
+    with pytest.raises(BadInput) as err:
+        call(profile_path)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="needs /dev/null")
+def test_input_that_is_a_device_is_refused(profile_path: Path, tmp_path: Path):
+    """A plan, profile, model or --hf config file that is a character device is refused by name before it is read:
+    /dev/zero and /dev/urandom were read until memory ran out (remat show /dev/zero never ended); /dev/null stands
+    in for them."""
+    model = tmp_path / "null.py"
+    model.symlink_to("/dev/null")
+    for cmd, line in ((["show", "/dev/null"], "error: /dev/null is a character device, not a plan file; pass the file "
+                                             "`remat plan` wrote"),
+                      (["plan", "--budget", "1GB", "--profile", "/dev/null", "-q"], "error: /dev/null is a character "
+                       "device, not a profile file; pass the file `remat profile` wrote"),
+                      (["plan", "--budget", "1GB", model, "-q"], f"error: model file {model} is a character device; "
+                       f"pass the Python file that defines build_model() and example_inputs()"),
+                      (["plan", "--budget", "1GB", "--hf", "/dev/null", "--batch", "2", "--seq-len", "8", "-q"],
+                       "error: --hf: /dev/null is a character device; pass a Hugging Face config.json or the folder "
+                       "that holds it")):
+        r = invoke(*cmd)
+        assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == line, r.output
+
+
+@pytest.mark.parametrize("kind", ["plan", "profile"])
+def test_show_reads_a_pipe_once(plan_path: Path, profile_path: Path, kind: str):
+    """``remat show <(cat plan.json)``: a pipe can be read once; show read it to learn its kind, then again to
+    load it, and called the pipe empty."""
+    import threading
+
+    text = (plan_path if kind == "plan" else profile_path).read_bytes()
+    read_end, write_end = os.pipe()
+
+    def feed() -> None:
+        with os.fdopen(write_end, "wb") as w:
+            w.write(text)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        r = invoke("show", f"/dev/fd/{read_end}", "--json")
+    finally:
+        feeder.join()
+        os.close(read_end)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["kind"] == f"remat-{kind}"
+
+
 # ----------------------------------------------------------------------------- 2. numbers in files
 
 
@@ -169,6 +246,12 @@ def _edit(src: Path, dst: Path, edit) -> Path:
     ("zero threads", lambda d: d.__setitem__("threads", 0), "threads"),
     ("unit ends before it starts", lambda d: d["units"][1].__setitem__("fwd_end_seq", 0), "units.1.fwd_end_seq"),
     ("save of a missing tensor", lambda d: d["saves"][0].__setitem__("tensor_id", 10**6), "saves.0.tensor_id"),
+    ("two tensors of one id", lambda d: d["tensors"].append(dict(d["tensors"][0])), "tensors: two tensors share an id"),
+    ("two parameters of one name", lambda d: d["params"].append(dict(d["params"][0])), "params: two parameters share"),
+    ("a unit its own parent", lambda d: d["units"][2].__setitem__("parent", d["units"][2]["id"]), "units.2.parent: 'h.1' "
+     "is its own ancestor"),
+    ("units of no module (was an internal error)", lambda d: d["fingerprint"].__setitem__("modules", []),
+     "units.1.fqn: 'h.0' is not a module of the model"),
 ])
 def test_impossible_profile_numbers_are_refused(profile_path: Path, tmp_path: Path, what, edit, needle):
     bad = _edit(profile_path, tmp_path / "bad.json", edit)
@@ -190,6 +273,11 @@ def test_impossible_profile_numbers_are_refused(profile_path: Path, tmp_path: Pa
      "predicted.recompute_ms: 1e+30 ms of recompute"),
     ("unknown module", lambda d: d["checkpoints"].append("no.such.module"), "checkpoints."),
     ("negative gap", lambda d: d["solver"].__setitem__("gap", -0.5), "solver.gap"),
+    ("negative window", lambda d: d["predicted"]["windows"].__setitem__("forward of h.0", -5),
+     "predicted.windows.forward of h.0: input should be greater than or equal to 0 (got -5)"),
+    ("negative granularity", lambda d: d.__setitem__("granularity", -3), "granularity: input should be greater"),
+    ("FSDP unit not in the model", lambda d: d.__setitem__("fsdp_units", ["no.such.module"]),
+     "fsdp_units.0: module 'no.such.module' is not in the model"),
 ])
 def test_impossible_plan_numbers_are_refused(plan_path: Path, tmp_path: Path, what, edit, needle):
     bad = _edit(plan_path, tmp_path / "bad.json", edit)

@@ -39,7 +39,10 @@ def test_an_option_the_layout_would_drop_is_refused(layout: str, option: str, tm
 
 @pytest.mark.parametrize("option, args", [("schedule", ["--schedule", "gpipe"]),
                                           ("micro_batches", ["--micro-batches", "4"]),
-                                          ("stages_per_rank", ["--stages-per-rank", "2"])])
+                                          ("stages_per_rank", ["--stages-per-rank", "2"]),
+                                          ("micro_batches", ["--micro-batches", "0"]),  # was dropped: 0 read as off
+                                          ("stages_per_rank", ["--stages-per-rank", "0"]),
+                                          ("schedule", ["--schedule", "1f1b"])])  # the default, typed
 def test_a_pipeline_option_without_pp_is_refused(option: str, args: list[str], tmp_path: Path):
     assert option in PIPELINE_ONLY
     line = _one_line_error(args, tmp_path)

@@ -104,6 +104,14 @@ def test_budget_forms_accepted_and_echoed(profile_path: Path, budget: str, nbyte
     check(r, 0, f"budget {budget} = {nbytes} bytes")
 
 
+def test_absurd_frontier_points_are_refused(profile_path: Path, tmp_path: Path):
+    """--points 100000 swept for hours (every solver at each budget); a plot shows far fewer than 1000."""
+    out = tmp_path / "frontier.json"
+    check(invoke("frontier", "--profile", profile_path, "--points", "100000", "-o", out), 2,
+          "Invalid value for '--points': Input should be less than or equal to 1000")
+    assert not out.exists()
+
+
 def test_budget_below_minimum(profile_path: Path, tmp_path: Path):
     out = tmp_path / "plan.json"
     check(invoke("plan", "--budget", "1MB", "--profile", profile_path, "-o", out), 1,
@@ -237,6 +245,10 @@ def _bad_files(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
         "JSON, not remat": ('{"a": 1}\n', "is JSON but not a remat"),
         "newer schema": (re.sub(r'"schema_version": \d+', '"schema_version": 99', text, count=1),
                          "schema_version 99, this remat reads version"),
+        "no schema version": (re.sub(r'"schema_version": \d+', '"schema_version": true', text, count=1),
+                              "schema_version true, which no remat writes (an integer from 1 to"),
+        "schema version 0": (re.sub(r'"schema_version": \d+', '"schema_version": 0', text, count=1),
+                             "schema_version 0, which no remat writes"),
     }
     out = {}
     for i, (name, (content, needle)) in enumerate(files.items()):
@@ -250,6 +262,7 @@ def test_bad_plan_files(tmp_path: Path, plan_path: Path):
     for name, (path, needle) in _bad_files(tmp_path, plan_path).items():
         out = check(invoke("show", path), 2, "error: ", needle)
         assert "re-create" in out or "upgrade" in out or "pass a file written by" in out, name
+        assert "upgrade" not in out or "newer" in name, name  # an old or invalid version: upgrading does not help
 
 
 def test_bad_profile_files(tmp_path: Path, profile_path: Path):
@@ -290,6 +303,28 @@ def test_plan_for_another_model_or_renamed_modules(tmp_path: Path):
     check(invoke("verify", path, plan_file, "--device", "cpu", "--steps", "1"), 2,
           "error: the plan was made for another model", "module '2' is in the plan but not in the model",
           "re-plan")
+
+
+def test_a_plan_for_a_much_larger_model_lists_some_differences_and_cli_advice(tmp_path: Path):
+    """verify of a plan for another model: the first PlanMismatch.SHOWN differences and how many more (they were
+    all listed, hundreds for a renamed 7B model), and advice verify can take: it offered 'pass strict=False',
+    which verify has no option for."""
+    from planner.act.applier import apply_plan
+
+    plan_file = tmp_path / "plan.json"
+    assert invoke("plan", "--budget", "1GB", model_file(tmp_path, GOOD_MODEL, "good.py"), "--device", "cpu",
+                  "--steps", "1", "-o", plan_file, "-q").exit_code == 0
+    wide = GOOD_MODEL.replace("nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))",
+                              "nn.Sequential(*[nn.Linear(8, 8) for _ in range(30)], nn.Linear(8, 2))")
+    r = invoke("verify", model_file(tmp_path, wide, "wide.py"), plan_file, "--device", "cpu", "--steps", "1", "-q")
+    out = check(r, 2, "error: the plan was made for another model or input shapes:", "... and ")
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 + PlanMismatch.SHOWN + 2 and lines[-1] == "re-plan for this model (remat plan MODEL.py ...)"
+    assert "strict=False" not in out
+    with pytest.raises(PlanMismatch) as info:  # the library: the same listing, every difference kept
+        apply_plan(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(30)]), Plan.load(plan_file))
+    assert len(info.value.differences) > PlanMismatch.SHOWN and str(info.value).count("\n") == PlanMismatch.SHOWN + 2
+    assert str(info.value).endswith("pass strict=False to apply the modules that exist")
 
 
 # ----------------------------------------------------------------------------- output paths

@@ -163,6 +163,26 @@ def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path
     assert not out.exists() and not left, left  # torch's own compile cache aside, nothing
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the CPU memory cap needs Linux")
+@pytest.mark.parametrize("how, needle", [
+    ("os.kill(os.getpid(), signal.SIGKILL)", "was killed by SIGKILL (signal 9) before it wrote a profile, as the "
+     "kernel's out-of-memory killer does: free memory on this machine, or profile without --device-memory"),
+    ("os._exit(7)", "exited with status 7 before it wrote a profile: the model's code or a library it calls ended "
+     "it (os._exit, a crash); profile without --device-memory to see where"),
+])
+def test_a_capped_child_that_dies_is_one_line_that_says_what_to_do(tmp_path: Path, how: str, needle: str):
+    """The capped child killed (the kernel's OOM killer sends SIGKILL) or ended by os._exit in the model's code:
+    one line saying so in words, not 'exited with status -9', and nothing written."""
+    model = tmp_path / "model.py"
+    model.write_text(MODEL.format(stage="forward", action=f"if os.environ.get('REMAT_PARENT_PID'): {how}"))
+    out = tmp_path / "plan.json"
+    r = invoke("plan", "--budget", "1GB", model, "--device", "cpu", "--device-memory", "2GB", "--steps", "1",
+               "-q", "-o", out)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.stderr.strip() == f"error: profiling within {2 << 30} bytes: the capped profiling process {needle}", r.stderr
+    assert not out.exists()
+
+
 def test_json_stdout_holds_only_the_json_at_the_file_descriptor(tmp_path: Path):
     """A write to fd 1 itself (as a child process or a C library would make) goes to stderr under --json."""
     model = tmp_path / "model.py"

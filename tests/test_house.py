@@ -95,6 +95,12 @@ def test_the_device_memory_environment_variable_is_read(monkeypatch, tmp_path):
     r = invoke("plan", "--budget", "1GB", "--device", "meta", "--target", "h100", model)
     assert r.exit_code == 2
     assert "error: --device-memory caps a device that runs the step; --device meta runs nothing" in r.stderr
+    assert f"it comes from the environment, {DEVICE_MEMORY_ENV}=1GB: unset it" in r.stderr  # not typed: say where
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "abc")
+    r = invoke("plan", "--budget", "1GB", "--device", "cpu", model)
+    assert r.exit_code == 2 and r.stderr.strip() == ("error: --device-memory: invalid size 'abc': use bytes or a number "
+                                                     "with a unit, e.g. 12GB, 12GiB, 800MiB, 1.5e9; it comes from the "
+                                                     f"environment, {DEVICE_MEMORY_ENV}=abc: unset it"), r.stderr
 
 
 def test_solve_graph_runs_auto_itself():

@@ -9,6 +9,7 @@ RuntimeWarning from the solver, which would say so, fails the test).
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 
 import pytest
@@ -287,3 +288,40 @@ def _nested_example():
 def _shifted(est):
     return est.model_copy(update={"peak_bytes": est.peak_bytes + 2**30})
 
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds CBC's process through /proc (Linux)")
+def test_an_interrupted_cbc_solve_leaves_no_process_or_file(monkeypatch, tmp_path):
+    """Ctrl-C or SIGTERM (a KeyboardInterrupt, NOTE [ Signals and children ]) while CBC searches: its process is
+    ended and PuLP's MPS file removed. CBC ran on, orphaned, for up to the time limit, its MPS file in $TMPDIR."""
+    import signal
+    import threading
+    import time
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    g = build_graph(synthetic_profile(random_dag(random.Random(5), 150, p_nested=0.4)), granularity=0, nested=True)
+    budget = (simulate(g, _tops(g)).peak_bytes + simulate(g, []).peak_bytes) // 2
+    me, seen = os.getpid(), []
+
+    def interrupt_when_cbc_runs() -> None:
+        deadline = time.monotonic() + 60
+        while not seen and time.monotonic() < deadline:
+            for child in open(f"/proc/{me}/task/{me}/children").read().split():
+                if "cbc" in open(f"/proc/{child}/cmdline", "rb").read().decode(errors="replace"):
+                    seen.append(int(child))
+            time.sleep(0.05)
+        if seen:
+            time.sleep(0.5)  # searching
+            os.kill(me, signal.SIGINT)
+
+    watcher = threading.Thread(target=interrupt_when_cbc_runs)
+    watcher.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ilp_mod.solve(g, budget, backend="cbc", time_limit_s=60, use_relaxation=False)
+    finally:
+        watcher.join()
+    assert seen, "CBC never started"
+    assert not os.path.exists(f"/proc/{seen[0]}"), "CBC outlived the interrupted solve"
+    assert list(tmp_path.iterdir()) == []

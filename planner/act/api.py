@@ -362,9 +362,7 @@ def check_profile_matches(profile: Profile, model_file: Any) -> None:
 
     diffs = model_differences(profile.fingerprint, build_on_meta(model_file.build_model), model_file.example_inputs())
     if diffs:
-        listing = "\n  ".join(diffs)
-        raise PlanMismatch(f"the profile was made for another model or input shapes:\n  {listing}\nre-profile it",
-                           diffs)
+        raise PlanMismatch.listing("the profile was made for another model or input shapes", diffs, "re-profile it")
 
 
 def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any = None,

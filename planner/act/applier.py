@@ -555,11 +555,10 @@ def _check_fingerprint(plan: Plan, model: nn.Module, inputs: Any, missing: list[
     diffs += model_differences(plan.fingerprint, model, inputs)
     if not diffs:
         return
-    listing = "\n  ".join(diffs)
     if strict:
-        raise PlanMismatch(f"the plan was made for another model or input shapes:\n  {listing}\n"
-                           f"re-plan for this model, or pass strict=False to apply the modules that exist",
-                           diffs)
+        raise PlanMismatch.listing("the plan was made for another model or input shapes", diffs,
+                                   "re-plan for this model, or pass strict=False to apply the modules that exist")
+    listing = "\n  ".join(diffs)
     warnings.warn(f"remat: the plan does not match the model (applying what matches):\n  {listing}",
                   stacklevel=3)
 

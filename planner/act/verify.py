@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
 from planner.act.compare import max_abs_diff, nonfinite_notes, run_copy
-from planner.errors import BadInput
+from planner.errors import BadInput, PlanMismatch
 from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
@@ -379,6 +379,16 @@ def _load(source: Any, inputs: Inputs | list[Inputs] | None, loss_fn: Any,
     return mf.build_model(), batches, mf.loss_fn, str(mf.path if isinstance(source, ModelFile) else source)
 
 
+def _apply(model: torch.nn.Module, plan: Plan, batch: Any) -> Any:
+    """``apply_plan`` as verify applies it: the whole plan, so a mismatch advises re-planning (verify has no
+    ``strict=False``, which apply_plan's message offers)."""
+    try:
+        return apply_plan(model, plan, inputs=batch)
+    except PlanMismatch as e:
+        raise PlanMismatch.listing("the plan was made for another model or input shapes", e.differences,
+                                   "re-plan for this model (remat plan MODEL.py ...)") from None
+
+
 def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev: torch.device,
          steps: int, clock: Any, *, planned: bool, applied: Plan | None = None, compile: str | None = None) -> _Run:
     """Train a copy of ``master`` on ``inputs``; ``plan`` is what is predicted for them, ``applied`` (default
@@ -386,7 +396,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     the step trains ``torch.compile(model, backend=compile)``, compiled afresh."""
     model = run_copy(master).to(dev).train()  # NOTE [ Derived tensor attributes ]
     batch = to_device(inputs, dev)
-    handle = apply_plan(model, applied or plan, inputs=batch) if planned else None
+    handle = _apply(model, applied or plan, batch) if planned else None
     # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)
     changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))
     opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)

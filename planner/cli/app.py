@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import sys
 import traceback
@@ -338,16 +337,18 @@ def compare_cmd(o: CompareOptions) -> None:
 def show_cmd(o: ShowOptions) -> None:
     """Show a plan file (or a profile file) as tables."""
     from planner.act.api import graph_for
+    from planner.model.fields import read_document
     from planner.model.schema import Plan, Profile
 
     out, log = render.consoles(quiet=o.quiet)
-    if _file_kind(o.path) == "remat-profile":
+    document = read_document(o.path, "plan")  # read once: a pipe (<(cat plan.json)) cannot be read again
+    if isinstance(document, dict) and document.get("kind") == "remat-profile":
         if o.why:
             raise BadInput("--why explains a plan: remat show plan.json --why --profile profile.json")
-        prof = Profile.load(o.path)
+        prof = Profile.load(o.path, document)
         output.print_json(prof) if o.as_json else render.show_profile(out, prof, graph_for(prof))
         return
-    plan = Plan.load(o.path)
+    plan = Plan.load(o.path, document)
     if o.why and plan.pipeline is not None:
         raise BadInput("--why explains a plan made on one profile; a pipeline plan has one per stage: drop --why")
     if o.why and o.profile is None:
@@ -485,22 +486,14 @@ def _model_sources(model: Path | None, o: HfSource) -> list[tuple[dict[str, int]
             for shape in o.shapes]
 
 
-def _check_output(o: Any, path: Path | None, **also: Path | None) -> None:
-    """Fail before minutes of profiling, not after, when ``path`` cannot be written or is one of the
-    command's inputs (NOTE [ Writing output files ], Rule 5); the write itself is ``atomic_write_text``."""
+def _check_output(o: Any, path: Path | None, **outputs: Path | None) -> None:
+    """Fail before minutes of profiling, not after, when ``path`` cannot be written, is one of the
+    command's inputs or another of its ``outputs`` (NOTE [ Writing output files ], Rule 5); the write
+    itself is ``atomic_write_text``."""
     from planner.files import check_output
 
     check_output(path, {"the model file": o.model, "the profile read by --profile": getattr(o, "profile", None),
-                        "the config read by --hf": o.hf, **also})
-
-
-def _file_kind(path: Path) -> str | None:
-    """The ``kind`` a JSON file declares, or None; loading reports what is wrong with it."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data.get("kind") if isinstance(data, dict) else None
+                        "the config read by --hf": o.hf}, outputs)
 
 
 def _profile_source(o: StepOptions, log: Any) -> Any:
@@ -549,7 +542,7 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
         raise BadInput(f"{' and '.join('{' + n + '}' for n in typed)} time a real step; --device meta runs two "
                        f"steps on fake tensors and models the times for --target: drop "
                        f"{'them' if len(typed) > 1 else 'it'}", options=tuple(typed))
-    step = o.step_spec(device_memory_bytes=_device_memory(o.device_memory, meta))
+    step = o.step_spec(device_memory_bytes=_device_memory(o.device_memory, meta, "device_memory" in o.given))
     if step.device_memory_bytes is not None and not is_plain(step.recipe):
         raise BadInput("--device-memory measures the plain training step (with --amp) for now; drop it, or drop "
                        "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach")
@@ -569,20 +562,22 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
         return profile(mf, step=step, progress=say)
 
 
-def _device_memory(text: str | None, meta: bool) -> int | None:
-    """--device-memory (or REMAT_DEVICE_MEMORY) in bytes; None when not given."""
+def _device_memory(text: str | None, meta: bool, typed: bool) -> int | None:
+    """--device-memory (or, not ``typed``, REMAT_DEVICE_MEMORY: its errors name it) in bytes; None when not given."""
+    from planner.cli.options import DEVICE_MEMORY_ENV
     from planner.sizes import parse_bytes
 
     if text is None or not text.strip():
         return None
+    env = "" if typed else f"; it comes from the environment, {DEVICE_MEMORY_ENV}={text}: unset it"
     if meta:
-        raise BadInput("--device-memory caps a device that runs the step; --device meta runs nothing (drop one)")
+        raise BadInput(f"--device-memory caps a device that runs the step; --device meta runs nothing (drop one){env}")
     try:
         value = parse_bytes(text)
     except BadInput as e:
-        raise BadInput(f"--device-memory: {e}") from None
+        raise BadInput(f"--device-memory: {e}{env}") from None
     if value <= 0:
-        raise BadInput(f"--device-memory must be positive, got {text!r}")
+        raise BadInput(f"--device-memory must be positive, got {text!r}{env}")
     return value
 
 

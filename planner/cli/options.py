@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from planner.errors import BadInput
 from planner.model.schema import Recipe
 from planner.cli.parallel import PIPELINE, ParallelOptions
-from planner.options import Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_optimizer, parse_sharding
+from planner.options import (Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_fraction, parse_headroom,
+                             parse_optimizer, parse_sharding)
 from planner.spec import SolveSpec, StepSpec
 
 DEVICES = ("auto", "cpu", "cuda", "meta")
@@ -189,18 +190,6 @@ def _cli_flags(*groups: list[inspect.Parameter]) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- the models
-
-
-def _fraction(value: Any, field: str) -> float:
-    """'0.5%' or '0.005' -> 0.005; BadInput naming ``field`` otherwise."""
-    t = str(value).strip()
-    try:
-        fraction = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        raise BadInput(f"{{{field}}} {value!r} is not a fraction; use e.g. 0.5% or 0.005", options=(field,)) from None
-    if not 0 <= fraction < 0.5:
-        raise BadInput(f"{{{field}}} {value!r} must be between 0% and 50%", options=(field,))
-    return fraction
 
 
 def _parse_device(value: Any) -> str:
@@ -399,7 +388,7 @@ class PlanOptions(ParallelOptions, OffloadOptions):
     @field_validator("headroom", mode="before")
     @classmethod
     def _headroom(cls, text: Any) -> float | None:
-        return _headroom_option(text)
+        return parse_headroom(text)
 
     @property
     def solve_spec(self) -> SolveSpec:
@@ -407,11 +396,6 @@ class PlanOptions(ParallelOptions, OffloadOptions):
         return SolveSpec(solver=self.solver, granularity=self.granularity, time_limit_s=self.time_limit_s,
                          world_size=self.world_size, sharding=self.sharding, headroom=self.headroom,
                          selective=not self.no_selective, offload=self.offload, host_memory=self.host_memory)
-
-
-def _headroom_option(text: Any) -> float | None:
-    """'auto' (None: ``planner.act.api.headroom_for``) or a fraction."""
-    return None if text is None or str(text).strip().lower() == "auto" else _fraction(text, "headroom")
 
 
 class SweepOptions(OffloadOptions):
@@ -423,7 +407,7 @@ class SweepOptions(OffloadOptions):
     @field_validator("headroom", mode="before")
     @classmethod
     def _headroom(cls, text: Any) -> float | None:
-        return _headroom_option(text)
+        return parse_headroom(text)
 
     @field_validator("solvers", mode="before")
     @classmethod
@@ -473,7 +457,7 @@ class VerifyOptions(Options, HfSource):
     @field_validator("tolerance", mode="before")
     @classmethod
     def _tolerance(cls, value: Any) -> float:
-        return _fraction(value, "tolerance")
+        return parse_fraction(value, "tolerance")
 
 
 class ShowOptions(Options):
@@ -501,11 +485,15 @@ PROFILE_CMD = [
     _output("Write the profile here (atomic). Without it nothing is written."),
     *MEASURED_STEP, *HF_SOURCE, *RECIPE, *OUTPUT_SWITCHES,
 ]
+MAX_POINTS = 1000
+"""The most budgets a frontier sweeps: more than a plot shows, and every solver plans at each (the ILP up to
+--time-limit): --points 100000 ran on for hours."""
+
 FRONTIER = [
     _model_arg(MODEL_HELP),
     _param("points", Annotated[int, typer.Option(
-        "--points", min=1, help="Budgets swept, evenly spaced from the lowest feasible peak to the peak without "
-                                "checkpointing.")], 12),
+        "--points", min=1, max=MAX_POINTS, help="Budgets swept, evenly spaced from the lowest feasible peak to the "
+                                                "peak without checkpointing.")], 12),
     _param("plot", Annotated[Path | None, typer.Option(
         "--plot", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
     _output("Write the points as JSON here (atomic)."),

@@ -58,8 +58,8 @@ class ParallelOptions(BaseModel):
     @model_validator(mode="after")
     def _ranks(self) -> Any:
         check_parallel(self, self.given)
-        check_honoured(self.pp, self.tp, {name for name in self.given if getattr(self, name, None)}
-                       | ({"shapes"} if len(self.shapes) > 1 else set()))
+        typed = {name for name in self.given if getattr(self, name, None) or name in PIPELINE_ONLY}  # 0 is no "off"
+        check_honoured(self.pp, self.tp, typed | ({"shapes"} if len(self.shapes) > 1 else set()))
         return self
 
 

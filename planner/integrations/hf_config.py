@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from planner.errors import ModelLoadError
+from planner.files import device_kind
 from planner.profiling.model_file import ModelFile
 
 TASKS = ("causal-lm", "seq2seq", "masked-lm", "classification")
@@ -92,6 +93,8 @@ def _config_path(path: Path) -> Path:
     if not file.exists():
         where = f"{path} has no config.json" if path.is_dir() else f"{path} does not exist"
         raise ModelLoadError(f"--hf: {where}; pass a Hugging Face config.json or the folder that holds it")
+    if device := device_kind(file):  # /dev/zero was read until memory ran out
+        raise ModelLoadError(f"--hf: {file} is {device}; pass a Hugging Face config.json or the folder that holds it")
     return file
 
 

@@ -35,11 +35,10 @@ def refuse_other_recipe(plan: Plan, job: Recipe, *, framework: str, settings: Ma
              for d in plan.recipe.differences(job)] + list(other)
     if not diffs:
         return
-    listing = "\n  ".join(diffs)
     flags = " ".join(job.flags()) or "(no step options: the plain loop)"
-    raise PlanMismatch(f"the plan was made for another training step than {framework} run:\n  {listing}\n"
-                       f"re-plan with their step: remat plan <model> --budget <budget> {flags} "
-                       f"(in Python: planner.plan(..., recipe={python_call})), or change {framework}", diffs)
+    raise PlanMismatch.listing(f"the plan was made for another training step than {framework} run", diffs,
+                               f"re-plan with their step: remat plan <model> --budget <budget> {flags} "
+                               f"(in Python: planner.plan(..., recipe={python_call})), or change {framework}")
 
 
 __all__ = ["refuse_other_recipe"]

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from planner.errors import PlanFileError
+from planner.files import as_path, device_kind
 from planner.sizes import MAX_SIZE_BYTES
 
 
@@ -36,7 +37,7 @@ class FileModel(BaseModel):
 # than a plan labelled optimal with "recompute nan ms".
 # Rule 1. Sizes are integers in [0, MAX_BYTES]; times, FLOPs and seconds are finite and >= 0;
 #   sequence numbers, indices and counts are integers in [0, MAX_COUNT]; thread counts >= 1.
-# Rule 2. Figures that must agree with their neighbours are checked together (``_check_profile``,
+# Rule 2. Figures that must agree with their neighbours are checked together (``check_records``,
 #   ``_check_plan``): a unit ends after it starts, records point at tensors and units that exist,
 #   a plan's predicted peak is its breakdown's sum and fits its budget less the headroom.
 # Rule 3. An error names the path into the file (``units.3.forward_ms``) and the value found.
@@ -66,24 +67,34 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
 
 
-def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str) -> Any:
-    """``cls`` validated from the JSON file ``path`` of ``kind`` (at most schema ``version``), or ``PlanFileError``
-    naming what is wrong and how to fix it (``what``: 'profile' or 'plan', the command that writes it)."""
-    path = Path(path)
+def read_document(path: str | Path, what: str) -> Any:
+    """The JSON in the file ``path``, read once, or ``PlanFileError`` naming what is wrong (``what``: 'profile'
+    or 'plan', the command that writes it): missing, a folder or a device, empty, or not JSON."""
+    path = as_path(path, f"the path of a {what} file")
     if not path.exists():
         raise PlanFileError(f"{what} file {path} does not exist; check the path")
     if path.is_dir():
         raise PlanFileError(f"{path} is a directory, not a {what} file")
+    if device := device_kind(path):
+        raise PlanFileError(f"{path} is {device}, not a {what} file; pass the file `remat {what}` wrote")
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise PlanFileError(f"{what} file {path} is empty; re-create it with `remat {what} ...`")
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanFileError(
             f"{what} file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
             f"it may be truncated: re-create it with `remat {what} ...`"
         ) from None
+
+
+def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str, document: Any = None) -> Any:
+    """``cls`` validated from the JSON file ``path`` of ``kind`` (at most schema ``version``), or ``PlanFileError``
+    naming what is wrong and how to fix it (``what``: 'profile' or 'plan', the command that writes it).
+    ``document``: the file's JSON when ``read_document`` read it already (a pipe, ``<(cat plan.json)``, reads once)."""
+    path = as_path(path, f"a {cls.__name__} or the path of a {what} file")
+    data = read_document(path, what) if document is None else document
     if not isinstance(data, dict) or data.get("kind") != kind:
         found = data.get("kind") if isinstance(data, dict) else type(data).__name__
         raise PlanFileError(
@@ -91,7 +102,10 @@ def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: st
             f"pass a file written by `remat {what}`"
         )
     sv = data.get("schema_version")
-    if not isinstance(sv, int) or sv > version or sv < 1:
+    if not isinstance(sv, int) or isinstance(sv, bool) or sv < 1:  # JSON true is no version
+        raise PlanFileError(f"{what} file {path} has schema_version {json.dumps(sv)}, which no remat writes (an "
+                            f"integer from 1 to {version}); re-create it with `remat {what} ...`")
+    if sv > version:
         raise PlanFileError(
             f"{what} file {path} has schema_version {sv!r}, this remat reads version {version}; "
             f"upgrade remat (pip install -U remat) or re-create the file"
@@ -114,4 +128,4 @@ def field_error(e: ValidationError) -> str:
 
 
 __all__ = ["bad_field", "Bytes", "Count", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
-           "MAX_COUNT", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "Seq", "Threads"]
+           "MAX_COUNT", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]

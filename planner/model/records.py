@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from planner.model.fields import Bytes, Count, FileModel, Ms, NonNegFloat, Seq
+from planner.model.fields import Bytes, Count, FileModel, Ms, NonNegFloat, Seq, bad_field
+
+ROOT_ID = "<root>"
+"""Unit id of the model's root module call."""
+LOSS_ID = "<loss>"
+"""Unit id of the pseudo-unit that stands for ``loss_fn`` (code run outside the model)."""
 
 
 class TensorSig(FileModel):
@@ -242,5 +247,56 @@ class OffloadedUnit(FileModel):
 
 
 
-__all__ = ["OffloadedUnit", "MemoryEvent", "OpRecord", "ParamRecord", "SaveRecord", "StepRecord", "StepStructure",
-           "TensorRecord", "UnitRecord"]
+def check_records(p: Any) -> None:
+    """Rule 2 of NOTE [ Numbers in files ] for a profile ``p``: its records agree with each other. Ids are
+    unique, records point at tensors and units that exist, units end after they start and nest in a tree
+    (every parent chain reaches a root), and every unit is a call of one of the model's modules
+    (``fingerprint.modules``), as every plan made from it must name only those."""
+    units = {u.id: u for u in p.units}
+    if len(units) != len(p.units):
+        raise bad_field("units", "two units share an id")
+    tensors = {t.id for t in p.tensors}
+    if len(tensors) != len(p.tensors):
+        raise bad_field("tensors", "two tensors share an id")
+    if len({q.name for q in p.params}) != len(p.params):
+        raise bad_field("params", "two parameters share a name")
+    modules = set(p.fingerprint.modules)
+    for i, u in enumerate(p.units):
+        if u.fwd_end_seq < u.fwd_start_seq:
+            raise bad_field(f"units.{i}.fwd_end_seq", f"{u.fwd_end_seq} is before fwd_start_seq {u.fwd_start_seq}")
+        if u.bwd_start_seq is not None and u.bwd_end_seq is not None and u.bwd_end_seq < u.bwd_start_seq:
+            raise bad_field(f"units.{i}.bwd_end_seq", f"{u.bwd_end_seq} is before bwd_start_seq {u.bwd_start_seq}")
+        if u.parent is not None and u.parent not in units:
+            raise bad_field(f"units.{i}.parent", f"no unit has the id {u.parent!r}")
+        if u.fqn not in ("", LOSS_ID) and u.fqn not in modules:
+            raise bad_field(f"units.{i}.fqn", f"{u.fqn!r} is not a module of the model (fingerprint.modules)")
+        missing = next((t for t in (*u.input_ids, *u.output_ids) if t not in tensors), None)
+        if missing is not None:
+            raise bad_field(f"units.{i}", f"tensor id {missing} is not in tensors")
+    for i, u in enumerate(p.units):
+        seen, at = {u.id}, u.parent
+        while at is not None:
+            if at in seen:
+                raise bad_field(f"units.{i}.parent", f"{u.id!r} is its own ancestor (a cycle through {at!r}); "
+                                                     f"units nest in a tree")
+            seen.add(at)
+            at = units[at].parent
+    for i, sv in enumerate(p.saves):
+        if sv.tensor_id not in tensors:
+            raise bad_field(f"saves.{i}.tensor_id", f"{sv.tensor_id} is not in tensors")
+        if sv.unit not in units:
+            raise bad_field(f"saves.{i}.unit", f"no unit has the id {sv.unit!r}")
+    for i, op in enumerate(p.ops):
+        if op.unit not in units:
+            raise bad_field(f"ops.{i}.unit", f"no unit has the id {op.unit!r}")
+    for i, ev in enumerate(p.timeline):
+        if ev.peak_bytes < ev.live_bytes:
+            raise bad_field(f"timeline.{i}.peak_bytes", f"{ev.peak_bytes} is below live_bytes {ev.live_bytes}")
+    st = p.step
+    if st.backward_start_seq < st.forward_end_seq:
+        raise bad_field("step.backward_start_seq", f"{st.backward_start_seq} is before forward_end_seq "
+                                                   f"{st.forward_end_seq}")
+
+
+__all__ = ["check_records", "LOSS_ID", "ROOT_ID", "OffloadedUnit", "MemoryEvent", "OpRecord", "ParamRecord", "SaveRecord",
+           "StepRecord", "StepStructure", "TensorRecord", "UnitRecord"]

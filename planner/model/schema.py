@@ -28,8 +28,9 @@ from planner.model.fields import MAX_BYTES, MAX_COUNT, MAX_WORLD_SIZE, Bytes, Co
 from planner.model.fields import FileModel as _Model  # the base of every model below: unknown fields are an error
 from planner.model.fields import bad_field as _bad, load_versioned as _load_versioned
 from planner.model.stages import Pipeline, StagePlan, check_predicted, check_stages, unset_parallel_fields
-from planner.model.records import (Fingerprint, TensorSig, OffloadedUnit, MemoryEvent, OpRecord, ParamRecord, SaveRecord, StepRecord, StepStructure,
-                                   TensorRecord, UnitRecord)
+from planner.model.records import (LOSS_ID, ROOT_ID, Fingerprint, OffloadedUnit, MemoryEvent, OpRecord, ParamRecord,
+                                   SaveRecord, StepRecord, StepStructure, TensorRecord, TensorSig, UnitRecord,
+                                   check_records)
 from solvers.contract import Sharding, Status
 
 PROFILE_SCHEMA_VERSION = 5
@@ -52,10 +53,6 @@ BUCKETED_PLAN_VERSION = 4
 OFFLOAD_PLAN_VERSION = 5
 """The version a plan that offloads is written as: older readers refuse it with one line (upgrade)."""
 
-ROOT_ID = "<root>"
-"""Unit id of the model's root module call."""
-LOSS_ID = "<loss>"
-"""Unit id of the pseudo-unit that stands for ``loss_fn`` (code run outside the model)."""
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -276,7 +273,7 @@ class Profile(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Profile":
-        _check_profile(self)
+        check_records(self)
         return self
 
     def unit(self, unit_id: str) -> UnitRecord:
@@ -289,8 +286,9 @@ class Profile(_Model):
         return atomic_write_text(path, self.model_dump_json(indent=1, exclude=None if self.compile else {"compile"}))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
-        return _load_versioned(cls, path, "remat-profile", PROFILE_SCHEMA_VERSION, "profile")
+    def load(cls, path: str | Path, document: Any = None) -> "Profile":
+        """Read and validate the file ``path`` (``document``: its JSON, when read already); ``PlanFileError``."""
+        return _load_versioned(cls, path, "remat-profile", PROFILE_SCHEMA_VERSION, "profile", document)
 
 
 # ----------------------------------------------------------------------------- plan
@@ -323,7 +321,7 @@ class Predicted(_Model):
                                                             "peak (written only when the plan offloads).")
     offload_ms: Ms | None = Field(None, description="Copy time of the offloaded units not hidden behind "
                                                     "compute, per step (written only when the plan offloads).")
-    windows: dict[str, int] = Field(default_factory=dict,
+    windows: dict[str, Bytes] = Field(default_factory=dict,
                                     description="Predicted bytes of every forward and backward window, in forward "
                                                 "order ('forward of h.0', ...; see NOTE [ Peak-memory model ]): "
                                                 "verify compares them with the measured windows.")
@@ -399,7 +397,7 @@ class Plan(_Model):
                                                               "tensors (written only when the plan offloads).")
     solver: SolverInfo
     predicted: Predicted
-    granularity: int = 0
+    granularity: Count = 0
     device: str = ""
     device_name: str = ""
     target: str | None = None
@@ -462,44 +460,12 @@ class Plan(_Model):
         return self.model_dump_json(indent=2, exclude=exclude or None) + "\n"
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
-        return _load_versioned(cls, path, "remat-plan", PLAN_SCHEMA_VERSION, "plan")
+    def load(cls, path: str | Path, document: Any = None) -> "Plan":
+        """Read and validate the file ``path`` (``document``: its JSON, when read already); ``PlanFileError``."""
+        return _load_versioned(cls, path, "remat-plan", PLAN_SCHEMA_VERSION, "plan", document)
 
 
 # ----------------------------------------------------------------------------- consistency
-
-
-def _check_profile(p: Profile) -> None:
-    """Rule 2 of NOTE [ Numbers in files ] for a profile: records agree with each other."""
-    units = {u.id for u in p.units}
-    if len(units) != len(p.units):
-        raise _bad("units", "two units share an id")
-    tensors = {t.id for t in p.tensors}
-    for i, u in enumerate(p.units):
-        if u.fwd_end_seq < u.fwd_start_seq:
-            raise _bad(f"units.{i}.fwd_end_seq", f"{u.fwd_end_seq} is before fwd_start_seq {u.fwd_start_seq}")
-        if u.bwd_start_seq is not None and u.bwd_end_seq is not None and u.bwd_end_seq < u.bwd_start_seq:
-            raise _bad(f"units.{i}.bwd_end_seq", f"{u.bwd_end_seq} is before bwd_start_seq {u.bwd_start_seq}")
-        if u.parent is not None and u.parent not in units:
-            raise _bad(f"units.{i}.parent", f"no unit has the id {u.parent!r}")
-        missing = next((t for t in (*u.input_ids, *u.output_ids) if t not in tensors), None)
-        if missing is not None:
-            raise _bad(f"units.{i}", f"tensor id {missing} is not in tensors")
-    for i, sv in enumerate(p.saves):
-        if sv.tensor_id not in tensors:
-            raise _bad(f"saves.{i}.tensor_id", f"{sv.tensor_id} is not in tensors")
-        if sv.unit not in units:
-            raise _bad(f"saves.{i}.unit", f"no unit has the id {sv.unit!r}")
-    for i, op in enumerate(p.ops):
-        if op.unit not in units:
-            raise _bad(f"ops.{i}.unit", f"no unit has the id {op.unit!r}")
-    for i, ev in enumerate(p.timeline):
-        if ev.peak_bytes < ev.live_bytes:
-            raise _bad(f"timeline.{i}.peak_bytes", f"{ev.peak_bytes} is below live_bytes {ev.live_bytes}")
-    st = p.step
-    if st.backward_start_seq < st.forward_end_seq:
-        raise _bad("step.backward_start_seq", f"{st.backward_start_seq} is before forward_end_seq "
-                                              f"{st.forward_end_seq}")
 
 
 def _check_plan(plan: Plan) -> None:
@@ -520,7 +486,7 @@ def _check_plan(plan: Plan) -> None:
     if plan.offload and plan.buckets:
         raise _bad("offload", "a bucketed plan cannot offload (one input shape per offload plan)")
     for field, names in (("checkpoints", plan.checkpoints), ("selective", [r.fqn for r in plan.selective]),
-                         ("offload", [u.fqn for u in plan.offload]),
+                         ("offload", [u.fqn for u in plan.offload]), ("fsdp_units", plan.fsdp_units),
                          *((f"buckets.{i}.checkpoints", b.checkpoints) for i, b in enumerate(plan.buckets))):
         for i, name in enumerate(names):
             if name not in modules:

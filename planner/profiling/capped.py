@@ -17,12 +17,13 @@ import argparse
 import json
 import os
 import resource
+import signal
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from planner.children import die_with_parent, run_child
+from planner.children import die_with_parent, how_it_ended, run_child
 from planner.errors import ProfileError, RematError
 from planner.files import atomic_write_text
 from planner.spec import StepSpec
@@ -85,9 +86,14 @@ def profile_capped(model_path: str | Path, *, step: StepSpec, quiet: bool = Fals
         rc = run_child(cmd, env=env)  # ended with remat, NOTE [ Signals and children ]
         data = json.loads(out.read_text()) if out.exists() else None
         if rc != 0 or data is None or "error" in data:
-            message = (data or {}).get("error") or f"the capped profiling process exited with status {rc}"
+            why = (", as the kernel's out-of-memory killer does: free memory on this machine, or profile without "
+                   "{device_memory_bytes}") if rc == -signal.SIGKILL else \
+                (": the model's code or a library it calls ended it (os._exit, a crash); profile without "
+                 "{device_memory_bytes} to see where")
+            message = (data or {}).get("error") or f"the capped profiling process {how_it_ended(rc)} before it " \
+                                                   f"wrote a profile{why}"
             raise ProfileError(f"profiling within {device_memory_bytes} bytes: {message}",
-                               options=tuple((data or {}).get("options", ())))
+                               options=tuple(data.get("options", ())) if data else ("device_memory_bytes",))
         return Profile.model_validate(data)
 
 

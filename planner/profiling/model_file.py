@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from planner.errors import ModelLoadError, ProfileError
+from planner.files import as_path, device_kind
 
 Inputs = torch.Tensor | tuple | dict
 """What ``example_inputs()`` returns: one tensor, positional args, or keyword args."""
@@ -75,12 +76,15 @@ def load_model_file(path: str | Path) -> ModelFile:
         ModelLoadError: the file is missing or not a ``.py`` file, has a syntax error, raises
             at import, or lacks ``build_model`` / ``example_inputs``.
     """
-    path = Path(path)
+    path = as_path(path, "the path of a model file")
     if not path.exists():
         raise ModelLoadError(f"model file {path} does not exist; check the path")
     if path.is_dir():
         hint = f"; did you mean {path / 'model.py'}?" if (path / "model.py").exists() else ""
         raise ModelLoadError(f"{path} is a directory, not a model file{hint}")
+    if kind := device_kind(path):
+        raise ModelLoadError(f"model file {path} is {kind}; pass the Python file that defines build_model() and "
+                             f"example_inputs()")
     if path.suffix != ".py":
         raise ModelLoadError(f"model file {path} is not a .py file; pass the Python file that defines "
                              f"build_model() and example_inputs()")

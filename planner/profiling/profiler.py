@@ -159,8 +159,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
             dev = torch.device(name)
         except RuntimeError:
             raise BadInput(f"invalid device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    elif isinstance(device, torch.device):
+        dev = device
     else:
-        dev = torch.device(device)
+        raise BadInput(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or a torch.device")
     if dev.type == "meta":
         return dev
     if dev.type not in ("cpu", "cuda"):

@@ -11,13 +11,17 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -152,7 +156,9 @@ def run_cbc(prob: pulp.LpProblem, limit: float | None, mip_gap: float, threads: 
             solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=limit, gapRel=mip_gap, gapAbs=1e-9, threads=threads,
                                        logPath=log, options=["integerT 1e-9", "primalT 1e-9", "preprocess off",
                                                              *extra])
-            prob.solve(solver)
+            solver.tmpDir = tmp  # PuLP's MPS and solution files go where every exit path removes them
+            with _cbc_ends_with_us():
+                prob.solve(solver)
         text = Path(log).read_text() if os.path.exists(log) else ""
     has_sol = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if prob.status == pulp.LpStatusInfeasible:
@@ -164,6 +170,37 @@ def run_cbc(prob: pulp.LpProblem, limit: float | None, mip_gap: float, threads: 
     objective = pulp.value(prob.objective) if state in ("optimal", "feasible") else None
     bound = _cbc_bound(text, objective) if state == "feasible" else objective
     return state, objective, bound, _cbc_distrust(text, objective)
+
+
+@contextlib.contextmanager
+def _cbc_ends_with_us() -> Iterator[None]:
+    """CBC's process ends with the solve, however the solve ends: PuLP waits for it, but an interrupt or SIGTERM
+    (a KeyboardInterrupt, NOTE [ Signals and children ] in planner/children.py) left it running, orphaned,
+    for up to the time limit. PuLP starts it with ``subprocess.Popen`` in ``pulp.apis.coin_api``: that module
+    sees a ``Popen`` that records it while the solve runs, and a running one is terminated, then killed."""
+    from pulp.apis import coin_api
+
+    started: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    real = coin_api.subprocess
+    coin_api.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": Recorded})
+    try:
+        yield
+    finally:
+        coin_api.subprocess = real
+        for proc in started:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def _cbc_distrust(log: str, objective: float | None) -> str:
