@@ -89,19 +89,14 @@ scale; from 2**16 the first steps overflow and are skipped while the scale settl
 step would not create the optimizer's state and the compared gradients would be inf."""
 
 
-def make_step(
-    model: torch.nn.Module,
-    inputs: Inputs,
-    *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    amp: str | None = None,
-    recipe: Recipe | None = None,
-) -> Step:
+def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+              optimizer: torch.optim.Optimizer | None = None, amp: str | None = None,
+              recipe: Recipe | None = None) -> Step:
     """One training step of ``recipe`` (default: ``Recipe(amp=amp)``, a plain loop).
 
     ``zero_grad(set_to_none=recipe.zero_grad_set_to_none)``, then ``recipe.grad_accum``
-    micro-batches on ``inputs`` (forward and loss under autocast when ``recipe.amp``; backward
+    micro-batches on ``inputs``, each as a new batch (NOTE [ Inputs that take a gradient ]; forward and
+    loss under autocast when ``recipe.amp``; backward
     of ``loss / grad_accum``, scaled by a GradScaler under fp16), then, once, unscaling,
     ``clip_grad_norm_`` when ``recipe.clip_grad_norm`` and ``optimizer.step()``.
 
@@ -120,7 +115,7 @@ def make_step(
     amp_dtype = _amp_dtype(recipe.amp)
     scaler = torch.amp.GradScaler(device_type, init_scale=SCALER_INIT_SCALE) if recipe.amp == "fp16" else None
     params = [p for p in model.parameters() if p.requires_grad]
-    fresh = grad_leaves(inputs)  # NOTE [ Inputs that take a gradient ]
+    fresh = grad_leaves(inputs)
     n = recipe.grad_accum
 
     def autocast() -> contextlib.AbstractContextManager:
