@@ -8,7 +8,6 @@ Example::
 
     from planner.spec import SolveSpec, StepSpec
     from planner.model.schema import Recipe
-from planner.options import parse_headroom
 
     step = StepSpec(device="cuda", device_memory_bytes=16 << 30, recipe=Recipe(amp="bf16", grad_accum=4))
     plan = planner.plan(model, "12GB", inputs=batch, step=step, solve=SolveSpec(solver="ilp", time_limit_s=30))

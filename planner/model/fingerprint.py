@@ -34,10 +34,15 @@ def fingerprint(model: torch.nn.Module, inputs: Any) -> Fingerprint:
     """
     return Fingerprint(
         model_class=type(model).__name__,
-        modules=[name for name, _ in model.named_modules() if name],
+        modules=module_fqns(model),
         params=[_sig(name, p) for name, p in model.named_parameters()],
         inputs=[_sig(name, t) for name, t in input_tensors(inputs)],
     )
+
+
+def module_fqns(model: torch.nn.Module) -> list[str]:
+    """Every submodule's FQN, in ``named_modules()`` order, the root ('') left out: ``Fingerprint.modules``."""
+    return [name for name, _ in model.named_modules() if name]
 
 
 def input_tensors(inputs: Any) -> list[tuple[str, torch.Tensor]]:

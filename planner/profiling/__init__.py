@@ -203,12 +203,13 @@ def _capped(model_file: ModelFile | None, inputs: Inputs | None, step: StepSpec,
 def profile_as_run(model: torch.nn.Module, inputs: Inputs, *, step: StepSpec,
                    progress: Progress | None = None) -> schema.Profile:
     """Profile the step as it runs (``profile``'s plain and meta paths; ``step`` checked by ``check_step``)."""
+    from planner.model.fingerprint import module_fqns
     from planner.profiling.measure import kept_input_grads
     from planner.profiling.profiler import profile_real, resolve_device
     from planner.profiling.step_changes import profiled_with_step_changes
 
     dev = resolve_device(step.device)
-    built = [name for name, _ in model.named_modules() if name]  # NOTE [ Modules made by the first step ]
+    built = module_fqns(model)  # NOTE [ Modules made by the first step ]
     # see NOTE [ Step changes ]: profile the step the plan will run
     with profiled_with_step_changes(model) as changes, kept_input_grads(inputs):
         if dev.type == "meta":

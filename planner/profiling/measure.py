@@ -175,10 +175,11 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
 
 
 def grad_leaves(inputs: Any) -> list[torch.Tensor]:
-    """The tensors of ``inputs`` (tuples, lists and dicts of them) that are leaves taking a gradient."""
-    from torch.utils import _pytree as pytree
+    """The tensors of ``inputs`` (tuples, lists and dicts of them, as the fingerprint walks them) that are
+    leaves taking a gradient."""
+    from planner.model.fingerprint import input_tensors
 
-    return [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+    return [t for _, t in input_tensors(inputs) if t.requires_grad and t.is_leaf]
 
 
 @contextlib.contextmanager

@@ -51,13 +51,14 @@ def profile_within(model: torch.nn.Module, inputs: Inputs, *, step: StepSpec | N
     Raises:
         ProfileError: user code failed, or nothing fits and no fake-tensor fallback exists.
     """
+    from planner.model.fingerprint import module_fqns
     from planner.profiling import check_step, with_built_modules
     from planner.profiling.measure import kept_input_grads
     from planner.profiling.step_changes import profiled_with_step_changes
 
     spec = step_spec(step, **step_fields)
     check_step(spec)
-    built = [name for name, _ in model.named_modules() if name]  # before any pass runs the model (NOTE
+    built = module_fqns(model)  # before any pass runs the model (NOTE
     # [ Modules made by the first step ]); see NOTE [ Step changes ]: every path below (the full profile,
     # the checkpointed one, the fake-tensor ones) profiles the step the plan will run; ``profile_as_run``
     # finds the same changes already installed
