@@ -51,8 +51,8 @@ class NodeAttrs(TypedDict):
     forward_ms: Annotated[float, Doc("forward time, inclusive: what a recompute costs")]
     backward_ms: Annotated[float, Doc("backward time, inclusive")]
     flops: Annotated[float, Doc("forward FLOPs, inclusive (0 when not counted)")]
-    forward_spread_ms: Annotated[float, Doc("interquartile range of the samples behind forward_ms "
-                                            "(NOTE [ Unit costs ])")]
+    forward_spread_ms: Annotated[float, Doc("spread of forward_ms, the median of its samples: their interquartile "
+                                            "range times 1.2533 / sqrt(samples) (NOTE [ Unit costs ], Rule 4)")]
     cost_group: Annotated[str, Doc("signature shared by units priced as one (module type, parameter, input and "
                                    "output shapes, op sequence; NOTE [ Unit costs ]); '' when none")]
     param_bytes: Annotated[int, Doc("parameters of the module subtree")]

@@ -66,7 +66,7 @@ class UnitOps:
     saved_outside: frozenset[int] = frozenset()
     """Tensors that something outside the unit saves."""
     forward_spread_ms: float = 0.0
-    """The spread of ``forward_ms`` (``UnitRecord.forward_spread_ms``)."""
+    """The spread of ``forward_ms``, its median's (``NodeAttrs.forward_spread_ms``)."""
     thread_factor: float = 1.0
     """The ratio of ``forward_ms`` to the forward's one-thread time (the unit's cost group's thread
     factor, NOTE [ Thread factor per cost group ]; 1 when the figures are one thread's)."""
@@ -241,7 +241,7 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # memory step's wall times), K / F is capped at 1, the share model.
 #
 # Rule (noise). A policy enters the menu only when it saves more than its measured spread: the
-# saving F - recompute must exceed F's spread (``UnitRecord.forward_spread_ms``) times the
+# saving F - recompute must exceed F's spread (its median's, NOTE [ Unit costs ], Rule 4b) times the
 # recomputed share plus n_r and n_k times the spreads of r and k (``Profile.sac_*_spread_ms``).
 # A policy within the noise of full checkpointing is a choice the next profile may reverse: it
 # is left out, and full checkpointing (cheaper in bytes) stands. Likewise for each op (or group)

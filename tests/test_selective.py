@@ -580,6 +580,26 @@ def test_dispatch_spreads_are_priced_as_the_spread_of_their_median(prof):
         assert pol.op_cost_spread_ms == pytest.approx((spread * math.sqrt(math.pi / 2) / 5,) * 2)
 
 
+def test_unit_spreads_are_priced_as_the_spread_of_their_median(prof):
+    """NOTE [ Unit costs ], Rule 4: the choices weigh a unit's forward spread as its median's, the
+    samples' interquartile range times sqrt(pi / 2) / sqrt(samples), as they do the dispatch figures';
+    one sample, or samples not known: the spread as recorded."""
+    import math
+
+    def noisy(spread_ms: float, samples: int):
+        return graph_for(prof.model_copy(update={"units": [u.model_copy(update={
+            "forward_spread_ms": spread_ms, "timing_samples": samples}) for u in prof.units]}))
+
+    block = graph_for(prof).nodes["blocks.1"]
+    assert block["menu"]  # the fixture's figures carry no spread
+    f = block["forward_ms"]
+    assert noisy(f, 1).nodes["blocks.1"]["forward_spread_ms"] == f
+    assert noisy(f, 1).nodes["blocks.1"]["menu"] == ()  # a spread of the whole forward keeps every policy out
+    g = noisy(f, 64)
+    assert g.nodes["blocks.1"]["forward_spread_ms"] == pytest.approx(f * math.sqrt(math.pi / 2) / 8)
+    assert g.nodes["blocks.1"]["menu"]  # its median's, an eighth at 64 samples: some policy saves more
+
+
 def test_identical_units_get_one_arrangement(prof, graph):
     """NOTE [ Robust choice ], Rule 2: which of identical blocks a plan checkpoints is a stated rule,
     not the solver's accident: every starting arrangement of one choice ends at the same plan or

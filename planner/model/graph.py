@@ -210,6 +210,8 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
                 tensor_bytes: dict[int, int]) -> NodeAttrs:
     import bisect
 
+    from solvers.selective import spread_of_median
+
     lo = bisect.bisect_left(saves_by_seq, (u.fwd_start_seq, -1))
     hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, math.inf))  # after every tensor id at that seq
     saved = frozenset(t for _, t in saves_by_seq[lo:hi])
@@ -218,7 +220,8 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
         order=order, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, depth=u.depth,
         parent=None, leaf=True, fwd_start_seq=u.fwd_start_seq, fwd_end_seq=u.fwd_end_seq,
         forward_ms=u.forward_ms, backward_ms=u.backward_ms, flops=u.flops, param_bytes=u.param_bytes,
-        forward_spread_ms=u.forward_spread_ms, cost_group=u.cost_group,
+        forward_spread_ms=spread_of_median(u.forward_spread_ms, u.timing_samples),  # NOTE [ Unit costs ], Rule 4
+        cost_group=u.cost_group,
         saved_bytes=sum(tensor_bytes[t] for t in saved),
         input_bytes=sum(tensor_bytes[t] for t in inputs),
         output_bytes=u.output_bytes,

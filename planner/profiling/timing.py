@@ -63,6 +63,18 @@ import torch
 #   is taken from (``spread_ms``; ``UnitRecord.forward_spread_ms``, ``backward_spread_ms``, the
 #   step's phases, the dispatch figures of NOTE [ Selective dispatch cost ]). A choice that is
 #   better only within the spread is noise: NOTE [ Selective menus ], Rule (noise).
+#   Rule 4b. The choices weigh a figure's spread as its median's. The interquartile range says how
+#   far one sample strays; the price is the median of ``timing_samples`` of them (steps times the
+#   cost group's members), which strays by about that range times 1.2533 / sqrt(samples)
+#   (``solvers.selective.spread_of_median``, as the dispatch figures are weighed, NOTE [ Selective
+#   dispatch cost ], Rule 4). The graph builder puts that on each unit (``NodeAttrs.forward_spread_ms``);
+#   the profile keeps the range as measured. On the CPU clock the samples are the thread's own time,
+#   so another process's time slices do not tie one member's sample to the next one's. Why: taken as
+#   one sample's, the spread of a 4-block group of a burdened profile (3 steps, 12 samples) read
+#   2 to 20 times its quiet value between profiles, and with it the choice between op-level and
+#   whole modules: on round 14's kept profiles every plan that was not the modal one was an
+#   op-level plan predicted 16 to 30 ms cheaper sent to whole modules by spreads of 23 to 38 ms
+#   (docs/benchmarks.md, "Same plan every time").
 # Rule 5. The profiler's own hooks do not count. Its module and gradient hooks (one pair per
 #   submodule call, Python: inputs and outputs walked, gradient hooks registered) ran inside
 #   every unit's forward and were counted in it: 1.1 to 1.3 ms of a GPT-2 or Llama block's 20
