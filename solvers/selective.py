@@ -278,6 +278,12 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # same work; the dispatch figures of one more kept call decided between them, and the policy
 # kept one in four profiles and the other two in the fifth (docs/benchmarks.md, "Same plan every
 # time").
+# Rule (level ties). Likewise under one byte level of the menu (below): the front's points that save
+# within the spread of their difference from the one that saves the most are one choice, and the
+# level takes the one of fewest bytes (``_level_pick``). Why: under a burner, one of five Qwen2
+# profiles kept 2 matmuls and the attention (4,931,584 B) at the level where the other four kept
+# 4 matmuls and the attention (4,734,976 B); both were priced at 17.05 ms in that profile
+# (docs/benchmarks.md, "Same plan every time", round 15).
 # The whole-step cost model (NOTE [ Peak-memory model ], "Selective regions") then prices
 # every policy exactly, positions included; this per-unit pricing only picks the menu.
 #
@@ -285,7 +291,8 @@ def indexed(ops: Sequence[OpCall]) -> list[tuple[OpCall, int]]:
 # is a 0/1 knapsack; it is computed exactly (held bytes rounded up to 1/1024 of the unit's
 # saved bytes, so fronts stay small), and the menu takes, for each of MENU_STEPS byte levels
 # spread evenly below the bytes the unit holds when not checkpointed, the point of the front
-# that saves the most time within that level. Policies that keep as much as not checkpointing
+# that saves the most time within that level (or, within the spread, the fewest bytes: Rule
+# (level ties)). Policies that keep as much as not checkpointing
 # at all, or cost as much time as full checkpointing, are never useful and are left out. The solvers choose per unit among none, full and
 # the menu, so their optimality is proven over this menu.
 
@@ -331,16 +338,31 @@ def build_menu(unit: UnitOps, *, tensor_bytes: dict[int, int], writers: dict[int
     menu: dict[frozenset[int], Policy] = {}
     for j in range(1, steps):
         level = saved_bytes * j / steps
-        best = max(((ms, b, chosen) for b, ms, chosen in front if b <= level and chosen), default=None,
-                   key=lambda p: (p[0], -p[1]))
-        if best is None or best[2] in menu:
+        chosen = _level_pick([(b, ms, s) for b, ms, s in front if b <= level and s], items, price)
+        if chosen is None or chosen in menu:
             continue
-        chosen = best[2]
         menu[chosen] = _policy([items[i][:3] for i in sorted(chosen)], calls, price, end_seq, tensor_bytes,
                                first_save_inside)
     # a policy no faster than full checkpointing beyond its spread keeps bytes for nothing (Rule (noise))
     return tuple(sorted((p for p in menu.values() if forward_ms - p.recompute_ms > p.spread_ms),
                         key=lambda p: (p.kept_bytes, p.recompute_ms)))
+
+
+def _level_pick(below: list[tuple[int, float, frozenset[int]]], items: list[tuple[int, float, list, float]],
+                price: _Price) -> frozenset[int] | None:
+    """Of the front's points under one byte level (bytes, ms saved, items kept), the one that saves the
+    most, or the fewest bytes among those within the spread of their difference from it (Rule (level
+    ties) of NOTE [ Selective menus ]); None when there are none."""
+    if not below:
+        return None
+    _, best_ms, best = max(below, key=lambda p: (p[1], -p[0]))
+
+    def spread(s: frozenset[int]) -> float:
+        kernel, calls = (sum(items[i][3] for i in best) - sum(items[i][3] for i in s),
+                         sum(len(items[i][2]) for i in best) - sum(len(items[i][2]) for i in s))
+        return price.difference_spread(kernel, calls, sum(items[i][3] for i in best ^ s))
+
+    return min((p for p in below if best_ms - p[1] <= spread(p[2])), key=lambda p: (p[0], -p[1]))[2]
 
 
 @dataclass(frozen=True)

@@ -451,6 +451,22 @@ def test_equal_bytes_within_the_spread_keep_the_fewer_ops():
     assert at_400(build_menu(unit, op_cost_spread_ms=(0.02, 0.02), **kw)) == [kv]  # beyond its spread
 
 
+def test_within_a_byte_level_the_fewest_bytes_within_the_spread():
+    """NOTE [ Selective menus ], Rule (level ties): two matmuls of 400 and 440 bytes under one byte level
+    (500 of 1000): the larger saves 0.3 ms more, within the spread of the difference (OP_RATE_SPREAD of
+    the two kernels' 8.3 ms, 0.42 ms), so the level keeps the 400 bytes; 1.0 ms more is beyond it, and
+    the level keeps the larger."""
+    def level_500(b_ms: float) -> list[set]:
+        ops = [_op(1, "aten.mm.default", 1, 4.0), _op(2, "aten.mm.default", 2, b_ms), _op(3, "aten.gelu.default", 3, 0.2)]
+        unit = UnitOps(ops, forward_ms=4.2 + b_ms, end_seq=9, saved_bytes=1000, first_save_inside={})
+        menu = build_menu(unit, tensor_bytes={1: 400, 2: 440, 3: 100})
+        return [set(p.saved) for p in menu if p.kept_bytes <= 500]
+
+    a, b = {("aten.mm.default", 0)}, {("aten.mm.default", 1)}
+    assert level_500(4.3) == [a]
+    assert level_500(5.0) == [b]
+
+
 def test_difference_spread_counts_a_units_forward_once(graph):
     """NOTE [ Robust choice ], Rule 1: a unit whole in one plan and op-level in the other differs by the
     share of its forward the policy does not rerun, so its forward spread counts once, times that share."""
