@@ -309,3 +309,41 @@ def test_an_output_the_loss_does_not_read_is_freed_as_the_step_runs_it():
     assert report.ok, report.problems
     assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
     assert report.predicted_peak_bytes == report.measured_peak_bytes
+
+
+class InferenceModeGate(nn.Module):
+    """Residual MLP blocks gated by a frozen projection run under ``torch.inference_mode()`` (a teacher or
+    a gate computed without autograd), cloned back into the graph."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
+                                   nn.Linear(4 * WIDTH, WIDTH))
+            self.gate = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.inference_mode():
+                g = torch.sigmoid(self.gate(x.detach()))
+            return x + self.f(x) * g.clone()
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(InferenceModeGate.Block() for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_block_with_an_inference_mode_section_is_profiled_and_planned():
+    # NOTE [ Inference-mode ops under selective checkpointing ]: timing selective checkpointing raised
+    # "Inference tensors do not track version counter" and no profile was made
+    plan = _mid_plan(InferenceModeGate(), _tokens())
+    assert plan.checkpoints or plan.selective
+    report = verify(InferenceModeGate(), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1,
+                    tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.predicted_peak_bytes == report.measured_peak_bytes
