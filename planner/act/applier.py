@@ -43,7 +43,7 @@ from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import model_differences
 from planner.model.schema import Plan, StepChange
 from planner.model.stages import plan_for
-from planner.profiling.rng import HostRngState
+from planner.profiling.rng import HostRngState, held_generators
 from planner.profiling.step_changes import Installed, find_step_changes, install
 from planner.sizes import format_bytes
 
@@ -150,6 +150,11 @@ class CheckpointedForward:
                           use_reentrant=False, preserve_rng_state=True, **self.options, **extra)
 
 
+    @functools.cached_property
+    def generators(self) -> tuple[Any, ...]:
+        """The generators the region's modules hold (NOTE [ Generators a model holds ]); found on first use."""
+        return held_generators(self.module)
+
     def _replayable(self, n_args: int, keys: tuple[str, ...], slots: list[int]):
         first_run = True
         host = None  # numpy's and Python's generators as the forward found them (NOTE [ Randomness outside torch ])
@@ -160,10 +165,10 @@ class CheckpointedForward:
             args, kwargs = flat[:n_args], dict(zip(keys, flat[n_args:]))
             if first_run:
                 first_run = False
-                host = HostRngState.capture()
+                host = HostRngState.capture(self.generators)
                 return self.inner(*args, **kwargs)
             self.counts.recomputes += 1
-            now = HostRngState.capture()
+            now = HostRngState.capture(self.generators)
             host.restore()
             try:
                 with _running_stats_kept(self.norms):
