@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
@@ -13,6 +14,7 @@ import planner
 from planner.act.api import graph_for, min_feasible_bytes
 from planner.act.applier import apply_plan
 from planner.act.verify import verify
+from planner.errors import BadInput
 from solvers.cost_model import simulate
 
 WIDTH, HEADS, ROWS, SEQ, LAYERS = 32, 2, 2, 32, 3
@@ -48,6 +50,17 @@ class _Stack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def _verified(block):
+    """The mid-budget plan of ``_Stack(block)``, verified on a fresh one: ok, predicted as measured."""
+    plan = _mid_plan(_Stack(block), _tokens())
+    assert plan.checkpoints or plan.selective
+    report = verify(_Stack(block), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1,
+                    tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.predicted_peak_bytes == report.measured_peak_bytes
+    return plan, report
 
 
 class SelfAttention(nn.Module):
@@ -345,12 +358,7 @@ class GatedBlock(nn.Module):
 def test_a_block_with_an_inference_mode_section_is_profiled_and_planned():
     # NOTE [ Inference-mode ops under selective checkpointing ]: timing selective checkpointing raised
     # "Inference tensors do not track version counter" and no profile was made
-    plan = _mid_plan(_Stack(GatedBlock), _tokens())
-    assert plan.checkpoints or plan.selective
-    report = verify(_Stack(GatedBlock), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1,
-                    tolerance=0.0)
-    assert report.ok, report.problems
-    assert report.predicted_peak_bytes == report.measured_peak_bytes
+    _verified(GatedBlock)
 
 
 class OwnGenerator(nn.Module):
@@ -367,10 +375,28 @@ class OwnGenerator(nn.Module):
 
 def test_a_generator_a_block_holds_is_replayed_when_it_is_recomputed():
     # NOTE [ Generators a model holds ]: the replay drew other masks and the gradients differed by 3e-3
-    plan = _mid_plan(_Stack(OwnGenerator), _tokens())
-    assert plan.checkpoints
-    report = verify(_Stack(OwnGenerator), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1,
-                    tolerance=0.0)
-    assert report.ok, report.problems
+    _, report = _verified(OwnGenerator)
     assert report.max_grad_diff == 0.0 and report.measured_recomputes > 0
-    assert report.predicted_peak_bytes == report.measured_peak_bytes
+
+
+class LazyBlock(nn.Module):
+    """A residual MLP block of ``nn.LazyLinear``: its parameters are made by its first forward."""
+
+    def __init__(self, _index: int):
+        super().__init__()
+        self.f = nn.Sequential(nn.LayerNorm(WIDTH), nn.LazyLinear(4 * WIDTH), nn.GELU(), nn.LazyLinear(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.f(x)
+
+
+def test_a_model_of_lazy_modules_is_verified_and_refused_by_apply_plan_until_it_ran():
+    # NOTE [ Lazy modules ]: verify and apply_plan raised torch's "Can't access the shape of an uninitialized
+    # parameter" on the freshly built model
+    plan, _ = _verified(LazyBlock)
+    model = _Stack(LazyBlock)
+    with pytest.raises(BadInput, match="lazy module 'blocks.0.f.1' has no parameters yet: run the model once"):
+        apply_plan(model, plan)
+    with torch.no_grad():
+        model(_tokens())
+    apply_plan(model, plan).remove()

@@ -40,7 +40,7 @@ from planner.act.sharding import check_fsdp_options
 from planner.act.mode_guard import ModeGuard
 from planner.act.shape_guard import ShapeGuard
 from planner.errors import BadInput, PlanMismatch
-from planner.model.fingerprint import model_differences
+from planner.model.fingerprint import lazy_modules, model_differences
 from planner.model.schema import Plan, StepChange
 from planner.model.stages import plan_for
 from planner.profiling.rng import HostRngState, held_generators
@@ -533,6 +533,9 @@ def _check_model(model: nn.Module) -> None:
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
         raise BadInput("apply_plan got a torch.compile'd model; apply the plan to the model first, then "
                        "compile: `apply_plan(model, plan); model = torch.compile(model)`")
+    if lazy := lazy_modules(model):  # NOTE [ Lazy modules ]
+        raise BadInput(f"lazy module {lazy[0]!r} has no parameters yet: run the model once on a batch (under "
+                       f"torch.no_grad()) before apply_plan, as lazy modules need before an optimizer is made")
     carrying = planned_modules(model)
     if carrying:
         raise PlanAlreadyApplied(
