@@ -400,3 +400,30 @@ def test_a_model_of_lazy_modules_is_verified_and_refused_by_apply_plan_until_it_
     with torch.no_grad():
         model(_tokens())
     apply_plan(model, plan).remove()
+
+
+class MlpBlock(nn.Module):
+    def __init__(self, _index: int):
+        super().__init__()
+        self.f = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.f(x)
+
+
+def _halved() -> nn.Module:
+    """Residual blocks whose inputs a forward pre-hook replaces (scaled, as a cast or a normalization would)."""
+    model = _Stack(MlpBlock)
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda _m, args: (args[0] * 0.5,))
+    return model
+
+
+def test_inputs_a_pre_hook_replaces_are_what_a_checkpointed_block_keeps():
+    # NOTE [ Inputs after pre-hooks ]: the unit was recorded with its caller's tensor, not the hook's; the
+    # planned step was measured 2.4% above its prediction
+    plan = _mid_plan(_halved(), _tokens())
+    assert plan.checkpoints
+    report = verify(_halved(), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1, tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.predicted_peak_bytes == report.measured_peak_bytes
