@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import planner
 from planner.act.api import graph_for, min_feasible_bytes
 from planner.act.applier import apply_plan
 from planner.act.verify import verify
-from planner.errors import BadInput
+from planner.errors import BadInput, BudgetInfeasible
 from solvers.cost_model import simulate
 
 WIDTH, HEADS, ROWS, SEQ, LAYERS = 32, 2, 2, 32, 3
@@ -427,3 +428,22 @@ def test_inputs_a_pre_hook_replaces_are_what_a_checkpointed_block_keeps():
     report = verify(_halved(), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1, tolerance=0.0)
     assert report.ok, report.problems
     assert report.predicted_peak_bytes == report.measured_peak_bytes
+
+
+def test_a_model_that_checkpoints_its_blocks_itself_is_named_when_nothing_fits(caplog):
+    # NOTE [ Checkpointed twice ]: profiled with every block already checkpointed, no plan went below the
+    # step's peak and the error said only "no candidate frees memory there"
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _Stack(MlpBlock)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        prof = planner.profile(model, _tokens(), loss_fn=_mean_square, device="cpu", optimizer="none", steps=1,
+                               threads=1)
+    assert sorted(prof.user_checkpointed) == [f"blocks.{i}" for i in range(LAYERS)]
+    assert sum("checkpoints 3 module(s) itself" in r.getMessage() for r in caplog.records) == 1
+    g = graph_for(prof)
+    with pytest.raises(BudgetInfeasible, match=r"the model checkpoints 3 module\(s\) itself \(torch checkpoint_wrapper "
+                                               r"on blocks.0, blocks.1, blocks.2\).*checkpoint wrappers"):
+        planner.plan(prof, simulate(g, []).peak_bytes * 0.98)
