@@ -282,6 +282,10 @@ def infeasible(profile: Profile, g: nx.DiGraph, budget_bytes: int, lowest_peak: 
 def _why_no_unit(g: nx.DiGraph, profile: Profile, base: Any) -> str:
     """Why checkpointing cannot lower the peak of ``g`` (Rule 2 of NOTE [ Why nothing fits ])."""
     where = f"the peak, {format_bytes(base.peak_bytes)}, is at {base.peak_at}"
+    if profile.user_checkpointed:  # NOTE [ Checkpointed twice ]
+        from planner.act.existing import user_checkpointed_text
+
+        return f"{where}; {user_checkpointed_text(profile.user_checkpointed)}"
     if g.number_of_nodes() == 0 and profile.excluded:
         return f"every candidate module is excluded from plans; {where}"
     if g.number_of_nodes() == 0:

@@ -40,10 +40,10 @@ from planner.act.sharding import check_fsdp_options
 from planner.act.mode_guard import ModeGuard
 from planner.act.shape_guard import ShapeGuard
 from planner.errors import BadInput, PlanMismatch
-from planner.model.fingerprint import model_differences
+from planner.model.fingerprint import lazy_modules, model_differences
 from planner.model.schema import Plan, StepChange
 from planner.model.stages import plan_for
-from planner.profiling.rng import HostRngState
+from planner.profiling.rng import HostRngState, held_generators
 from planner.profiling.step_changes import Installed, find_step_changes, install
 from planner.sizes import format_bytes
 
@@ -150,6 +150,11 @@ class CheckpointedForward:
                           use_reentrant=False, preserve_rng_state=True, **self.options, **extra)
 
 
+    @functools.cached_property
+    def generators(self) -> tuple[Any, ...]:
+        """The generators the region's modules hold (NOTE [ Generators a model holds ]); found on first use."""
+        return held_generators(self.module)
+
     def _replayable(self, n_args: int, keys: tuple[str, ...], slots: list[int]):
         first_run = True
         host = None  # numpy's and Python's generators as the forward found them (NOTE [ Randomness outside torch ])
@@ -160,10 +165,10 @@ class CheckpointedForward:
             args, kwargs = flat[:n_args], dict(zip(keys, flat[n_args:]))
             if first_run:
                 first_run = False
-                host = HostRngState.capture()
+                host = HostRngState.capture(self.generators)
                 return self.inner(*args, **kwargs)
             self.counts.recomputes += 1
-            now = HostRngState.capture()
+            now = HostRngState.capture(self.generators)
             host.restore()
             try:
                 with _running_stats_kept(self.norms):
@@ -528,6 +533,9 @@ def _check_model(model: nn.Module) -> None:
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
         raise BadInput("apply_plan got a torch.compile'd model; apply the plan to the model first, then "
                        "compile: `apply_plan(model, plan); model = torch.compile(model)`")
+    if lazy := lazy_modules(model):  # NOTE [ Lazy modules ]
+        raise BadInput(f"lazy module {lazy[0]!r} has no parameters yet: run the model once on a batch (under "
+                       f"torch.no_grad()) before apply_plan, as lazy modules need before an optimizer is made")
     carrying = planned_modules(model)
     if carrying:
         raise PlanAlreadyApplied(

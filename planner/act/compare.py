@@ -1,6 +1,6 @@
 """Gradients and buffers of two runs compared element by element (``remat verify``, one process and
-ranks), and the copy of the model each run trains (``run_copy``). See NOTE [ Comparing non-finite values ]
-and NOTE [ Derived tensor attributes ].
+ranks), and the copy of the model each run trains (``run_copy``; ``initialize_lazy``, its lazy modules made).
+See NOTE [ Comparing non-finite values ], NOTE [ Derived tensor attributes ] and NOTE [ Lazy modules ].
 
 Example::
 
@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -85,4 +86,17 @@ def run_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-__all__ = ["max_abs_diff", "nonfinite", "nonfinite_notes", "run_copy"]
+def initialize_lazy(model: torch.nn.Module, batch: Any, dev: torch.device) -> None:
+    """Make the parameters of ``model``'s lazy modules with one forward on ``batch``, without gradients,
+    every generator seeded alike and put back (NOTE [ Lazy modules ])."""
+    from planner.model.fingerprint import lazy_modules
+    from planner.profiling import rng
+    from planner.profiling.model_file import call_model
+
+    if lazy_modules(model):
+        with rng.kept(dev), torch.no_grad():
+            rng.seed_all(0)
+            call_model(model, batch)
+
+
+__all__ = ["initialize_lazy", "max_abs_diff", "nonfinite", "nonfinite_notes", "run_copy"]

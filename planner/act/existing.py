@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -105,8 +106,27 @@ def overlap(name: str, already: dict[str, str]) -> str | None:
 #     forward and warns once, naming the modules now checkpointed twice or beyond the plan. It
 #     checks the planned modules and their ancestors, and a Hugging Face model's
 #     ``is_gradient_checkpointing``, not every module: a few attribute reads per step.
-# The fix in both orders is the same: ``model.gradient_checkpointing_disable()`` and let the plan
+#   - enabled before profiling: the profile measures the step with that checkpointing (the
+#     prediction stays exact), but the modules it checkpoints save nothing a plan could free, and
+#     with every layer covered no plan goes below the step's peak. The profiler says so once on
+#     stderr and records them (``Profile.user_checkpointed``); when no plan fits, the error names
+#     them and the fix, where it said only "no candidate frees memory there" (a peft LoRA Llama
+#     whose layers a QLoRA recipe had checkpointed with ``gradient_checkpointing_enable()``).
+# The fix in every order is the same: ``model.gradient_checkpointing_disable()`` and let the plan
 # choose, or ``handle.remove()`` and use the other.
+
+def say_user_checkpointed(found: dict[str, str]) -> None:
+    """The profiler's one line on stderr about a model that checkpoints modules itself (NOTE [ Checkpointed twice ])."""
+    if found:
+        logging.getLogger("remat").warning("remat: %s", user_checkpointed_text(found))
+
+
+def user_checkpointed_text(found: dict[str, str]) -> str:
+    """What checkpointing the model does itself means for a plan, and the fix, in words."""
+    return (f"the model checkpoints {len(found)} module(s) itself ({listing(found)}): remat measures that step, "
+            f"and a plan cannot free what they save; to let remat choose, turn it off before profiling "
+            f"(Hugging Face: model.gradient_checkpointing_disable(); torch: build the model without its "
+            f"checkpoint wrappers)")
 
 
 class TwiceGuard:

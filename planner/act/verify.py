@@ -45,7 +45,7 @@ from pydantic import BaseModel, Field
 
 from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
-from planner.act.compare import max_abs_diff, nonfinite_notes, run_copy
+from planner.act.compare import initialize_lazy, max_abs_diff, nonfinite_notes, run_copy
 from planner.errors import BadInput, PlanMismatch
 from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
@@ -396,6 +396,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     the step trains ``torch.compile(model, backend=compile)``, compiled afresh."""
     model = run_copy(master).to(dev).train()  # NOTE [ Derived tensor attributes ]
     batch = to_device(inputs, dev)
+    initialize_lazy(model, batch, dev)  # NOTE [ Lazy modules ]
     handle = _apply(model, applied or plan, batch) if planned else None
     # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)
     changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))

@@ -22,6 +22,24 @@ from torch import nn
 from planner.model.schema import Fingerprint, TensorSig
 
 
+# NOTE [ Lazy modules ]
+#
+# ``nn.LazyLinear`` and the other lazy modules have no parameter shapes until their first
+# forward. A plan is made on the model after its first step (the profiler's warm-up), so its
+# fingerprint has the shapes; a freshly built lazy model has none, and reading them raised torch's
+# "Can't access the shape of an uninitialized parameter" from deep inside ``apply_plan``, in a
+# training job and in ``remat verify``, which builds the model afresh. ``apply_plan`` now refuses
+# such a model in one line that says what to do (a dry run, as PyTorch's lazy modules ask before
+# an optimizer is made). ``verify`` does the dry run itself on each copy it trains, planned or not,
+# on its batch without gradients, every generator seeded alike and put back
+# (``planner.act.compare.initialize_lazy``), so both copies start from the same parameters.
+
+def lazy_modules(model: nn.Module) -> list[str]:
+    """FQNs of the lazy modules of ``model`` whose parameters are not made yet (NOTE [ Lazy modules ])."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params()]
+
+
 def fingerprint(model: torch.nn.Module, inputs: Any) -> Fingerprint:
     """Fingerprint ``model`` called on ``inputs``.
 

@@ -264,6 +264,9 @@ class Profile(_Model):
     sac_kept_op_spread_ms: Ms = Field(0.0, description="Spread of sac_kept_op_ms over its rounds (the same NOTE).")
     sac_rounds: int = Field(0, ge=0, description="Rounds the sac figures are medians of (the same NOTE); 0: not recorded.")
     notes: list[str] = Field(default_factory=list)
+    user_checkpointed: dict[str, str] = Field(default_factory=dict, description="Modules the model checkpointed "
+                                              "itself in the profiled step, FQN -> how (see "
+                                              "planner/act/existing.py); empty in older profiles.")
     compile: CompileInfo | None = Field(None, description="The step under torch.compile (version 4); None: eager.")
 
     @model_validator(mode="before")

@@ -30,8 +30,12 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
     """The ``schema.Profile`` of what the steps recorded, for ``step`` run on ``dev``: ``mem`` (the memory
     step's recorder), the timing steps' ``times``, the device's ``measured`` peak and ``as_run``, what
     ``as_run_timeline`` saw, if it ran."""
+    from planner.act.existing import modules_by_plain_name, say_user_checkpointed, user_checkpointed
+
     rec = mem.recorder
     notes = _profile_notes(mem, times, measured, step.optimizer, as_run)
+    checkpointed = user_checkpointed(model, modules_by_plain_name(model))  # NOTE [ Checkpointed twice ]
+    say_user_checkpointed(checkpointed)
     rec.register_op_outputs()
     # Ids in creation order, so reading the list follows the step.
     order = sorted(rec.tensors.values(), key=lambda t: (t.created_seq, t.id))
@@ -63,6 +67,7 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
         step=_step_record(mem, times, measured, step, as_run),
         step_structure=structure,
         notes=notes,
+        user_checkpointed=checkpointed,
     )
 
 

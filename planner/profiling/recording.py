@@ -89,6 +89,29 @@ _SAC_IGNORED_OPS = getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", {torch.ops
 """Ops selective checkpointing neither counts nor caches (see NOTE [ Op records ])."""
 
 
+# NOTE [ Saved tensors without their graph ]
+#
+# The memory step records saves with a ``saved_tensors_hooks`` pack hook. A pack hook that
+# returns the tensor itself makes a reference cycle when the tensor is an output of the node
+# saving it (``tanh``, ``softmax``, ``gelu`` save their results): node -> packed tensor ->
+# ``grad_fn`` -> node. Without hooks autograd stores such outputs without the reference. Backward
+# breaks the cycle as it frees each node's saves, so the live branch never noticed; a branch
+# the loss does not use (a pooler output beside the hidden states the loss reads, SigLIP's
+# attention-pooling head, any output tuple half used) is never backwarded, and under the hook it
+# stayed alive until Python's garbage collector ran, where the step as run frees it when the
+# model's output is dropped. The profile was then refused ("the model runs differently under
+# remat's profiler ... kept 163840 bytes more alive"). The hook keeps ``t.detach()``: the same
+# storage and version counter, no graph; taken outside the tracker, which would otherwise see
+# an op the model did not run.
+
+def _without_graph(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, outside every dispatch mode (NOTE [ Saved tensors without their graph ])."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return t.detach()
+
+
 def counted_op(func: Any) -> bool:
     """An op selective checkpointing counts; the profiler's own markers (``record_function``,
     which only the measuring steps run) are not ops of the model."""
@@ -310,7 +333,8 @@ class MemoryRecorder(Recorder):
                 self._tensor_id(e)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """``saved_tensors_hooks`` pack hook: note the save, keep the tensor as it is."""
+        """``saved_tensors_hooks`` pack hook: note the save, keep the tensor without its graph
+        (NOTE [ Saved tensors without their graph ])."""
         if not self.in_forward:
             return t
         e = self.tracker.entry(t)
@@ -318,13 +342,13 @@ class MemoryRecorder(Recorder):
             return t
         if not self.stack:
             self.unattributed_saves += 1
-            return t
+            return _without_graph(t)
         unit = self.stack[-1].id
         tid = self._tensor_id(e)
         if (tid, unit) not in self.saved_pairs:
             self.saved_pairs.add((tid, unit))
             self.saves.append((tid, self._next(), unit))
-        return t
+        return _without_graph(t)
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:

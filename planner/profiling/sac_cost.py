@@ -279,6 +279,17 @@ def with_sac_cost(prof: Profile, cost: SacCost) -> Profile:
                                    "notes": notes})
 
 
+# NOTE [ Inference-mode ops under selective checkpointing ]
+#
+# A block may run part of its forward under ``torch.inference_mode()`` (a frozen teacher, a
+# gate computed without autograd, then cloned back in). Torch's selective checkpointing wraps
+# every op output it is told to keep in a record of its version counter, and inference tensors
+# have none: "Inference tensors do not track version counter" raised while the profile timed
+# "keep every op" (Rule 2), and no profile was made. An op run in inference mode is given
+# PREFER_RECOMPUTE whatever the policy: its output is never saved for backward (autograd
+# refuses inference tensors), so no op-level policy keeps it (the menus list saved storages
+# only), and its replay is what full checkpointing runs.
+
 @contextlib.contextmanager
 def _selective_regions(modules: list[nn.Module], policy: CheckpointPolicy | str | None) -> Iterator[None]:
     """``modules`` under selective checkpointing with every op call given ``policy`` (None: as they
@@ -288,7 +299,8 @@ def _selective_regions(modules: list[nn.Module], policy: CheckpointPolicy | str 
         return
 
     def each_op(_ctx: Any, _func: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
-        return policy
+        # see NOTE [ Inference-mode ops under selective checkpointing ]
+        return CheckpointPolicy.PREFER_RECOMPUTE if torch.is_inference_mode_enabled() else policy
 
     # keeping every op output keeps some that the forward writes in place later: allowed here
     contexts = None if policy == "full" else functools.partial(
