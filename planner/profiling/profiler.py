@@ -195,6 +195,9 @@ class TimingRecorder(Recorder):
     def _pre(self, *args: Any) -> None:
         return self._hooked(super()._pre, *args)
 
+    def _inputs(self, *args: Any) -> None:
+        return self._hooked(super()._inputs, *args)
+
     def _post(self, *args: Any) -> None:
         return self._hooked(super()._post, *args)
 
