@@ -63,6 +63,8 @@ class NodeAttrs(TypedDict):
     saved_ids: Annotated[frozenset[int], Doc("tensors saved for backward inside the unit")]
     input_ids: Annotated[frozenset[int], Doc("tensors passed in, and the unit's retained-bytes tensor")]
     output_ids: Annotated[frozenset[int], Doc("step-created tensors returned")]
+    grad_output_ids: Annotated[frozenset[int], Doc("those of output_ids backward gives a gradient from code after "
+                                                   "the unit (NOTE [ Outputs without a gradient ])")]
     in_flight_ids: Annotated[frozenset[int], Doc("(leaves) tensors created in the leaf's window and used "
                                                    "after it")]
     fwd_window_peak_bytes: Annotated[Optional[int], Doc("(leaves) measured peak of the forward window")]

@@ -222,9 +222,11 @@ used there, and a tensor never held is held from there."""
 # kept, nor tensors it reached otherwise, which recompute does not copy) and that backward has
 # not yet passed (saved at or before end(l_i)), grads(i) are the gradients of parameters last
 # used after window i, and G_c (``CostModel.replay_in_flight``) is what the replay of c runs
-# beside: the gradient of c's outputs (backward has reached c) and c's outputs, which the
-# replay re-creates unless c saves them. ``CostModel`` holds each probe's base (static,
-# gradients, T); the held, in-flight and recomputed bytes depend on C.
+# beside: the gradient of c's outputs that code after c differentiates through (backward has
+# reached c; an output kept but read by no loss has none: NOTE [ Outputs without a gradient ] in
+# planner/profiling/recording.py) and c's outputs, which the replay re-creates unless c saves
+# them. ``CostModel`` holds each probe's base (static, gradients, T); the held, in-flight and
+# recomputed bytes depend on C.
 #
 # Rule 5. grads(i) leaves out window i's own parameters: their gradients appear while backward
 # frees what window i saved, so the window never holds both in full; counting both at once
@@ -462,12 +464,14 @@ class CostModel(OffloadTerms):
         return sum(self.tensor_bytes[t] for t in seen)
 
     def replay_in_flight(self, c: str) -> int:
-        """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradient
-        of c's outputs (backward has reached c) and c's outputs, which the replay re-creates unless c
-        saves them (NOTE [ Peak-memory model ], recompute)."""
+        """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradients
+        of c's outputs that code after c differentiates through (backward has reached c; NOTE [ Outputs
+        without a gradient ]) and c's outputs, which the replay re-creates unless c saves them (NOTE [
+        Peak-memory model ], recompute)."""
         a, tb = self.graph.nodes[c], self.graph.graph["tensor_bytes"]
         outs = a.get("output_ids", ())
-        return sum(tb.get(t, 0) for t in outs) + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"])
+        return (sum(tb.get(t, 0) for t in a.get("grad_output_ids", outs))
+                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"]))
 
     def cached_casts(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:
         """Bytes of autocast's cached casts made by ``seq`` and not held by then (``pos``: holding

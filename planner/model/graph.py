@@ -226,6 +226,7 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
         input_bytes=sum(tensor_bytes[t] for t in inputs),
         output_bytes=u.output_bytes,
         saved_ids=saved, input_ids=inputs, output_ids=frozenset(u.output_ids), in_flight_ids=frozenset(),
+        grad_output_ids=frozenset(u.output_ids if u.grad_output_ids is None else u.grad_output_ids),
         fwd_window_peak_bytes=None, bwd_window_peak_bytes=None,
         fwd_transient_bytes=0, bwd_transient_bytes=0, menu=(),
     )

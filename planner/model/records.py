@@ -120,6 +120,9 @@ class UnitRecord(FileModel):
                                  description="Tensors (ids into Profile.tensors) passed in as inputs and created "
                                              "during the step. Pre-existing tensors (batch, parameters) are static.")
     output_ids: list[int] = Field(default_factory=list, description="Tensors returned, created during the step.")
+    grad_output_ids: list[int] | None = Field(None, description=(
+        "The outputs backward gives a gradient from code after the call (NOTE [ Outputs without a gradient ] "
+        "in planner/profiling/recording.py); None: not recorded (older profiles), read as all of output_ids."))
     input_bytes: Bytes = Field(0, description="Bytes of all tensor inputs (unique storages), pre-existing included.")
     output_bytes: Bytes = Field(0, description="Bytes of all tensor outputs (unique storages).")
     param_bytes: Bytes = Field(0, description="Bytes of the parameters of this module and its submodules.")
@@ -273,6 +276,9 @@ def check_records(p: Any) -> None:
         missing = next((t for t in (*u.input_ids, *u.output_ids) if t not in tensors), None)
         if missing is not None:
             raise bad_field(f"units.{i}", f"tensor id {missing} is not in tensors")
+        stray = next((t for t in u.grad_output_ids or () if t not in u.output_ids), None)
+        if stray is not None:
+            raise bad_field(f"units.{i}.grad_output_ids", f"tensor id {stray} is not one of output_ids")
     for i, u in enumerate(p.units):
         seen, at = {u.id}, u.parent
         while at is not None:

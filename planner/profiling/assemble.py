@@ -189,6 +189,7 @@ def _unit_record(u: UnitCall, cost: UnitCost, group: str, remap: dict[int, int])
         forward_ms=cost.forward_ms, backward_ms=cost.backward_ms, cost_group=group, timing_samples=cost.samples,
         forward_spread_ms=cost.forward_spread_ms, backward_spread_ms=cost.backward_spread_ms,
         input_ids=[remap[i] for i in u.input_ids], output_ids=[remap[i] for i in u.output_ids],
+        grad_output_ids=None if u.grad_output_ids is None else [remap[i] for i in u.grad_output_ids],
         input_bytes=u.input_bytes, output_bytes=u.output_bytes, param_bytes=u.param_bytes,
     )
 

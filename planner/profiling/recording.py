@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,54 @@ def _without_graph(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
+# NOTE [ Outputs without a gradient ]
+#
+# When backward reaches a checkpointed unit c, its replay runs beside the gradients of c's outputs
+# (NOTE [ Peak-memory model ], Rule 4, G_c). Only some outputs have one then: those that code after
+# c differentiates through. An output the caller keeps but no loss reads through (Hugging Face
+# RoFormer's attention probabilities, ``outs = block(x); x = outs[0]``), or one that takes no
+# gradient at all (a mask, an index), has none; its gradient from inside c (the probabilities
+# feed c's own matmul) is made after the replay. Counted for every output, the replay's probe was
+# over by the bytes of the outputs without one: a plan checkpointing the middle of three attention
+# blocks that return their probabilities (131,072 bytes each; hidden 64, 64 tokens) was predicted
+# 2,377,680 and measured 2,279,640 (+4.30%), now 2,279,640; Hugging Face RoFormer (hidden 64, two
+# layers), its first layer checkpointed, 1,776,328 / 1,720,024 (+3.27%), now 1,720,024; its second,
+# 2,504,656 / 2,374,560 (+5.48%), now 2,373,584 (-0.04%, 976 bytes, not traced).
+# The rule, from the profiled graph: when the forward ends, the nodes backward will run are those
+# reachable from the loss's ``grad_fn``; an output receives a gradient from outside c when one of
+# them was made after c's outputs (autograd's sequence numbers grow as nodes are made) and takes
+# the output's gradient edge (``grad_fn``, ``output_nr``). Nodes made inside c that backward runs
+# come before its last output (they lead to one), unless c stores a tensor that later code uses
+# (then the gradient is counted: the safe side); a leaf output that requires grad is counted as
+# receiving one, an output that requires none as not. Recorded per unit
+# (``UnitRecord.grad_output_ids``; None in older profiles, read as every output) and read by
+# ``CostModel.replay_in_flight``.
+
+def gradient_takers(loss: torch.Tensor) -> dict[tuple[int, int], float]:
+    """``(node sequence number, output_nr) -> the latest node that takes that gradient``, over the
+    nodes backward from ``loss`` runs; the loss's own edge maps above every node (NOTE [ Outputs without
+    a gradient ]). Leaves (``AccumulateGrad``) are not keys."""
+    root = loss.grad_fn
+    if root is None:
+        return {}
+    out: dict[tuple[int, int], float] = {(root._sequence_nr(), loss.output_nr): math.inf}
+    seen, stack = {id(root)}, [root]
+    kept = [root]  # keeps each wrapper alive, so that ``id`` stays unique during the walk
+    while stack:
+        node = stack.pop()
+        made = node._sequence_nr()
+        for nxt, nr in node.next_functions:
+            if nxt is None or hasattr(nxt, "variable"):
+                continue
+            key = (nxt._sequence_nr(), nr)
+            out[key] = max(out.get(key, -1), made)
+            if id(nxt) not in seen:
+                seen.add(id(nxt))
+                kept.append(nxt)
+                stack.append(nxt)
+    return out
+
+
 def counted_op(func: Any) -> bool:
     """An op selective checkpointing counts; the profiler's own markers (``record_function``,
     which only the measuring steps run) are not ops of the model."""
@@ -197,6 +246,8 @@ class MemoryRecorder(Recorder):
         """Unit id -> (index into ``ops`` when it started, ``describe`` of its inputs)."""
         self.signatures: dict[str, str] = {}
         """Unit id -> ``planner.profiling.timing.signature`` (NOTE [ Unit costs ], Rule 3)."""
+        self.output_edges: list[tuple[UnitCall, int, list[tuple[int, int | None, int]]]] = []
+        """Per unit call: its latest output node and its outputs' gradient edges (``gradient_edges``)."""
         super().__init__(model)
         tracker.observer = self._on_op
         tracker.work_of = op_work
@@ -388,10 +439,34 @@ class MemoryRecorder(Recorder):
 
     def _on_outputs(self, unit: UnitCall, output: Any) -> None:
         unit.output_ids, unit.output_bytes = self._io(output)
+        self.output_edges.append((unit, *self.gradient_edges(output)))
         start, inputs = self.op_start.pop(unit.id)
         params = describe(self.modules[unit.key].parameters()) if unit.key is not None else ""
         self.signatures[unit.id] = signature(unit.module_type, params, inputs, describe(io_tensors(output)),
                                              self.ops[start:])
+
+    def gradient_edges(self, output: Any) -> tuple[int, list[tuple[int, int | None, int]]]:
+        """``(made, edges)`` of a unit's output (NOTE [ Outputs without a gradient ]): ``made``, the
+        sequence number of the latest autograd node among the outputs (-1: none); ``edges``, per
+        output that requires grad, ``(tensor id, its node's sequence number or None for a leaf,
+        output_nr)``."""
+        made, edges = -1, []
+        for t in io_tensors(output):
+            e = self.tracker.entry(t)
+            if e is None or e.static or not t.requires_grad:
+                continue
+            node = None if t.grad_fn is None else t.grad_fn._sequence_nr()
+            made = max(made, -1 if node is None else node)
+            edges.append((self._tensor_id(e), node, t.output_nr))
+        return made, edges
+
+    def mark(self, name: str, value: Any = None) -> None:
+        super().mark(name, value)
+        if name == "forward_end" and isinstance(value, torch.Tensor) and value.requires_grad:
+            taken = gradient_takers(value)
+            for unit, made, edges in self.output_edges:
+                unit.grad_output_ids = list(dict.fromkeys(
+                    tid for tid, node, nr in edges if node is None or taken.get((node, nr), -1) > made))
 
     def timeline(self) -> list[schema.MemoryEvent]:
         """The events, a superseded ``bwd_end`` folded into the next kept event's peak."""

@@ -55,6 +55,7 @@ class UnitCall:
         "fqn",
         "fwd_end",
         "fwd_start",
+        "grad_output_ids",
         "has_input_grads",
         "id",
         "index",
@@ -77,6 +78,9 @@ class UnitCall:
         self.has_input_grads = False
         self.input_ids: list[int] = []
         self.output_ids: list[int] = []
+        self.grad_output_ids: list[int] | None = None
+        """The outputs backward gives a gradient from outside the call (NOTE [ Outputs without a gradient ]
+        in recording.py); None: not known."""
         self.input_bytes = self.output_bytes = self.param_bytes = 0
 
 
