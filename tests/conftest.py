@@ -1,13 +1,16 @@
 """Shared test configuration and fixtures: hypothesis profiles, the CLI in-process (``invoke``),
-the synthetic chain most CLI tests plan on (``profile_path``) with its lowest feasible peak, and a
+the synthetic chain most CLI tests plan on (``profile_path``) with its lowest feasible peak, a
 small model profiled under bf16 with two micro-batches whose blocks have op-level menus
-(``menu_profile``)."""
+(``menu_profile``), and the fewest dispatch-timing rounds for tests that check bytes
+(``bytes_only``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,29 @@ def signal_when_marked(cmd: list[str], marker: Path, sig: int, *, env: dict, cwd
         if proc.poll() is None:
             proc.kill()
     return proc.returncode, stderr
+
+
+@contextlib.contextmanager
+def fewest_dispatch_rounds() -> Iterator[None]:
+    """Profiles made inside time selective checkpointing's dispatch over the profiler's fewest rounds
+    (``SAC_MIN_ROUNDS``), not as many as fit ``SAC_CPU_SECONDS`` (NOTE [ Selective dispatch cost ], Rule 4), or
+    ``SAC_ROUNDS`` whole steps where the regions cannot run alone: up to 10 CPU seconds a profile, or 108 steps,
+    that a test of bytes does not read. Every byte is recorded as before."""
+    import functools
+
+    from planner.profiling import sac_cost
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sac_cost, "measure_sac_cost", functools.partial(sac_cost.measure_sac_cost,
+                                                                   rounds=sac_cost.SAC_MIN_ROUNDS))
+        yield
+
+
+@pytest.fixture
+def bytes_only() -> Iterator[None]:
+    """For a test that checks bytes, not times: ``fewest_dispatch_rounds`` while it runs."""
+    with fewest_dispatch_rounds():
+        yield
 
 
 @pytest.fixture(scope="session")
