@@ -1,8 +1,8 @@
 """Shared test configuration and fixtures: hypothesis profiles, the CLI in-process (``invoke``),
 the synthetic chain most CLI tests plan on (``profile_path``) with its lowest feasible peak, a
 small model profiled under bf16 with two micro-batches whose blocks have op-level menus
-(``menu_profile``), and the fewest dispatch-timing rounds for tests that check bytes
-(``bytes_only``)."""
+(``menu_profile``), and for tests that check bytes the fewest dispatch-timing rounds (``bytes_only``)
+and one intra-op thread (``one_thread``)."""
 
 from __future__ import annotations
 
@@ -86,17 +86,16 @@ def signal_when_marked(cmd: list[str], marker: Path, sig: int, *, env: dict, cwd
 
 @contextlib.contextmanager
 def fewest_dispatch_rounds() -> Iterator[None]:
-    """Profiles made inside time selective checkpointing's dispatch over the profiler's fewest rounds
-    (``SAC_MIN_ROUNDS``), not as many as fit ``SAC_CPU_SECONDS`` (NOTE [ Selective dispatch cost ], Rule 4), or
-    ``SAC_ROUNDS`` whole steps where the regions cannot run alone: up to 10 CPU seconds a profile, or 108 steps,
-    that a test of bytes does not read. Every byte is recorded as before."""
+    """Profiles made inside time selective checkpointing's dispatch over one round (``measure_sac_cost`` with
+    ``rounds=1``), not as many as fit ``SAC_CPU_SECONDS`` (NOTE [ Selective dispatch cost ], Rule 4), nor
+    ``SAC_ROUNDS`` rounds of whole steps where the regions cannot run alone: up to 10 CPU seconds a profile,
+    or 108 steps, whose figures a test of bytes does not read. Every byte is recorded as before."""
     import functools
 
     from planner.profiling import sac_cost
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sac_cost, "measure_sac_cost", functools.partial(sac_cost.measure_sac_cost,
-                                                                   rounds=sac_cost.SAC_MIN_ROUNDS))
+        mp.setattr(sac_cost, "measure_sac_cost", functools.partial(sac_cost.measure_sac_cost, rounds=1))
         yield
 
 
@@ -105,6 +104,21 @@ def bytes_only() -> Iterator[None]:
     """For a test that checks bytes, not times: ``fewest_dispatch_rounds`` while it runs."""
     with fewest_dispatch_rounds():
         yield
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch at one intra-op thread while the test runs (as benchmarks/zoo.py runs): its CPU profiles time the
+    thread's CPU time and measure no thread factors (NOTE [ Unit costs ], Rule 1b), whose rounds run on while
+    the machine's other load keeps them from being clean (NOTE [ Clean rounds ]). For a test of bytes."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
