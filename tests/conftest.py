@@ -106,11 +106,11 @@ def bytes_only() -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """torch at one intra-op thread while the test runs (as benchmarks/zoo.py runs): its CPU profiles time the
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """torch at one intra-op thread inside (as benchmarks/zoo.py runs): CPU profiles made there time the
     thread's CPU time and measure no thread factors (NOTE [ Unit costs ], Rule 1b), whose rounds run on while
-    the machine's other load keeps them from being clean (NOTE [ Clean rounds ]). For a test of bytes."""
+    the machine's other load keeps them from being clean (NOTE [ Clean rounds ]). For tests of bytes."""
     import torch
 
     threads = torch.get_num_threads()
@@ -119,6 +119,13 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """``one_intra_op_thread`` while the test runs."""
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
