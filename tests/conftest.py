@@ -1,13 +1,16 @@
 """Shared test configuration and fixtures: hypothesis profiles, the CLI in-process (``invoke``),
-the synthetic chain most CLI tests plan on (``profile_path``) with its lowest feasible peak, and a
+the synthetic chain most CLI tests plan on (``profile_path``) with its lowest feasible peak, a
 small model profiled under bf16 with two micro-batches whose blocks have op-level menus
-(``menu_profile``)."""
+(``menu_profile``), and for tests that check bytes the fewest dispatch-timing rounds (``bytes_only``)
+and one intra-op thread (``one_thread``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,50 @@ def signal_when_marked(cmd: list[str], marker: Path, sig: int, *, env: dict, cwd
         if proc.poll() is None:
             proc.kill()
     return proc.returncode, stderr
+
+
+@contextlib.contextmanager
+def fewest_dispatch_rounds() -> Iterator[None]:
+    """Profiles made inside time selective checkpointing's dispatch over one round (``measure_sac_cost`` with
+    ``rounds=1``), not as many as fit ``SAC_CPU_SECONDS`` (NOTE [ Selective dispatch cost ], Rule 4), nor
+    ``SAC_ROUNDS`` rounds of whole steps where the regions cannot run alone: up to 10 CPU seconds a profile,
+    or 108 steps, whose figures a test of bytes does not read. Every byte is recorded as before."""
+    import functools
+
+    from planner.profiling import sac_cost
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sac_cost, "measure_sac_cost", functools.partial(sac_cost.measure_sac_cost, rounds=1))
+        yield
+
+
+@pytest.fixture
+def bytes_only() -> Iterator[None]:
+    """For a test that checks bytes, not times: ``fewest_dispatch_rounds`` while it runs."""
+    with fewest_dispatch_rounds():
+        yield
+
+
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """torch at one intra-op thread inside (as benchmarks/zoo.py runs): CPU profiles made there time the
+    thread's CPU time and measure no thread factors (NOTE [ Unit costs ], Rule 1b), whose rounds run on while
+    the machine's other load keeps them from being clean (NOTE [ Clean rounds ]). For tests of bytes."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """``one_intra_op_thread`` while the test runs."""
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

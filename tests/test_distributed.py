@@ -29,6 +29,7 @@ from planner.act.api import check_ranks, plan_from_profile
 from planner.act.applier import apply_plan
 from planner.errors import BadInput
 from planner.model.schema import OpRef, Plan, SelectiveRegion
+from tests.conftest import fewest_dispatch_rounds, one_intra_op_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_distributed.py"
@@ -98,9 +99,11 @@ def rank_batch(small, train):
 
 @pytest.fixture(scope="module")
 def plan_file(small, rank_batch, tmp_path_factory) -> Path:
-    """Every candidate checkpointed (blocks and the root group's modules), planned for one rank's batch."""
-    plan = planner.plan(small.build_model(), "1GB", inputs=rank_batch, loss_fn=small.loss_fn, device="cpu",
-                        solver="all", world_size=2, sharding="fsdp", steps=1)
+    """Every candidate checkpointed (blocks and the root group's modules), planned for one rank's batch (profiled
+    at one intra-op thread, as the ranks run, with the fewest dispatch-timing rounds: solver 'all' reads no times)."""
+    with one_intra_op_thread(), fewest_dispatch_rounds():
+        plan = planner.plan(small.build_model(), "1GB", inputs=rank_batch, loss_fn=small.loss_fn, device="cpu",
+                            solver="all", world_size=2, sharding="fsdp", steps=1)
     assert {"blocks.0", "lm_head", "tok_emb"} <= set(plan.checkpoints)
     return plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
 
@@ -368,6 +371,7 @@ def _mid_budget_plan(model_file: Path, sharding: str, world_size: int, out: Path
 
 
 @needs_gloo
+@pytest.mark.usefixtures("one_thread", "bytes_only")  # profiled as the ranks run, at one thread; bytes checked
 def test_verify_spawns_fsdp_ranks_and_each_is_predicted_within_2_percent(rank_model_file, tmp_path):
     from planner.act.verify import verify
 
@@ -403,6 +407,7 @@ def test_a_rank_that_fails_ends_verify_with_its_error(model_file, plan_file, tmp
 
 
 @needs_gloo
+@pytest.mark.usefixtures("one_thread", "bytes_only")  # profiled as the ranks run, at one thread; bytes checked
 def test_verify_under_torchrun_ddp_reports_every_rank_once(rank_model_file, tmp_path):
     plan_path = _mid_budget_plan(rank_model_file, "ddp", 2, tmp_path / "plan.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}

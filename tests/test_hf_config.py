@@ -15,8 +15,10 @@ import pytest
 from planner.model.schema import Plan, Profile
 from tests.conftest import invoke
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed"),
+              pytest.mark.usefixtures("one_thread", "bytes_only")]
+"""What these tests check is the files and bytes: one intra-op thread and the fewest dispatch-timing rounds
+(tests/conftest.py)."""
 
 _TEXT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
          "vocab_size": 256, "max_position_embeddings": 64}

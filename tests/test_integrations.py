@@ -16,6 +16,7 @@ import torch
 
 from planner.errors import PlanMismatch
 from planner.profiling.model_file import compute_loss
+from tests.conftest import fewest_dispatch_rounds, one_intra_op_thread
 from tests.model_files import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +25,12 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 def has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+one_thread_few_rounds = pytest.mark.usefixtures("one_thread", "bytes_only")
+"""For a test that checks losses and weights, plain against planned, of a plan whose checkpoints do not hang on
+times (solver 'all'): one intra-op thread and the fewest dispatch-timing rounds (tests/conftest.py), in the
+module's fixtures too (their plain runs are compared with the tests' planned ones)."""
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -40,12 +47,14 @@ needs_trainer = pytest.mark.skipif(not (has("transformers") and has("accelerate"
 def hf_example():
     import hf_trainer
 
-    plan = hf_trainer.make_plan("1GB", solver="all")  # every GPT-2 block and the modules around them
-    plain_losses, plain_model = hf_trainer.train(steps=3)
+    with one_intra_op_thread(), fewest_dispatch_rounds():
+        plan = hf_trainer.make_plan("1GB", solver="all")  # every GPT-2 block and the modules around them
+        plain_losses, plain_model = hf_trainer.train(steps=3)
     return hf_trainer, plan, plain_losses, plain_model
 
 
 @needs_trainer
+@one_thread_few_rounds
 def test_trainer_with_callback_matches_the_plain_run_and_logs_once(hf_example, caplog):
     from planner.act.applier import planned_modules
 
@@ -100,6 +109,7 @@ def test_trainer_refuses_a_plan_for_another_accumulation_and_clipping_naming_the
 
 
 @needs_trainer
+@one_thread_few_rounds
 def test_trainer_with_accumulation_trains_a_plan_made_for_it_like_the_plain_run():
     import hf_trainer
 
@@ -112,6 +122,7 @@ def test_trainer_with_accumulation_trains_a_plan_made_for_it_like_the_plain_run(
 
 
 @needs_trainer
+@one_thread_few_rounds
 def test_trainer_takes_a_bucketed_plan_and_runs_the_bucket_of_its_batches():
     import hf_trainer
 
@@ -148,13 +159,15 @@ def lightning_plain(tiny_file):
     from planner.profiling.model_file import load_model_file
 
     mf = load_model_file(tiny_file)
-    plan = planner.plan(mf.build_model(), "1GB", inputs=mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu",
-                        solver="all", steps=1)
-    return lightning_train, plan, lightning_train.train(str(tiny_file), steps=3)
+    with one_intra_op_thread(), fewest_dispatch_rounds():
+        plan = planner.plan(mf.build_model(), "1GB", inputs=mf.example_inputs(), loss_fn=mf.loss_fn, device="cpu",
+                            solver="all", steps=1)
+        return lightning_train, plan, lightning_train.train(str(tiny_file), steps=3)
 
 
 @needs_lightning
 @pytest.mark.parametrize("built_in", ["configure_model", "__init__"])
+@one_thread_few_rounds
 def test_lightning_callback_matches_the_plain_run(lightning_plain, tiny_file, built_in):
     """The plan is applied after configure_model when the module builds its layers there, else in setup."""
     import lightning.pytorch as pl
@@ -180,6 +193,7 @@ def test_lightning_callback_matches_the_plain_run(lightning_plain, tiny_file, bu
 
 
 @needs_lightning
+@one_thread_few_rounds
 def test_lightning_refuses_another_accumulation_and_clipping_and_trains_a_matching_plan(lightning_plain, tiny_file):
     import planner
     from planner.model.schema import Recipe
@@ -226,6 +240,7 @@ def test_lightning_clipping_by_value_is_the_step_without_clipping():
 
 
 @pytest.mark.skipif(not has("accelerate"), reason="accelerate not installed")
+@one_thread_few_rounds
 def test_accelerate_apply_plan_before_prepare(tiny_file):
     """docs/integrations.md: apply_plan on the model, then accelerator.prepare; same step as plain."""
     from accelerate import Accelerator

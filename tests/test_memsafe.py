@@ -22,6 +22,7 @@ from planner.errors import OOM_HINT, ProfileError
 from planner.profiling.measure import is_oom, user_code
 from planner.profiling.memsafe import candidate_modules, profile_checkpointed, profile_within
 from planner.profiling import profile
+from tests.conftest import fewest_dispatch_rounds
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1073741824 bytes. Error code 12"
@@ -39,11 +40,13 @@ def tiny_gpt():
 
 @pytest.fixture(scope="module")
 def profiles():
-    """A full profile and a memory-safe one of the same step (torch's own thread count)."""
-    model, inputs = tiny_gpt()
-    full = profile(model, inputs, device="cpu", steps=1)
-    model, inputs = tiny_gpt()
-    safe = profile_checkpointed(model, inputs, checkpointed=candidate_modules(full), device="cpu", steps=1)
+    """A full profile and a memory-safe one of the same step (torch's own thread count; the fewest
+    dispatch-timing rounds: the tests compare bytes, and give both profiles the same times)."""
+    with fewest_dispatch_rounds():
+        model, inputs = tiny_gpt()
+        full = profile(model, inputs, device="cpu", steps=1)
+        model, inputs = tiny_gpt()
+        safe = profile_checkpointed(model, inputs, checkpointed=candidate_modules(full), device="cpu", steps=1)
     return full, safe
 
 
@@ -89,7 +92,7 @@ def test_forward_times_include_the_recompute(profiles):
         assert safe.unit(fqn).forward_ms > 0
 
 
-def test_out_of_memory_leads_to_a_checkpointed_profile(monkeypatch):
+def test_out_of_memory_leads_to_a_checkpointed_profile(monkeypatch, one_thread, bytes_only):
     model, inputs = tiny_gpt()
 
     def out_of_memory(*args, **kwargs):
@@ -104,7 +107,7 @@ def test_out_of_memory_leads_to_a_checkpointed_profile(monkeypatch):
     assert any("ran out of memory" in note for note in prof.notes)
 
 
-def test_a_predicted_overflow_skips_the_unplanned_step(monkeypatch, profiles):
+def test_a_predicted_overflow_skips_the_unplanned_step(monkeypatch, profiles, one_thread, bytes_only):
     full, _ = profiles
     model, inputs = tiny_gpt()
     monkeypatch.setattr(memsafe, "profile_as_run", lambda *a, **k: pytest.fail("the unplanned step was run"))

@@ -92,7 +92,7 @@ def _worst_unit_gap(real: Profile, fake: Profile) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_fake_bytes_equal_a_real_cpu_step(case: str):
+def test_fake_bytes_equal_a_real_cpu_step(case: str, bytes_only):
     build, inputs, loss_fn, amp = CASES[case]()
     real = profile(build(), inputs(), loss_fn=loss_fn, device="cpu", steps=1, recipe=Recipe(amp=amp))
     fake = profile_meta(build_on_meta(build), inputs(), loss_fn=loss_fn, target="h100", device_type="cpu",

@@ -21,6 +21,9 @@ from solvers.cost_model import simulate  # noqa: E402
 from planner.model.schema import Plan  # noqa: E402
 from planner.act.verify import verify  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread", "bytes_only")
+"""What these tests check is bytes, gradients and the model as it comes back: one intra-op thread and the fewest dispatch-timing rounds (tests/conftest.py)."""
+
 PREDICTION_TOLERANCE = 0.02
 """|predicted - measured| / measured the issue asks of every plan (issue 11)."""
 

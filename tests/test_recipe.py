@@ -24,6 +24,9 @@ from planner.profiling.measure import make_optimizer, make_step
 from solvers.cost_model import simulate
 from tests.model_files import TINY_MODEL
 
+pytestmark = pytest.mark.usefixtures("one_thread", "bytes_only")
+"""What these tests check is bytes, gradients and the recipe: one intra-op thread and the fewest dispatch-timing rounds (tests/conftest.py)."""
+
 PREDICTION_TOLERANCE = 0.02
 
 

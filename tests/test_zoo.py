@@ -25,6 +25,11 @@ The Mamba is left to the full zoo: its reference scan loops over tokens in Pytho
 (tests/test_step_as_run.py covers a step that changes under a dispatch mode)."""
 
 
+pytestmark = pytest.mark.usefixtures("one_thread", "bytes_only")
+"""The gates are bytes and gradients: one thread, as ``python benchmarks/zoo.py`` runs, and the fewest
+dispatch-timing rounds (tests/conftest.py)."""
+
+
 @pytest.mark.parametrize("name", CI_MODELS)
 def test_zoo_model_plans_applies_and_measures_as_predicted(name):
     spec = BY_NAME[name]
