@@ -4,8 +4,11 @@ tensor-parallel ranks (NOTE [ Tensor-parallel ranks ]) verified on two ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,30 +146,110 @@ def test_data_parallel_stages_add_buckets_or_shard_the_state():
     assert sp.peak_bytes < one.peak_bytes and sp.in_flight == one.in_flight and sp.held_bytes == one.held_bytes
 
 
-@pytest.fixture(scope="module")
-def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """pp 2, interleaved 1F1B with 2 stages per rank (NOTE [ Interleaved stages ]), 4 micro-batches, each stage's
-    layers shared by 2 tensor-parallel ranks with the sequence sharded (Rule 8), at the budget halfway between the
-    layout's lowest feasible and no-checkpoint peaks (the worst rank's), planned on the CPU (1F1B is verified on
-    ranks below, with FSDP2 and with tp)."""
-    from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
+@contextlib.contextmanager
+def profiled_once() -> Iterator[None]:
+    """Inside, ``planner.profiling.profile`` measures a step once: called again for a model of the same class and
+    parameter count on the same step, it returns the first call's profile (a test that plans one rank-local
+    model at two budgets, the first only to read its unplanned peak, profiles it once)."""
+    import planner.profiling
+
+    measure, seen = planner.profiling.profile, []
+
+    def once(model, inputs=None, *, step=None, **fields):
+        key = (type(model), sum(p.numel() for p in model.parameters()), step, fields)
+        prof = next((prof for k, prof in seen if k == key), None)
+        if prof is None:
+            prof = measure(model, inputs, step=step, **fields)
+            seen.append((key, prof))
+        return prof
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner.profiling, "profile", once)
+        yield
+
+
+def _halfway_stages(layout: Any, *, tp: int = 1, sequence_parallel: bool = False, solve: Any = None):
+    """(plan, profiled stages): each stage of ``layout`` profiled on the CPU (one thread; the fewest dispatch-timing
+    rounds, the tests check bytes) and planned at the budget halfway between the layout's lowest feasible and
+    no-checkpoint peaks (the worst rank's)."""
+    from planner.act.pipeline import plan_stages, profile_stages
     from planner.model.fingerprint import fingerprint
     from planner.profiling.meta import build_on_meta
     from planner.profiling.model_file import load_model_file
     from planner.spec import StepSpec
 
     mf = load_model_file(LLAMA)
-    with fewest_dispatch_rounds():  # the tests check bytes
-        profiled = profile_stages(mf, pipeline_layout(2, "interleaved-1f1b", 4, stages_per_rank=2),
-                                  step=StepSpec(device="cpu", threads=1, steps=1), tp=2, sequence_parallel=True)
+    with fewest_dispatch_rounds():
+        profiled = profile_stages(mf, layout, step=StepSpec(device="cpu", threads=1, steps=1), tp=tp,
+                                  sequence_parallel=sequence_parallel)
     fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
-    roomy = plan_stages(profiled, "1GB", fingerprint=fp)
+    roomy = plan_stages(profiled, "1GB", fingerprint=fp, solve=solve)
     lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
     top = max(st.predicted.no_checkpoint_peak_bytes for st in roomy.stages)
-    plan = plan_stages(profiled, (lowest + top) // 2, fingerprint=fp)
+    return plan_stages(profiled, (lowest + top) // 2, fingerprint=fp, solve=solve), profiled
+
+
+@pytest.fixture(scope="module")
+def pipeline_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """pp 2, interleaved 1F1B with 2 stages per rank (NOTE [ Interleaved stages ]), 4 micro-batches, each stage's
+    layers shared by 2 tensor-parallel ranks with the sequence sharded (Rule 8), at the budget halfway between the
+    layout's lowest feasible and no-checkpoint peaks (the worst rank's), planned on the CPU (1F1B is verified on
+    ranks below, with FSDP2 and with tp)."""
+    from planner.act.pipeline import pipeline_layout
+
+    plan, _ = _halfway_stages(pipeline_layout(2, "interleaved-1f1b", 4, stages_per_rank=2), tp=2,
+                              sequence_parallel=True)
     path = tmp_path_factory.mktemp("pp") / "plan.json"
     plan.save(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def fsdp_stages_plan() -> tuple[Plan, int]:
+    """pp 2 x dp 2 under FSDP2 (NOTE [ Pipeline stages ], Rule 10), 1F1B with 4 micro-batches, at the halfway budget:
+    the plan, and the first stage's optimizer bytes unsharded."""
+    from planner.act.pipeline import pipeline_layout
+    from planner.spec import SolveSpec
+
+    plan, profiled = _halfway_stages(pipeline_layout(2, "1f1b", 4), solve=SolveSpec(world_size=4, sharding="fsdp"))
+    return plan, profiled[0].profile.step.optimizer_bytes
+
+
+@pytest.fixture(scope="module")
+def tp_fsdp_plan() -> Plan:
+    """tp 2 x dp 2 under FSDP2, planned on the rank-local model at 80% of its no-checkpoint peak (read from a plan
+    at 1GB of the same profile)."""
+    from planner.act.tensor_parallel import plan_tensor_parallel
+    from planner.profiling.model_file import load_model_file
+    from planner.spec import SolveSpec, StepSpec
+
+    mf = load_model_file(LLAMA)
+    step, ranks = StepSpec(device="cpu", threads=1, steps=1), SolveSpec(world_size=4, sharding="fsdp")
+    with fewest_dispatch_rounds(), profiled_once():
+        roomy = plan_tensor_parallel(mf, "1GB", 2, step=step, solve=ranks)
+        return plan_tensor_parallel(mf, int(roomy.predicted.no_checkpoint_peak_bytes * 0.8), 2, step=step, solve=ranks)
+
+
+@pytest.fixture(scope="module")
+def tp_pp_plan() -> Plan:
+    """tp 2 + sequence parallelism x pp 2, 1F1B with 2 micro-batches, at the halfway budget."""
+    from planner.act.pipeline import pipeline_layout
+
+    return _halfway_stages(pipeline_layout(2, "1f1b", 2), tp=2, sequence_parallel=True)[0]
+
+
+@pytest.fixture(scope="module")
+def four_rank_reports(pipeline_plan: Path, fsdp_stages_plan: tuple[Plan, int], tp_fsdp_plan: Plan, tp_pp_plan: Plan,
+                      tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The plan files of the four layouts of four ranks, verified on one set of gloo ranks (``verify_ranks_together``:
+    the ranks start, importing torch and transformers, once for the four), one step between the compared step and
+    the measured one."""
+    from planner.act.verify_ranks import verify_ranks_together
+
+    folder = tmp_path_factory.mktemp("ranks")
+    paths = {"interleaved": pipeline_plan, "fsdp stages": fsdp_stages_plan[0].save(folder / "fsdp_stages.json"),
+             "tp x fsdp": tp_fsdp_plan.save(folder / "tp_fsdp.json"), "tp x pp": tp_pp_plan.save(folder / "tp_pp.json")}
+    return dict(zip(paths, verify_ranks_together(LLAMA, list(paths.values()), steps=1)))
 
 
 def test_the_plan_file_holds_one_plan_per_stage(pipeline_plan: Path):
@@ -203,42 +286,25 @@ def test_the_applier_applies_the_stage_plan_on_a_stage(pipeline_plan: Path):
         assert handle.checkpointed == plan.stages[s].checkpoints
 
 
-def test_verify_runs_each_stage_on_its_rank(pipeline_plan: Path):
+def test_verify_runs_each_stage_on_its_rank(four_rank_reports: dict):
     """Four gloo ranks on the CPU (2 pipeline positions x 2 tp ranks), two stages each: each rank's measured peak
     within 2% of its prediction and within the budget, the gradients those of one process (tests the whole path:
     stage modules, tp layout, the schedule)."""
-    from planner.act.verify_ranks import verify_ranks
-
-    report = verify_ranks(LLAMA, pipeline_plan, steps=1)
+    report = four_rank_reports["interleaved"]
     assert report.ok, report.problems
     assert [(r.stage, r.tp_rank) for r in report.rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r.recomputes > 0 for r in report.rows)
     assert report.max_grad_diff < 1e-6
 
 
-def test_stages_with_fsdp_ranks_verify_on_every_rank(tmp_path: Path, bytes_only):
+def test_stages_with_fsdp_ranks_verify_on_every_rank(fsdp_stages_plan: tuple[Plan, int], four_rank_reports: dict):
     """pp 2 x dp 2 under FSDP2 (NOTE [ Pipeline stages ], Rule 10), 1F1B with 4 micro-batches, at the budget halfway
     between the layout's lowest feasible and no-checkpoint peaks: each of the 4 gloo ranks within 2% of its stage's
     prediction and within the budget, the gradients those of one process."""
-    from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
-    from planner.act.verify_ranks import verify_ranks
-    from planner.model.fingerprint import fingerprint
-    from planner.profiling.meta import build_on_meta
-    from planner.profiling.model_file import load_model_file
-    from planner.spec import SolveSpec, StepSpec
-
-    mf = load_model_file(LLAMA)
-    profiled = profile_stages(mf, pipeline_layout(2, "1f1b", 4), step=StepSpec(device="cpu", threads=1, steps=1))
-    fp, solve = fingerprint(build_on_meta(mf.build_model), mf.example_inputs()), SolveSpec(world_size=4, sharding="fsdp")
-    roomy = plan_stages(profiled, "1GB", fingerprint=fp, solve=solve)
-    lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
-    top = max(st.predicted.no_checkpoint_peak_bytes for st in roomy.stages)
-    plan = plan_stages(profiled, (lowest + top) // 2, fingerprint=fp, solve=solve)
+    plan, optimizer_bytes = fsdp_stages_plan
     assert plan.world_size == 4 and plan.sharding == "fsdp" and plan.stages[0].checkpoints
-    assert plan.stages[0].predicted.optimizer_bytes == -(-profiled[0].profile.step.optimizer_bytes // 2)  # shards
-    path = tmp_path / "plan.json"
-    plan.save(path)
-    report = verify_ranks(LLAMA, path, steps=1)
+    assert plan.stages[0].predicted.optimizer_bytes == -(-optimizer_bytes // 2)  # shards
+    report = four_rank_reports["fsdp stages"]
     assert report.ok, report.problems
     assert [r.stage for r in report.rows] == [0, 0, 1, 1] and report.max_grad_diff < 1e-6
 
@@ -279,55 +345,30 @@ def test_bad_pipeline_and_tensor_parallel_settings_are_one_line_errors(args: lis
     assert len([ln for ln in result.stderr.splitlines() if ln.startswith("error:")]) == 1
 
 
-@pytest.fixture
-def profiled_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``planner.profiling.profile`` measures a step once: called again for a model of the same class and
-    parameter count on the same step, it returns the first call's profile (a test that plans one rank-local
-    model at two budgets, the first only to read its unplanned peak, profiles it once)."""
-    import planner.profiling
-
-    measure, seen = planner.profiling.profile, []
-
-    def once(model, inputs=None, *, step=None, **fields):
-        key = (type(model), sum(p.numel() for p in model.parameters()), step, fields)
-        prof = next((prof for k, prof in seen if k == key), None)
-        if prof is None:
-            prof = measure(model, inputs, step=step, **fields)
-            seen.append((key, prof))
-        return prof
-
-    monkeypatch.setattr(planner.profiling, "profile", once)
-
-
-def test_tensor_parallel_ranks_run_the_local_model(tmp_path: Path, bytes_only, profiled_once):
+def test_tensor_parallel_ranks_run_the_local_model(tp_fsdp_plan: Plan, four_rank_reports: dict, tmp_path: Path):
     """tp 2 x dp 2 under FSDP2 (NOTE [ Tensor-parallel ranks ], Rules 2 and 5): the plan is made on the model
     with half the heads and MLP width, sharded over the two data-parallel ranks, names the full model's
     modules, and each of four gloo ranks on a (dp, tp) mesh measures its prediction within 2%. (tp alone
     runs in the sequence-parallel test below.)"""
-    from planner.act.tensor_parallel import local_model, plan_tensor_parallel
-    from planner.act.verify_ranks import verify_ranks
+    from planner.act.tensor_parallel import local_model
     from planner.profiling.model_file import load_model_file
-    from planner.spec import SolveSpec, StepSpec
 
     mf = load_model_file(LLAMA)
     local = local_model(mf.build_model(), 2)
     assert local.model.layers[0].self_attn.q_proj.weight.shape == (64, 128)
     assert local.model.layers[0].mlp.up_proj.weight.shape == (176, 128)
-    step, ranks = StepSpec(device="cpu", threads=1, steps=1), SolveSpec(world_size=4, sharding="fsdp")
-    roomy = plan_tensor_parallel(mf, "1GB", 2, step=step, solve=ranks)
-    plan = plan_tensor_parallel(mf, int(roomy.predicted.no_checkpoint_peak_bytes * 0.8), 2, step=step, solve=ranks)
+    plan = tp_fsdp_plan
     assert plan.tensor_parallel == 2 and plan.world_size == 4 and plan.sharding == "fsdp" and plan.checkpoints
     assert plan.fsdp_units == [f"model.layers.{i}" for i in range(4)]
     path = tmp_path / "plan.json"
     plan.save(path)
     assert Plan.load(path).tensor_parallel == 2 and json.loads(path.read_text())["schema_version"] == PIPELINE_PLAN_VERSION
-    report = verify_ranks(LLAMA, path, steps=1)
+    report = four_rank_reports["tp x fsdp"]
     assert report.ok, report.problems
     assert [(r.rank, r.tp_rank) for r in report.rows] == [(0, 0), (1, 1), (2, 0), (3, 1)]
 
 
-def test_sequence_parallel_ranks_shard_the_sequence_between_blocks(tmp_path: Path, bytes_only,
-                                                                     profiled_once):
+def test_sequence_parallel_ranks_shard_the_sequence_between_blocks(tmp_path: Path, bytes_only):
     """tp 2 with sequence parallelism (NOTE [ Sequence-parallel ranks ]): the rank-local model with its
     collectives emulated holds less than without, and each of two gloo ranks measures its prediction."""
     from planner.act.tensor_parallel import local_builder
@@ -343,8 +384,9 @@ def test_sequence_parallel_ranks_shard_the_sequence_between_blocks(tmp_path: Pat
     local(**mf.example_inputs())
     assert seen == [(8, 64, 128), (8, 128, 128)]  # the norm on half the sequence, attention on all of it
     step = StepSpec(device="cpu", threads=1, steps=1)
-    roomy = plan_tensor_parallel_sp(mf, "1GB", step)
-    plan = plan_tensor_parallel_sp(mf, int(roomy.predicted.no_checkpoint_peak_bytes * 0.8), step)
+    with profiled_once():
+        roomy = plan_tensor_parallel_sp(mf, "1GB", step)
+        plan = plan_tensor_parallel_sp(mf, int(roomy.predicted.no_checkpoint_peak_bytes * 0.8), step)
     assert plan.sequence_parallel and plan.checkpoints
     path = tmp_path / "plan.json"
     plan.save(path)
@@ -383,33 +425,17 @@ def test_tp_that_does_not_divide_the_heads_is_a_one_line_error(tmp_path: Path):
         "multiple of 4" in both.output, both.output
 
 
-def test_tp_by_pp_ranks_each_plan_their_stage(tmp_path: Path, bytes_only):
+def test_tp_by_pp_ranks_each_plan_their_stage(tp_pp_plan: Plan, four_rank_reports: dict):
     """tp 2 + sequence parallelism x pp 2 (4 gloo ranks, rank = stage x 2 + tp rank): each stage profiled on its
     rank-local model with the sequence sharded between blocks and between stages (NOTE [ Sequence-parallel ranks ],
     Rule 5), its plan named by the full model's modules and fingerprint; every rank within 2% and the budget, the
     gradients one process's (tp x pp without sp: benchmarks/pipeline_stages.py)."""
-    from planner.act.pipeline import pipeline_layout, plan_stages, profile_stages
-    from planner.act.verify_ranks import verify_ranks
-    from planner.model.fingerprint import fingerprint
-    from planner.profiling.meta import build_on_meta
-    from planner.profiling.model_file import load_model_file
-    from planner.spec import StepSpec
-
-    mf = load_model_file(LLAMA)
-    profiled = profile_stages(mf, pipeline_layout(2, "1f1b", 2), step=StepSpec(device="cpu", threads=1, steps=1), tp=2,
-                              sequence_parallel=True)
-    fp = fingerprint(build_on_meta(mf.build_model), mf.example_inputs())
-    roomy = plan_stages(profiled, "1GB", fingerprint=fp)
-    lowest = max(st.predicted.min_feasible_bytes for st in roomy.stages)
-    top = max(st.predicted.no_checkpoint_peak_bytes for st in roomy.stages)
-    plan = plan_stages(profiled, (lowest + top) // 2, fingerprint=fp)
+    plan = tp_pp_plan
     assert plan.world_size == 4 and plan.tensor_parallel == 2 and plan.sequence_parallel and plan.checkpoints
     assert plan.stages[0].send_bytes == plan.stages[1].recv_bytes == 4 * 64 * 128 * 4  # 4 rows, half of 128 positions
     q = next(p for p in plan.stages[1].fingerprint.params if p.name == "model.layers.2.self_attn.q_proj.weight")
     assert q.shape == [128, 128]  # the full-size stage's (a rank lays out the full stage with DTensor)
-    path = tmp_path / "plan.json"
-    plan.save(path)
-    report = verify_ranks(LLAMA, path, steps=1)
+    report = four_rank_reports["tp x pp"]
     assert report.ok, report.problems
     assert [(r.stage, r.tp_rank) for r in report.rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert report.max_grad_diff < 1e-6

@@ -23,11 +23,13 @@ process training the plain model on it (rank 0 computes it when launched by torc
 
 The report is ``ok`` when every rank's measured peak fits the budget, every rank's
 |predicted - measured| / measured is within ``peak_tolerance``, and the gradients match the
-reference within ``grad_tolerance``.
+reference within ``grad_tolerance``. ``verify_ranks_together`` checks several plans of one model
+file on one set of spawned ranks, one plan after another, each as ``verify_ranks`` checks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -35,6 +37,7 @@ import os
 import re
 import socket
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,16 +111,8 @@ def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int 
         BadInput: not a per-rank plan, too few GPUs, bad arguments.
         ProfileError: a rank failed (its error is in the message).
     """
-    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    if plan.sharding == "none" and plan.pipeline is None and plan.tensor_parallel == 1:
-        raise BadInput("this plan is for one process (sharding none): verify it with planner.act.verify.verify")
-    if steps < 1:
-        raise BadInput(f"verify needs steps >= 1, got {steps}")
-    if not 0 <= peak_tolerance < 1:
-        raise BadInput(f"the prediction tolerance must be a fraction in [0, 1), got {peak_tolerance}")
-    dev_type = _device_type(device, plan.world_size)
+    plan, args = _checked(model_file, plan, steps, device, peak_tolerance)
     say = progress or (lambda _msg: None)
-    args = _Args(str(Path(model_file).resolve()), plan.to_json(), dev_type, steps)
     if _under_torchrun():
         return _torchrun_report(args, plan, str(model_file), peak_tolerance, grad_tolerance)
     say(f"training the reference: one process, {steps + 2} steps without the plan")
@@ -125,8 +120,26 @@ def verify_ranks(model_file: str | Path, plan: Plan | str | Path, *, steps: int 
     layout = (f"pipeline stages, {plan.pipeline.schedule}" if plan.pipeline is not None else
               _tp_layout(plan) if plan.tensor_parallel > 1 else plan.sharding)
     say(f"training on {plan.world_size} ranks ({layout}), {steps + 2} steps without and with the plan")
-    results = _spawn(args, plan.world_size)
+    (results,) = _spawn([args], plan.world_size)
     return _report(plan, str(model_file), "spawned", args, results, reference, peak_tolerance, grad_tolerance)
+
+
+def verify_ranks_together(model_file: str | Path, plans: Sequence[Plan | str | Path], *, steps: int = 2,
+                          device: str = "cpu", peak_tolerance: float = 0.02,
+                          grad_tolerance: float = 1e-5) -> list[RanksReport]:
+    """``verify_ranks`` of each of ``plans`` (one world size, spawned ranks only), on one set of ranks: they
+    start once and check the plans one after another, each as ``verify_ranks`` checks it (its trainings'
+    memory freed before the next), in one process group. For several layouts of a small model, whose ranks
+    take longer to start (torch and the model's libraries imported in each) than to train."""
+    checked = [_checked(model_file, plan, steps, device, peak_tolerance) for plan in plans]
+    sizes = sorted({plan.world_size for plan, _ in checked})
+    if len(sizes) != 1 or _under_torchrun():
+        raise BadInput(f"verify_ranks_together spawns one set of ranks for plans of one world size, not under "
+                       f"torchrun; got world sizes {sizes}: use verify_ranks for each")
+    references = [_reference(args) for _, args in checked]
+    results = _spawn([args for _, args in checked], sizes[0])
+    return [_report(plan, str(model_file), "spawned", args, rows, reference, peak_tolerance, grad_tolerance)
+            for (plan, args), rows, reference in zip(checked, results, references)]
 
 
 # ----------------------------------------------------------------------------- launching
@@ -138,6 +151,19 @@ class _Args:
     plan_json: str
     device_type: str
     steps: int
+
+
+def _checked(model_file: str | Path, plan: Plan | str | Path, steps: int, device: str,
+             peak_tolerance: float) -> tuple[Plan, _Args]:
+    """The plan, loaded and checked as a per-rank plan, and what its ranks are given."""
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if plan.sharding == "none" and plan.pipeline is None and plan.tensor_parallel == 1:
+        raise BadInput("this plan is for one process (sharding none): verify it with planner.act.verify.verify")
+    if steps < 1:
+        raise BadInput(f"verify needs steps >= 1, got {steps}")
+    if not 0 <= peak_tolerance < 1:
+        raise BadInput(f"the prediction tolerance must be a fraction in [0, 1), got {peak_tolerance}")
+    return plan, _Args(str(Path(model_file).resolve()), plan.to_json(), _device_type(device, plan.world_size), steps)
 
 
 def _device_type(device: str, world_size: int) -> str:
@@ -168,14 +194,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(args: _Args, world_size: int) -> list[dict]:
+def _spawn(runs: list[_Args], world_size: int) -> list[list[dict]]:
+    """Each run's results, rank by rank (rank 0's with the compared step's gradients), from one set of ranks."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="remat_ranks_") as tmp:
+        for i in range(len(runs)):
+            Path(tmp, str(i)).mkdir()
         os.environ[PARENT_ENV] = str(os.getpid())  # the spawned ranks inherit it (die_with_parent)
         context = None
         try:
-            context = mp.start_processes(_child, args=(world_size, _free_port(), args, tmp), nprocs=world_size,
+            context = mp.start_processes(_child, args=(world_size, _free_port(), runs, tmp), nprocs=world_size,
                                          join=False, start_method="spawn")
             while not context.join():
                 pass
@@ -187,11 +216,15 @@ def _spawn(args: _Args, world_size: int) -> list[dict]:
             for proc in context.processes if context is not None else ():
                 end(proc)
             os.environ.pop(PARENT_ENV, None)
-        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
-        grads: dict = {}
-        for path in sorted(Path(tmp).glob("grads*.pt")):  # grads<rank>.pt: a pipeline stage's each
-            grads.update(torch.load(path, weights_only=True))
-        results[0]["grads"] = grads
+        return [_results(Path(tmp, str(i)), world_size) for i in range(len(runs))]
+
+
+def _results(out_dir: Path, world_size: int) -> list[dict]:
+    results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    grads: dict = {}
+    for path in sorted(out_dir.glob("grads*.pt")):  # grads<rank>.pt: a pipeline stage's each
+        grads.update(torch.load(path, weights_only=True))
+    results[0]["grads"] = grads
     return results
 
 
@@ -205,37 +238,31 @@ def rank_error(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
-def _child(rank: int, world_size: int, port: int, args: _Args, out_dir: str) -> None:
-    """One spawned rank: set up the process group, run both trainings, write the results."""
+def _child(rank: int, world_size: int, port: int, runs: list[_Args], out_dir: str) -> None:
+    """One spawned rank: set up the process group, run both trainings of each run, write each's results."""
     from planner.profiling.measure import count_cpu_allocations
 
     die_with_parent()
     # gathering a 2D (FSDP2 x tp) gradient to full size logs "2 sequential all_gather operations" per rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    if args.device_type == "cpu":
+    if runs[0].device_type == "cpu":
         count_cpu_allocations()  # before any tensor of the runs exists: see NOTE [ CPU peaks across threads ]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if os.uname().sysname == "Linux":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no waiting on a hostname that resolves elsewhere
     torch.set_num_threads(1)
-    result = _rank_main(args, Path(out_dir, "grads.pt"))
-    atomic_write_text(Path(out_dir, f"rank{rank}.json"), json.dumps(result))
+    with _rank_group(runs[0].device_type):  # one group for every run, closed once (NOTE [ Rank exit ])
+        for i, args in enumerate(runs):
+            result = _rank_main(args, Path(out_dir, str(i), "grads.pt"))
+            atomic_write_text(Path(out_dir, str(i), f"rank{rank}.json"), json.dumps(result))
 
 
 def _rank_main(args: _Args, grads_path: Path) -> dict:
     """Both trainings on this rank (rank 0 saves its compared step's full gradients to ``grads_path``)."""
     import torch.distributed as dist
 
-    created = not dist.is_initialized()
-    dev = torch.device(args.device_type)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(dev)
-    if created:
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    finished = False
-    try:
+    with _rank_group(args.device_type) as dev:
         plan = Plan.model_validate_json(args.plan_json)
         if plan.world_size != dist.get_world_size():
             raise BadInput(f"the plan is for {plan.world_size} ranks; this job has {dist.get_world_size()}")
@@ -248,8 +275,26 @@ def _rank_main(args: _Args, grads_path: Path) -> dict:
             mine = _rank_run(args, plan, dev, planned=True, grads_path=grads_path)
             result = dict(rank=dist.get_rank(), no_plan_peak=base.peak_bytes, peak=mine.peak_bytes,
                           source=mine.source, loss=mine.loss, recomputes=mine.recomputes)
-        finished = True
         return result
+
+
+@contextlib.contextmanager
+def _rank_group(device_type: str) -> Iterator[torch.device]:
+    """This rank's device, inside a process group: the one there is (torchrun's, or the spawned rank's for all its
+    runs), else one made here and closed on the way out (NOTE [ Rank exit ])."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    dev = torch.device(device_type)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    if created:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    finished = False
+    try:
+        yield dev
+        finished = True
     finally:
         if created:
             _close_group(finished)  # NOTE [ Rank exit ]
@@ -455,4 +500,4 @@ def _report(plan: Plan, label: str, launched: str, args: _Args, results: list[di
         rows=rows, loss_diff=loss_diff, max_grad_diff=grad_diff, problems=problems, notes=[], ok=not problems)
 
 
-__all__ = ["RankRow", "RanksReport", "SEED", "verify_ranks"]
+__all__ = ["RankRow", "RanksReport", "SEED", "verify_ranks", "verify_ranks_together"]
