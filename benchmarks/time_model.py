@@ -2,6 +2,7 @@
 
     python benchmarks/time_model.py                          # llama, gpt2, qwen2; mid budget; torch's threads
     python benchmarks/time_model.py --models gpt2,llama --rounds 11 --quarters 1,2,3
+    python benchmarks/time_model.py --quarters 2.5         # five eighths of the way: op-level plans on GPT-2
     python benchmarks/time_model.py --threads 1              # the thread's CPU time: robust on a busy machine
 
 For each model (an example's name, or a model file's path): one profile on the CPU at
@@ -11,7 +12,8 @@ For each model (an example's name, or a model file's path): one profile on the C
 a row says "same" when the solver kept whole modules). The plain model and every planned one
 (``apply_plan`` on copies of one model) are trained side by side (where the default plan keeps
 whole modules, also the op-level plan of the same figures with their spreads set aside, so the
-op-level price is measured too): ``--rounds`` rounds of one
+op-level price is measured too; where that is whole modules as well, the one with NOTE [ Robust
+choice ]'s 15% line set aside too: the op-level plan the figures price cheapest): ``--rounds`` rounds of one
 step of each in turn (``planner.profiling.timing.time_interleaved``), at the profile's thread
 count, on ``pick_clock``'s clock (the thread's CPU time at one thread, the wall clock above).
 Measured overhead = least planned step - least plain step over the rounds (noise on a shared
@@ -33,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from planner.act.api import budget_with_headroom, graph_for, min_feasible_bytes, plan_from_profile  # noqa: E402
+from planner.act import robust  # noqa: E402
 from planner.act.applier import apply_plan  # noqa: E402
 from planner.act.verify import RECOMPUTE_FLOOR_MS, RECOMPUTE_TOLERANCE  # noqa: E402
 from solvers.cost_model import simulate  # noqa: E402
@@ -57,7 +61,7 @@ def model_path(name: str) -> Path:
 
 
 def rows_for(name: str, *, threads: int | None, steps: int, rounds: int,
-             quarters: tuple[int, ...]) -> list[dict[str, Any]]:
+             quarters: tuple[float, ...]) -> list[dict[str, Any]]:
     mf = load_model_file(model_path(name))
     master = mf.build_model()
     t0 = time.perf_counter()
@@ -68,13 +72,19 @@ def rows_for(name: str, *, threads: int | None, steps: int, rounds: int,
     lo, hi = min_feasible_bytes(g), simulate(g, []).peak_bytes
     plans = {}
     for q in quarters:
-        budget = budget_with_headroom(lo + (hi - lo) * q // 4)
+        budget = budget_with_headroom(lo + int((hi - lo) * q) // 4)
+        q = f"{q:g}"
         plans[f"{q}/4 modules"] = plan_from_profile(prof, budget, selective=False)
         plans[f"{q}/4 default"] = plan_from_profile(prof, budget, graph=g)
         if not plans[f"{q}/4 default"].selective:  # the op-level plan a quiet machine's figures would give
             quiet = plan_from_profile(_without_spreads(prof), budget)
             if quiet.selective:
                 plans[f"{q}/4 op-level, spreads set aside"] = quiet
+            else:  # and without Rule 1's 15% line: the op-level plan the figures price cheapest, timed too
+                with mock.patch.object(robust, "OP_LEVEL_MIN_GAIN", 0.0):
+                    cheapest = plan_from_profile(_without_spreads(prof), budget)
+                if cheapest.selective:
+                    plans[f"{q}/4 op-level, rules set aside"] = cheapest
     steps_by_name = {"plain": _step(master, mf, None)}
     steps_by_name.update({label: _step(master, mf, plan) for label, plan in plans.items()})
     before = torch.get_num_threads()
@@ -163,10 +173,10 @@ def main() -> None:
                                                               "(default: torch's)")
     ap.add_argument("--steps", type=int, default=3, help="profiler timing steps (the CLI's default)")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds of timed steps")
-    ap.add_argument("--quarters", default="2", help="budgets, in quarters from the lowest feasible peak to none")
+    ap.add_argument("--quarters", default="2", help="budgets, in quarters from the lowest feasible peak to none (2.5: five eighths)")
     ap.add_argument("--json", type=Path, default=None, help="also write every row and sample here")
     args = ap.parse_args()
-    quarters = tuple(int(q) for q in args.quarters.split(","))
+    quarters = tuple(float(q) for q in args.quarters.split(","))
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         rows += rows_for(name.strip(), threads=args.threads, steps=args.steps, rounds=args.rounds, quarters=quarters)
