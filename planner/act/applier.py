@@ -166,15 +166,20 @@ class CheckpointedForward:
             if first_run:
                 first_run = False
                 host = HostRngState.capture(self.generators)
-                return self.inner(*args, **kwargs)
+                out = self.inner(*args, **kwargs)
+                if HostRngState.capture(self.generators).same_as(host):
+                    host = None  # it drew nothing: nothing to replay (NOTE [ Regions that draw nothing ])
+                return out
             self.counts.recomputes += 1
-            now = HostRngState.capture(self.generators)
-            host.restore()
+            now = None if host is None else HostRngState.capture(self.generators)
+            if host is not None:
+                host.restore()
             try:
                 with _running_stats_kept(self.norms):
                     return self.inner(*args, **kwargs)
             finally:
-                now.restore()
+                if now is not None:
+                    now.restore()
 
         return run
 
