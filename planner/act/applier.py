@@ -38,6 +38,7 @@ from planner.act.existing import (TWICE_FIX, TwiceGuard, listing, modules_by_pla
                                    user_checkpointed)
 from planner.act.sharding import check_fsdp_options
 from planner.act.mode_guard import ModeGuard
+from planner.act.norm_stats import running_stats_kept
 from planner.act.shape_guard import ShapeGuard
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import lazy_modules, model_differences
@@ -175,7 +176,7 @@ class CheckpointedForward:
             if host is not None:
                 host.restore()
             try:
-                with _running_stats_kept(self.norms):
+                with running_stats_kept(self.norms):
                     return self.inner(*args, **kwargs)
             finally:
                 if now is not None:
@@ -228,43 +229,6 @@ class _KeepListed:
         k = seen.get(name, 0)
         seen[name] = k + 1
         return CheckpointPolicy.MUST_SAVE if (name, k) in self.saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-# NOTE [ BatchNorm under recomputation ]
-#
-# A training-mode BatchNorm updates ``running_mean``, ``running_var`` and
-# ``num_batches_tracked`` in place on every forward, so recomputing a region would update them
-# twice per step. While a region is recomputed (eager mode), the running statistics of the
-# norm layers inside it are copied beforehand and copied back afterwards (also when the
-# recomputation stops early, which ``checkpoint`` does by raising inside it). The output of a
-# training-mode BatchNorm does not read the running statistics, so the recomputed activations
-# are unaffected; after the step the statistics equal the unplanned model's exactly. Other
-# in-place updates of module state inside a region (a custom counter, a KV cache) are not
-# undone: the profiler's validation step keeps such modules out of plans (NOTE [ Validation
-# step ]), and a Hugging Face cache is turned off while training (NOTE [ Step changes ]).
-
-class _running_stats_kept:
-    """Restore the running statistics of ``norms`` on exit; see NOTE [ BatchNorm under recomputation ]."""
-
-    def __init__(self, norms: list[nn.Module]):
-        with _outside_modes():  # not ops of the region: selective checkpointing must not count them
-            self.saved = [(buf, buf.clone()) for m in norms if m.training and m.track_running_stats
-                          for buf in (m.running_mean, m.running_var, m.num_batches_tracked) if buf is not None]
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad(), _outside_modes():
-            for buf, value in self.saved:
-                buf.copy_(value)
-
-
-def _outside_modes():
-    """Run without the dispatch modes in force (a selective region's caching modes)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
 
 
 # ----------------------------------------------------------------------------- the handle
