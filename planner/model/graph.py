@@ -32,6 +32,7 @@ from planner.options import parse_sharding
 from planner.model.schema import LOSS_ID, ROOT_ID, Profile, UnitRecord
 from solvers.contract import EdgeAttrs, NodeAttrs, contract_violations
 from solvers.cost_model import calibrate
+from solvers.selective import OpCall, UnitOps, build_menu, spread_of_median
 
 
 def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False, world_size: int = 1,
@@ -210,8 +211,6 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
                 tensor_bytes: dict[int, int]) -> NodeAttrs:
     import bisect
 
-    from solvers.selective import spread_of_median
-
     lo = bisect.bisect_left(saves_by_seq, (u.fwd_start_seq, -1))
     hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, math.inf))  # after every tensor id at that seq
     saved = frozenset(t for _, t in saves_by_seq[lo:hi])
@@ -238,7 +237,6 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
     import bisect
 
     from solvers.op_work import priced_by_work
-    from solvers.selective import OpCall, UnitOps, build_menu, spread_of_median
 
     if not p.ops:
         return

@@ -252,6 +252,10 @@ class MemoryRecorder(Recorder):
         tracker.observer = self._on_op
         tracker.work_of = op_work
 
+    def reset(self) -> None:
+        super().reset()
+        self.output_edges = []  # of the calls in ``units``, which a reset empties
+
     def _next(self) -> int:
         self.seq += 1
         return self.seq
