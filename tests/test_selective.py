@@ -175,6 +175,25 @@ def test_dispatch_cost_is_not_scaled_by_the_thread_factor(measured):
     assert 0 < cost.recomputed_op_ms + cost.kept_op_ms < 2.0
 
 
+def test_a_region_with_a_pre_hook_is_timed_alone_on_the_inputs_its_caller_gave(monkeypatch):
+    """NOTE [ Selective dispatch cost ], Rule 2: a region's inputs are recorded before its own pre-hooks, so
+    that a pre-hook that reshapes them (a sequence-parallel layer's cut) runs once when the region runs
+    alone. Recorded after it, the cut ran twice, the region failed alone, and every such profile fell
+    back to whole steps (27 rounds of 4: examples/llama.py's sequence-parallel rank 41.6 -> 12.0 s)."""
+    from planner.profiling import sac_cost
+
+    def whole_steps(*_a, **_k):
+        raise AssertionError("the regions could not run alone: timed by whole steps")
+
+    net = _net()
+    net.blocks[0].register_forward_pre_hook(lambda _m, a: (a[0].unflatten(1, (SEQ // 2, 2)).mean(2),))
+    monkeypatch.setattr(sac_cost, "_step_runs", whole_steps)
+    cost = sac_cost.measure_sac_cost(net, _inputs(), profile(net, _inputs(), loss_fn=_loss, device="cpu", steps=1),
+                                     loss_fn=_loss, amp=None, dev=torch.device("cpu"), clock=_RunClock([1.0] * 64),
+                                     rounds=2)
+    assert cost.rounds == 2
+
+
 def _cores_were(monkeypatch, ours: bool) -> None:
     """Every many-thread run of NOTE [ Clean rounds ] reads as clean (``ours``) or as slowed by another process."""
     from planner.profiling import timing

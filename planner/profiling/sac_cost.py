@@ -81,7 +81,11 @@ class SacCost(NamedTuple):
 # of under a tenth of the largest one's op calls (an embedding, a head: few ops, heavy kernels)
 # are left out, their noise would outweigh their calls. A model
 # whose regions cannot run alone on their recorded inputs (a forward that fails on them) is
-# timed by whole steps, as before (``_step_runs``).
+# timed by whole steps, as before (``_step_runs``). The inputs are recorded as the caller passes
+# them, before the region's own pre-hooks (``_recorded_inputs``), since running it alone calls it
+# and runs them again: recorded after them, a sequence-parallel layer's cut (a pre-hook) cut its
+# input twice, the region failed alone, and each such profile fell back to whole steps
+# (examples/llama.py's sequence-parallel rank at one thread: 41.6 s, 12.0 s since).
 #
 # Rule 4. Each figure is the median of its per-round estimates ((t_r - t_full) / N of each
 # round: the two runs of a pair are a moment apart, so a change of the machine's load between
@@ -210,14 +214,14 @@ def _region_runs(step: Callable[[], None], mods: list[nn.Module], amp: str | Non
 
 
 def _recorded_inputs(step: Callable[[], None], mods: list[nn.Module]) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) each of ``mods`` is called with in one plain step, detached."""
+    """The (args, kwargs) each of ``mods`` is called with in one plain step, detached: before its pre-hooks (Rule 2)."""
     seen: dict[int, tuple[tuple, dict]] = {}
 
     def grab(m: nn.Module, args: tuple, kwargs: dict) -> None:
         seen.setdefault(id(m), pytree.tree_map_only(
             torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (args, kwargs)))
 
-    handles = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in mods]
+    handles = [m.register_forward_pre_hook(grab, with_kwargs=True, prepend=True) for m in mods]
     try:
         step()
     finally:
