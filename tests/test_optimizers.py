@@ -107,11 +107,13 @@ def test_each_optimizer_state_and_step_are_in_the_prediction_exactly(spec):
     assert prof.step.optimizer_bytes != adamw.step.optimizer_bytes  # what remat counted for any of these before
 
 
-@pytest.mark.parametrize("spec", ["rmsprop:centered=True,momentum=0.9", "nadam", "adafactor:beta1=0.9", "adamw"])
+@pytest.mark.parametrize("spec", ["rmsprop:centered=True,momentum=0.9", "nadam", "adafactor:beta1=0.9", "adamw",
+                                  "radam"])
 def test_a_peak_at_the_optimizer_step_is_predicted_with_the_step_temporaries(spec):
     """Two tokens: the peak is in ``optimizer.step()`` (parameters, gradients, state and the step's temporaries),
     and the prediction is the measured peak to the byte. AdamW: the temporaries from the step as run, not from
-    the tracked step, whose per-parameter scalars held 8 bytes more (NOTE [ Step as run ], Rule 4)."""
+    the tracked step, whose per-parameter scalars held 8 bytes more (NOTE [ Step as run ], Rule 4). RAdam: the
+    steady state's rectified update (NOTE [ Optimizer specs ], Rule 6)."""
     batch = torch.randn(1, 2, WIDTH, generator=torch.Generator().manual_seed(0))
     prof = planner.profile(_mlp(), batch, loss_fn=_loss, device="cpu", optimizer=spec, steps=1, threads=1)
     plan = planner.plan(prof, "1GB")
