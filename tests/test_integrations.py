@@ -123,7 +123,7 @@ def test_trainer_with_accumulation_trains_a_plan_made_for_it_like_the_plain_run(
 
 
 @needs_trainer
-def test_trainer_compares_the_optimizer_it_builds_or_is_given_with_the_plans(hf_example, tmp_path):
+def test_trainer_compares_the_optimizer_it_builds_or_is_given_with_the_plans(hf_example, tmp_path, caplog):
     """NOTE [ Optimizer specs ]: each ``optim`` is the optimizer the Trainer builds, with the settings that move
     memory ('sgd' has no momentum there, remat's 'sgd' has 0.9); an optimizer the Trainer is given is read itself."""
     from transformers import Trainer
@@ -148,6 +148,10 @@ def test_trainer_compares_the_optimizer_it_builds_or_is_given_with_the_plans(hf_
     with pytest.raises(PlanMismatch, match=re.escape("plan has sgd, TrainingArguments(optim='sgd') build sgd:momentum=0.0")):
         check_training_arguments(sgd, args)
     check_training_arguments(sgd, example.training_args(str(tmp_path), optim="sgd", optim_args="momentum=0.9"))
+    if not has("lomo_optim"):  # transformers cannot build it here: not compared, and a warning says so
+        with caplog.at_level(logging.WARNING, logger="remat"):
+            assert trainer_optimizer(example.training_args(str(tmp_path), optim="lomo")) is None
+        assert "remat cannot compare the plan's optimizer with TrainingArguments(optim='lomo')" in caplog.text
     model = example.build_model()
     given = torch.optim.RMSprop(model.parameters(), lr=1e-3, centered=True)
     with pytest.raises(PlanMismatch, match=re.escape("optimizer: plan has adamw, the Trainer's optimizer is "

@@ -140,7 +140,8 @@ def training_recipe(args: Any, optimizer: Any = None) -> Recipe:
 def _other_differences(plan: Plan, args: Any, optimizer: Any, model: Any) -> list[str]:
     """Differences outside the step recipe: the optimizer and the ranks."""
     if optimizer is not None:
-        out = optimizer_difference(plan, spec_of(optimizer), source="the Trainer's optimizer is")
+        out = optimizer_difference(plan, _read(spec_of, optimizer, what=type(optimizer).__name__),
+                                   source="the Trainer's optimizer is")
     else:
         out = optimizer_difference(plan, trainer_optimizer(args, model),
                                    source=f"TrainingArguments(optim={_text(args.optim)!r}) build")
@@ -157,14 +158,22 @@ def trainer_optimizer(args: Any, model: Any = None) -> str | None:
     group); None, with a warning, when transformers cannot build it here (a package it needs)."""
     from transformers import Trainer
 
-    try:
+    def built(args: Any) -> str:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
         if "weight_decay" in inspect.signature(cls).parameters:
             kwargs = {**kwargs, "weight_decay": args.weight_decay}
         return spec_for(cls, kwargs)
-    except (ImportError, ValueError, TypeError, BadInput) as e:
-        logger.warning("remat cannot compare the plan's optimizer with TrainingArguments(optim=%r): %s",
-                       _text(args.optim), e)
+
+    return _read(built, args, what=f"TrainingArguments(optim={_text(args.optim)!r})")
+
+
+def _read(read: Any, source: Any, *, what: str) -> str | None:
+    """``read(source)``, or None with a warning when it is no optimizer remat can read (LOMO, a package
+    transformers needs and lacks here): that optimizer is not compared."""
+    try:
+        return read(source)
+    except (ImportError, ValueError, TypeError, AttributeError, BadInput) as e:
+        logger.warning("remat cannot compare the plan's optimizer with %s: %s", what, e)
         return None
 
 
