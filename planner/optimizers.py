@@ -46,7 +46,8 @@ from planner.errors import BadInput
 #   unchanged). Adafactor with relative_step=True computes its own lr: it runs with the
 #   computed lr tensor zeroed in place, which allocates nothing more.
 # Rule 5. Refused with a one-line reason: LBFGS (``step(closure)`` re-runs forward and backward
-#   inside the step, which is not the step remat profiles), SparseAdam (sparse gradients only),
+#   inside the step, which is not the step remat profiles), SparseAdam (sparse gradients only), a
+#   class without an ``lr`` keyword (profiling would train the user's model, Rule 4),
 #   ``foreach``/``fused`` (the recipe's: ``--foreach``/``--fused``), and those two
 #   implementations for a class that has no such keyword.
 # Rule 6. The step profiled and verified is a step of the steady state: after each step the
@@ -146,10 +147,12 @@ def _construct(spec: str, cls: type, params: list[Any], *, lr: float | None, imp
     kwargs = {**_PRESETS.get(name, {}), **settings}
     accepted = _keywords(cls)
     check_impl(spec, impl)
+    if "lr" not in accepted:
+        raise BadInput(f"optimizer {name} takes no lr: remat steps at lr=0 so that profiling leaves the model's "
+                       f"weights as they were; give the class an lr keyword")
     if name == "adafactor" and kwargs.get("relative_step", True):  # Rule 4
         cls, lr = _adafactor_at_lr_zero(cls), None
-    if "lr" in accepted:
-        kwargs["lr"] = lr
+    kwargs["lr"] = lr
     try:
         opt = cls(params, **kwargs)
     except (TypeError, ValueError) as e:

@@ -41,6 +41,13 @@ class SignMomentum(torch.optim.Optimizer):
                 p.add_(buf.sign(), alpha=-group["lr"])
 
 
+class WithoutLr(torch.optim.Optimizer):
+    """An optimizer whose step size is fixed: remat cannot step it at lr=0."""
+
+    def __init__(self, params, beta: float = 0.9):
+        super().__init__(params, dict(beta=beta))
+
+
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
@@ -166,6 +173,7 @@ def test_names_settings_and_classes_read_as_one_canonical_spec():
     ("adamw:fused=True", "optimizer setting 'fused' is the step's implementation: give --fused"),
     ("adafactor:warmup_init=True", "`warmup_init=True` requires `relative_step=True`"),
     ("mypkg.Lion", "optimizer 'mypkg.Lion': cannot import it (ModuleNotFoundError"),
+    ("tests.test_optimizers.WithoutLr", "optimizer tests.test_optimizers.WithoutLr takes no lr: remat steps at lr=0"),
 ])
 def test_bad_optimizers_are_one_line_naming_what_is_accepted(value, message):
     with pytest.raises(BadInput) as err:
