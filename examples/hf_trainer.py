@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallb
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
 import planner
-from planner.integrations.hf import RematCallback, training_recipe
+from planner.integrations.hf import RematCallback, trainer_optimizer, training_recipe
 
 CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 512, "n_positions": 64,
           "n_embd": 64, "n_layer": 4, "n_head": 4, "bos_token_id": 0, "eos_token_id": 0}
@@ -63,12 +63,13 @@ def training_args(output_dir: str, *, steps: int = 3, **overrides) -> TrainingAr
 def make_plan(budget: str, *, solver: str = "auto", seq_lens: tuple[int, ...] = (SEQ_LEN,),
               **overrides) -> planner.Plan:
     """Profile a copy of the model on one batch (here, on the CPU), running the training step the
-    Trainer with ``overrides`` runs (``training_recipe``), and plan it for ``budget``; with several
-    ``seq_lens``, one batch of each: a bucketed plan (NOTE [ Bucketed plans ])."""
+    Trainer with ``overrides`` runs (``training_recipe``, and its optimizer: ``trainer_optimizer``),
+    and plan it for ``budget``; with several ``seq_lens``, one batch of each: a bucketed plan
+    (NOTE [ Bucketed plans ])."""
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = training_recipe(training_args(tmp, **overrides))
+        args = training_args(tmp, **overrides)
     return planner.plan(build_model(), budget, buckets=[example_inputs(n) for n in seq_lens], device="cpu",
-                        solver=solver, steps=1, recipe=recipe)
+                        solver=solver, steps=1, recipe=training_recipe(args), optimizer=trainer_optimizer(args))
 
 
 class LossRecorder(TrainerCallback):

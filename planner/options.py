@@ -2,7 +2,8 @@
 check each.
 
 The library, the profiler and the CLI all validate through these, so an option means the same
-everywhere and is refused with the same message. Torch-free.
+everywhere and is refused with the same message. Torch-free to import (an optimizer spec is read
+with torch, in planner/optimizers.py).
 
 Example::
 
@@ -11,16 +12,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from planner.errors import BadInput
 from solvers.contract import SHARDINGS, Sharding
 from solvers.pipeline import SCHEDULES
 
 Amp = Literal["bf16", "fp16"]
-OptimizerName = Literal["adamw", "adam", "sgd", "none"]
-
-OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
+OptimizerName = str
+"""An optimizer spec: 'adamw', 'sgd:momentum=0', 'adafactor', a dotted path (NOTE [ Optimizer specs ])."""
 _AMP_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 _NO_AMP = ("", "none", "off")
 
@@ -44,11 +44,11 @@ def parse_amp(value: str | None) -> Amp | None:
 
 
 def parse_optimizer(value: str) -> OptimizerName:
-    """``value`` as an ``OptimizerName`` (any case); ``BadInput`` if it is none of them."""
-    v = value.strip().lower() if isinstance(value, str) else value
-    if v not in OPTIMIZER_NAMES:
-        raise BadInput(f"unknown optimizer {value!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
-    return v  # type: ignore[return-value]
+    """``value`` as a canonical optimizer spec (planner/optimizers.py, which imports torch when
+    called); ``BadInput`` naming the accepted names otherwise."""
+    from planner.optimizers import parse_optimizer as parse
+
+    return parse(value)
 
 
 def parse_fraction(value: Any, field: str) -> float:
@@ -180,6 +180,6 @@ def check_model_fit(num_layers: int, stages: int, micro_batches: int, rows: int,
                        f"{{micro_batches}} one of {', '.join(map(str, fits))}", options=("micro_batches",))
 
 
-__all__ = ["Amp", "COMPILE_BACKENDS", "check_layout", "check_model_fit", "compile_backend", "OPTIMIZER_NAMES",
+__all__ = ["Amp", "COMPILE_BACKENDS", "check_layout", "check_model_fit", "compile_backend",
            "OptimizerName", "parse_amp", "parse_compile", "parse_fraction", "parse_headroom", "parse_optimizer",
            "parse_sharding"]

@@ -44,8 +44,11 @@ class StepSpec:
     """Cap the device at this many bytes while profiling: a step that does not fit is measured under
     checkpointing (NOTE [ Memory-safe profile ]); on the CPU the cap is enforced in a child process,
     which needs a model file (``planner.load_model_file``). None: no cap."""
-    optimizer: str = "adamw"
-    """'adamw', 'adam', 'sgd' (momentum 0.9) or 'none'."""
+    optimizer: Any = "adamw"
+    """The optimizer spec: 'adamw', 'adam', 'sgd' (momentum 0.9), 'none', any torch.optim class by name
+    with its settings ('sgd:momentum=0', 'RMSprop:centered=True'), 'adafactor' (transformers') or the
+    dotted path of an Optimizer subclass (NOTE [ Optimizer specs ] in planner/optimizers.py); in Python
+    also an Optimizer class or ``functools.partial(cls, **settings)``. Kept as the canonical spec string."""
     recipe: Recipe = field(default_factory=Recipe)
     """The step: gradient accumulation, zero_grad, amp (bf16/fp16 autocast), clipping, the
     optimizer's implementation (``schema.Recipe``); None is read as the plain loop."""
@@ -71,6 +74,9 @@ class StepSpec:
             raise BadInput(f"recipe must be a planner.model.schema.Recipe (or None: the plain loop), got "
                            f"{type(self.recipe).__name__}")
         _check_ints(self, steps=1, warmup_steps=0)
+        from planner.options import parse_optimizer
+
+        object.__setattr__(self, "optimizer", parse_optimizer(self.optimizer))  # canonical: NOTE [ Optimizer specs ]
         if self.threads is not None:
             _check_ints(self, threads=1)
         if self.loss_fn is not None and not callable(self.loss_fn):

@@ -162,8 +162,10 @@ def test_python_api_takes_paths_and_refuses_bad_solve_fields(profile_path: Path,
     (lambda p: StepSpec(steps="3"), "steps must be an integer >= 1, got '3'"),  # was TypeError
     (lambda p: StepSpec(warmup_steps=1.5), "warmup_steps must be an integer >= 0, got 1.5"),
     (lambda p: StepSpec(loss_fn="mse"), "loss_fn must be callable"),
-    (lambda p: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), optimizer=torch.optim.SGD),
-     "unknown optimizer <class 'torch.optim.sgd.SGD'>; choose one of adamw"),  # was AttributeError
+    (lambda p: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), optimizer=42),
+     "unknown optimizer 42; choose one of adamw"),
+    (lambda p: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), optimizer=torch.nn.Linear),
+     "optimizer <class 'torch.nn.modules.linear.Linear'> is not a torch.optim.Optimizer subclass"),
     (lambda p: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), device=None),
      "unknown device None; use auto, cpu, cuda, cuda:N or a torch.device"),  # was TypeError
     (lambda p: planner.apply_plan(torch.nn.Linear(2, 2), 42),

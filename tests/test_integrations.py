@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -117,6 +118,57 @@ def test_trainer_with_accumulation_trains_a_plan_made_for_it_like_the_plain_run(
     assert plan.recipe.grad_accum == 2
     plain_losses, plain_model = hf_trainer.train(steps=2, gradient_accumulation_steps=2)
     losses, model = hf_trainer.train(plan, steps=2, gradient_accumulation_steps=2)
+    assert len(losses) == 2 and losses == plain_losses
+    assert same_weights(model, plain_model)
+
+
+@needs_trainer
+def test_trainer_compares_the_optimizer_it_builds_or_is_given_with_the_plans(hf_example, tmp_path, caplog):
+    """NOTE [ Optimizer specs ]: each ``optim`` is the optimizer the Trainer builds, with the settings that move
+    memory ('sgd' has no momentum there, remat's 'sgd' has 0.9); an optimizer the Trainer is given is read itself."""
+    from transformers import Trainer
+
+    from planner.integrations.hf import RematCallback, check_training_arguments, trainer_optimizer, training_recipe
+
+    example, plan, _, _ = hf_example
+    assert plan.optimizer == "adamw"
+    expected = {"adafactor": "adafactor", "sgd": "sgd:momentum=0.0", "adagrad": "adagrad", "rmsprop": "rmsprop",
+                "adamw_torch": "adamw"}
+    for optim, spec in expected.items():
+        args = example.training_args(str(tmp_path), optim=optim)
+        assert trainer_optimizer(args) == spec
+        step = {"recipe": training_recipe(args)}
+        check_training_arguments(plan.model_copy(update={**step, "optimizer": spec}), args)
+        if spec != "adamw":
+            with pytest.raises(PlanMismatch, match=re.escape(f"optimizer: plan has adamw, TrainingArguments(optim="
+                                                             f"'{optim}') build {spec} (remat plan --optimizer '{spec}')")):
+                check_training_arguments(plan.model_copy(update=step), args)
+    args = example.training_args(str(tmp_path), optim="sgd")
+    sgd = plan.model_copy(update={"optimizer": "sgd", "recipe": training_recipe(args)})
+    with pytest.raises(PlanMismatch, match=re.escape("plan has sgd, TrainingArguments(optim='sgd') build sgd:momentum=0.0")):
+        check_training_arguments(sgd, args)
+    check_training_arguments(sgd, example.training_args(str(tmp_path), optim="sgd", optim_args="momentum=0.9"))
+    if not has("lomo_optim"):  # transformers cannot build it here: not compared, and a warning says so
+        with caplog.at_level(logging.WARNING, logger="remat"):
+            assert trainer_optimizer(example.training_args(str(tmp_path), optim="lomo")) is None
+        assert "remat cannot compare the plan's optimizer with TrainingArguments(optim='lomo')" in caplog.text
+    model = example.build_model()
+    given = torch.optim.RMSprop(model.parameters(), lr=1e-3, centered=True)
+    with pytest.raises(PlanMismatch, match=re.escape("optimizer: plan has adamw, the Trainer's optimizer is "
+                                                     "rmsprop:centered=True")):
+        Trainer(model=model, args=example.training_args(str(tmp_path)), optimizers=(given, None),
+                callbacks=[RematCallback(plan)])
+
+
+@needs_trainer
+@one_thread_few_rounds
+def test_trainer_with_adafactor_trains_a_plan_made_for_it_like_the_plain_run():
+    import hf_trainer
+
+    plan = hf_trainer.make_plan("1GB", solver="all", optim="adafactor")
+    assert plan.optimizer == "adafactor"
+    plain_losses, plain_model = hf_trainer.train(steps=2, optim="adafactor")
+    losses, model = hf_trainer.train(plan, steps=2, optim="adafactor")
     assert len(losses) == 2 and losses == plain_losses
     assert same_weights(model, plain_model)
 
@@ -298,3 +350,18 @@ def test_lightning_callback_takes_a_bucketed_plan(tmp_path):
 
     (callback,) = [c for c in planned.trainer.callbacks if isinstance(c, RematCallback)]
     assert callback.handle.recompute_count == 2 * len(plan.buckets[1].checkpoints)
+
+
+@needs_lightning
+def test_lightning_refuses_a_plan_for_another_optimizer_than_configure_optimizers_gives(lightning_plain, tiny_file):
+    """NOTE [ Optimizer specs ]: the plan's optimizer state and step are in its prediction; Lightning's optimizer
+    is read from the Trainer (plain SGD keeps no state, the plan's AdamW two buffers per parameter)."""
+    example, plan, _ = lightning_plain
+
+    class PlainSGD(example.ModelFileModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    with pytest.raises(PlanMismatch, match=re.escape("optimizer: plan has adamw, configure_optimizers gives "
+                                                     "sgd:momentum=0.0 (remat plan --optimizer 'sgd:momentum=0.0')")):
+        example.train(str(tiny_file), plan, steps=1, module_class=PlainSGD)

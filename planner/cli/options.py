@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from planner.errors import BadInput
 from planner.model.schema import Recipe
 from planner.cli.parallel import PIPELINE, ParallelOptions
+from planner.optimizers import check_impl
 from planner.options import (Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_fraction, parse_headroom,
                              parse_optimizer, parse_sharding)
 from planner.spec import SolveSpec, StepSpec
@@ -141,7 +142,9 @@ MEASURED_STEP = [
         help="Mixed precision: bf16 or fp16 (torch.autocast around forward and loss; with --device meta, "
              "for the target). Default: the model's own dtype.")], None),
     _param("optimizer", Annotated[str, typer.Option(
-        "--optimizer", help="Optimizer whose state is counted in the peak: adamw, adam, sgd, none.")], "adamw"),
+        "--optimizer", help="Optimizer whose state and step are counted in the peak: adamw, adam, sgd (momentum 0.9), none, "
+        "any torch.optim class by name with settings that move memory (sgd:momentum=0, RMSprop:centered=True), "
+        "adafactor (transformers') or module.Class of your own Optimizer.")], "adamw"),
     STEPS,
     THREADS,
     *COMPILE,
@@ -292,10 +295,8 @@ class StepOptions(Options, HfSource):
         if self.fused and self.foreach:
             raise BadInput("{fused} and {foreach} are two implementations of one optimizer: give one of them",
                            options=("fused", "foreach"))
-        if (self.fused or self.foreach) and self.optimizer == "none":
-            which = "fused" if self.fused else "foreach"
-            raise BadInput(f"{{{which}}} chooses the optimizer's implementation, but {{optimizer}} is none: drop it "
-                           f"or pick an optimizer", options=(which, "optimizer"))
+        if self.fused or self.foreach:
+            check_impl(self.optimizer, "fused" if self.fused else "foreach")
         if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
             raise BadInput(f"{{clip_grad_norm}} must be a positive, finite max norm, got {self.clip_grad_norm:g}; "
                            f"drop it for a step without clipping",

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,9 @@ from transformers import TrainerCallback
 
 from planner.act.applier import AppliedPlan, apply_plan
 from planner.errors import BadInput
-from planner.integrations.recipe import refuse_other_recipe
+from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
 from planner.model.schema import Plan, Recipe
+from planner.optimizers import impl_of, spec_for, spec_of
 
 logger = logging.getLogger("remat")
 
@@ -63,16 +65,20 @@ class RematCallback(TrainerCallback):
         self.handle: AppliedPlan | None = None
         self._model: Any = None
 
-    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self._apply(args, model)
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                    **kwargs: Any) -> None:
+        self._apply(args, model, optimizer)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self._apply(args, model)  # a model made by model_init, or a callback added after __init__
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        if optimizer is not None:  # the optimizer the Trainer built, now that it exists: NOTE [ Optimizer specs ]
+            check_training_arguments(self.plan, args, optimizer=optimizer)
+        self._apply(args, model, optimizer)  # a model made by model_init, or a callback added after __init__
 
-    def _apply(self, args: Any, model: Any) -> None:
+    def _apply(self, args: Any, model: Any, optimizer: Any) -> None:
         if model is None or model is self._model:
             return
-        check_training_arguments(self.plan, args)
+        check_training_arguments(self.plan, args, optimizer=optimizer, model=model)
         if self.handle is not None:  # model_init built a new model: the old one keeps nothing of ours
             self.handle.remove()
         logger.info("applying %s to %s", self.source, type(model).__name__)
@@ -80,16 +86,17 @@ class RematCallback(TrainerCallback):
         self._model = model
 
 
-def check_training_arguments(plan: Plan, args: Any) -> None:
-    """Raise if ``args`` (``TrainingArguments``) contradict ``plan``; see the module docstring."""
+def check_training_arguments(plan: Plan, args: Any, *, optimizer: Any = None, model: Any = None) -> None:
+    """Raise if ``args`` (``TrainingArguments``) contradict ``plan``; see the module docstring.
+    ``optimizer``: the one the Trainer was given or built (default: the one ``args.optim`` builds)."""
     which = _trainer_checkpointing(args)
     if which:
         raise DoubleCheckpointing(
             f"{which} checkpoints every layer, and the remat plan would checkpoint on top of it (double "
             f"checkpointing; the plan's prediction would not hold): turn it off and let the plan choose, or drop "
             f"RematCallback")
-    refuse_other_recipe(plan, training_recipe(args), framework="these TrainingArguments", settings=_SETTINGS,
-                        python_call="training_recipe(args)", other=_other_differences(plan, args))
+    refuse_other_recipe(plan, training_recipe(args, optimizer), framework="these TrainingArguments", settings=_SETTINGS,
+                        python_call="training_recipe(args)", other=_other_differences(plan, args, optimizer, model))
 
 
 _SETTINGS = {"grad_accum": "gradient_accumulation_steps", "amp": "bf16/fp16",
@@ -110,7 +117,7 @@ def _trainer_checkpointing(args: Any) -> str | None:
     return None
 
 
-def training_recipe(args: Any) -> Recipe:
+def training_recipe(args: Any, optimizer: Any = None) -> Recipe:
     """The training step a ``Trainer`` with ``args`` (``TrainingArguments``) runs, as a ``Recipe``.
 
     Plan with it (``planner.plan(model, budget, inputs=..., recipe=training_recipe(args))``, or
@@ -119,22 +126,25 @@ def training_recipe(args: Any) -> Recipe:
     clips with ``clip_grad_norm_(max_grad_norm)`` unless ``max_grad_norm`` is 0 (its default is
     1.0), runs forward and loss under autocast with ``bf16``/``fp16`` (fp16 with a GradScaler),
     sets gradients to None after each step (``model.zero_grad()``) and builds AdamW with
-    ``fused=True`` for ``optim="adamw_torch_fused"`` (the default since torch 2.8).
+    ``fused=True`` for ``optim="adamw_torch_fused"`` (the default since torch 2.8); an
+    ``optimizer`` given to the Trainer (``Trainer(optimizers=(optimizer, None))``) is its own implementation.
     """
     clip = getattr(args, "max_grad_norm", None)
     return Recipe(grad_accum=getattr(args, "gradient_accumulation_steps", 1) or 1,
                   amp="bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None,
                   clip_grad_norm=float(clip) if clip and clip > 0 else None,
-                  optimizer_impl="fused" if _text(getattr(args, "optim", None)) == "adamw_torch_fused" else "default")
+                  optimizer_impl=impl_of(optimizer) if optimizer is not None else
+                  "fused" if _text(getattr(args, "optim", None)) == "adamw_torch_fused" else "default")
 
 
-def _other_differences(plan: Plan, args: Any) -> list[str]:
+def _other_differences(plan: Plan, args: Any, optimizer: Any, model: Any) -> list[str]:
     """Differences outside the step recipe: the optimizer and the ranks."""
-    out = []
-    optimizer = _optimizer(getattr(args, "optim", None))
-    if optimizer is not None and plan.optimizer and optimizer != plan.optimizer:
-        out.append(f"optimizer: plan has {plan.optimizer}, TrainingArguments have {_text(args.optim)} "
-                   f"(remat plan --optimizer)")
+    if optimizer is not None:
+        out = optimizer_difference(plan, _read(spec_of, optimizer, what=type(optimizer).__name__),
+                                   source="the Trainer's optimizer is")
+    else:
+        out = optimizer_difference(plan, trainer_optimizer(args, model),
+                                   source=f"TrainingArguments(optim={_text(args.optim)!r}) build")
     world = getattr(args, "world_size", 1)
     if world != plan.world_size:
         out.append(f"ranks: plan has {plan.world_size}, TrainingArguments have {world} (world_size; "
@@ -142,16 +152,34 @@ def _other_differences(plan: Plan, args: Any) -> list[str]:
     return out
 
 
-def _optimizer(optim: Any) -> str | None:
-    """remat's name for a ``TrainingArguments.optim``, or None when remat has no model of it."""
-    name = _text(optim)
-    if name.startswith("adamw") and "8bit" not in name and "bnb" not in name:
-        return "adamw"
-    return "sgd" if name == "sgd" else None
+def trainer_optimizer(args: Any, model: Any = None) -> str | None:
+    """The optimizer spec (NOTE [ Optimizer specs ]) of the optimizer a ``Trainer`` builds from
+    ``args``: its ``optim``, ``optim_args`` and ``weight_decay`` (given to the largest parameter
+    group); None, with a warning, when transformers cannot build it here (a package it needs)."""
+    from transformers import Trainer
+
+    def built(args: Any) -> str:
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        if "weight_decay" in inspect.signature(cls).parameters:
+            kwargs = {**kwargs, "weight_decay": args.weight_decay}
+        return spec_for(cls, kwargs)
+
+    return _read(built, args, what=f"TrainingArguments(optim={_text(args.optim)!r})")
+
+
+def _read(read: Any, source: Any, *, what: str) -> str | None:
+    """``read(source)``, or None with a warning when it is no optimizer remat can read (LOMO, a package
+    transformers needs and lacks here): that optimizer is not compared."""
+    try:
+        return read(source)
+    except (ImportError, ValueError, TypeError, AttributeError, BadInput) as e:
+        logger.warning("remat cannot compare the plan's optimizer with %s: %s", what, e)
+        return None
 
 
 def _text(value: Any) -> str:
     return str(getattr(value, "value", value) or "")
 
 
-__all__ = ["check_training_arguments", "DoubleCheckpointing", "logger", "RematCallback", "training_recipe"]
+__all__ = ["check_training_arguments", "DoubleCheckpointing", "logger", "RematCallback", "trainer_optimizer",
+           "training_recipe"]

@@ -33,8 +33,9 @@ from torch import nn
 
 from planner.act.applier import AppliedPlan, apply_plan
 from planner.errors import BadInput
-from planner.integrations.recipe import refuse_other_recipe
+from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
 from planner.model.schema import Plan, Recipe
+from planner.optimizers import impl_of, spec_of
 
 logger = logging.getLogger("remat")
 
@@ -81,6 +82,8 @@ class RematCallback(pl.Callback):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         other = [] if trainer.world_size == self.plan.world_size else [
             f"ranks: plan has {self.plan.world_size}, the Trainer has {trainer.world_size} (remat plan --world-size)"]
+        if optimizer is not None:  # NOTE [ Optimizer specs ]
+            other += optimizer_difference(self.plan, spec_of(optimizer), source="configure_optimizers gives")
         refuse_other_recipe(self.plan, training_recipe(trainer, optimizer), framework="this Trainer",
                             settings=_SETTINGS, python_call="training_recipe(trainer, optimizer)", other=other)
 
@@ -131,10 +134,9 @@ def training_recipe(trainer: pl.Trainer, optimizer: Any = None) -> Recipe:
                        f"use one of {', '.join(map(repr, _AMP))}, or drop RematCallback")
     clip = trainer.gradient_clip_val
     by_norm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm") == "norm"
-    defaults = getattr(optimizer, "defaults", {})
-    impl = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "default"
     return Recipe(grad_accum=trainer.accumulate_grad_batches, amp=_AMP[precision],
-                  clip_grad_norm=float(clip) if clip and by_norm else None, optimizer_impl=impl)
+                  clip_grad_norm=float(clip) if clip and by_norm else None,
+                  optimizer_impl=impl_of(optimizer) if optimizer is not None else "default")
 
 
 __all__ = ["logger", "RematCallback", "training_recipe"]

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from planner.errors import PlanMismatch
 from planner.model.schema import Plan, Recipe
+from planner.optimizers import parse_optimizer
 
 
 def refuse_other_recipe(plan: Plan, job: Recipe, *, framework: str, settings: Mapping[str, str],
@@ -41,4 +42,17 @@ def refuse_other_recipe(plan: Plan, job: Recipe, *, framework: str, settings: Ma
                                f"(in Python: planner.plan(..., recipe={python_call})), or change {framework}")
 
 
-__all__ = ["refuse_other_recipe"]
+def optimizer_difference(plan: Plan, job_spec: str | None, *, source: str) -> list[str]:
+    """The phrase for ``refuse_other_recipe(other=...)`` when the plan's optimizer is not the job's.
+
+    ``job_spec``: the canonical spec of the framework's optimizer (planner.optimizers.spec_of),
+    None when it cannot be read; ``source`` says whose it is ("the Trainer's optimizer is").
+    A plan without an optimizer (made before plans recorded one) is not compared.
+    """
+    if job_spec is None or not plan.optimizer or parse_optimizer(plan.optimizer) == job_spec:
+        return []
+    return [f"optimizer: plan has {parse_optimizer(plan.optimizer)}, {source} {job_spec} "
+            f"(remat plan --optimizer '{job_spec}')"]
+
+
+__all__ = ["optimizer_difference", "refuse_other_recipe"]

@@ -116,11 +116,12 @@ def _module_type() -> type:
 
 def check_step(step: StepSpec) -> torch.device:
     """Validate ``step`` before anything runs; returns its device. Raises ``BadInput``."""
+    from planner.optimizers import check_impl
     from planner.options import parse_optimizer
     from planner.profiling.profiler import resolve_device
 
     dev = resolve_device(step.device)
-    parse_optimizer(step.optimizer)
+    check_impl(parse_optimizer(step.optimizer), step.recipe.optimizer_impl)
     if step.steps < 1 or step.warmup_steps < 0:
         raise BadInput(f"need steps >= 1 and warmup_steps >= 0, got steps={step.steps}, "
                        f"warmup_steps={step.warmup_steps}")

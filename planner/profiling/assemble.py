@@ -16,7 +16,8 @@ import torch.utils.checkpoint
 
 from planner.model import schema
 from planner.model.fingerprint import fingerprint
-from planner.profiling.measure import OPTIMIZERS, Measured
+from planner.options import parse_optimizer
+from planner.profiling.measure import Measured
 from planner.profiling.model_file import Inputs
 from planner.profiling.timing import UnitCost, unit_costs
 from planner.spec import StepSpec
@@ -55,7 +56,7 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
         device_name=_device_name(dev),
         dtype=_dtype(model),
         recipe=step.recipe,
-        optimizer=step.optimizer.lower(),
+        optimizer=parse_optimizer(step.optimizer),
         torch_version=torch.__version__,
         created_at=schema.now_iso(),
         units=units,
@@ -76,8 +77,9 @@ def _profile_notes(mem: MemoryRecord, times: StepTimes, measured: Measured, opti
     """What a reader of the profile should know about how its step ran."""
     rec = mem.recorder
     notes: list[str] = []
-    if opt_note := _OPTIMIZER_NOTE.get(optimizer.lower()):
-        notes.append(opt_note)
+    if parse_optimizer(optimizer) != "none":
+        notes.append(f"{parse_optimizer(optimizer)} ran with lr=0: same state, kernels and temporaries as training, "
+                     f"weights unchanged")
     memory_ids = [u.id for u in rec.units]
     if any(ids != memory_ids for ids in times.unit_ids):
         notes.append("the module calls differed between steps (data-dependent control flow?); "
@@ -166,12 +168,6 @@ def step_structure(steps: Mapping[str, list[str]]) -> schema.StepStructure:
     ran = {name: set(ids) for name, ids in steps.items()}
     skipped = {name: [u for u in seen if u not in ran[name]] for name in steps}
     return schema.StepStructure(units_seen=seen, skipped={k: v for k, v in skipped.items() if v})
-
-
-_OPTIMIZER_NOTE = {
-    name: f"{name} ran with lr=0: same state, kernels and temporaries as training, weights unchanged"
-    for name in OPTIMIZERS if name != "none"
-}
 
 
 def _pooled_costs(times: StepTimes, signatures: dict[str, str]) -> dict[str, UnitCost]:

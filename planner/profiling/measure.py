@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
+from planner.optimizers import build_optimizer, check_impl
 from planner.options import parse_amp, parse_optimizer
 from planner.profiling.model_file import (Inputs, call_model, called_exit, check_loss, compute_loss, loss_arity,
                                           user_frames)
@@ -41,46 +42,21 @@ STEP_MARKS = ("step_start", "loss_start", "forward_end", "backward_start", "back
 """The points at which a step calls ``mark``, in order. ``value`` is the model output at
 'loss_start', the loss at 'forward_end', None elsewhere (see ``make_step``)."""
 
-OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], float], torch.optim.Optimizer] | None] = {
-    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
-    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
-    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
-    "none": None,
-}
-"""Optimizer name -> factory (torch.optim defaults: foreach on CUDA, for-loop on CPU)."""
-
 AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 def make_optimizer(name: str, model: torch.nn.Module, *, lr: float = 0.0,
                    impl: str = "default") -> torch.optim.Optimizer | None:
-    """The optimizer ``name`` ('adamw', 'adam', 'sgd' with momentum 0.9, 'none') over the trainable parameters.
+    """The optimizer spec ``name`` names ('adamw', 'sgd:momentum=0', 'adafactor', a dotted path;
+    NOTE [ Optimizer specs ] in planner/optimizers.py) over the trainable parameters.
 
     ``lr`` defaults to 0: every kernel of ``step()`` runs, allocating the same state and
     temporaries, but the weights do not change, so profiling leaves the user's model as it was.
     ``impl`` is ``Recipe.optimizer_impl``: 'default' (torch's choice for the device), 'foreach'
     or 'fused'.
     """
-    factory = OPTIMIZERS[parse_optimizer(name)]
-    if impl not in _IMPL_KWARGS:
-        raise BadInput(f"unknown optimizer implementation {impl!r}; choose one of {', '.join(_IMPL_KWARGS)}")
-    if factory is None:
-        if impl != "default":
-            raise BadInput(f"{{{impl}}} chooses the optimizer's implementation, but the {{optimizer}} is 'none'; "
-                           f"drop {{{impl}}} or pick an optimizer", options=(impl, "optimizer"))
-        return None
-    opt = factory([p for p in model.parameters() if p.requires_grad], lr)
-    for group in opt.param_groups:
-        group.update(_IMPL_KWARGS[impl])
-    return opt
-
-
-_IMPL_KWARGS: dict[str, dict[str, bool | None]] = {
-    "default": {},
-    "foreach": {"foreach": True, "fused": None},
-    "fused": {"foreach": None, "fused": True},
-}
-"""``Recipe.optimizer_impl`` -> the param-group flags torch.optim reads at each ``step()``."""
+    check_impl(parse_optimizer(name), impl)
+    return build_optimizer(name, [p for p in model.parameters() if p.requires_grad], lr=lr, impl=impl)
 
 
 SCALER_INIT_SCALE = 1.0
@@ -526,5 +502,5 @@ def measure_host_link(dev: torch.device, *, repeats: int = 5) -> tuple[float, bo
 
 __all__ = ["AMP_DTYPES", "count_cpu_allocations", "cpu_allocations", "DISTRIBUTED_PEAK_REPEATS", "free",
            "HOST_LINK_PROBE_BYTES", "is_oom", "make_optimizer", "make_step", "Mark", "measure_host_link",
-           "measure_rank_step", "measure_step", "Measured", "OPTIMIZERS", "quiet_stderr", "resolve_recipe",
+           "measure_rank_step", "measure_step", "Measured", "quiet_stderr", "resolve_recipe",
            "SCALER_INIT_SCALE", "Step", "STEP_MARKS", "sync", "to_device", "user_code"]

@@ -549,11 +549,17 @@ def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
         last = rec.param_last_use.get(serials.get(name, -1), -1)
         records.append(schema.ParamRecord(name=name, nbytes=tracker.round_bytes(p.numel() * p.element_size()),
                                           grad_seq=last if last >= 0 else forward_end))
-    events = {e.kind: e for e in rec.events if e.unit is None}
-    transient = events["optimizer_end"].peak_bytes - events["backward_end"].live_bytes
+    transient = optimizer_transient_bytes(rec.events)
     static = params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + kept_grads_bytes + tracker.found_bytes
     return MemoryRecord(rec, params_bytes, buffers_bytes, batch_bytes, optimizer_bytes, grads_bytes, tracker.found_bytes,
-                   max(transient, 0), static, records, unused)
+                   transient, static, records, unused)
+
+
+def optimizer_transient_bytes(events: list[Event]) -> int:
+    """What ``optimizer.step()`` (with clipping and unscaling) allocates above the end of backward, on
+    ``events``' timeline: the memory step's, or the as-run step's once it has its bytes (NOTE [ Step as run ])."""
+    ends = {e.kind: e for e in events if e.unit is None}
+    return max(ends["optimizer_end"].peak_bytes - ends["backward_end"].live_bytes, 0)
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
@@ -577,5 +583,5 @@ def release_grads(model: torch.nn.Module, dev: torch.device, recipe: schema.Reci
         gc.collect()
 
 
-__all__ = ["Event", "MemoryRecord", "MemoryRecorder", "OP_TIMING_STEPS", "Progress", "counted_op", "memory_step",
-           "op_timing_steps", "release_grads"]
+__all__ = ["Event", "MemoryRecord", "MemoryRecorder", "OP_TIMING_STEPS", "optimizer_transient_bytes", "Progress",
+           "counted_op", "memory_step", "op_timing_steps", "release_grads"]
