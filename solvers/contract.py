@@ -108,6 +108,9 @@ class GraphAttrs(TypedDict):
     param_grads: Annotated[list[tuple[int, int]], Doc("(grad_seq, bytes) per parameter: when backward "
                                                         "creates its gradient")]
     autocast_cached: Annotated[frozenset[int], Doc("tensors autocast caches to the forward's end (Rule 8)")]
+    dropped_released_seq: NotRequired[Annotated[dict[int, int], Doc(
+        "tensor id -> seq when the step's code dropped it, for unit outputs no unit takes "
+        "(NOTE [ Outputs the caller drops ]); absent: none known")]]
     replay_transient_bytes: Annotated[int, Doc("a compiled step's replay temporaries, added to every recompute "
                                                "probe (Rule 11), signed; 0 for eager steps")]
     # static memory, one process

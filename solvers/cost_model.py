@@ -183,6 +183,13 @@ ALIVE_SEQ = 1 << 62
 used there, and a tensor never held is held from there."""
 
 
+def kept_at(made: int, dropped: int, seq: int, after: int | None = None) -> bool:
+    """Whether a tensor the step's code keeps from ``made`` until it drops it at ``dropped`` counts in the
+    forward probe at ``seq`` (NOTE [ Outputs the caller drops ], Rule 3): made by then and dropped at or
+    after it; ``after``, for the tail: dropped after the last leaf's end ``after``."""
+    return made <= seq and (dropped >= seq if after is None else dropped > after)
+
+
 # NOTE [ Peak-memory model ]
 #
 # Rule 1. What is modelled: one steady-state training step of the recipe (default:
@@ -210,16 +217,20 @@ used there, and a tensor never held is held from there."""
 # i is the code after l_{i-1} up to and including l_i (glue code such as a residual add or the
 # embedding sum belongs to the next leaf's window); the tail window is everything after l_n
 # (final norm, head, loss, when they are not candidates). The peak is the largest probe:
-#   forward of window i:   static + |held with p <= end(l_i)  U  out_i| + T_fwd(i)
+#   forward of window i:   static + |held with p <= end(l_i)  U  out_i  U  kept_i| + T_fwd(i)
 #   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
 #   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
 #                          + G_c + max T_fwd over the leaves of c
-#   tail forward/backward: static + |all held| + T_tail
+#   tail forward/backward: static + |all held| + T_tail   (forward: U kept_tail)
 #   optimizer step:        static + all grads + the optimizer's measured temporaries
 # where out_i are tensors created in window i that later code still uses (in flight, alive
-# whether held or not), R_i are the tensors a checkpointed unit c containing l_i re-creates
-# when its backward starts (everything c saves that c itself created: not its inputs, which it
-# kept, nor tensors it reached otherwise, which recompute does not copy) and that backward has
+# whether held or not), kept_i are the outputs of units that no unit takes, made by end(l_i) and
+# still kept by the step's code when window i starts (NOTE [ Outputs the caller drops ] in
+# planner/profiling/releases.py: unheld once their unit is checkpointed, alive until the caller
+# drops them; kept_tail those kept past the last leaf), R_i are the tensors a checkpointed unit
+# c containing l_i re-creates when its backward starts (everything c saves that c itself
+# created: not its inputs, which it kept, nor tensors it reached otherwise, which recompute does
+# not copy) and that backward has
 # not yet passed (saved at or before end(l_i)), grads(i) are the gradients of parameters last
 # used after window i, and G_c (``CostModel.replay_in_flight``) is what the replay of c runs
 # beside: the gradient of c's outputs that code after c differentiates through (backward has
@@ -327,6 +338,8 @@ class CostModel(OffloadTerms):
     grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
     casts: tuple[tuple[int, int], ...]  # (created seq, tensor) of autocast's cached casts, sorted
     cast_ids: frozenset[int]
+    dropped: tuple[tuple[int, int, int], ...]  # (created, tensor, released) seqs: NOTE [ Outputs the caller drops ]
+    dropped_ids: frozenset[int]
     # Probe bases (static + gradients + temporaries T), per window and for the tail:
     forward_base_bytes: tuple[int, ...]
     backward_base_bytes: tuple[int, ...]
@@ -370,6 +383,7 @@ class CostModel(OffloadTerms):
             suffix[k] = suffix[k + 1] + pg[k][1]
         created = g.graph["tensor_created_seq"]
         casts = tuple(sorted((created[t], t) for t in g.graph.get("autocast_cached", ())))
+        dropped = tuple(sorted((created[t], t, r) for t, r in g.graph.get("dropped_released_seq", {}).items()))
         rk = rank_memory(g, per_rank=per_rank)
 
         def tr(attrs: dict, key: str) -> int:
@@ -380,6 +394,7 @@ class CostModel(OffloadTerms):
             tensor_bytes=g.graph["tensor_bytes"], saves=saves, save_seqs=tuple(s[0] for s in saves),
             node_leaves=node_leaves, grad_seqs=grad_seqs, grad_suffix=tuple(suffix), casts=casts,
             cast_ids=frozenset(t for _, t in casts), tie_groups=tie_groups(g),
+            dropped=dropped, dropped_ids=frozenset(t for _, t, _ in dropped),
         )
         # The bases need backward_static, which reads the fields above: a model without them first.
         partial = CostModel(**fields, forward_base_bytes=(), backward_base_bytes=(), tail_forward_base_bytes=0,
@@ -480,6 +495,14 @@ class CostModel(OffloadTerms):
         return sum(self.tensor_bytes[t] for c, t in self.casts
                    if c <= seq and pos.get(t, ALIVE_SEQ + 1) > seq and t not in counted)
 
+    def dropped_bytes(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset(),
+                      after: int | None = None) -> int:
+        """Bytes of the unit outputs the step's code keeps until it drops them (NOTE [ Outputs the caller
+        drops ]) in the forward probe at ``seq`` (``kept_at``; ``after``: the tail's), not held by then
+        (``pos``: holding positions). ``counted``: in flight already."""
+        return sum(self.tensor_bytes[t] for c, t, r in self.dropped
+                   if kept_at(c, r, seq, after) and pos.get(t, ALIVE_SEQ + 1) > seq and t not in counted)
+
     def holdings(self, chosen: frozenset[str], policies: Mapping[str, Any] | None = None,
                  offloaded: frozenset[str] = frozenset()) -> dict[int, int]:
         """tensor -> earliest holding position p(t), for the held tensors (see NOTE); ``chosen``
@@ -529,6 +552,7 @@ class CostModel(OffloadTerms):
             h = held_upto(end)
             out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, ALIVE_SEQ) > end)
             out_extra += self.cached_casts(pos, end, in_flight_ids) + fwd_copy.get(i, 0)
+            out_extra += self.dropped_bytes(pos, end, in_flight_ids)
             yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
             _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
             c = owner.get(i)
@@ -544,7 +568,8 @@ class CostModel(OffloadTerms):
             yield f"recompute of {c}", total, grads, extra
         h_all, n = prefix[-1], len(self.leaves)
         yield ("end of forward", self.tail_forward_base_bytes + h_all + self.cached_casts(pos, ALIVE_SEQ)
-               + fwd_copy.get(n, 0), fwd_g, fwd_p)
+               + self.dropped_bytes(pos, ALIVE_SEQ, after=self.leaf_end_seq[-1] if n else -1) + fwd_copy.get(n, 0),
+               fwd_g, fwd_p)
         _, grads, extra = self.backward_static(self.tail_seq, ALIVE_SEQ)
         yield "start of backward", self.tail_backward_base_bytes + h_all + bwd_copy.get(n, 0), grads, extra
         all_grads = -(-g.graph["grads_bytes"] // rk.grad_divisor)
@@ -559,5 +584,5 @@ class CostModel(OffloadTerms):
         return build_chain_terms(self)
 
 
-__all__ = ["ALIVE_SEQ", "CostModel", "Estimate", "calibrate", "check_checkpoint_set", "close_ties", "is_tied",
+__all__ = ["ALIVE_SEQ", "CostModel", "Estimate", "kept_at", "calibrate", "check_checkpoint_set", "close_ties", "is_tied",
            "policies_of", "simulate", "tie_groups", "window_bytes"]

@@ -187,9 +187,17 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         measured_peak_bytes=s.measured_peak_bytes, peak_source=s.peak_source,
         recipe=p.recipe.model_dump(), grads_alive=p.recipe.grads_alive, micro_batches=p.recipe.grad_accum,
         autocast_cached=frozenset(t.id for t in p.tensors if t.autocast_cached),
+        dropped_released_seq=_dropped(p),
         host_link_bytes_per_s=p.host_link_bytes_per_s, copy_engine=p.copy_engine,
         replay_transient_bytes=p.compile.replay_transient_bytes if p.compile else 0,
     )
+
+
+def _dropped(p: Profile) -> dict[int, int]:
+    """Release seqs of the unit outputs no unit takes as input (NOTE [ Outputs the caller drops ], Rule 2)."""
+    taken = {t for u in p.units for t in u.input_ids}
+    return {t.id: t.released_seq for t in p.tensors
+            if t.released_seq is not None and t.id not in taken and not t.autocast_cached}
 
 
 def _fsdp_units(units: dict[str, UnitRecord], children: dict[str, list[str]], p: Profile) -> dict:

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner.model import schema
 from planner.profiling.model_file import Inputs
 from planner.profiling.roofline import op_work
+from planner.profiling.releases import Releases
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 from planner.profiling.units import Recorder, UnitCall, io_tensors
 from planner.profiling.timing import WallClock, describe, signature
@@ -248,6 +249,7 @@ class MemoryRecorder(Recorder):
         """Unit id -> ``planner.profiling.timing.signature`` (NOTE [ Unit costs ], Rule 3)."""
         self.output_edges: list[tuple[UnitCall, int, list[tuple[int, int | None, int]]]] = []
         """Per unit call: its latest output node and its outputs' gradient edges (``gradient_edges``)."""
+        self.releases = Releases(lambda: self.seq)  # NOTE [ Outputs the caller drops ]
         super().__init__(model)
         tracker.observer = self._on_op
         tracker.work_of = op_work
@@ -439,6 +441,10 @@ class MemoryRecorder(Recorder):
 
     def _on_outputs(self, unit: UnitCall, output: Any) -> None:
         unit.output_ids, unit.output_bytes = self._io(output)
+        for t in io_tensors(output):
+            e = self.tracker.entry(t)
+            if e is not None and not e.static:
+                self.releases.watch(t, self._tensor_id(e))
         self.output_edges.append((unit, *self.gradient_edges(output)))
         start, inputs = self.op_start.pop(unit.id)
         params = describe(self.modules[unit.key].parameters()) if unit.key is not None else ""
@@ -462,6 +468,8 @@ class MemoryRecorder(Recorder):
 
     def mark(self, name: str, value: Any = None) -> None:
         super().mark(name, value)
+        if name == "backward_start":
+            self.releases.stop()
         if name == "forward_end" and isinstance(value, torch.Tensor) and value.requires_grad:
             taken = gradient_takers(value)
             for unit, made, edges in self.output_edges:
