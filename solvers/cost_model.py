@@ -183,6 +183,13 @@ ALIVE_SEQ = 1 << 62
 used there, and a tensor never held is held from there."""
 
 
+def _ever_kept(made: int, dropped: int, leaf_end: tuple[int, ...]) -> bool:
+    """Whether some forward probe counts a tensor kept from ``made`` to ``dropped`` (``kept_at``): one made
+    and dropped inside a window never does (NOTE [ Outputs the caller drops ], Rule 3)."""
+    k = bisect.bisect_left(leaf_end, made)
+    return (k < len(leaf_end) and leaf_end[k] <= dropped) or dropped > (leaf_end[-1] if leaf_end else -1)
+
+
 def kept_at(made: int, dropped: int, seq: int, after: int | None = None) -> bool:
     """Whether a tensor the step's code keeps from ``made`` until it drops it at ``dropped`` counts in the
     forward probe at ``seq`` (NOTE [ Outputs the caller drops ], Rule 3): made by then and dropped at or
@@ -383,7 +390,8 @@ class CostModel(OffloadTerms):
             suffix[k] = suffix[k + 1] + pg[k][1]
         created = g.graph["tensor_created_seq"]
         casts = tuple(sorted((created[t], t) for t in g.graph.get("autocast_cached", ())))
-        dropped = tuple(sorted((created[t], t, r) for t, r in g.graph.get("dropped_released_seq", {}).items()))
+        dropped = tuple(sorted((created[t], t, r) for t, r in g.graph.get("dropped_released_seq", {}).items()
+                               if _ever_kept(created[t], r, leaf_end)))
         rk = rank_memory(g, per_rank=per_rank)
 
         def tr(attrs: dict, key: str) -> int:

@@ -58,7 +58,7 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     g = nx.DiGraph()
     _set_graph_attrs(g, profile, granularity, nested)
     g.graph.update(world_size=world_size, sharding=sharding, **_fsdp_units(units, children, profile))
-    saves_by_seq = sorted((s.seq, s.tensor_id) for s in profile.saves)
+    saves_by_seq = sorted((s.seq, s.tensor_id) for s in held_saves(profile))
     tensor_bytes = g.graph["tensor_bytes"]
     for order, uid in enumerate(chosen):
         g.add_node(uid, **_node_attrs(units[uid], order, saves_by_seq, tensor_bytes))
@@ -177,7 +177,7 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         granularity=granularity, nested=nested,
         tensor_bytes={t.id: t.nbytes for t in p.tensors},
         tensor_created_seq={t.id: t.created_seq for t in p.tensors},
-        saves=sorted({(sv.seq, sv.tensor_id) for sv in p.saves}),
+        saves=sorted({(sv.seq, sv.tensor_id) for sv in held_saves(p)}),
         param_grads=sorted((pr.grad_seq, pr.nbytes) for pr in p.params),
         params_bytes=s.params_bytes, buffers_bytes=s.buffers_bytes, batch_bytes=s.batch_bytes,
         optimizer_bytes=s.optimizer_bytes, grads_bytes=s.grads_bytes,
@@ -193,11 +193,23 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
     )
 
 
+def held_saves(p: Profile) -> list:
+    """The saves backward needs: not those released in the forward (NOTE [ Outputs the caller drops ], Rule 4)."""
+    return [s for s in p.saves if s.released_seq is None]
+
+
 def _dropped(p: Profile) -> dict[int, int]:
-    """Release seqs of the unit outputs no unit takes as input (NOTE [ Outputs the caller drops ], Rule 2)."""
+    """Release seqs of the unit outputs no unit takes as input, and of the tensors only saves released in the
+    forward keep (NOTE [ Outputs the caller drops ], Rules 2 and 4)."""
     taken = {t for u in p.units for t in u.input_ids}
-    return {t.id: t.released_seq for t in p.tensors
-            if t.released_seq is not None and t.id not in taken and not t.autocast_cached}
+    casts = {t.id for t in p.tensors if t.autocast_cached}
+    out = {t.id: t.released_seq for t in p.tensors
+           if t.released_seq is not None and t.id not in taken | casts}
+    held = taken | casts | {s.tensor_id for s in held_saves(p)}  # also saved for backward: held as before
+    for s in p.saves:
+        if s.released_seq is not None and s.tensor_id not in held:
+            out[s.tensor_id] = max(out.get(s.tensor_id, -1), s.released_seq)
+    return out
 
 
 def _fsdp_units(units: dict[str, UnitRecord], children: dict[str, list[str]], p: Profile) -> dict:
@@ -256,7 +268,7 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
     op_ms = dict(zip((o.seq for o in ops), (o.forward_ms for o in ops) if p.time_source == "roofline" else
                      priced_by_work([(o.name, o.flops, o.moved_bytes, o.forward_ms) for o in ops])))
     op_seqs = [o.seq for o in ops]
-    saves = sorted((s.seq, s.tensor_id) for s in p.saves)
+    saves = sorted((s.seq, s.tensor_id) for s in held_saves(p))
     tb = g.graph["tensor_bytes"]
     writers = Counter(o.writes for o in ops if o.writes is not None)
     for n in chosen:

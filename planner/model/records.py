@@ -149,6 +149,9 @@ class SaveRecord(FileModel):
     tensor_id: Count
     seq: Seq
     unit: str
+    released_seq: Seq | None = Field(None, description=(
+        "When autograd let go of the save in the forward: a branch no loss reads, freed with the output the "
+        "caller dropped (NOTE [ Outputs the caller drops ], Rule 4); None: held for backward."))
 
 
 class OpRecord(FileModel):

@@ -401,7 +401,9 @@ class MemoryRecorder(Recorder):
         if (tid, unit) not in self.saved_pairs:
             self.saved_pairs.add((tid, unit))
             self.saves.append((tid, self._next(), unit))
-        return _without_graph(t)
+        packed = _without_graph(t)
+        self.releases.watch_save(packed, (tid, unit))  # NOTE [ Outputs the caller drops ], Rule 4
+        return packed
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
