@@ -111,6 +111,9 @@ class GraphAttrs(TypedDict):
     dropped_released_seq: NotRequired[Annotated[dict[int, int], Doc(
         "tensor id -> seq when the step's code dropped it, for unit outputs no unit takes "
         "(NOTE [ Outputs the caller drops ]); absent: none known")]]
+    replay_rng_copy_bytes: NotRequired[Annotated[int, Doc(
+        "the copy of the RNG state each eager replay makes (fork_rng), in every recompute probe (Rule 7); "
+        "0 for compiled steps")]]
     replay_transient_bytes: Annotated[int, Doc("a compiled step's replay temporaries, added to every recompute "
                                                "probe (Rule 11), signed; 0 for eager steps")]
     # static memory, one process

@@ -274,7 +274,10 @@ def kept_at(made: int, dropped: int, seq: int, after: int | None = None) -> bool
 # again) is counted twice while c is recomputed: an overestimate, on the safe side. Units
 # whose recomputation is unsafe are not candidates. The CPU RNG state each checkpointed region
 # keeps (Profile.region_state_bytes, device memory on a CPU run) is counted as retained bytes
-# of every unit.
+# of every unit; and once more in each recompute probe ("replay_rng_copy_bytes"): the replay
+# runs inside ``torch.random.fork_rng``, which copies the current state for as long as it runs.
+# Missed, a replay whose forward temporaries come at its very end (a branch no loss reads, last
+# in its block) was measured 5,056 bytes above its probe.
 #
 # Rule 8. Recipe (graph.graph "recipe", from ``schema.Recipe``; the profiler ran the same step):
 #   grad_accum N > 1:  the step runs N micro-batches and the optimizer step after the last. From
@@ -466,9 +469,10 @@ class CostModel(OffloadTerms):
 
     def recompute_transient_bytes(self, c: str) -> int:
         """The temporaries T of ``c``'s recompute: the largest forward T over its leaves, with Rule 11's
-        offset, never below 0."""
+        offset, never below 0; and the replay's copy of the RNG state (Rule 7)."""
         return max(0, max((self.forward_base_bytes[i] - self.rank.fwd_static_bytes for i in self.node_leaves[c]),
-                          default=0) + self.graph.graph.get("replay_transient_bytes", 0))
+                          default=0) + self.graph.graph.get("replay_transient_bytes", 0)) \
+            + self.graph.graph.get("replay_rng_copy_bytes", 0)
 
     def recomputed_bytes(self, c: str, upto_seq: int, kept: frozenset[int] = frozenset()) -> int:
         """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the

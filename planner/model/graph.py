@@ -190,6 +190,7 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         dropped_released_seq=_dropped(p),
         host_link_bytes_per_s=p.host_link_bytes_per_s, copy_engine=p.copy_engine,
         replay_transient_bytes=p.compile.replay_transient_bytes if p.compile else 0,
+        replay_rng_copy_bytes=0 if p.compile else p.region_state_bytes,  # NOTE [ Peak-memory model ], Rule 7
     )
 
 
