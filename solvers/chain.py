@@ -20,7 +20,8 @@ from typing import Any
 
 import networkx as nx
 
-from solvers.cost_model import ALIVE_SEQ, CostModel, kept_at
+from solvers.cost_model import ALIVE_SEQ, CostModel
+from solvers.kept import kept_at
 from solvers.errors import SolverError
 
 
@@ -175,7 +176,8 @@ def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
         for cur, rec in enumerate(recs):
             out_extra = sum(model.tensor_bytes[t] for t in model.graph.nodes[x]["in_flight_ids"]
                             if not any(h[0] <= i and _in_force(h, cur) for h in hold.get(t, ())))
-            fwd = model.forward_base_bytes[i] + out_extra + sum(b for c, r, b in unsaved_casts if kept_at(c, r, end))
+            kept = sum(b for c, r, b in unsaved_casts if kept_at(c, r, end))
+            fwd = model.forward_base_bytes[i] + out_extra + kept
             bwd = model.backward_base_bytes[i] + rec
             rcp = (model.recompute_static_bytes(x) + rec + model.replay_in_flight(x)
                    + model.recompute_transient_bytes(x)) if cur else 0

@@ -111,6 +111,8 @@ class GraphAttrs(TypedDict):
     dropped_released_seq: NotRequired[Annotated[dict[int, int], Doc(
         "tensor id -> seq when the step's code dropped it, for unit outputs no unit takes "
         "(NOTE [ Outputs the caller drops ]); absent: none known")]]
+    ctx_held: NotRequired[Annotated[frozenset[int], Doc(
+        "tensors custom autograd nodes keep on ctx: saves no region drops (NOTE [ Tensors on ctx ])")]]
     replay_rng_copy_bytes: NotRequired[Annotated[int, Doc(
         "the copy of the RNG state each eager replay makes (fork_rng), in every recompute probe (Rule 7); "
         "0 for compiled steps")]]

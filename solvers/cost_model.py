@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from solvers.errors import SolverError
 from solvers.offload_cost import OffloadTerms
 from solvers.rank_memory import RankMemory, rank_memory
+from solvers.kept import ever_kept, kept_at  # NOTE [ Outputs the caller drops ]
 from solvers.ties import close_ties, enclosing, is_tied, tie_groups  # NOTE [ Tied calls ]
 
 if TYPE_CHECKING:
@@ -183,20 +184,6 @@ ALIVE_SEQ = 1 << 62
 used there, and a tensor never held is held from there."""
 
 
-def _ever_kept(made: int, dropped: int, leaf_end: tuple[int, ...]) -> bool:
-    """Whether some forward probe counts a tensor kept from ``made`` to ``dropped`` (``kept_at``): one made
-    and dropped inside a window never does (NOTE [ Outputs the caller drops ], Rule 3)."""
-    k = bisect.bisect_left(leaf_end, made)
-    return (k < len(leaf_end) and leaf_end[k] <= dropped) or dropped > (leaf_end[-1] if leaf_end else -1)
-
-
-def kept_at(made: int, dropped: int, seq: int, after: int | None = None) -> bool:
-    """Whether a tensor the step's code keeps from ``made`` until it drops it at ``dropped`` counts in the
-    forward probe at ``seq`` (NOTE [ Outputs the caller drops ], Rule 3): made by then and dropped at or
-    after it; ``after``, for the tail: dropped after the last leaf's end ``after``."""
-    return made <= seq and (dropped >= seq if after is None else dropped > after)
-
-
 # NOTE [ Peak-memory model ]
 #
 # Rule 1. What is modelled: one steady-state training step of the recipe (default:
@@ -348,7 +335,7 @@ class CostModel(OffloadTerms):
     grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
     casts: tuple[tuple[int, int], ...]  # (created seq, tensor) of autocast's cached casts, sorted
     cast_ids: frozenset[int]
-    dropped: tuple[tuple[int, int, int], ...]  # (created, tensor, released) seqs: NOTE [ Outputs the caller drops ]
+    dropped: tuple[tuple[int, int, int], ...]  # (made, tensor, released): NOTE [ Outputs the caller drops ]
     dropped_ids: frozenset[int]
     # Probe bases (static + gradients + temporaries T), per window and for the tail:
     forward_base_bytes: tuple[int, ...]
@@ -376,8 +363,10 @@ class CostModel(OffloadTerms):
         leaves = tuple(g.graph["leaves"])
         leaf_end = tuple(g.nodes[n]["fwd_end_seq"] for n in leaves)
         ranges = [(n, a["fwd_start_seq"], a["fwd_end_seq"]) for n, a in g.nodes(data=True)]
+        ctx = g.graph.get("ctx_held", frozenset())  # NOTE [ Tensors on ctx ]: no region drops them
         saves = tuple(
-            (seq, t, tuple(n for n, lo, hi in ranges if lo <= seq <= hi)) for seq, t in g.graph["saves"]
+            (seq, t, () if t in ctx else tuple(n for n, lo, hi in ranges if lo <= seq <= hi))
+            for seq, t in g.graph["saves"]
         )
         leaf_pos = {n: i for i, n in enumerate(leaves)}
         node_leaves = {
@@ -394,7 +383,7 @@ class CostModel(OffloadTerms):
         created = g.graph["tensor_created_seq"]
         casts = tuple(sorted((created[t], t) for t in g.graph.get("autocast_cached", ())))
         dropped = tuple(sorted((created[t], t, r) for t, r in g.graph.get("dropped_released_seq", {}).items()
-                               if _ever_kept(created[t], r, leaf_end)))
+                               if ever_kept(created[t], r, leaf_end)))
         rk = rank_memory(g, per_rank=per_rank)
 
         def tr(attrs: dict, key: str) -> int:
@@ -486,8 +475,9 @@ class CostModel(OffloadTerms):
         casts = self.cast_ids
         lo = bisect.bisect_left(self.save_seqs, lo_seq)
         hi = bisect.bisect_right(self.save_seqs, min(hi_seq, upto_seq))
+        ctx = self.graph.graph.get("ctx_held", frozenset())  # the replay's copies go with its graph
         seen = {t for _, t, _ in self.saves[lo:hi]
-                if (lo_seq <= created.get(t, -1) <= hi_seq or t in casts) and t not in kept}
+                if (lo_seq <= created.get(t, -1) <= hi_seq or t in casts) and t not in kept and t not in ctx}
         return sum(self.tensor_bytes[t] for t in seen)
 
     def replay_in_flight(self, c: str) -> int:
@@ -497,8 +487,12 @@ class CostModel(OffloadTerms):
         Peak-memory model ], recompute)."""
         a, tb = self.graph.nodes[c], self.graph.graph["tensor_bytes"]
         outs = a.get("output_ids", ())
+        created = self.graph.graph["tensor_created_seq"]
+        lo, hi = a["fwd_start_seq"], a["fwd_end_seq"]
+        ctx = [t for t in self.graph.graph.get("ctx_held", ()) if lo <= created[t] <= hi]
         return (sum(tb.get(t, 0) for t in a.get("grad_output_ids", outs))
-                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"]))
+                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"])
+                + sum(tb[t] for t in ctx))  # NOTE [ Tensors on ctx ], Rule 3: the replay's node keeps a copy
 
     def cached_casts(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:
         """Bytes of autocast's cached casts made by ``seq`` and not held by then (``pos``: holding
@@ -580,7 +574,8 @@ class CostModel(OffloadTerms):
             yield f"recompute of {c}", total, grads, extra
         h_all, n = prefix[-1], len(self.leaves)
         yield ("end of forward", self.tail_forward_base_bytes + h_all + self.cached_casts(pos, ALIVE_SEQ)
-               + self.dropped_bytes(pos, ALIVE_SEQ, after=self.leaf_end_seq[-1] if n else -1) + fwd_copy.get(n, 0),
+               + self.dropped_bytes(pos, ALIVE_SEQ, after=self.leaf_end_seq[-1] if n else -1)
+               + fwd_copy.get(n, 0),
                fwd_g, fwd_p)
         _, grads, extra = self.backward_static(self.tail_seq, ALIVE_SEQ)
         yield "start of backward", self.tail_backward_base_bytes + h_all + bwd_copy.get(n, 0), grads, extra
@@ -596,5 +591,5 @@ class CostModel(OffloadTerms):
         return build_chain_terms(self)
 
 
-__all__ = ["ALIVE_SEQ", "CostModel", "Estimate", "kept_at", "calibrate", "check_checkpoint_set", "close_ties", "is_tied",
+__all__ = ["ALIVE_SEQ", "CostModel", "Estimate", "calibrate", "check_checkpoint_set", "close_ties", "is_tied",
            "policies_of", "simulate", "tie_groups", "window_bytes"]

@@ -42,7 +42,8 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
     remap = {t.id: i for i, t in enumerate(order)}
     tensors = [schema.TensorRecord(id=remap[t.id], nbytes=t.nbytes, created_seq=t.created_seq, producer=t.producer,
                                    autocast_cached=t.id in rec.autocast_cached,
-                                   released_seq=rec.releases.released.get(t.id))
+                                   released_seq=rec.releases.released.get(t.id),
+                                   ctx_held=t.id in rec.ctx_held)
                for t in order]
     costs = _pooled_costs(times, rec.signatures)
     units = [_unit_record(u, costs.get(u.id, UnitCost(0.0, 0.0, 0)), rec.signatures.get(u.id, ""), remap) for u in rec.units]

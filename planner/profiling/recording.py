@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner.model import schema
 from planner.profiling.model_file import Inputs
 from planner.profiling.roofline import op_work
+from planner.profiling.ctx_held import ctx_tensors
 from planner.profiling.releases import Releases
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 from planner.profiling.units import Recorder, UnitCall, io_tensors
@@ -250,6 +251,8 @@ class MemoryRecorder(Recorder):
         self.output_edges: list[tuple[UnitCall, int, list[tuple[int, int | None, int]]]] = []
         """Per unit call: its latest output node and its outputs' gradient edges (``gradient_edges``)."""
         self.releases = Releases(lambda: self.seq)  # NOTE [ Outputs the caller drops ]
+        self.ctx_held: set[int] = set()
+        """Tensor ids custom autograd nodes keep on ``ctx`` (NOTE [ Tensors on ctx ])."""
         super().__init__(model)
         tracker.observer = self._on_op
         tracker.work_of = op_work
@@ -473,6 +476,8 @@ class MemoryRecorder(Recorder):
         if name == "backward_start":
             self.releases.stop()
         if name == "forward_end" and isinstance(value, torch.Tensor) and value.requires_grad:
+            entries = (self.tracker.entry(t) for t in ctx_tensors(value))
+            self.ctx_held = {self._tensor_id(e) for e in entries if e is not None and not e.static}
             taken = gradient_takers(value)
             for unit, made, edges in self.output_edges:
                 unit.grad_output_ids = list(dict.fromkeys(

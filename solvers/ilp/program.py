@@ -24,7 +24,8 @@ from typing import Callable, Iterable
 
 import networkx as nx
 
-from solvers.cost_model import ALIVE_SEQ, CostModel, Estimate, kept_at, simulate, tie_groups
+from solvers.cost_model import ALIVE_SEQ, CostModel, Estimate, simulate, tie_groups
+from solvers.kept import kept_at
 
 _ANTICHAIN_CAP = 512
 """Truth tables are built over at most this many antichains per tensor (else no pruning)."""
