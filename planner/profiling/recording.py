@@ -388,9 +388,9 @@ class MemoryRecorder(Recorder):
             for e in op.new:
                 self._tensor_id(e)
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor, watch: bool = True) -> torch.Tensor:
         """``saved_tensors_hooks`` pack hook: note the save, keep the tensor without its graph
-        (NOTE [ Saved tensors without their graph ])."""
+        (NOTE [ Saved tensors without their graph ]); ``watch=False``: autograd does not keep what it returns."""
         if not self.in_forward:
             return t
         e = self.tracker.entry(t)
@@ -405,7 +405,8 @@ class MemoryRecorder(Recorder):
             self.saved_pairs.add((tid, unit))
             self.saves.append((tid, self._next(), unit))
         packed = _without_graph(t)
-        self.releases.watch_save(packed, (tid, unit))  # NOTE [ Outputs the caller drops ], Rule 4
+        if watch:
+            self.releases.watch_save(packed, (tid, unit))  # NOTE [ Outputs the caller drops ], Rule 4
         return packed
 
     @staticmethod
