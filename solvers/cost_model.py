@@ -258,7 +258,8 @@ used there, and a tensor never held is held from there."""
 # like its inputs, until backward passes c; not checkpointed, it is an input no one saves and
 # costs nothing beyond the measured step (whose windows already contain it). Every solver sees
 # it through the same held-tensor terms. A tensor that c's replay replaces (an attribute set
-# again) is counted twice while c is recomputed: an overestimate, on the safe side. Units
+# again) is counted twice while c is recomputed: an overestimate, on the safe side. What a
+# custom Function keeps on ctx is held like a save instead (NOTE [ Tensors on ctx ]). Units
 # whose recomputation is unsafe are not candidates. The CPU RNG state each checkpointed region
 # keeps (Profile.region_state_bytes, device memory on a CPU run) is counted as retained bytes
 # of every unit; and once more in each recompute probe ("replay_rng_copy_bytes"): the replay
