@@ -20,7 +20,8 @@ from typing import Any
 
 import networkx as nx
 
-from solvers.cost_model import CostModel
+from solvers.cost_model import ALIVE_SEQ, CostModel
+from solvers.kept import kept_at
 from solvers.errors import SolverError
 
 
@@ -65,7 +66,8 @@ def chain_terms(g: nx.DiGraph) -> ChainTerms:
 
 
 # A holding of a tensor, for the chain recurrence: (window, leaf index or None, kind). kind 0 is a
-# save (None: glue code outside every leaf, or autocast's cast kept as if held), dropped when its
+# save (None: glue code outside every leaf, or autocast's cast or an output the caller keeps (NOTE [
+# Outputs the caller drops ]) kept as if held), dropped when its
 # leaf is a region; kind 1 is the input a region keeps; kind 2 + j an output policy j keeps.
 _Holding = tuple[int, "int | None", int]
 
@@ -77,15 +79,21 @@ def build_chain_terms(model: CostModel) -> ChainTerms:
         raise SolverError("the chain recurrence needs a graph without nested candidates (nested=False)")
     hold, exact_holdings = _chain_holdings(model)
     delta, tail_delta, exact_deltas = _chain_deltas(model, hold)
-    # autocast's casts no one holds stay alive to the forward's end (NOTE [ Peak-memory model ], Rule 8)
-    unsaved_casts = [(c, model.tensor_bytes[t]) for c, t in model.casts if t not in hold]
+    # autocast's casts no one holds stay alive to the forward's end (NOTE [ Peak-memory model ], Rule 8), the
+    # outputs no unit takes until the step's code drops them (NOTE [ Outputs the caller drops ]):
+    # (made, dropped, bytes)
+    unsaved_casts = ([(c, ALIVE_SEQ, model.tensor_bytes[t]) for c, t in model.casts if t not in hold]
+                     + [(c, r, model.tensor_bytes[t]) for c, t, r in model.dropped if t not in hold])
+    last_end = model.leaf_end_seq[-1] if model.leaves else -1
     menus = [_menu(g, x) for x in model.leaves]
     return ChainTerms(
         leaves=model.leaves,
         forward_ms=tuple(g.nodes[x]["forward_ms"] for x in model.leaves),
         delta=tuple(tuple(tuple(row) for row in d) for d in delta),
         k=_chain_peaks(model, hold, unsaved_casts), tail_delta=tuple(tail_delta),
-        tail_k=max(model.tail_forward_base_bytes + sum(b for _, b in unsaved_casts), model.tail_backward_base_bytes),
+        tail_k=max(model.tail_forward_base_bytes + sum(b for c, r, b in unsaved_casts
+                                                          if kept_at(c, r, ALIVE_SEQ, last_end)),
+                   model.tail_backward_base_bytes),
         const_bytes=model.rank.opt_static_bytes, exact=exact_holdings and exact_deltas,
         cost_ms=tuple((0.0, g.nodes[x]["forward_ms"], *(p.recompute_ms for p in m))
                       for x, m in zip(model.leaves, menus)),
@@ -107,15 +115,15 @@ def _in_force(h: _Holding, c: int) -> bool:
 
 def _chain_holdings(model: CostModel) -> tuple[dict[int, list[_Holding]], bool]:
     """Every tensor's holdings (NOTE [ Peak-memory model ], Rule 3), by window; False when
-    autocast's casts are kept as if held (the recurrence over-counts them)."""
+    autocast's casts or outputs the caller keeps are kept as if held (the recurrence over-counts them)."""
     window = lambda seq: bisect.bisect_left(model.leaf_end_seq, seq)  # noqa: E731  (len(leaves) = tail)
     leaf_pos = {x: i for i, x in enumerate(model.leaves)}
     hold: dict[int, list[_Holding]] = {}
     exact = True
     for seq, t, containers in model.saves:
         leaf = leaf_pos[containers[0]] if containers else None
-        if t in model.cast_ids and leaf is not None:
-            leaf, exact = None, False  # kept as if held: the recurrence over-counts autocast's casts
+        if (t in model.cast_ids or t in model.dropped_ids) and leaf is not None:
+            leaf, exact = None, False  # kept as if held: the recurrence over-counts them
         hold.setdefault(t, []).append((window(seq), leaf, 0))
     for i, x in enumerate(model.leaves):
         for t in model.graph.nodes[x]["input_ids"]:
@@ -157,7 +165,7 @@ def _chain_deltas(model: CostModel, hold: dict[int, list[_Holding]]) -> tuple[li
 
 
 def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
-                 unsaved_casts: list[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+                 unsaved_casts: list[tuple[int, int, int]]) -> tuple[tuple[int, ...], ...]:
     """k[i][choice]: window i's largest probe on top of the held bytes (forward with its in-flight
     tensors and the unheld casts made so far, backward, and for a region the leaf's recompute)."""
     k = []
@@ -168,7 +176,8 @@ def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
         for cur, rec in enumerate(recs):
             out_extra = sum(model.tensor_bytes[t] for t in model.graph.nodes[x]["in_flight_ids"]
                             if not any(h[0] <= i and _in_force(h, cur) for h in hold.get(t, ())))
-            fwd = model.forward_base_bytes[i] + out_extra + sum(b for c, b in unsaved_casts if c <= end)
+            kept = sum(b for c, r, b in unsaved_casts if kept_at(c, r, end))
+            fwd = model.forward_base_bytes[i] + out_extra + kept
             bwd = model.backward_base_bytes[i] + rec
             rcp = (model.recompute_static_bytes(x) + rec + model.replay_in_flight(x)
                    + model.recompute_transient_bytes(x)) if cur else 0

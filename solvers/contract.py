@@ -108,6 +108,14 @@ class GraphAttrs(TypedDict):
     param_grads: Annotated[list[tuple[int, int]], Doc("(grad_seq, bytes) per parameter: when backward "
                                                         "creates its gradient")]
     autocast_cached: Annotated[frozenset[int], Doc("tensors autocast caches to the forward's end (Rule 8)")]
+    dropped_released_seq: NotRequired[Annotated[dict[int, int], Doc(
+        "tensor id -> seq when the step's code dropped it, for unit outputs no unit takes "
+        "(NOTE [ Outputs the caller drops ]); absent: none known")]]
+    ctx_held: NotRequired[Annotated[frozenset[int], Doc(
+        "tensors custom autograd nodes keep on ctx: saves no region drops (NOTE [ Tensors on ctx ])")]]
+    replay_rng_copy_bytes: NotRequired[Annotated[int, Doc(
+        "the copy of the RNG state each eager replay makes (fork_rng), in every recompute probe (Rule 7); "
+        "0 for compiled steps")]]
     replay_transient_bytes: Annotated[int, Doc("a compiled step's replay temporaries, added to every recompute "
                                                "probe (Rule 11), signed; 0 for eager steps")]
     # static memory, one process

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from solvers.errors import SolverError
 from solvers.offload_cost import OffloadTerms
 from solvers.rank_memory import RankMemory, rank_memory
+from solvers.kept import ever_kept, kept_at  # NOTE [ Outputs the caller drops ]
 from solvers.ties import close_ties, enclosing, is_tied, tie_groups  # NOTE [ Tied calls ]
 
 if TYPE_CHECKING:
@@ -210,16 +211,20 @@ used there, and a tensor never held is held from there."""
 # i is the code after l_{i-1} up to and including l_i (glue code such as a residual add or the
 # embedding sum belongs to the next leaf's window); the tail window is everything after l_n
 # (final norm, head, loss, when they are not candidates). The peak is the largest probe:
-#   forward of window i:   static + |held with p <= end(l_i)  U  out_i| + T_fwd(i)
+#   forward of window i:   static + |held with p <= end(l_i)  U  out_i  U  kept_i| + T_fwd(i)
 #   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
 #   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
 #                          + G_c + max T_fwd over the leaves of c
-#   tail forward/backward: static + |all held| + T_tail
+#   tail forward/backward: static + |all held| + T_tail   (forward: U kept_tail)
 #   optimizer step:        static + all grads + the optimizer's measured temporaries
 # where out_i are tensors created in window i that later code still uses (in flight, alive
-# whether held or not), R_i are the tensors a checkpointed unit c containing l_i re-creates
-# when its backward starts (everything c saves that c itself created: not its inputs, which it
-# kept, nor tensors it reached otherwise, which recompute does not copy) and that backward has
+# whether held or not), kept_i are the outputs of units that no unit takes, made by end(l_i) and
+# still kept by the step's code when window i starts (NOTE [ Outputs the caller drops ] in
+# planner/profiling/releases.py: unheld once their unit is checkpointed, alive until the caller
+# drops them; kept_tail those kept past the last leaf), R_i are the tensors a checkpointed unit
+# c containing l_i re-creates when its backward starts (everything c saves that c itself
+# created: not its inputs, which it kept, nor tensors it reached otherwise, which recompute does
+# not copy) and that backward has
 # not yet passed (saved at or before end(l_i)), grads(i) are the gradients of parameters last
 # used after window i, and G_c (``CostModel.replay_in_flight``) is what the replay of c runs
 # beside: the gradient of c's outputs that code after c differentiates through (backward has
@@ -253,10 +258,14 @@ used there, and a tensor never held is held from there."""
 # like its inputs, until backward passes c; not checkpointed, it is an input no one saves and
 # costs nothing beyond the measured step (whose windows already contain it). Every solver sees
 # it through the same held-tensor terms. A tensor that c's replay replaces (an attribute set
-# again) is counted twice while c is recomputed: an overestimate, on the safe side. Units
+# again) is counted twice while c is recomputed: an overestimate, on the safe side. What a
+# custom Function keeps on ctx is held like a save instead (NOTE [ Tensors on ctx ]). Units
 # whose recomputation is unsafe are not candidates. The CPU RNG state each checkpointed region
 # keeps (Profile.region_state_bytes, device memory on a CPU run) is counted as retained bytes
-# of every unit.
+# of every unit; and once more in each recompute probe ("replay_rng_copy_bytes"): the replay
+# runs inside ``torch.random.fork_rng``, which copies the current state for as long as it runs.
+# Missed, a replay whose forward temporaries come at its very end (a branch no loss reads, last
+# in its block) was measured 5,056 bytes above its probe.
 #
 # Rule 8. Recipe (graph.graph "recipe", from ``schema.Recipe``; the profiler ran the same step):
 #   grad_accum N > 1:  the step runs N micro-batches and the optimizer step after the last. From
@@ -327,6 +336,8 @@ class CostModel(OffloadTerms):
     grad_suffix: tuple[int, ...]  # grad_suffix[k] = bytes of grads with index >= k in grad_seqs
     casts: tuple[tuple[int, int], ...]  # (created seq, tensor) of autocast's cached casts, sorted
     cast_ids: frozenset[int]
+    dropped: tuple[tuple[int, int, int], ...]  # (made, tensor, released): NOTE [ Outputs the caller drops ]
+    dropped_ids: frozenset[int]
     # Probe bases (static + gradients + temporaries T), per window and for the tail:
     forward_base_bytes: tuple[int, ...]
     backward_base_bytes: tuple[int, ...]
@@ -353,8 +364,10 @@ class CostModel(OffloadTerms):
         leaves = tuple(g.graph["leaves"])
         leaf_end = tuple(g.nodes[n]["fwd_end_seq"] for n in leaves)
         ranges = [(n, a["fwd_start_seq"], a["fwd_end_seq"]) for n, a in g.nodes(data=True)]
+        ctx = g.graph.get("ctx_held", frozenset())  # NOTE [ Tensors on ctx ]: no region drops them
         saves = tuple(
-            (seq, t, tuple(n for n, lo, hi in ranges if lo <= seq <= hi)) for seq, t in g.graph["saves"]
+            (seq, t, () if t in ctx else tuple(n for n, lo, hi in ranges if lo <= seq <= hi))
+            for seq, t in g.graph["saves"]
         )
         leaf_pos = {n: i for i, n in enumerate(leaves)}
         node_leaves = {
@@ -370,6 +383,8 @@ class CostModel(OffloadTerms):
             suffix[k] = suffix[k + 1] + pg[k][1]
         created = g.graph["tensor_created_seq"]
         casts = tuple(sorted((created[t], t) for t in g.graph.get("autocast_cached", ())))
+        dropped = tuple(sorted((created[t], t, r) for t, r in g.graph.get("dropped_released_seq", {}).items()
+                               if ever_kept(created[t], r, leaf_end)))
         rk = rank_memory(g, per_rank=per_rank)
 
         def tr(attrs: dict, key: str) -> int:
@@ -380,6 +395,7 @@ class CostModel(OffloadTerms):
             tensor_bytes=g.graph["tensor_bytes"], saves=saves, save_seqs=tuple(s[0] for s in saves),
             node_leaves=node_leaves, grad_seqs=grad_seqs, grad_suffix=tuple(suffix), casts=casts,
             cast_ids=frozenset(t for _, t in casts), tie_groups=tie_groups(g),
+            dropped=dropped, dropped_ids=frozenset(t for _, t, _ in dropped),
         )
         # The bases need backward_static, which reads the fields above: a model without them first.
         partial = CostModel(**fields, forward_base_bytes=(), backward_base_bytes=(), tail_forward_base_bytes=0,
@@ -443,9 +459,10 @@ class CostModel(OffloadTerms):
 
     def recompute_transient_bytes(self, c: str) -> int:
         """The temporaries T of ``c``'s recompute: the largest forward T over its leaves, with Rule 11's
-        offset, never below 0."""
+        offset, never below 0; and the replay's copy of the RNG state (Rule 7)."""
         return max(0, max((self.forward_base_bytes[i] - self.rank.fwd_static_bytes for i in self.node_leaves[c]),
-                          default=0) + self.graph.graph.get("replay_transient_bytes", 0))
+                          default=0) + self.graph.graph.get("replay_transient_bytes", 0)) \
+            + self.graph.graph.get("replay_rng_copy_bytes", 0)
 
     def recomputed_bytes(self, c: str, upto_seq: int, kept: frozenset[int] = frozenset()) -> int:
         """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the
@@ -459,8 +476,9 @@ class CostModel(OffloadTerms):
         casts = self.cast_ids
         lo = bisect.bisect_left(self.save_seqs, lo_seq)
         hi = bisect.bisect_right(self.save_seqs, min(hi_seq, upto_seq))
+        ctx = self.graph.graph.get("ctx_held", frozenset())  # the replay's copies go with its graph
         seen = {t for _, t, _ in self.saves[lo:hi]
-                if (lo_seq <= created.get(t, -1) <= hi_seq or t in casts) and t not in kept}
+                if (lo_seq <= created.get(t, -1) <= hi_seq or t in casts) and t not in kept and t not in ctx}
         return sum(self.tensor_bytes[t] for t in seen)
 
     def replay_in_flight(self, c: str) -> int:
@@ -470,8 +488,12 @@ class CostModel(OffloadTerms):
         Peak-memory model ], recompute)."""
         a, tb = self.graph.nodes[c], self.graph.graph["tensor_bytes"]
         outs = a.get("output_ids", ())
+        created = self.graph.graph["tensor_created_seq"]
+        lo, hi = a["fwd_start_seq"], a["fwd_end_seq"]
+        ctx = [t for t in self.graph.graph.get("ctx_held", ()) if lo <= created[t] <= hi]
         return (sum(tb.get(t, 0) for t in a.get("grad_output_ids", outs))
-                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"]))
+                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"])
+                + sum(tb[t] for t in ctx))  # NOTE [ Tensors on ctx ], Rule 3: the replay's node keeps a copy
 
     def cached_casts(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:
         """Bytes of autocast's cached casts made by ``seq`` and not held by then (``pos``: holding
@@ -479,6 +501,14 @@ class CostModel(OffloadTerms):
         "Recipe"). ``counted``: in flight already."""
         return sum(self.tensor_bytes[t] for c, t in self.casts
                    if c <= seq and pos.get(t, ALIVE_SEQ + 1) > seq and t not in counted)
+
+    def dropped_bytes(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset(),
+                      after: int | None = None) -> int:
+        """Bytes of the unit outputs the step's code keeps until it drops them (NOTE [ Outputs the caller
+        drops ]) in the forward probe at ``seq`` (``kept_at``; ``after``: the tail's), not held by then
+        (``pos``: holding positions). ``counted``: in flight already."""
+        return sum(self.tensor_bytes[t] for c, t, r in self.dropped
+                   if kept_at(c, r, seq, after) and pos.get(t, ALIVE_SEQ + 1) > seq and t not in counted)
 
     def holdings(self, chosen: frozenset[str], policies: Mapping[str, Any] | None = None,
                  offloaded: frozenset[str] = frozenset()) -> dict[int, int]:
@@ -529,6 +559,7 @@ class CostModel(OffloadTerms):
             h = held_upto(end)
             out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, ALIVE_SEQ) > end)
             out_extra += self.cached_casts(pos, end, in_flight_ids) + fwd_copy.get(i, 0)
+            out_extra += self.dropped_bytes(pos, end, in_flight_ids)
             yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
             _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
             c = owner.get(i)
@@ -544,7 +575,9 @@ class CostModel(OffloadTerms):
             yield f"recompute of {c}", total, grads, extra
         h_all, n = prefix[-1], len(self.leaves)
         yield ("end of forward", self.tail_forward_base_bytes + h_all + self.cached_casts(pos, ALIVE_SEQ)
-               + fwd_copy.get(n, 0), fwd_g, fwd_p)
+               + self.dropped_bytes(pos, ALIVE_SEQ, after=self.leaf_end_seq[-1] if n else -1)
+               + fwd_copy.get(n, 0),
+               fwd_g, fwd_p)
         _, grads, extra = self.backward_static(self.tail_seq, ALIVE_SEQ)
         yield "start of backward", self.tail_backward_base_bytes + h_all + bwd_copy.get(n, 0), grads, extra
         all_grads = -(-g.graph["grads_bytes"] // rk.grad_divisor)

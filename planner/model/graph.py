@@ -59,7 +59,7 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     g = nx.DiGraph()
     _set_graph_attrs(g, profile, granularity, nested)
     g.graph.update(world_size=world_size, sharding=sharding, **_fsdp_units(units, children, profile))
-    saves_by_seq = sorted((s.seq, s.tensor_id) for s in profile.saves)
+    saves_by_seq = sorted(held_saves(profile))
     tensor_bytes = g.graph["tensor_bytes"]
     for order, uid in enumerate(chosen):
         g.add_node(uid, **_node_attrs(units[uid], order, saves_by_seq, tensor_bytes))
@@ -87,6 +87,11 @@ def _add_retained(g: nx.DiGraph, profile: Profile) -> None:
     """Retained bytes r(c), the unit's own plus the state every region keeps, as one more input of c
     (see "Retained bytes" in NOTE [ Peak-memory model ])."""
     own = {r.unit: r.nbytes for r in profile.retained}
+    ctx = [(t.created_seq, t.nbytes) for t in profile.tensors if t.ctx_held]  # NOTE [ Tensors on ctx ]
+    for node, a in g.nodes(data=True):
+        if node in own:
+            lo, hi = a["fwd_start_seq"], a["fwd_end_seq"]
+            own[node] = max(0, own[node] - sum(b for s, b in ctx if lo <= s <= hi))
     for k, (node, a) in enumerate(sorted(g.nodes(data=True), key=lambda na: na[1]["order"])):
         nbytes = own.get(node, 0) + profile.region_state_bytes
         if nbytes <= 0:
@@ -178,7 +183,7 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         granularity=granularity, nested=nested,
         tensor_bytes={t.id: t.nbytes for t in p.tensors},
         tensor_created_seq={t.id: t.created_seq for t in p.tensors},
-        saves=sorted({(sv.seq, sv.tensor_id) for sv in p.saves}),
+        saves=sorted(set(held_saves(p))), ctx_held=frozenset(t.id for t in p.tensors if t.ctx_held),
         param_grads=sorted((pr.grad_seq, pr.nbytes) for pr in p.params),
         params_bytes=s.params_bytes, buffers_bytes=s.buffers_bytes, batch_bytes=s.batch_bytes,
         optimizer_bytes=s.optimizer_bytes, grads_bytes=s.grads_bytes,
@@ -188,9 +193,33 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         measured_peak_bytes=s.measured_peak_bytes, peak_source=s.peak_source,
         recipe=p.recipe.model_dump(), grads_alive=p.recipe.grads_alive, micro_batches=p.recipe.grad_accum,
         autocast_cached=frozenset(t.id for t in p.tensors if t.autocast_cached),
+        dropped_released_seq=_dropped(p),
         host_link_bytes_per_s=p.host_link_bytes_per_s, copy_engine=p.copy_engine,
         replay_transient_bytes=p.compile.replay_transient_bytes if p.compile else 0,
+        replay_rng_copy_bytes=0 if p.compile else p.region_state_bytes,  # NOTE [ Peak-memory model ], Rule 7
     )
+
+
+def held_saves(p: Profile) -> list[tuple[int, int]]:
+    """(seq, tensor id) of the saves backward needs: not those released in the forward (NOTE [ Outputs the
+    caller drops ], Rule 4); and the tensors custom nodes keep on ctx, at their creation (NOTE [ Tensors on
+    ctx ], Rule 2)."""
+    return ([(s.seq, s.tensor_id) for s in p.saves if s.released_seq is None]
+            + [(t.created_seq, t.id) for t in p.tensors if t.ctx_held])
+
+
+def _dropped(p: Profile) -> dict[int, int]:
+    """Release seqs of the unit outputs no unit takes as input, and of the tensors only saves released in the
+    forward keep (NOTE [ Outputs the caller drops ], Rules 2 and 4)."""
+    taken = {t for u in p.units for t in u.input_ids}
+    casts = {t.id for t in p.tensors if t.autocast_cached}
+    out = {t.id: t.released_seq for t in p.tensors
+           if t.released_seq is not None and t.id not in taken | casts}
+    held = taken | casts | {t for _, t in held_saves(p)}  # also saved for backward: held as before
+    for s in p.saves:
+        if s.released_seq is not None and s.tensor_id not in held:
+            out[s.tensor_id] = max(out.get(s.tensor_id, -1), s.released_seq)
+    return out
 
 
 def _fsdp_units(units: dict[str, UnitRecord], children: dict[str, list[str]], p: Profile) -> dict:
@@ -246,7 +275,7 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
     op_ms = dict(zip((o.seq for o in ops), (o.forward_ms for o in ops) if p.time_source == "roofline" else
                      priced_by_work([(o.name, o.flops, o.moved_bytes, o.forward_ms) for o in ops])))
     op_seqs = [o.seq for o in ops]
-    saves = sorted((s.seq, s.tensor_id) for s in p.saves)
+    saves = sorted(held_saves(p))
     tb = g.graph["tensor_bytes"]
     writers = Counter(o.writes for o in ops if o.writes is not None)
     for n in chosen:

@@ -137,6 +137,13 @@ class TensorRecord(FileModel):
     producer: str | None = Field(None, description="Unit id innermost when it was created.")
     autocast_cached: bool = Field(False, description="A parameter's cast made by autocast in the forward: the "
                                                      "autocast cache keeps it alive until the forward ends.")
+    ctx_held: bool = Field(False, description=(
+        "Kept on a custom autograd.Function's ctx attribute: held by its node like a save, checkpointed or "
+        "not (NOTE [ Tensors on ctx ])."))
+    released_seq: Seq | None = Field(None, description=(
+        "When the step's code dropped the last tensor a unit returned on this storage (it lives on while "
+        "autograd holds it; NOTE [ Outputs the caller drops ]); None: no unit returned it, or it was kept "
+        "past the forward."))
 
 
 class SaveRecord(FileModel):
@@ -145,6 +152,9 @@ class SaveRecord(FileModel):
     tensor_id: Count
     seq: Seq
     unit: str
+    released_seq: Seq | None = Field(None, description=(
+        "When autograd let go of the save in the forward: a branch no loss reads, freed with the output the "
+        "caller dropped (NOTE [ Outputs the caller drops ], Rule 4); None: held for backward."))
 
 
 class OpRecord(FileModel):

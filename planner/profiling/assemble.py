@@ -42,11 +42,15 @@ def assemble_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, 
     order = sorted(rec.tensors.values(), key=lambda t: (t.created_seq, t.id))
     remap = {t.id: i for i, t in enumerate(order)}
     tensors = [schema.TensorRecord(id=remap[t.id], nbytes=t.nbytes, created_seq=t.created_seq, producer=t.producer,
-                                   autocast_cached=t.id in rec.autocast_cached)
+                                   autocast_cached=t.id in rec.autocast_cached,
+                                   released_seq=rec.releases.released.get(t.id),
+                                   ctx_held=t.id in rec.ctx_held)
                for t in order]
     costs = _pooled_costs(times, rec.signatures)
     units = [_unit_record(u, costs.get(u.id, UnitCost(0.0, 0.0, 0)), rec.signatures.get(u.id, ""), remap) for u in rec.units]
-    saves = [schema.SaveRecord(tensor_id=remap[tid], seq=seq, unit=unit) for tid, seq, unit in rec.saves]
+    dead = rec.releases.saves_released  # NOTE [ Outputs the caller drops ], Rule 4
+    saves = [schema.SaveRecord(tensor_id=remap[tid], seq=seq, unit=unit, released_seq=dead.get((tid, unit)))
+             for tid, seq, unit in rec.saves]
     structure = step_structure({**{f"timing step {i + 1}": ids for i, ids in enumerate(times.unit_ids)},
                                 "memory step": [u.id for u in rec.units],
                                 **({"as-run step": as_run.unit_ids} if as_run else {})})

@@ -26,6 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner.model import schema
 from planner.profiling.model_file import Inputs
 from planner.profiling.roofline import op_work
+from planner.profiling.ctx_held import ctx_tensors
+from planner.profiling.releases import Releases
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 from planner.profiling.units import Recorder, UnitCall, io_tensors
 from planner.profiling.timing import WallClock, describe, signature
@@ -248,6 +250,9 @@ class MemoryRecorder(Recorder):
         """Unit id -> ``planner.profiling.timing.signature`` (NOTE [ Unit costs ], Rule 3)."""
         self.output_edges: list[tuple[UnitCall, int, list[tuple[int, int | None, int]]]] = []
         """Per unit call: its latest output node and its outputs' gradient edges (``gradient_edges``)."""
+        self.releases = Releases(lambda: self.seq)  # NOTE [ Outputs the caller drops ]
+        self.ctx_held: set[int] = set()
+        """Tensor ids custom autograd nodes keep on ``ctx`` (NOTE [ Tensors on ctx ])."""
         super().__init__(model)
         tracker.observer = self._on_op
         tracker.work_of = op_work
@@ -387,9 +392,9 @@ class MemoryRecorder(Recorder):
             for e in op.new:
                 self._tensor_id(e)
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor, watch: bool = True) -> torch.Tensor:
         """``saved_tensors_hooks`` pack hook: note the save, keep the tensor without its graph
-        (NOTE [ Saved tensors without their graph ])."""
+        (NOTE [ Saved tensors without their graph ]); ``watch=False``: autograd does not keep what it returns."""
         if not self.in_forward:
             return t
         e = self.tracker.entry(t)
@@ -403,7 +408,10 @@ class MemoryRecorder(Recorder):
         if (tid, unit) not in self.saved_pairs:
             self.saved_pairs.add((tid, unit))
             self.saves.append((tid, self._next(), unit))
-        return _without_graph(t)
+        packed = _without_graph(t)
+        if watch:
+            self.releases.watch_save(packed, (tid, unit))  # NOTE [ Outputs the caller drops ], Rule 4
+        return packed
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -443,6 +451,10 @@ class MemoryRecorder(Recorder):
 
     def _on_outputs(self, unit: UnitCall, output: Any) -> None:
         unit.output_ids, unit.output_bytes = self._io(output)
+        for t in io_tensors(output):
+            e = self.tracker.entry(t)
+            if e is not None and not e.static:
+                self.releases.watch(t, self._tensor_id(e))
         self.output_edges.append((unit, *self.gradient_edges(output)))
         start, inputs = self.op_start.pop(unit.id)
         params = describe(self.modules[unit.key].parameters()) if unit.key is not None else ""
@@ -466,7 +478,11 @@ class MemoryRecorder(Recorder):
 
     def mark(self, name: str, value: Any = None) -> None:
         super().mark(name, value)
+        if name == "backward_start":
+            self.releases.stop()
         if name == "forward_end" and isinstance(value, torch.Tensor) and value.requires_grad:
+            entries = (self.tracker.entry(t) for t in ctx_tensors(value))
+            self.ctx_held = {self._tensor_id(e) for e in entries if e is not None and not e.static}
             taken = gradient_takers(value)
             for unit, made, edges in self.output_edges:
                 unit.grad_output_ids = list(dict.fromkeys(

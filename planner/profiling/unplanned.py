@@ -286,7 +286,7 @@ class CheckpointedMemory(MemoryRecorder):
     def on_checkpointed_save(self, x: torch.Tensor) -> None:
         if not self.in_forward or self.skip_saves or not self.stack:
             return
-        self.pack(x)
+        self.pack(x, watch=False)  # checkpoint keeps its own handle, not what pack returns
         e = self.tracker.entry(x)
         if e is None or e.static or e.serial in self.dropped_serials:
             return
@@ -295,7 +295,7 @@ class CheckpointedMemory(MemoryRecorder):
             self.dropped_serials.add(e.serial)
             self.dropped.append((e, owner))
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor, watch: bool = True) -> torch.Tensor:
         if self.skip_saves:  # checkpoint keeping the region's inputs: not a save of the step (Rule 2)
             e = self.tracker.entry(t)
             if e is not None and not e.static and e.serial not in self.kept_inputs:
@@ -306,7 +306,7 @@ class CheckpointedMemory(MemoryRecorder):
         e = self.tracker.entry(t) if self.in_forward else None
         if e is not None:
             self.saved_serials.add(e.serial)
-        return super().pack(t)
+        return super().pack(t, watch)
 
     def _on_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry]) -> None:
         super()._on_op(func, inputs, new)

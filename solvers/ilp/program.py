@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 import networkx as nx
 
 from solvers.cost_model import ALIVE_SEQ, CostModel, Estimate, simulate, tie_groups
+from solvers.kept import kept_at
 
 _ANTICHAIN_CAP = 512
 """Truth tables are built over at most this many antichains per tensor (else no pruning)."""
@@ -520,7 +521,7 @@ def _probe_rows(g: nx.DiGraph, model: CostModel, var: _Vars, bucket: _Buckets,
                 + model.recompute_transient_bytes(v) + m) / scale
         extra = {**({c: coef} if coef else {}), **({None: -m / scale} if m else {})}
         probes.append(Probe(f"recompute of {c}", bucket(end), extra, const))
-    cast_form, cast_bytes = casts(ALIVE_SEQ)
+    cast_form, cast_bytes = casts(ALIVE_SEQ, after=model.leaf_end_seq[-1] if model.leaves else -1)
     probes.append(Probe("end of forward", bucket.last, cast_form, model.tail_forward_base_bytes + cast_bytes))
     probes.append(Probe("start of backward", bucket.last, {}, model.tail_backward_base_bytes))
     probes.append(Probe("optimizer step", None, {}, model.rank.opt_static_bytes))
@@ -550,19 +551,20 @@ def _cast_terms(g: nx.DiGraph, model: CostModel, var: _Vars,
     Rule 8). A cast saved before ``seq`` is unheld when a candidate containing all its saves is
     checkpointed: x_c for each such c (an antichain picks at most one; a policy that keeps the
     cast holds it instead); a cast saved only later, or never, is alive through the cache
-    whatever is checkpointed."""
+    whatever is checkpointed. So too the outputs the step's code keeps until it drops them (NOTE [ Outputs
+    the caller drops ]) while it keeps them (``kept_at``; ``after``: the tail's)."""
     saves: dict[int, list[int]] = {}
     for seq, t, _ in model.saves:
         saves.setdefault(t, []).append(seq)
     span = {v: (g.nodes[var.base[v]]["fwd_start_seq"], g.nodes[var.base[v]]["fwd_end_seq"]) for v in var.names}
     inputs = {t for v in var.cands for t in g.nodes[v]["input_ids"]}  # casts are not, in models we know
 
-    def at(seq: int, in_flight: frozenset[int] = frozenset()) -> tuple[Lin, int]:
+    def at(seq: int, in_flight: frozenset[int] = frozenset(), after: int | None = None) -> tuple[Lin, int]:
         form: Lin = {}
         const = 0
-        for created, t in model.casts:
+        for created, t, dropped in [(c, t, ALIVE_SEQ) for c, t in model.casts] + list(model.dropped):
             seqs = saves.get(t, [])
-            if created > seq or t in in_flight:
+            if t in in_flight or not kept_at(created, dropped, seq, after):
                 continue
             if not seqs or min(seqs) > seq or t in inputs:  # a unit's input: as if never held (over-counts)
                 const += model.tensor_bytes[t]
