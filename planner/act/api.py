@@ -30,7 +30,7 @@ from planner.act.robust import (OPTIMISERS as _OPTIMISERS, canonical, difference
 from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
 from planner.model.schema import (COMPILED_PLAN_VERSION, OFFLOAD_PLAN_VERSION, OpRef, Plan, Predicted, Profile, RunStamp,
                                   SelectiveRegion, SolverInfo, now_iso)
-from planner.options import parse_sharding
+from planner.options import check_ceiling, parse_sharding
 from planner.spec import SOLVE_FIELDS, STEP_FIELDS, SolveSpec, StepSpec, solve_spec, step_spec
 from planner.sizes import format_bytes, parse_bytes
 
@@ -97,6 +97,7 @@ def check_ranks(world_size: int, sharding: str) -> None:
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise BadInput(f"world size must be an integer >= 1, got {world_size!r}")
+    check_ceiling("world_size", world_size)
     parse_sharding(sharding)
     if sharding == "none" and world_size > 1:
         raise BadInput(f"world size {world_size} needs sharding ddp or fsdp: with none every rank holds a "

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from planner.errors import BadInput
 from planner.model.schema import Recipe
 from planner.cli.parallel import PIPELINE, ParallelOptions
-from planner.options import (Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_fraction, parse_headroom,
+from planner.options import (COUNTS, Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_fraction, parse_headroom,
                              parse_optimizer, parse_sharding)
 from planner.spec import SolveSpec, StepSpec
 
@@ -38,6 +38,12 @@ DEVICE_MEMORY_ENV = "REMAT_DEVICE_MEMORY"
 
 def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+
+def bounds(name: str) -> dict[str, int]:
+    """typer's ``min`` and ``max`` of the count option ``name``, from ``COUNTS`` (NOTE [ Counts have ceilings ])."""
+    low, high = COUNTS[name]
+    return {"min": low, "max": high}
 
 
 def _model_arg(help_text: str) -> inspect.Parameter:
@@ -61,14 +67,14 @@ BUDGET = _param("budget", Annotated[str | None, typer.Option(
 PROFILE = _param("profile", Annotated[Path | None, typer.Option(
     "--profile", help="Use a saved profile: nothing is run.")], None)
 GRANULARITY = _param("granularity", Annotated[int, typer.Option(
-    "--granularity", min=0, help="Candidate levels below the repeated blocks (0 = blocks).")], 0)
+    "--granularity", **bounds("granularity"), help="Candidate levels below the repeated blocks (0 = blocks).")], 0)
 SOLVERS = _param("solvers", Annotated[str | None, typer.Option(
     "--solvers", help="Comma-separated solvers to run (default: the optimal one, sqrt-greedy, sqrt); the "
                       "baselines none, all, every-2/3/4 always run.", show_default=False)], None)
 STEPS = _param("steps", Annotated[int, typer.Option(
-    "--steps", min=1, help="Training steps measured (after a warm-up step).")], 3)
+    "--steps", **bounds("steps"), help="Training steps measured (after a warm-up step).")], 3)
 THREADS = _param("threads", Annotated[int | None, typer.Option(
-    "--threads", min=1, show_default=False,
+    "--threads", **bounds("threads"), show_default=False,
     help="torch intra-op threads for the measured steps (default: torch's). On the CPU every figure is "
          "the thread's CPU time at one thread, which other processes on the machine do not change; above "
          "one thread it is scaled by the step's measured wall-to-CPU ratio at N threads.")], None)
@@ -149,7 +155,7 @@ MEASURED_STEP = [
 
 RECIPE = [
     _param("grad_accum", Annotated[int, typer.Option(
-        "--grad-accum", min=1, help="Micro-batches per optimizer step (gradient accumulation); the plan is for "
+        "--grad-accum", **bounds("grad_accum"), help="Micro-batches per optimizer step (gradient accumulation); the plan is for "
                                     "the worst one, with the earlier ones' gradients alive.")], 1),
     _param("zero_grad_set_to_none", Annotated[bool, typer.Option(
         "--zero-grad-set-to-none/--no-zero-grad-set-to-none",
@@ -164,7 +170,7 @@ RECIPE = [
 
 RANKS = [
     _param("world_size", Annotated[int, typer.Option(
-        "--world-size", min=1, help="Data-parallel ranks; the budget and the peak are per rank (> 1 needs "
+        "--world-size", **bounds("world_size"), help="Data-parallel ranks; the budget and the peak are per rank (> 1 needs "
                                     "--sharding ddp or fsdp). See docs/distributed.md.")], 1),
     _param("sharding", Annotated[str, typer.Option(
         "--sharding", help="How the ranks hold the model: none (one process), ddp (a full replica plus gradient "
@@ -576,7 +582,7 @@ def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
                        f"these options, or drop them to plan the profile's step", options=tuple(named))
 
 
-__all__ = ["BUDGET", "check_profile_options", "COMPARE", "COMPILE", "CompareOptions", "DEVICE", "DEVICE_MEMORY_ENV",
+__all__ = ["bounds", "BUDGET", "check_profile_options", "COMPARE", "COMPILE", "CompareOptions", "DEVICE", "DEVICE_MEMORY_ENV",
            "DEVICES", "DEVICES_CMD", "FLAGS", "FRONTIER", "FrontierOptions", "GRANULARITY", "HEADROOM",
            "HF_SOURCE", "HfSource", "MEASURED_STEP", "MEASURING_OPTIONS", "MODEL_HELP", "Options",
            "OUTPUT_SWITCHES", "PLAN", "PlanOptions", "PROFILE", "PROFILE_CMD", "ProfileOptions",

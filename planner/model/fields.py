@@ -54,7 +54,11 @@ MAX_COUNT = 2**53
 """Sequence numbers, ids and counts: a step records far fewer events; a larger one in a file is an error."""
 Seq = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-Threads = Annotated[int, Field(ge=1, le=4096)]
+MAX_GRAD_ACCUM = 2**20
+"""Micro-batches per optimizer step: a recipe with more is an error."""
+MAX_THREADS = 4096
+"""torch intra-op threads: above any machine's cores; more in a file or an option is an error."""
+Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
 
 
 def bad_field(path: str, message: str) -> PydanticCustomError:
@@ -128,4 +132,4 @@ def field_error(e: ValidationError) -> str:
 
 
 __all__ = ["bad_field", "Bytes", "Count", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
-           "MAX_COUNT", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]
+           "MAX_COUNT", "MAX_GRAD_ACCUM", "MAX_THREADS", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]

@@ -1,0 +1,77 @@
+"""Bad input, round 16: a new user's afternoon of faults, one test per class. Counts beyond any real
+use (NOTE [ Counts have ceilings ]), input files that are not remat's JSON (NOTE [ Files that are
+not remat's JSON ]), writes that fail part way (NOTE [ Writing output files ], Rule 6), and the
+Python API given the wrong kind of object. Each ran before as a hang, an internal error or a
+misleading line; all run in-process or on the synthetic chain, except one run under a file size limit."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import math
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import planner
+import planner.files
+from planner.act.api import plan_from_profile
+from planner.errors import BadInput, ModelLoadError, PlanFileError
+from planner.model.graph import candidate_levels, unit_children
+from planner.model.schema import Plan, Profile
+from planner.spec import SolveSpec, StepSpec
+from tests.conftest import invoke
+from tests.test_errors import ENV, GOOD_MODEL, ROOT, check, model_file
+
+# ----------------------------------------------------------------------------- counts have ceilings
+
+
+@pytest.mark.parametrize("argv, flag, ceiling", [
+    (["profile", "{model}", "--threads", "3000000000"], "--threads", "4096"),  # was: internal error ValueError
+    (["profile", "{model}", "--grad-accum", "99999999999999999999"], "--grad-accum", "1048576"),  # ValidationError
+    (["profile", "{model}", "--steps", "99999999999999999999"], "--steps", "10000"),  # ran for ever
+    (["plan", "-b", "1GB", "--profile", "{profile}", "--granularity", "99999999999999999999"], "--granularity", "256"),
+    (["plan", "-b", "1GB", "--profile", "{profile}", "--world-size", "99999999999999999999", "--sharding", "ddp"],
+     "--world-size", "1048576"),  # was: internal error after planning
+    (["plan", "-b", "1GB", "{model}", "--tp", "99999999999999999999"], "--tp", "1048576"),
+    (["plan", "-b", "1GB", "{model}", "--pp", "2", "--micro-batches", "99999999999999999999"], "--micro-batches",
+     "1048576"),
+])
+def test_a_count_beyond_its_ceiling_is_one_usage_line(capsys, tmp_path: Path, profile_path: Path, argv, flag,
+                                                      ceiling):
+    """NOTE [ Counts have ceilings ], Rule 1: the CLI declares each count's max from ``COUNTS``."""
+    from planner.cli.main import main
+
+    model = model_file(tmp_path, GOOD_MODEL)
+    with pytest.raises(SystemExit) as exit_:
+        main([a.format(model=model, profile=profile_path) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"Invalid value for '{flag}': Input should be less than or equal to {ceiling}" in err, err
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda: StepSpec(steps=10**20), "steps 100000000000000000000 is above the most remat takes, 10,000"),
+    (lambda: StepSpec(threads=3 * 10**9), "threads 3000000000 is above the most remat takes, 4,096"),
+    (lambda: SolveSpec(granularity=10**20), "granularity 100000000000000000000 is above the most remat takes, 256"),
+    (lambda: SolveSpec(world_size=2**21), "world_size 2097152 is above the most remat takes, 1,048,576"),
+    (lambda: planner.profile(torch.nn.Linear(2, 2), torch.ones(1, 2), device="cpu", steps=10**20), "10,000"),
+])
+def test_a_count_beyond_its_ceiling_is_refused_by_the_library(make, needle):
+    """Rule 1 for the Python API: the specs check what the CLI's options check (``profile(steps=10**20)`` ran on)."""
+    with pytest.raises(BadInput, match=needle):
+        make()
+
+
+def test_candidate_levels_stop_at_the_leaves(profile_path: Path):
+    """A granularity deeper than the module tree gives the leaves once, not one copy per level asked
+    (a 20-digit --granularity looped without end)."""
+    prof = Profile.load(profile_path)
+    units, children = {u.id: u for u in prof.units}, unit_children(prof.units)
+    deep = candidate_levels(units, children, 10**6)
+    assert len(deep) <= 1 + max(u.depth for u in prof.units), len(deep)
+    assert deep == candidate_levels(units, children, len(deep) - 1)
