@@ -75,3 +75,38 @@ def test_candidate_levels_stop_at_the_leaves(profile_path: Path):
     deep = candidate_levels(units, children, 10**6)
     assert len(deep) <= 1 + max(u.depth for u in prof.units), len(deep)
     assert deep == candidate_levels(units, children, len(deep) - 1)
+
+
+# ----------------------------------------------------------------------------- files that are not remat's JSON
+
+
+@pytest.mark.parametrize("content, needle", [
+    (lambda text: gzip.compress(text.encode()), "is not UTF-8 text (it looks like a gzip file)"),
+    (lambda text: text.encode("utf-16"), "is not UTF-8 text (it looks like UTF-16 text)"),
+    (lambda text: bytes(range(256)), "is not UTF-8 text (it looks like a binary file)"),
+    (lambda text: b"[" * 100_000 + b"]" * 100_000, "is JSON that no remat writes (nested too deep)"),  # RecursionError
+    (lambda text: b'{"kind": ' + b"9" * 5000 + b"}", "is JSON that no remat writes (a number with too many digits)"),
+    (lambda text: b"import torch\nfrom torch import nn\n", "is not valid JSON: it begins 'import torch', not with '{'"),
+])
+def test_an_input_that_is_not_remats_json_says_what_it_is(tmp_path: Path, profile_path: Path, content, needle):
+    """NOTE [ Files that are not remat's JSON ]: each was "may be truncated" or an internal error before."""
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content(profile_path.read_text()))
+    result = invoke("plan", "--budget", "1GB", "--profile", bad)
+    check(result, 2, "error: profile file", needle)
+    assert "truncated" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_profile_with_a_byte_order_mark_is_read(tmp_path: Path, profile_path: Path):
+    """Rule 1: a UTF-8 BOM (Notepad's "UTF-8 with BOM") is dropped, not 'Unexpected UTF-8 BOM ... may be truncated'."""
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + profile_path.read_bytes())
+    check(invoke("plan", "--budget", "10MB", "--profile", bom, "-q"), 0)
+
+
+def test_json_text_or_an_unreadable_path_given_to_load_is_one_line(plan_path: Path):
+    """Rule 4: ``Plan.load(text)`` was "OSError: [Errno 36] File name too long"."""
+    with pytest.raises(PlanFileError, match=r"got JSON text; to read text, call Plan.model_validate_json\(text\)"):
+        Plan.load(plan_path.read_text())
+    with pytest.raises(PlanFileError, match="cannot read plan file x{60}...: File name too long"):
+        Plan.load("x" * 5000)
