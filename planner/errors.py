@@ -14,7 +14,7 @@ from __future__ import annotations
 from solvers.errors import RematError, SolverError
 
 __all__ = ["BadInput", "BudgetInfeasible", "ModelLoadError", "PlanFileError", "PlanMismatch", "ProfileError",
-           "RematError", "SolverError", "Terminated", "VerificationFailed"]
+           "RematError", "SolverError", "Terminated", "VerificationFailed", "WriteFailed"]
 
 
 class BadInput(RematError):
@@ -23,6 +23,16 @@ class BadInput(RematError):
 
 class ModelLoadError(RematError):
     """``model.py`` is missing, does not import, or breaks the model-file convention."""
+
+
+class WriteFailed(BadInput, OSError):
+    """Writing an output file failed part way (disk or quota full, a file size limit, an I/O error); the old
+    file is as it was (NOTE [ Writing output files ], Rule 6). Still an ``OSError``, for callers that catch one.
+    ``errno``: the failed call's."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
 class ProfileError(RematError):

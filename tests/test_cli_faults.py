@@ -110,3 +110,36 @@ def test_json_text_or_an_unreadable_path_given_to_load_is_one_line(plan_path: Pa
         Plan.load(plan_path.read_text())
     with pytest.raises(PlanFileError, match="cannot read plan file x{60}...: File name too long"):
         Plan.load("x" * 5000)
+
+
+# ----------------------------------------------------------------------------- writes that fail part way
+
+
+def test_a_write_that_fails_keeps_the_old_file_and_is_one_line(tmp_path: Path, profile_path: Path, monkeypatch):
+    """NOTE [ Writing output files ], Rule 6: a full disk was "internal error: OSError: [Errno 28]"."""
+    out = tmp_path / "plan.json"
+    out.write_text("the old plan\n")
+
+    def full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(planner.files.os, "fsync", full)
+    text = check(invoke("plan", "--budget", "10MB", "--profile", profile_path, "-o", out), 2,
+                 f"error: cannot write {out}: No space left on device (the file there is unchanged); free some space")
+    assert "internal error" not in text and out.read_text() == "the old plan\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "profile.json"]  # no temp file left
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as Linux applies it")
+def test_a_write_beyond_the_file_size_limit_is_one_line(tmp_path: Path, profile_path: Path):
+    """Rule 6 under a real ``ulimit -f``: the write fails with EFBIG (Python ignores SIGXFSZ)."""
+    out = tmp_path / "plan.json"
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    result = subprocess.run([sys.executable, "cli.py", "plan", "--budget", "10MB", "--profile", str(profile_path),
+                             "-o", str(out), "-q"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
+                            preexec_fn=limit)
+    check(result, 2, f"error: cannot write {out}: File too large (nothing was written); raise the file size limit")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
