@@ -85,5 +85,10 @@ class VerificationFailed(RematError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived while a command ran (see NOTE [ Signals and children ] in planner/children.py).
-    A KeyboardInterrupt, so that everything that cleans up after Ctrl-C cleans up after it too."""
+    """SIGTERM or SIGHUP arrived while a command ran (see NOTE [ Signals and children ] in planner/children.py).
+    A KeyboardInterrupt, so that everything that cleans up after Ctrl-C cleans up after it too. ``signum``:
+    the signal; the CLI exits 128 + it."""
+
+    def __init__(self, message: str = "terminated", signum: int = 15):
+        super().__init__(message)
+        self.signum = signum
