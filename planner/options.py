@@ -96,8 +96,9 @@ def parse_optimizer(value: str) -> OptimizerName:
     return v  # type: ignore[return-value]
 
 
-def parse_fraction(value: Any, field: str) -> float:
-    """'0.5%' or '0.005' (or the number) -> 0.005, below one half; ``BadInput`` naming ``field`` otherwise."""
+def parse_fraction(value: Any, field: str, *, below: float = 0.5) -> float:
+    """'0.5%' or '0.005' (or the number) -> 0.005, at least 0 and under ``below`` (one half); ``BadInput`` naming
+    ``field`` otherwise (NaN too)."""
     t = str(value).strip()
     try:
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -105,8 +106,8 @@ def parse_fraction(value: Any, field: str) -> float:
         fraction = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
         raise BadInput(f"{{{field}}} {value!r} is not a fraction; use e.g. 0.5% or 0.005", options=(field,)) from None
-    if not 0 <= fraction < 0.5:
-        raise BadInput(f"{{{field}}} {value!r} must be at least 0% and below 50%", options=(field,))
+    if not 0 <= fraction < below:
+        raise BadInput(f"{{{field}}} {value!r} must be at least 0% and below {below:.0%}", options=(field,))
     return fraction
 
 

@@ -143,3 +143,43 @@ def test_a_write_beyond_the_file_size_limit_is_one_line(tmp_path: Path, profile_
                             preexec_fn=limit)
     check(result, 2, f"error: cannot write {out}: File too large (nothing was written); raise the file size limit")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
+
+
+# ----------------------------------------------------------------------------- the Python API, wrong objects
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda p: plan_from_profile(None, "10MB"), "plan_from_profile takes a Profile"),  # AttributeError
+    (lambda p: plan_from_profile({}, "10MB"), "or the path of a profile file, got dict"),
+    (lambda p: plan_from_profile(planner.plan(p, "10MB"), "10MB"),
+     "got Plan; a plan is made from the profile it was planned on"),
+    (lambda p: planner.verify(torch.nn.Linear(2, 2), planner.plan(p, "10MB"), inputs=torch.ones(1, 2),
+                              tolerance=math.nan), "tolerance must be a finite number >= 0"),  # was accepted
+    (lambda p: planner.verify(torch.nn.Linear(2, 2), planner.plan(p, "10MB"), inputs=torch.ones(1, 2),
+                              prediction_tolerance="lots"), "prediction_tolerance 'lots' is not a fraction"),  # TypeError
+    (lambda p: Plan.load(p.with_name("plan.json")).save(None), "expected the path of the file to write"),  # TypeError
+])
+def test_python_api_given_the_wrong_object_is_one_line(profile_path: Path, plan_path: Path, call, needle):
+    with pytest.raises(BadInput) as err:
+        call(profile_path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_profile_of_a_module_with_nothing_to_train_is_one_line():
+    """A frozen module given to ``planner.profile`` was "ValueError: optimizer got an empty parameter list";
+    a model file got the same check at load (one ``check_trainable`` for both)."""
+    with pytest.raises(ModelLoadError, match="the Linear given to profile\\(\\) has no trainable parameters"):
+        planner.profile(torch.nn.Linear(2, 2).requires_grad_(False), torch.ones(1, 2), device="cpu", steps=1)
+    with pytest.raises(ModelLoadError, match="the ReLU given to profile\\(\\) has no parameters"):
+        planner.profile(torch.nn.ReLU(), torch.ones(1, 2), device="cpu", steps=1)
+
+
+def test_prediction_tolerance_takes_the_clis_percent_form():
+    """``verify(prediction_tolerance="2%")`` as --tolerance 2% (was TypeError: '<=' between int and str); verify reads
+    it through ``parse_fraction`` up to, not including, 100%."""
+    from planner.options import parse_fraction
+
+    assert parse_fraction("2%", "prediction_tolerance", below=1) == pytest.approx(0.02)
+    assert parse_fraction(0.99, "prediction_tolerance", below=1) == 0.99
+    with pytest.raises(BadInput, match="below 100%"):
+        parse_fraction(1, "prediction_tolerance", below=1)

@@ -143,6 +143,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
 
         plan = plan_from_profile(Profile.load("profile.json"), "12GB", solver="ilp", time_limit_s=30)
     """
+    profile = as_profile(profile, "plan_from_profile")
     spec = solve_spec(solve, **solve_fields)
     solver = spec.solver
     budget_bytes = parse_bytes(budget)
@@ -428,6 +429,18 @@ def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any 
         profiles = [profile(model_or_profile, batch, step=run, progress=progress)
                     for batch in ([inputs] if buckets is None else buckets)]
     return plan_buckets(profiles, budget, solve=solving)
+
+
+def as_profile(profile: Any, caller: str) -> Profile:
+    """``profile`` itself, or the profile saved at that path; ``BadInput`` naming what ``caller`` takes otherwise
+    (a plan, a dict or None used to end as "AttributeError: ... has no attribute 'device'")."""
+    if isinstance(profile, Profile):
+        return profile
+    if isinstance(profile, (str, os.PathLike)) and not isinstance(profile, bytes):
+        return Profile.load(profile)
+    hint = "; a plan is made from the profile it was planned on" if isinstance(profile, Plan) else ""
+    raise BadInput(f"{caller} takes a Profile (planner.profile(...), Profile.load(path)) or the path of a profile "
+                   f"file, got {type(profile).__name__}{hint}")
 
 
 def _load_source(path: Path) -> Any:

@@ -144,13 +144,19 @@ def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise ModelLoadError(f"build_model() in {path} returned a {type(model).__name__}; it must return "
                              f"a torch.nn.Module (the model itself, not a tuple or a state_dict)")
-    if not any(True for _ in model.parameters()):
-        raise ModelLoadError(f"the model from build_model() in {path} has no parameters: there is nothing to "
-                             f"train, so nothing to plan; return the model you train")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ModelLoadError(f"the model from build_model() in {path} has no trainable parameters (all have "
-                             f"requires_grad=False): nothing to train. Unfreeze at least one parameter")
+    check_trainable(model, f"the model from build_model() in {path}")
     return model
+
+
+def check_trainable(model: torch.nn.Module, which: str) -> None:
+    """``ModelLoadError`` when ``model`` (``which``: how the message names it) has no parameter that trains: the
+    optimizer would raise "got an empty parameter list" mid-profile. One check for a model file and a module."""
+    if not any(True for _ in model.parameters()):
+        raise ModelLoadError(f"{which} has no parameters: there is nothing to train, so nothing to plan; "
+                             f"return the model you train")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelLoadError(f"{which} has no trainable parameters (all have requires_grad=False): nothing to "
+                             f"train. Unfreeze at least one parameter")
 
 
 SHAPE_KEYWORDS = ("batch", "seq_len")
