@@ -183,3 +183,24 @@ def test_prediction_tolerance_takes_the_clis_percent_form():
     assert parse_fraction(0.99, "prediction_tolerance", below=1) == 0.99
     with pytest.raises(BadInput, match="below 100%"):
         parse_fraction(1, "prediction_tolerance", below=1)
+
+
+# ----------------------------------------------------------------------------- devices that are not there
+
+
+def test_a_cuda_device_that_is_not_there_is_named_with_the_fix(monkeypatch):
+    """`--device cuda:7` on a CPU-only machine said "device 'cuda' asked for" (the index lost); on a machine with one
+    GPU, "device cuda:7 does not exist: 1 CUDA device(s) visible" with no fix. Both name what was asked and what to
+    give (the second branch by stubbing torch.cuda, as a one-GPU machine answers)."""
+    from planner.profiling.profiler import resolve_device
+
+    if not torch.cuda.is_available():
+        with pytest.raises(BadInput, match="device 'cuda:7' asked for, but CUDA is not available"):
+            resolve_device("cuda:7")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(BadInput) as err:
+        resolve_device("cuda:7")
+    assert err.value.worded({"device": "--device"}).endswith(
+        "device cuda:7 does not exist: 2 CUDA device(s) visible (CUDA_VISIBLE_DEVICES renumbers them from 0); use "
+        "--device cuda:0 to cuda:1"), str(err.value)
