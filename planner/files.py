@@ -44,6 +44,9 @@ from planner.errors import BadInput, WriteFailed
 #   one line naming the cause and the fix (``WriteFailed``, a BadInput that is still an OSError),
 #   never an internal error; by Rule 4 the target is as it was. Why: a 29 KB profile onto a full disk ended as "internal error: OSError: [Errno 28]
 #   No space left on device", under `ulimit -f` as "[Errno 27] File too large".
+# Rule 7. An output given as '-' or with a trailing separator ('out/') is refused with one line.
+#   Why: `-o -` wrote a file named '-' in the working folder, and `-o newdir/` a file named
+#   'newdir' (pathlib drops the slash), where the user meant stdout or a folder.
 
 
 def as_path(value: object, expected: str) -> Path:
@@ -53,9 +56,23 @@ def as_path(value: object, expected: str) -> Path:
     raise BadInput(f"expected {expected} (a str or os.PathLike), got {type(value).__name__}")
 
 
+def as_output(path: object, example: str = "out.json") -> Path:
+    """``path`` as the ``Path`` of a file to write, or ``BadInput`` for '-' or a path ending in a separator (Rule 7;
+    ``example``: a file name the message suggests)."""
+    given = as_path(path, "the path of the file to write")
+    text = os.fspath(path)
+    if text == "-":
+        raise BadInput("cannot write '-': remat writes its files by name, not to stdout; give a file name "
+                       "(--json prints the result on stdout)")
+    if text.endswith(("/", os.sep)):
+        raise BadInput(f"cannot write {text}: it ends in '{text[-1]}', so it names a folder; give a file name such "
+                       f"as {text}{example}")
+    return given
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` (text as UTF-8) to ``path`` by NOTE [ Writing output files ]; returns ``path`` as given."""
-    given = as_path(path, "the path of the file to write")
+    given = as_output(path)
     target = _target(given)
     mode, owner = _mode_for(target)
     fd, tmp = _temp_beside(given, target)
@@ -106,7 +123,7 @@ def check_output(path: str | Path | None, inputs: Mapping[str, str | Path | None
     the command's other ``outputs`` (e.g. "the file -o writes")."""
     if path is None:
         return
-    given = Path(path)
+    given = as_output(path)
     for what, source in (*inputs.items(), *(outputs or {}).items()):
         if source is not None and _same_file(given, Path(source)):
             why = " too" if what in (outputs or {}) else ", which this command reads; writing there would replace it"

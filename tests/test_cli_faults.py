@@ -204,3 +204,23 @@ def test_a_cuda_device_that_is_not_there_is_named_with_the_fix(monkeypatch):
     assert err.value.worded({"device": "--device"}).endswith(
         "device cuda:7 does not exist: 2 CUDA device(s) visible (CUDA_VISIBLE_DEVICES renumbers them from 0); use "
         "--device cuda:0 to cuda:1"), str(err.value)
+
+
+# ----------------------------------------------------------------------------- outputs that name no file
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "-b", "10MB", "--profile", "{profile}", "-o", "-"], "cannot write '-': remat writes its files by name"),
+    (["plan", "-b", "10MB", "--profile", "{profile}", "-o", "{tmp}/plans/"],
+     "cannot write {tmp}/plans/: it ends in '/', so it names a folder; give a file name such as {tmp}/plans/out.json"),
+    (["frontier", "--points", "2", "--profile", "{profile}", "--plot", "{tmp}/plots/"],
+     "so it names a folder; give a file name such as {tmp}/plots/frontier.png"),
+])
+def test_an_output_that_names_no_file_is_refused(tmp_path: Path, profile_path: Path, monkeypatch, argv, needle):
+    """NOTE [ Writing output files ], Rule 7: `-o -` wrote a file named '-', `-o plans/` a file named 'plans'."""
+    monkeypatch.chdir(tmp_path)
+    fill = {"profile": profile_path, "tmp": tmp_path}
+    check(invoke(*[a.format(**fill) for a in argv]), 2, needle.format(**fill))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
+    with pytest.raises(BadInput, match="it ends in '/'"):
+        Profile.load(profile_path).save(f"{tmp_path}/profiles/")

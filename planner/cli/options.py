@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from planner.errors import BadInput
+from planner.files import as_output
 from planner.model.schema import Recipe
 from planner.cli.parallel import PIPELINE, ParallelOptions
 from planner.options import (COUNTS, Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_fraction, parse_headroom,
@@ -110,7 +111,8 @@ def _time_limit(default: float, help_text: str) -> inspect.Parameter:
 
 
 def _output(help_text: str) -> inspect.Parameter:
-    return _param("output", Annotated[Path | None, typer.Option("--output", "-o", help=help_text)], None)
+    return _param("output", Annotated[str | None, typer.Option("--output", "-o", metavar="PATH", help=help_text)],
+                  None)  # a str: Options._output_path sees a trailing '/' before pathlib drops it
 
 
 HF_SOURCE = [
@@ -228,6 +230,12 @@ class Options(BaseModel):
     debug: bool = False
     given: frozenset[str] = frozenset()
     """Fields the user typed on the command line (not defaults, not environment variables)."""
+
+    @field_validator("output", "plot", mode="before", check_fields=False)
+    @classmethod
+    def _output_path(cls, value: Any, info: ValidationInfo) -> Path | None:
+        example = "frontier.png" if info.field_name == "plot" else "out.json"
+        return None if value is None else as_output(value, example)  # NOTE [ Writing output files ], Rule 7
 
 
 class HfSource(BaseModel):
@@ -500,8 +508,8 @@ FRONTIER = [
     _param("points", Annotated[int, typer.Option(
         "--points", min=1, max=MAX_POINTS, help="Budgets swept, evenly spaced from the lowest feasible peak to the "
                                                 "peak without checkpointing.")], 12),
-    _param("plot", Annotated[Path | None, typer.Option(
-        "--plot", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
+    _param("plot", Annotated[str | None, typer.Option(
+        "--plot", metavar="PATH", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
     _output("Write the points as JSON here (atomic)."),
     PROFILE, *MEASURED_STEP, GRANULARITY, SOLVERS,
     _time_limit(30.0, "Seconds the ILP may search at each budget."), HEADROOM, OFFLOAD, HOST_MEMORY,
