@@ -224,3 +224,19 @@ def test_an_output_that_names_no_file_is_refused(tmp_path: Path, profile_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
     with pytest.raises(BadInput, match="it ends in '/'"):
         Profile.load(profile_path).save(f"{tmp_path}/profiles/")
+
+
+# ----------------------------------------------------------------------------- model-file conventions
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("from .layers import block\n" + GOOD_MODEL, "attempted relative import with no known parent package; a model "
+     "file is imported on its own, in no package: import its neighbours by name (e.g. `from layers import block`"),
+    (GOOD_MODEL + "build_model = 5\n", "build_model is an int, not a function; define it as `def build_model(): ...`"),
+    (GOOD_MODEL + "example_inputs = torch.ones(4, 8)\n", "example_inputs is a Tensor, not a function"),
+])
+def test_a_model_file_mistake_is_told_its_fix(tmp_path: Path, body: str, needle: str):
+    """NOTE [ Model-file messages name the fix ]: the relative import gave only Python's symptom, and a
+    build_model that is not a function was called missing ("does not define build_model()")."""
+    (tmp_path / "layers.py").write_text("")
+    check(invoke("profile", model_file(tmp_path, body), "--device", "cpu", "--steps", "1"), 2, needle)
