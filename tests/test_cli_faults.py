@@ -240,3 +240,17 @@ def test_a_model_file_mistake_is_told_its_fix(tmp_path: Path, body: str, needle:
     build_model that is not a function was called missing ("does not define build_model()")."""
     (tmp_path / "layers.py").write_text("")
     check(invoke("profile", model_file(tmp_path, body), "--device", "cpu", "--steps", "1"), 2, needle)
+
+
+# ----------------------------------------------------------------------------- layouts on models they do not fit
+
+
+@pytest.mark.parametrize("flag, layout", [("--tp", "tensor-parallel layouts"), ("--pp", "pipeline stages")])
+def test_a_layout_on_a_model_it_is_not_built_for_is_one_line(tmp_path: Path, flag: str, layout: str):
+    """`--tp 2` on an nn.Sequential was "internal error: AttributeError: 'Sequential' object has no attribute
+    'config'"; `--pp 2` said "plan it without {pp}", the option's placeholder unfilled."""
+    model = model_file(tmp_path, GOOD_MODEL)
+    result = invoke("plan", "-b", "1GB", model, flag, "2", "--device", "cpu")
+    check(result, 2, f"error: {layout} are built for Hugging Face decoder-only language models",
+          f"Sequential is not one: plan it without {flag}")
+    assert "{" not in result.stderr, result.stderr
