@@ -33,8 +33,15 @@ from planner.errors import Terminated
 #   the parent ends (SIGTERM, then SIGKILL after ``GRACE_S``) and reaps it on every exit path, and
 #   the child asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG on Linux), which
 #   covers a parent killed with SIGKILL, whose ``finally`` never runs.
+# Rule 4. SIGHUP (the terminal closed, the ssh session dropped) is SIGTERM's twin: raised as
+#   ``Terminated``, exit 129, "hung up". Unless it was ignored when remat started (``nohup remat``):
+#   then it stays ignored and the command runs on, as nohup promises.
 # Why: SIGTERM during ``remat plan --device-memory`` used to kill remat at once, leaving the capped
-# child running for 90 s under PID 1 and its temporary profile on disk.
+# child running for 90 s under PID 1 and its temporary profile on disk; SIGHUP still did so after
+# SIGTERM was caught (exit 129, no line, /tmp/remat-capped-* left behind).
+
+HANGUP = tuple(s for s in (getattr(signal, "SIGHUP", None),) if s is not None)
+"""SIGHUP where the platform has it (Rule 4)."""
 
 GRACE_S = 5.0
 """Seconds a child gets to exit after SIGTERM before it is killed."""
@@ -51,14 +58,17 @@ def signals_raise() -> Iterator[None]:
         return
 
     def terminated(signum: int, _frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # cleanup runs once
-        raise Terminated(f"terminated by signal {signum}")
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # cleanup runs once
+        raise Terminated(f"terminated by signal {signum}", signum)
 
-    previous = signal.signal(signal.SIGTERM, terminated)
+    caught = [signal.SIGTERM] + [s for s in HANGUP if signal.getsignal(s) is not signal.SIG_IGN]  # Rule 4
+    previous = {sig: signal.signal(sig, terminated) for sig in caught}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from solvers.errors import RematError, SolverError
 
 __all__ = ["BadInput", "BudgetInfeasible", "ModelLoadError", "PlanFileError", "PlanMismatch", "ProfileError",
-           "RematError", "SolverError", "Terminated", "VerificationFailed"]
+           "RematError", "SolverError", "Terminated", "VerificationFailed", "WriteFailed"]
 
 
 class BadInput(RematError):
@@ -23,6 +23,16 @@ class BadInput(RematError):
 
 class ModelLoadError(RematError):
     """``model.py`` is missing, does not import, or breaks the model-file convention."""
+
+
+class WriteFailed(BadInput, OSError):
+    """Writing an output file failed part way (disk or quota full, a file size limit, an I/O error); the old
+    file is as it was (NOTE [ Writing output files ], Rule 6). Still an ``OSError``, for callers that catch one.
+    ``errno``: the failed call's."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
 class ProfileError(RematError):
@@ -75,5 +85,10 @@ class VerificationFailed(RematError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived while a command ran (see NOTE [ Signals and children ] in planner/children.py).
-    A KeyboardInterrupt, so that everything that cleans up after Ctrl-C cleans up after it too."""
+    """SIGTERM or SIGHUP arrived while a command ran (see NOTE [ Signals and children ] in planner/children.py).
+    A KeyboardInterrupt, so that everything that cleans up after Ctrl-C cleans up after it too. ``signum``:
+    the signal; the CLI exits 128 + it."""
+
+    def __init__(self, message: str = "terminated", signum: int = 15):
+        super().__init__(message)
+        self.signum = signum

@@ -10,13 +10,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from planner.errors import BadInput
+from planner.errors import BadInput, WriteFailed
 
 # NOTE [ Writing output files ]
 #
@@ -39,6 +40,13 @@ from planner.errors import BadInput
 #   --profile, the --hf config, the other output of the same command), through any link or hard
 #   link, is refused with one line before anything runs. Why: `remat plan --profile p.json -o p.json`
 #   replaced the profile with the plan, and `remat plan model.py -o model.py` the user's model source.
+# Rule 6. A write that fails part way (the disk or the quota full, a file size limit, an I/O error) is
+#   one line naming the cause and the fix (``WriteFailed``, a BadInput that is still an OSError),
+#   never an internal error; by Rule 4 the target is as it was. Why: a 29 KB profile onto a full disk ended as "internal error: OSError: [Errno 28]
+#   No space left on device", under `ulimit -f` as "[Errno 27] File too large".
+# Rule 7. An output given as '-' or with a trailing separator ('out/') is refused with one line.
+#   Why: `-o -` wrote a file named '-' in the working folder, and `-o newdir/` a file named
+#   'newdir' (pathlib drops the slash), where the user meant stdout or a folder.
 
 
 def as_path(value: object, expected: str) -> Path:
@@ -48,9 +56,23 @@ def as_path(value: object, expected: str) -> Path:
     raise BadInput(f"expected {expected} (a str or os.PathLike), got {type(value).__name__}")
 
 
+def as_output(path: object, example: str = "out.json") -> Path:
+    """``path`` as the ``Path`` of a file to write, or ``BadInput`` for '-' or a path ending in a separator (Rule 7;
+    ``example``: a file name the message suggests)."""
+    given = as_path(path, "the path of the file to write")
+    text = os.fspath(path)
+    if text == "-":
+        raise BadInput("cannot write '-': remat writes its files by name, not to stdout; give a file name "
+                       "(--json prints the result on stdout)")
+    if text.endswith(("/", os.sep)):
+        raise BadInput(f"cannot write {text}: it ends in '{text[-1]}', so it names a folder; give a file name such "
+                       f"as {text}{example}")
+    return given
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` (text as UTF-8) to ``path`` by NOTE [ Writing output files ]; returns ``path`` as given."""
-    given = Path(path)
+    given = as_output(path)
     target = _target(given)
     mode, owner = _mode_for(target)
     fd, tmp = _temp_beside(given, target)
@@ -64,11 +86,21 @@ def atomic_write(path: str | Path, data: str | bytes) -> Path:
                     os.fchown(f.fileno(), *owner)
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):  # Rule 6
+            raise _not_written(given, target, e) from None
         raise
     return given
+
+
+def _not_written(given: Path, target: Path, e: OSError) -> WriteFailed:
+    """Rule 6: a write that failed (disk full, a file size limit, an I/O error) as one line; the target is as it was."""
+    kept = "the file there is unchanged" if target.exists() else "nothing was written"
+    fix = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some of your quota",
+           errno.EFBIG: "raise the file size limit (ulimit -f)"}.get(e.errno, "check the device")
+    return WriteFailed(f"cannot write {given}: {e.strerror or e} ({kept}); {fix}, or write elsewhere", e.errno)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
@@ -91,7 +123,7 @@ def check_output(path: str | Path | None, inputs: Mapping[str, str | Path | None
     the command's other ``outputs`` (e.g. "the file -o writes")."""
     if path is None:
         return
-    given = Path(path)
+    given = as_output(path)
     for what, source in (*inputs.items(), *(outputs or {}).items()):
         if source is not None and _same_file(given, Path(source)):
             why = " too" if what in (outputs or {}) else ", which this command reads; writing there would replace it"

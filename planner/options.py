@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from planner.errors import BadInput
+from planner.model.fields import MAX_GRAD_ACCUM, MAX_THREADS, MAX_WORLD_SIZE
 from solvers.contract import SHARDINGS, Sharding
 from solvers.pipeline import SCHEDULES
 
@@ -23,6 +24,50 @@ OptimizerName = str
 """An optimizer spec: 'adamw', 'sgd:momentum=0', 'adafactor', a dotted path (NOTE [ Optimizer specs ])."""
 _AMP_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 _NO_AMP = ("", "none", "off")
+
+
+# NOTE [ Counts have ceilings ]
+#
+# Rule 1. Every count a caller gives (timing steps, threads, candidate levels, ranks, stages,
+#   micro-batches) lies between the lowest and the highest value ``COUNTS`` gives it. The specs
+#   check it (``check_count``), the CLI declares each option's min and max from the same table,
+#   so an absurd count is one line before anything runs.
+# Rule 2. A ceiling is far above any real use (10,000 timing steps, 4,096 threads) and never above
+#   what the files accept (NOTE [ Numbers in files ]): a plan made must be a plan that loads.
+# Why: ``remat profile --steps 99999999999999999999`` timed 54,613 steps in 120 s and ran on for
+# ever, --granularity of 20 digits hung the planner without a line, --threads 3000000000 ended as
+# "internal error: ValueError: Overflow when unpacking long", and --grad-accum 1e20 or
+# --world-size 1e20 --sharding ddp as a five-line pydantic ValidationError (the latter after planning).
+
+MAX_STEPS = 10_000
+"""Timing (and warm-up) steps: unit times are medians, which 10,000 steps pin down many times over."""
+MAX_GRANULARITY = 256
+"""Candidate levels below the repeated blocks: deeper than any module tree (each level is one deeper)."""
+
+COUNTS: dict[str, tuple[int, int]] = {
+    "steps": (1, MAX_STEPS), "warmup_steps": (0, MAX_STEPS), "threads": (1, MAX_THREADS),
+    "granularity": (0, MAX_GRANULARITY), "world_size": (1, MAX_WORLD_SIZE), "grad_accum": (1, MAX_GRAD_ACCUM),
+    "tp": (1, MAX_WORLD_SIZE), "pp": (2, MAX_WORLD_SIZE), "micro_batches": (1, MAX_GRAD_ACCUM),
+    "stages_per_rank": (1, MAX_WORLD_SIZE),
+}
+"""Per count, its lowest and highest value (NOTE [ Counts have ceilings ])."""
+
+
+def check_count(name: str, value: Any) -> None:
+    """``BadInput`` unless ``value`` is an integer (not a bool) within ``COUNTS[name]`` (NOTE [ Counts have
+    ceilings ]); the message names the count as ``{name}``, which the CLI words as its flag."""
+    low, high = COUNTS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise BadInput(f"{name} must be an integer >= {low}, got {value!r}", options=(name,))
+    check_ceiling(name, value)
+
+
+def check_ceiling(name: str, value: int) -> None:
+    """``BadInput`` when the integer ``value`` is above ``COUNTS[name]``'s highest (NOTE [ Counts have ceilings ])."""
+    low, high = COUNTS[name]
+    if value > high:
+        raise BadInput(f"{{{name}}} {value} is above the most remat takes, {high:,}; give {low} to {high}",
+                       options=(name,))
 
 
 def parse_sharding(value: str) -> Sharding:
@@ -51,8 +96,9 @@ def parse_optimizer(value: str) -> OptimizerName:
     return parse(value)
 
 
-def parse_fraction(value: Any, field: str) -> float:
-    """'0.5%' or '0.005' (or the number) -> 0.005, below one half; ``BadInput`` naming ``field`` otherwise."""
+def parse_fraction(value: Any, field: str, *, below: float = 0.5) -> float:
+    """'0.5%' or '0.005' (or the number) -> 0.005, at least 0 and under ``below`` (one half); ``BadInput`` naming
+    ``field`` otherwise (NaN too)."""
     t = str(value).strip()
     try:
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -60,8 +106,8 @@ def parse_fraction(value: Any, field: str) -> float:
         fraction = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
         raise BadInput(f"{{{field}}} {value!r} is not a fraction; use e.g. 0.5% or 0.005", options=(field,)) from None
-    if not 0 <= fraction < 0.5:
-        raise BadInput(f"{{{field}}} {value!r} must be at least 0% and below 50%", options=(field,))
+    if not 0 <= fraction < below:
+        raise BadInput(f"{{{field}}} {value!r} must be at least 0% and below {below:.0%}", options=(field,))
     return fraction
 
 
@@ -102,6 +148,7 @@ def check_layout(stages: Any, schedule: str, micro_batches: Any, world_size: int
     whatever the model, each one line naming the fix (``BadInput``)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise BadInput(f"tp must be an integer >= 1, got {tp!r}", options=("tp",))
+    check_ceiling("tp", tp)
     if sequence_parallel and tp == 1:
         raise BadInput("{sequence_parallel} shards the sequence over tensor-parallel ranks: add {tp} N (N >= 2), or "
                        "drop it", options=("sequence_parallel", "tp"))
@@ -137,6 +184,8 @@ def _check_stages(stages: Any, schedule: str, micro_batches: Any) -> None:
         raise BadInput(f"unknown schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}", options=("schedule",))
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise BadInput(f"micro-batches must be an integer >= 1, got {micro_batches!r}", options=("micro_batches",))
+    check_ceiling("pp", stages)
+    check_ceiling("micro_batches", micro_batches)
 
 
 def _check_interleaved(stages: Any, schedule: str, micro_batches: int, per_rank: Any, tp_groups: int,
@@ -145,6 +194,7 @@ def _check_interleaved(stages: Any, schedule: str, micro_batches: int, per_rank:
     ``tp_groups``: the world size over tp (pp x dp)."""
     if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1:
         raise BadInput(f"stages-per-rank must be an integer >= 1, got {per_rank!r}", options=("stages_per_rank",))
+    check_ceiling("stages_per_rank", per_rank)
     if per_rank > 1 and schedule != "interleaved-1f1b":
         raise BadInput(f"{{stages_per_rank}} {per_rank} puts several stages on a rank, which only interleaved-1f1b "
                        f"runs: add {{schedule}} interleaved-1f1b, or drop it", options=("stages_per_rank", "schedule"))
@@ -180,6 +230,7 @@ def check_model_fit(num_layers: int, stages: int, micro_batches: int, rows: int,
                        f"{{micro_batches}} one of {', '.join(map(str, fits))}", options=("micro_batches",))
 
 
-__all__ = ["Amp", "COMPILE_BACKENDS", "check_layout", "check_model_fit", "compile_backend",
+__all__ = ["Amp", "COMPILE_BACKENDS", "COUNTS", "MAX_GRANULARITY", "MAX_STEPS", "check_ceiling", "check_count",
+           "check_layout", "check_model_fit", "compile_backend",
            "OptimizerName", "parse_amp", "parse_compile", "parse_fraction", "parse_headroom", "parse_optimizer",
            "parse_sharding"]

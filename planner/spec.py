@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal
 
 from planner.errors import BadInput
 from planner.model.schema import Recipe
-from planner.options import parse_headroom
+from planner.options import check_count, parse_headroom
 
 ProfilingPath = Literal["plain", "meta", "capped", "memory-safe"]
 """How ``planner.profile`` measures a step (``profiling_path``): as it runs; on fake tensors; in a
@@ -73,12 +73,11 @@ class StepSpec:
         elif not isinstance(self.recipe, Recipe):
             raise BadInput(f"recipe must be a planner.model.schema.Recipe (or None: the plain loop), got "
                            f"{type(self.recipe).__name__}")
-        _check_ints(self, steps=1, warmup_steps=0)
+        for name in ("steps", "warmup_steps") + (("threads",) if self.threads is not None else ()):
+            check_count(name, getattr(self, name))
         from planner.options import parse_optimizer
 
         object.__setattr__(self, "optimizer", parse_optimizer(self.optimizer))  # canonical: NOTE [ Optimizer specs ]
-        if self.threads is not None:
-            _check_ints(self, threads=1)
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise BadInput(f"loss_fn must be callable (loss_fn(output) or loss_fn(output, batch)), got "
                            f"{type(self.loss_fn).__name__}")
@@ -121,7 +120,8 @@ class SolveSpec:
             raise BadInput(f"time_limit_s must be a positive number of seconds (None: no limit), got {limit!r}")
         if limit == math.inf:  # as HiGHS and CBC read it: no limit
             object.__setattr__(self, "time_limit_s", None)
-        _check_ints(self, granularity=0, world_size=1)
+        check_count("granularity", self.granularity)
+        check_count("world_size", self.world_size)
         for name in ("selective", "offload"):
             if not isinstance(getattr(self, name), bool):
                 raise BadInput(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -130,14 +130,6 @@ class SolveSpec:
     def replace(self, **changes: Any) -> SolveSpec:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
-
-
-def _check_ints(spec: Any, **lowest: int) -> None:
-    """``BadInput`` unless each named field of ``spec`` is an integer (not a bool) at least its lowest value."""
-    for name, low in lowest.items():
-        value = getattr(spec, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise BadInput(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 STEP_FIELDS = frozenset(f.name for f in dataclasses.fields(StepSpec))

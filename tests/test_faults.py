@@ -1,6 +1,6 @@
 """Faults injected into a model file at each stage remat runs it (issue 28): an exception, sys.exit,
-prints, SIGINT and SIGTERM at import, in build_model, example_inputs, forward and loss_fn. Every
-case ends as exit 0 with a right result, or exit 1/2/130/143 with one line naming the problem; no
+prints, SIGINT, SIGTERM and SIGHUP at import, in build_model, example_inputs, forward and loss_fn. Every
+case ends as exit 0 with a right result, or exit 1/2/129/130/143 with one line naming the problem; no
 traceback, nothing written, no temporary file or child process left behind.
 
 In-process (CliRunner) for speed; the signals are real signals to this process (remat's handlers are
@@ -67,6 +67,7 @@ ACTIONS = {
     "print": "print('chatter from ' + here)",
     "sigint": "os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(5)",
     "sigterm": "os.kill(os.getpid(), signal.SIGTERM); import time; time.sleep(5)",
+    "sighup": "os.kill(os.getpid(), signal.SIGHUP); import time; time.sleep(5)",  # the terminal closed
 }
 
 
@@ -79,9 +80,10 @@ def _term_guard():
     def handler(*_):
         raise _TermOutsideRemat("SIGTERM reached the test's handler: remat installed none")
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     yield
-    signal.signal(signal.SIGTERM, previous)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def _model(tmp_path: Path, stage: str, action: str) -> Path:
@@ -91,7 +93,7 @@ def _model(tmp_path: Path, stage: str, action: str) -> Path:
 
 
 EXPECTED = {"raise": (2, "boom in"), "exit": (2, "called sys.exit(3)"), "print": (0, ""),
-            "sigint": (130, "interrupted"), "sigterm": (143, "terminated")}
+            "sigint": (130, "interrupted"), "sigterm": (143, "terminated"), "sighup": (129, "hung up")}
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -110,10 +112,25 @@ def test_fault_at_each_stage(tmp_path: Path, stage: str, action: str):
         assert json.loads(r.stdout)["kind"] == "remat-plan"  # stdout is the JSON and nothing else
         assert f"chatter from {stage}" in r.stderr and out.exists()
     else:
-        errors = [ln for ln in r.stderr.splitlines() if ln.startswith(("error:", "interrupted:", "terminated:"))]
+        errors = [ln for ln in r.stderr.splitlines()
+                  if ln.startswith(("error:", "interrupted:", "terminated:", "hung up:"))]
         assert len(errors) == 1 and needle in r.stderr, r.output
         assert not out.exists()
     assert [p.name for p in out.parent.iterdir()] == (["plan.json"] if json_mode else [])  # no temp file
+
+
+def test_sighup_ignored_at_the_start_stays_ignored(tmp_path: Path):
+    """NOTE [ Signals and children ], Rule 4: under ``nohup`` (SIGHUP ignored) a hang-up mid-profile changes nothing."""
+    model = tmp_path / "model.py"
+    model.write_text(MODEL.format(stage="forward", action=(
+        "sys._hups = getattr(sys, '_hups', 0) + 1; sys._hups == 1 and os.kill(os.getpid(), signal.SIGHUP)")))
+    out = tmp_path / "plan.json"
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        r = invoke("plan", "--budget", "1GB", model, "--device", "cpu", "--steps", "1", "-o", out, "-q")
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert r.exit_code == 0 and out.exists(), r.output
 
 
 def test_prints_do_not_reach_json_stdout_in_every_command(tmp_path: Path):
@@ -143,7 +160,9 @@ def _gone(pid: int, seconds: float = 10) -> bool:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU memory cap needs Linux")
-def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path):
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")])
+def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path, sig: int, code: int, word: str):
+    """SIGTERM, and SIGHUP (the terminal closed; before Rule 4 it killed remat at once, leaving /tmp/remat-capped-*)."""
     marker = tmp_path / "child.pid"
     model = tmp_path / "model.py"
     model.write_text(MODEL.format(stage="forward", action=(
@@ -154,10 +173,10 @@ def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path
     tmpdir.mkdir()
     returncode, stderr = signal_when_marked(
         [sys.executable, "cli.py", "plan", "--budget", "1GB", str(model), "--device", "cpu", "--device-memory", "2GB",
-         "--steps", "1", "-o", str(out)], marker, signal.SIGTERM, env={**ENV, "TMPDIR": str(tmpdir)}, cwd=ROOT)
+         "--steps", "1", "-o", str(out)], marker, sig, env={**ENV, "TMPDIR": str(tmpdir)}, cwd=ROOT)
     child = int(marker.read_text())
-    assert returncode == 143, stderr
-    assert "terminated" in stderr and "Traceback" not in stderr, stderr
+    assert returncode == code, stderr
+    assert f"{word}: nothing was written" in stderr and "Traceback" not in stderr, stderr
     assert _gone(child), f"the capped child {child} outlived its parent"
     left = [p.name for p in tmpdir.iterdir() if p.name != f"torchinductor_{getpass.getuser()}"]
     assert not out.exists() and not left, left  # torch's own compile cache aside, nothing

@@ -30,7 +30,7 @@ from planner.act.robust import (OPTIMISERS as _OPTIMISERS, canonical, difference
 from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
 from planner.model.schema import (COMPILED_PLAN_VERSION, OFFLOAD_PLAN_VERSION, OpRef, Plan, Predicted, Profile, RunStamp,
                                   SelectiveRegion, SolverInfo, now_iso)
-from planner.options import parse_optimizer, parse_sharding
+from planner.options import check_ceiling, parse_optimizer, parse_sharding
 from planner.spec import SOLVE_FIELDS, STEP_FIELDS, SolveSpec, StepSpec, solve_spec, step_spec
 from planner.sizes import format_bytes, parse_bytes
 
@@ -97,6 +97,7 @@ def check_ranks(world_size: int, sharding: str) -> None:
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise BadInput(f"world size must be an integer >= 1, got {world_size!r}")
+    check_ceiling("world_size", world_size)
     parse_sharding(sharding)
     if sharding == "none" and world_size > 1:
         raise BadInput(f"world size {world_size} needs sharding ddp or fsdp: with none every rank holds a "
@@ -142,6 +143,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
 
         plan = plan_from_profile(Profile.load("profile.json"), "12GB", solver="ilp", time_limit_s=30)
     """
+    profile = as_profile(profile, "plan_from_profile")
     spec = solve_spec(solve, **solve_fields)
     solver = spec.solver
     budget_bytes = parse_bytes(budget)
@@ -427,6 +429,18 @@ def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any 
         profiles = [profile(model_or_profile, batch, step=run, progress=progress)
                     for batch in ([inputs] if buckets is None else buckets)]
     return plan_buckets(profiles, budget, solve=solving)
+
+
+def as_profile(profile: Any, caller: str) -> Profile:
+    """``profile`` itself, or the profile saved at that path; ``BadInput`` naming what ``caller`` takes otherwise
+    (a plan, a dict or None used to end as "AttributeError: ... has no attribute 'device'")."""
+    if isinstance(profile, Profile):
+        return profile
+    if isinstance(profile, (str, os.PathLike)) and not isinstance(profile, bytes):
+        return Profile.load(profile)
+    hint = "; a plan is made from the profile it was planned on" if isinstance(profile, Plan) else ""
+    raise BadInput(f"{caller} takes a Profile (planner.profile(...), Profile.load(path)) or the path of a profile "
+                   f"file, got {type(profile).__name__}{hint}")
 
 
 def _load_source(path: Path) -> Any:

@@ -85,16 +85,17 @@ def _causal_mask(config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
     return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
 
 
-def check_decoder_lm(model: nn.Module) -> None:
-    """``BadInput`` unless ``model`` has the layout ``DecoderStage`` splits."""
+def check_decoder_lm(model: nn.Module, layout: str = "pipeline stages", option: str = "pp") -> None:
+    """``BadInput`` unless ``model`` has the layout ``DecoderStage`` splits and tensor parallelism shards;
+    ``layout`` and ``option``: what the message calls the layout asked for and its option."""
     inner = getattr(model, "model", None)
     ok = (inner is not None and isinstance(getattr(inner, "layers", None), nn.ModuleList)
           and all(isinstance(getattr(inner, k, None), nn.Module) for k in ("embed_tokens", "norm", "rotary_emb"))
           and isinstance(getattr(model, "lm_head", None), nn.Module) and hasattr(model, "loss_function"))
     if not ok:
-        raise BadInput(f"pipeline stages are built for Hugging Face decoder-only language models (model.embed_tokens, "
+        raise BadInput(f"{layout} are built for Hugging Face decoder-only language models (model.embed_tokens, "
                        f"model.layers, model.norm, lm_head: Llama, Mistral, Qwen2); {type(model).__name__} is not "
-                       f"one: plan it without {{pp}}")
+                       f"one: plan it without {{{option}}}", options=(option,))
 
 
 def stage_module(model: nn.Module, stage: int, num_stages: int) -> DecoderStage:

@@ -57,6 +57,11 @@ from planner.spec import SolveSpec, StepSpec
 # DTensor parameters.
 
 
+_TP = ("tensor-parallel layouts", "tp")
+"""How ``check_decoder_lm`` names tensor parallelism: `--tp 2` on an nn.Sequential was "internal error:
+AttributeError: 'Sequential' object has no attribute 'config'"."""
+
+
 def check_tp(config: Any, tp: Any) -> None:
     """``BadInput`` unless ``tp`` divides the model's attention heads, key-value heads and MLP width."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -88,7 +93,7 @@ def local_builder(model: nn.Module, tp: int, *, sequence_parallel: bool = False,
 
     from planner.act.pipeline import check_decoder_lm
 
-    check_decoder_lm(model)
+    check_decoder_lm(model, *_TP)
     check_tp(model.config, tp)
     cfg = copy.deepcopy(model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -121,7 +126,7 @@ def tensor_parallel(model: nn.Module, tp: int, mesh: Any = None, *, sequence_par
     if mesh is None:
         from planner.act.pipeline import check_decoder_lm
 
-        check_decoder_lm(model)
+        check_decoder_lm(model, *_TP)
         if not dist.is_initialized() or dist.get_world_size() != tp:
             raise BadInput(f"a plan for tensor parallelism over {tp} ranks needs torch.distributed initialised "
                            f"with {tp} ranks (torchrun, or remat verify, which starts the ranks itself)")
@@ -144,6 +149,7 @@ def plan_tensor_parallel(model_file: Any, budget: int | str, tp: int, *, step: S
     (Rule 2; with ``sequence_parallel``, NOTE [ Sequence-parallel ranks ]). ``solve.world_size``, when not
     1, is ``tp`` x dp, with ``solve.sharding`` fsdp for dp > 1 (Rule 5)."""
     from planner.act.api import plan_from_profile
+    from planner.act.pipeline import check_decoder_lm
     from planner.model.fingerprint import fingerprint
     from planner.options import check_layout
     from planner.profiling import profile as run_profile
@@ -157,6 +163,7 @@ def plan_tensor_parallel(model_file: Any, budget: int | str, tp: int, *, step: S
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     step = step or StepSpec()
     full = build_on_meta(mf.build_model)
+    check_decoder_lm(full, *_TP)
     check_tp(full.config, tp)
     meta = resolve_device(step.device).type == "meta"
     if sequence_parallel:

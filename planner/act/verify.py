@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
 from planner.act.compare import initialize_lazy, max_abs_diff, nonfinite_notes, run_copy
 from planner.errors import BadInput, PlanMismatch
+from planner.options import parse_fraction
 from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
@@ -240,10 +242,9 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
         return verify_ranks(source, plan, steps=steps, device=str(device), progress=progress)
     if steps < 1:
         raise BadInput(f"verify needs steps >= 1, got {steps}")
-    if tolerance < 0:
-        raise BadInput(f"tolerance must be >= 0, got {tolerance}")
-    if not 0 <= prediction_tolerance < 1:
-        raise BadInput(f"prediction tolerance must be a fraction in [0, 1), got {prediction_tolerance}; e.g. 0.02")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
+        raise BadInput(f"tolerance must be a finite number >= 0 (the largest gradient difference), got {tolerance!r}")
+    prediction_tolerance = parse_fraction(prediction_tolerance, "prediction_tolerance", below=1)  # '2%' too
     master, batches, loss_fn, label = _load(model_file_or_model, inputs, loss_fn, plan)
     dev = resolve_device(device)
     if dev.type == "meta":

@@ -16,7 +16,8 @@ Commands to paste (from a checkout, ``python cli.py`` works wherever ``remat`` d
 
 Results go to stdout, logs and progress to stderr; ``--quiet`` silences the latter and
 ``--json`` makes stdout machine-readable. Exit codes: 0 ok, 1 no plan fits / verification
-failed / internal error, 2 bad input or usage, 130 interrupted, 143 terminated. See docs/cli.md.
+failed / internal error, 2 bad input or usage, 130 interrupted, 143 terminated, 129 hung up (SIGHUP).
+See docs/cli.md.
 
 Example::
 
@@ -59,8 +60,8 @@ app = typer.Typer(
 # Every command runs inside ``_guarded``, the one place that turns failures into output:
 #   - RematError (and subclasses): "error: <message>" on stderr, exit ``err.exit_code``
 #     (2 bad input, 1 no plan fits / verification failed). PlanMismatch adds its differences.
-#   - KeyboardInterrupt: "interrupted", exit 130; SIGTERM: "terminated", exit 143 (NOTE [ Signals and
-#     children ] in planner/children.py). Files are written last and atomically (planner.files.atomic_write,
+#   - KeyboardInterrupt: "interrupted", exit 130; SIGTERM: "terminated", exit 143; SIGHUP: "hung up",
+#     exit 129 (NOTE [ Signals and children ] in planner/children.py). Files are written last and atomically (planner.files.atomic_write,
 #     NOTE [ Writing output files ]): nothing half-written is left, and no child process.
 #   - anything else is a bug in remat: "internal error: ...", exit 1.
 # Tracebacks only with --debug. Usage errors (unknown option, a value out of range) are click's,
@@ -72,7 +73,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from planner.children import signals_raise
+        from planner.children import HANGUP, signals_raise
 
         debug = bool(kwargs.get("debug", False))
         try:
@@ -80,10 +81,10 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
-        except Terminated:
+        except Terminated as e:
             _traceback(debug)
-            render.error_line("nothing was written", prefix="terminated")
-            raise typer.Exit(143) from None
+            render.error_line("nothing was written", prefix="hung up" if e.signum in HANGUP else "terminated")
+            raise typer.Exit(128 + e.signum) from None
         except KeyboardInterrupt:
             _traceback(debug)
             render.error_line("nothing was written", prefix="interrupted")

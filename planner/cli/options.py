@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from planner.errors import BadInput
+from planner.files import as_output
 from planner.model.schema import Recipe
 from planner.cli.parallel import PIPELINE, ParallelOptions
 from planner.optimizers import check_impl
-from planner.options import (Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_fraction, parse_headroom,
+from planner.options import (COUNTS, Amp, OptimizerName, Sharding, compile_backend, parse_amp, parse_fraction, parse_headroom,
                              parse_optimizer, parse_sharding)
 from planner.spec import SolveSpec, StepSpec
 
@@ -39,6 +40,12 @@ DEVICE_MEMORY_ENV = "REMAT_DEVICE_MEMORY"
 
 def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+
+def bounds(name: str) -> dict[str, int]:
+    """typer's ``min`` and ``max`` of the count option ``name``, from ``COUNTS`` (NOTE [ Counts have ceilings ])."""
+    low, high = COUNTS[name]
+    return {"min": low, "max": high}
 
 
 def _model_arg(help_text: str) -> inspect.Parameter:
@@ -62,14 +69,14 @@ BUDGET = _param("budget", Annotated[str | None, typer.Option(
 PROFILE = _param("profile", Annotated[Path | None, typer.Option(
     "--profile", help="Use a saved profile: nothing is run.")], None)
 GRANULARITY = _param("granularity", Annotated[int, typer.Option(
-    "--granularity", min=0, help="Candidate levels below the repeated blocks (0 = blocks).")], 0)
+    "--granularity", **bounds("granularity"), help="Candidate levels below the repeated blocks (0 = blocks).")], 0)
 SOLVERS = _param("solvers", Annotated[str | None, typer.Option(
     "--solvers", help="Comma-separated solvers to run (default: the optimal one, sqrt-greedy, sqrt); the "
                       "baselines none, all, every-2/3/4 always run.", show_default=False)], None)
 STEPS = _param("steps", Annotated[int, typer.Option(
-    "--steps", min=1, help="Training steps measured (after a warm-up step).")], 3)
+    "--steps", **bounds("steps"), help="Training steps measured (after a warm-up step).")], 3)
 THREADS = _param("threads", Annotated[int | None, typer.Option(
-    "--threads", min=1, show_default=False,
+    "--threads", **bounds("threads"), show_default=False,
     help="torch intra-op threads for the measured steps (default: torch's). On the CPU every figure is "
          "the thread's CPU time at one thread, which other processes on the machine do not change; above "
          "one thread it is scaled by the step's measured wall-to-CPU ratio at N threads.")], None)
@@ -105,7 +112,8 @@ def _time_limit(default: float, help_text: str) -> inspect.Parameter:
 
 
 def _output(help_text: str) -> inspect.Parameter:
-    return _param("output", Annotated[Path | None, typer.Option("--output", "-o", help=help_text)], None)
+    return _param("output", Annotated[str | None, typer.Option("--output", "-o", metavar="PATH", help=help_text)],
+                  None)  # a str: Options._output_path sees a trailing '/' before pathlib drops it
 
 
 HF_SOURCE = [
@@ -152,7 +160,7 @@ MEASURED_STEP = [
 
 RECIPE = [
     _param("grad_accum", Annotated[int, typer.Option(
-        "--grad-accum", min=1, help="Micro-batches per optimizer step (gradient accumulation); the plan is for "
+        "--grad-accum", **bounds("grad_accum"), help="Micro-batches per optimizer step (gradient accumulation); the plan is for "
                                     "the worst one, with the earlier ones' gradients alive.")], 1),
     _param("zero_grad_set_to_none", Annotated[bool, typer.Option(
         "--zero-grad-set-to-none/--no-zero-grad-set-to-none",
@@ -167,7 +175,7 @@ RECIPE = [
 
 RANKS = [
     _param("world_size", Annotated[int, typer.Option(
-        "--world-size", min=1, help="Data-parallel ranks; the budget and the peak are per rank (> 1 needs "
+        "--world-size", **bounds("world_size"), help="Data-parallel ranks; the budget and the peak are per rank (> 1 needs "
                                     "--sharding ddp or fsdp). See docs/distributed.md.")], 1),
     _param("sharding", Annotated[str, typer.Option(
         "--sharding", help="How the ranks hold the model: none (one process), ddp (a full replica plus gradient "
@@ -225,6 +233,12 @@ class Options(BaseModel):
     debug: bool = False
     given: frozenset[str] = frozenset()
     """Fields the user typed on the command line (not defaults, not environment variables)."""
+
+    @field_validator("output", "plot", mode="before", check_fields=False)
+    @classmethod
+    def _output_path(cls, value: Any, info: ValidationInfo) -> Path | None:
+        example = "frontier.png" if info.field_name == "plot" else "out.json"
+        return None if value is None else as_output(value, example)  # NOTE [ Writing output files ], Rule 7
 
 
 class HfSource(BaseModel):
@@ -495,8 +509,8 @@ FRONTIER = [
     _param("points", Annotated[int, typer.Option(
         "--points", min=1, max=MAX_POINTS, help="Budgets swept, evenly spaced from the lowest feasible peak to the "
                                                 "peak without checkpointing.")], 12),
-    _param("plot", Annotated[Path | None, typer.Option(
-        "--plot", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
+    _param("plot", Annotated[str | None, typer.Option(
+        "--plot", metavar="PATH", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
     _output("Write the points as JSON here (atomic)."),
     PROFILE, *MEASURED_STEP, GRANULARITY, SOLVERS,
     _time_limit(30.0, "Seconds the ILP may search at each budget."), HEADROOM, OFFLOAD, HOST_MEMORY,
@@ -577,7 +591,7 @@ def check_profile_options(prof: Any, o: StepOptions, path: Path) -> None:
                        f"these options, or drop them to plan the profile's step", options=tuple(named))
 
 
-__all__ = ["BUDGET", "check_profile_options", "COMPARE", "COMPILE", "CompareOptions", "DEVICE", "DEVICE_MEMORY_ENV",
+__all__ = ["bounds", "BUDGET", "check_profile_options", "COMPARE", "COMPILE", "CompareOptions", "DEVICE", "DEVICE_MEMORY_ENV",
            "DEVICES", "DEVICES_CMD", "FLAGS", "FRONTIER", "FrontierOptions", "GRANULARITY", "HEADROOM",
            "HF_SOURCE", "HfSource", "MEASURED_STEP", "MEASURING_OPTIONS", "MODEL_HELP", "Options",
            "OUTPUT_SWITCHES", "PLAN", "PlanOptions", "PROFILE", "PROFILE_CMD", "ProfileOptions",

@@ -16,6 +16,7 @@ import typer
 from pydantic import BaseModel, model_validator
 
 from planner.errors import BadInput
+from planner.options import COUNTS
 
 
 def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
@@ -24,18 +25,18 @@ def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
 
 PIPELINE = [
     _option("pp", Annotated[int | None, typer.Option(
-        "--pp", show_default=False, help="Pipeline stages, one rank each (torch.distributed.pipelining): one plan "
+        "--pp", max=COUNTS["pp"][1], show_default=False, help="Pipeline stages, one rank each (torch.distributed.pipelining): one plan "
                                          "per stage; example_inputs() is one data-parallel replica's batch.")], None),
     _option("schedule", Annotated[str, typer.Option(
         "--schedule", help="With --pp: the pipeline schedule, 1f1b, gpipe or interleaved-1f1b (with "
                            "--stages-per-rank).")], "1f1b"),
     _option("stages_per_rank", Annotated[int, typer.Option(
-        "--stages-per-rank", help="With --schedule interleaved-1f1b: stages each of the --pp ranks holds (V >= 2; "
+        "--stages-per-rank", max=COUNTS["stages_per_rank"][1], help="With --schedule interleaved-1f1b: stages each of the --pp ranks holds (V >= 2; "
                                   "the layers split over pp x V stages, stage s on rank s % pp).")], 1),
     _option("micro_batches", Annotated[int, typer.Option(
-        "--micro-batches", help="With --pp: micro-batches the replica's batch is split into.")], 1),
+        "--micro-batches", max=COUNTS["micro_batches"][1], help="With --pp: micro-batches the replica's batch is split into.")], 1),
     _option("tp", Annotated[int, typer.Option(
-        "--tp", help="Tensor-parallel ranks sharing each layer (DTensor, column/row-wise attention and MLP): the "
+        "--tp", max=COUNTS["tp"][1], help="Tensor-parallel ranks sharing each layer (DTensor, column/row-wise attention and MLP): the "
                      "plan is every rank's, made on the rank-local model.")], 1),
     _option("sequence_parallel", Annotated[bool, typer.Option(
         "--sequence-parallel", help="With --tp: shard the sequence between blocks (SequenceParallel norms, "

@@ -54,7 +54,11 @@ MAX_COUNT = 2**53
 """Sequence numbers, ids and counts: a step records far fewer events; a larger one in a file is an error."""
 Seq = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-Threads = Annotated[int, Field(ge=1, le=4096)]
+MAX_GRAD_ACCUM = 2**20
+"""Micro-batches per optimizer step: a recipe with more is an error."""
+MAX_THREADS = 4096
+"""torch intra-op threads: above any machine's cores; more in a file or an option is an error."""
+Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
 
 
 def bad_field(path: str, message: str) -> PydanticCustomError:
@@ -71,22 +75,76 @@ def read_document(path: str | Path, what: str) -> Any:
     """The JSON in the file ``path``, read once, or ``PlanFileError`` naming what is wrong (``what``: 'profile'
     or 'plan', the command that writes it): missing, a folder or a device, empty, or not JSON."""
     path = as_path(path, f"the path of a {what} file")
-    if not path.exists():
-        raise PlanFileError(f"{what} file {path} does not exist; check the path")
-    if path.is_dir():
-        raise PlanFileError(f"{path} is a directory, not a {what} file")
-    if device := device_kind(path):
-        raise PlanFileError(f"{path} is {device}, not a {what} file; pass the file `remat {what}` wrote")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        if not path.exists():
+            raise PlanFileError(f"{what} file {path} does not exist; check the path")
+        if path.is_dir():
+            raise PlanFileError(f"{path} is a directory, not a {what} file")
+        if device := device_kind(path):
+            raise PlanFileError(f"{path} is {device}, not a {what} file; pass the file `remat {what}` wrote")
+        data = path.read_bytes()
+    except OSError as e:  # unreadable, a name too long (JSON text given as a path), an I/O error
+        raise _unreadable(path, what, e) from None
+    text = _text_of(data, path, what)
     if not text.strip():
         raise PlanFileError(f"{what} file {path} is empty; re-create it with `remat {what} ...`")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
+        if e.pos == len(text) - len(text.lstrip()):  # Rule 3 of NOTE [ Files that are not remat's JSON ]
+            begins = text.lstrip().splitlines()[0][:30]
+            raise PlanFileError(f"{what} file {path} is not valid JSON: it begins {begins!r}, not with '{{'; pass "
+                                f"a file written by `remat {what}`") from None
         raise PlanFileError(
             f"{what} file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
             f"it may be truncated: re-create it with `remat {what} ...`"
         ) from None
+    except (RecursionError, ValueError) as e:  # Rule 2 of NOTE [ Files that are not remat's JSON ]
+        why = "nested too deep" if isinstance(e, RecursionError) else "a number with too many digits"
+        raise PlanFileError(f"{what} file {path} is JSON that no remat writes ({why}); pass the file "
+                            f"`remat {what}` wrote, or re-create it") from None
+
+
+# NOTE [ Files that are not remat's JSON ]
+#
+# Rule 1. An input file is read as bytes and decoded as UTF-8; a UTF-8 byte-order mark (which some
+#   Windows editors write) is dropped. Bytes that are not UTF-8, or a NUL byte, mean the file is no
+#   text at all (compressed, binary, UTF-16): one line says so, not "it may be truncated".
+# Rule 2. JSON that Python's decoder refuses for its own limits (arrays nested thousands deep: a
+#   RecursionError; an integer of more than 4,300 digits: a ValueError) is one line too.
+# Rule 3. A text file that is not JSON from its first character (a model file, a YAML config) is
+#   said to begin with what it begins with; "it may be truncated" only of JSON that stops short.
+# Rule 4. An input the system cannot read (permission denied, a name too long: JSON text passed as
+#   a path to ``Plan.load``, an I/O error) is one line with the reason, not an internal OSError.
+# Why: `remat plan --profile profile.json.gz` and `remat verify model.py model.py` said the file
+# "may be truncated", a profile saved from Notepad with a BOM was refused, and a 100,000-deep
+# array ended as "internal error: RecursionError".
+
+
+def _unreadable(path: Path, what: str, e: OSError) -> PlanFileError:
+    """Rule 4 of NOTE [ Files that are not remat's JSON ]."""
+    given = str(path)
+    if given.lstrip().startswith("{"):
+        return PlanFileError(f"expected the path of a {what} file, got JSON text; to read text, call "
+                             f"{what.capitalize()}.model_validate_json(text)")
+    shown = given if len(given) <= 80 else given[:60] + "..."
+    return PlanFileError(f"cannot read {what} file {shown}: {e.strerror or e}; pass the path of the file "
+                         f"`remat {what}` wrote")
+
+
+def _text_of(data: bytes, path: Path, what: str) -> str:
+    """``data`` decoded as UTF-8 without its byte-order mark, or ``PlanFileError`` (Rule 1 above)."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\x00" in text:
+        head = data[:2]
+        kind = ("a gzip file" if head == b"\x1f\x8b" else "UTF-16 text" if head in (b"\xff\xfe", b"\xfe\xff")
+                else "a binary file")
+        raise PlanFileError(f"{what} file {path} is not UTF-8 text (it looks like {kind}); pass the JSON file "
+                            f"`remat {what}` wrote (uncompressed)")
+    return text
 
 
 def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: str, document: Any = None) -> Any:
@@ -128,4 +186,4 @@ def field_error(e: ValidationError) -> str:
 
 
 __all__ = ["bad_field", "Bytes", "Count", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
-           "MAX_COUNT", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]
+           "MAX_COUNT", "MAX_GRAD_ACCUM", "MAX_THREADS", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]

@@ -165,7 +165,10 @@ def candidate_levels(units: dict[str, UnitRecord], children: dict[str, list[str]
     level = _default_cut(units, children)
     levels = [level]
     for _ in range(granularity):
-        level = [x for uid in level for x in (children.get(uid) or [uid])]
+        finer = [x for uid in level for x in (children.get(uid) or [uid])]
+        if finer == level:  # leaves only: every further level is this one (NOTE [ Counts have ceilings ])
+            break
+        level = finer
         levels.append(level)
     return levels
 

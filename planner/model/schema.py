@@ -24,7 +24,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from planner.files import atomic_write_text
-from planner.model.fields import MAX_BYTES, MAX_COUNT, MAX_WORLD_SIZE, Bytes, Count, Ms, NonNegFloat, Seq, Threads, now_iso
+from planner.model.fields import (MAX_BYTES, MAX_COUNT, MAX_GRAD_ACCUM, MAX_WORLD_SIZE, Bytes, Count, Ms, NonNegFloat,
+                                  Seq, Threads, now_iso)
 from planner.model.fields import FileModel as _Model  # the base of every model below: unknown fields are an error
 from planner.model.fields import bad_field as _bad, load_versioned as _load_versioned
 from planner.model.stages import Pipeline, StagePlan, check_predicted, check_stages, unset_parallel_fields
@@ -67,7 +68,7 @@ class Recipe(_Model):
     ``planner.profiling.measure.make_step`` and NOTE [ Peak-memory model ]); a plan is valid for its recipe only.
     """
 
-    grad_accum: int = Field(1, ge=1, le=2**20, description="Micro-batches per optimizer step (gradient accumulation): "
+    grad_accum: int = Field(1, ge=1, le=MAX_GRAD_ACCUM, description="Micro-batches per optimizer step (gradient accumulation): "
                                                  "the gradients of micro-batch 1 stay alive through 2..N.")
     zero_grad_set_to_none: bool = Field(True, description="optimizer.zero_grad(set_to_none=...): True (PyTorch's "
                                                           "default) frees the gradients before the step; False "

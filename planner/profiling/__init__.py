@@ -101,6 +101,10 @@ def profile(
     elif inputs is None:
         raise BadInput("profile(model, ...) needs inputs=<one training batch>, or a model file "
                        "(planner.load_model_file) in place of the model")
+    else:
+        from planner.profiling.model_file import check_trainable
+
+        check_trainable(model, f"the {type(model).__name__} given to profile()")
     if how == "memory-safe":
         from planner.profiling.memsafe import profile_within
 

@@ -90,6 +90,12 @@ def load_model_file(path: str | Path) -> ModelFile:
                              f"build_model() and example_inputs()")
     path = path.resolve()
     module = _import(path)
+    for name in _REQUIRED:  # defined, but not as a function (NOTE [ Model-file messages name the fix ])
+        value = getattr(module, name, None)
+        if value is not None and not callable(value):
+            kind = type(value).__name__
+            raise ModelLoadError(f"{path}: {name} is {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}, not a "
+                                 f"function; define it as `def {name}(): ...`")
     missing = [name for name in _REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         names = " and ".join(f"{n}()" for n in missing)
@@ -134,9 +140,27 @@ def _import(path: Path) -> Any:
         if isinstance(e, KeyboardInterrupt):
             raise
         raise ModelLoadError(
-            f"importing {path} raised {_describe(e)}\n{user_frames(e, only_file=path)}"
+            f"importing {path} raised {_describe(e)}{_import_fix(e, path)}\n{user_frames(e, only_file=path)}"
         ) from e
     return module
+
+
+# NOTE [ Model-file messages name the fix ]
+#
+# A model file is run as a script: its folder is on sys.path while it is imported, it belongs to no
+# package. Two mistakes a user makes under that convention get the fix in the message, not only the
+# symptom. Rule 1: a relative import (`from .layers import block`), whose ImportError says "no known
+# parent package", is told to import the sibling module by name. Rule 2: build_model or
+# example_inputs bound to something that is not a function (`build_model = MyModel()`) is named as
+# what it is; "does not define build_model()" was said of a file that does define it.
+
+
+def _import_fix(e: BaseException, path: Path) -> str:
+    """Rule 1 of NOTE [ Model-file messages name the fix ]."""
+    if isinstance(e, ImportError) and "no known parent package" in str(e):
+        return (f"; a model file is imported on its own, in no package: import its neighbours by name "
+                f"(e.g. `from layers import block`; {path.parent} is on sys.path while it loads)")
+    return ""
 
 
 def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
@@ -144,13 +168,19 @@ def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise ModelLoadError(f"build_model() in {path} returned a {type(model).__name__}; it must return "
                              f"a torch.nn.Module (the model itself, not a tuple or a state_dict)")
-    if not any(True for _ in model.parameters()):
-        raise ModelLoadError(f"the model from build_model() in {path} has no parameters: there is nothing to "
-                             f"train, so nothing to plan; return the model you train")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ModelLoadError(f"the model from build_model() in {path} has no trainable parameters (all have "
-                             f"requires_grad=False): nothing to train. Unfreeze at least one parameter")
+    check_trainable(model, f"the model from build_model() in {path}")
     return model
+
+
+def check_trainable(model: torch.nn.Module, which: str) -> None:
+    """``ModelLoadError`` when ``model`` (``which``: how the message names it) has no parameter that trains: the
+    optimizer would raise "got an empty parameter list" mid-profile. One check for a model file and a module."""
+    if not any(True for _ in model.parameters()):
+        raise ModelLoadError(f"{which} has no parameters: there is nothing to train, so nothing to plan; "
+                             f"return the model you train")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelLoadError(f"{which} has no trainable parameters (all have requires_grad=False): nothing to "
+                             f"train. Unfreeze at least one parameter")
 
 
 SHAPE_KEYWORDS = ("batch", "seq_len")

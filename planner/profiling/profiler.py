@@ -169,12 +169,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise BadInput(f"cannot profile on device {dev}; use cpu or cuda")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise BadInput("device 'cuda' asked for, but CUDA is not available to this PyTorch; use {device} cpu",
-                           options=("device",))
+            raise BadInput(f"device {str(dev)!r} asked for, but CUDA is not available to this PyTorch; use {{device}} "
+                           f"cpu", options=("device",))
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.index >= torch.cuda.device_count():
-            raise BadInput(f"device {dev} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+        if dev.index >= (count := torch.cuda.device_count()):
+            raise BadInput(f"device {dev} does not exist: {count} CUDA device(s) visible (CUDA_VISIBLE_DEVICES "
+                           f"renumbers them from 0); use {{device}} cuda:0" + (f" to cuda:{count - 1}" if count > 1
+                                                                              else ""), options=("device",))
     return dev
 
 
