@@ -246,20 +246,17 @@ class MemoryRecorder(Recorder):
         """The aten ops of the forward, in order (for the units' signatures)."""
         self.op_start: dict[str, tuple[int, str]] = {}
         """Unit id -> (index into ``ops`` when it started, ``describe`` of its inputs)."""
-        self.signatures: dict[str, str] = {}
-        """Unit id -> ``planner.profiling.timing.signature`` (NOTE [ Unit costs ], Rule 3)."""
-        self.output_edges: list[tuple[UnitCall, int, list[tuple[int, int | None, int]]]] = []
-        """Per unit call: its latest output node and its outputs' gradient edges (``gradient_edges``)."""
+        self.signatures: dict[str, str] = {}  # unit id -> ``timing.signature`` (NOTE [ Unit costs ], Rule 3)
         self.releases = Releases(lambda: self.seq)  # NOTE [ Outputs the caller drops ]
-        self.ctx_held: set[int] = set()
-        """Tensor ids custom autograd nodes keep on ``ctx`` (NOTE [ Tensors on ctx ])."""
+        self.ctx_held: set[int] = set()  # tensor ids custom autograd nodes keep on ``ctx`` (NOTE [ Tensors on ctx ])
         super().__init__(model)
         tracker.observer = self._on_op
         tracker.work_of = op_work
 
     def reset(self) -> None:
         super().reset()
-        self.output_edges = []  # of the calls in ``units``, which a reset empties
+        self.output_edges: list[tuple[UnitCall, int, list[tuple[int, int | None, int]]]] = []
+        """Per call of ``units`` (a reset empties both): its latest output node, its outputs' gradient edges."""
 
     def _next(self) -> int:
         self.seq += 1
