@@ -136,8 +136,8 @@ def check_impl(spec: str, impl: str) -> None:
         raise BadInput(f"unknown optimizer implementation {impl!r}; choose one of default, foreach, fused")
     if impl != "default" and (name == "none" or impl not in _keywords(_resolve(name))):
         which = "is none" if name == "none" else f"{name} has no {impl} implementation"
-        raise BadInput(f"{{{impl}}} chooses the optimizer's implementation, but {{optimizer}} {which}: drop it "
-                       f"or pick an optimizer that has one", options=(impl, "optimizer"))
+        raise BadInput(f"{{{impl}}} chooses the optimizer's implementation, but {{optimizer}} {which}: drop "
+                       f"{{{impl}}} or pick an optimizer that has one", options=(impl, "optimizer"))
 
 
 def _construct(spec: str, cls: type, params: list[Any], *, lr: float | None, impl: str) -> Any:

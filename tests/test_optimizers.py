@@ -192,5 +192,5 @@ def test_cli_plans_with_any_optimizer_and_refuses_a_bad_one_in_one_line(tmp_path
     assert "step: rmsprop:centered=True," in r.output
     r = invoke("plan", tiny_model, "--budget", "1GB", "--optimizer", "rmsprop", "--fused")
     assert r.exit_code == 2 and r.output.strip() == ("error: --fused chooses the optimizer's implementation, but "
-                                                     "--optimizer rmsprop has no fused implementation: drop it or "
+                                                     "--optimizer rmsprop has no fused implementation: drop --fused or "
                                                      "pick an optimizer that has one")
