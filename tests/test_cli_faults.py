@@ -20,6 +20,7 @@ import torch
 import planner
 import planner.files
 from planner.act.api import plan_from_profile
+from planner.act.applier import apply_plan
 from planner.errors import BadInput, ModelLoadError, PlanFileError
 from planner.model.graph import candidate_levels, unit_children
 from planner.model.schema import Plan, Profile
@@ -158,6 +159,8 @@ def test_a_write_beyond_the_file_size_limit_is_one_line(tmp_path: Path, profile_
     (lambda p: planner.verify(torch.nn.Linear(2, 2), planner.plan(p, "10MB"), inputs=torch.ones(1, 2),
                               prediction_tolerance="lots"), "prediction_tolerance 'lots' is not a fraction"),  # TypeError
     (lambda p: Plan.load(p.with_name("plan.json")).save(None), "expected the path of the file to write"),  # TypeError
+    (lambda p: apply_plan(torch.nn.Linear(2, 2), planner.plan(p, "10MB"), strict="no"),
+     "strict must be True or False, got 'no'"),  # was truthy: strict
 ])
 def test_python_api_given_the_wrong_object_is_one_line(profile_path: Path, plan_path: Path, call, needle):
     with pytest.raises(BadInput) as err:

@@ -365,6 +365,8 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
     """
     if guard not in GUARDS:
         raise BadInput(f"guard={guard!r} is unknown; choose one of {', '.join(map(repr, GUARDS))}")
+    if not isinstance(strict, bool):  # 'no' would be truthy: strict, not what was asked
+        raise BadInput(f"strict must be True or False, got {strict!r}")
     plan = plan_for(plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path), model)
     model = _unwrap_ddp(model)
     _check_model(model)
