@@ -245,6 +245,18 @@ def test_a_model_file_mistake_is_told_its_fix(tmp_path: Path, body: str, needle:
     check(invoke("profile", model_file(tmp_path, body), "--device", "cpu", "--steps", "1"), 2, needle)
 
 
+@pytest.mark.parametrize("build, inputs", [
+    ("nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).double()", "torch.randn(4, 8)"),
+    ("nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 2))", "torch.randn(4, 8)"),
+])
+def test_a_model_and_inputs_of_other_dtypes_are_told_the_fix(tmp_path: Path, build: str, inputs: str):
+    """torch's "mat1 and mat2 must have the same dtype" (or the embedding's "Expected tensor for argument #1
+    'indices' to have one of the following scalar types") named neither the model nor example_inputs()."""
+    body = f"def build_model():\n    return {build}\ndef example_inputs():\n    return {inputs}\n"
+    check(invoke("profile", model_file(tmp_path, body), "--device", "cpu", "--steps", "1"), 2,
+          "the model and its inputs differ in dtype: example_inputs() must give what the model takes")
+
+
 # ----------------------------------------------------------------------------- layouts on models they do not fit
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -242,7 +243,20 @@ def user_code(what: str) -> Iterator[None]:
         text = "\n".join(lines[:3]) + (" ..." if len(lines) > 3 else "")
         frames = user_frames(e, limit=5)
         where = f"\n{frames}" if frames else ""
-        raise ProfileError(f"{what} raised {type(e).__name__}: {text}{where}") from e
+        raise ProfileError(f"{what} raised {type(e).__name__}: {text}{_dtype_hint(e)}{where}") from e
+
+
+_DTYPE_ERRORS = re.compile(r"must have the same dtype|type \(.*\) should be the same|to have one of the following "
+                           r"scalar types|expected scalar type|expected .*dtype", re.IGNORECASE)
+
+
+def _dtype_hint(e: BaseException) -> str:
+    """The fix of a dtype mismatch between a model and its inputs, torch's message naming neither."""
+    if not (isinstance(e, RuntimeError) and _DTYPE_ERRORS.search(str(e))):
+        return ""
+    return ("\n(the model and its inputs differ in dtype: example_inputs() must give what the model takes, e.g. "
+            "floats of its parameters' dtype, integer token ids (torch.long); for mixed precision keep the model "
+            "in float32 and pass --amp bf16)")
 
 
 def is_oom(e: BaseException) -> bool:
