@@ -229,10 +229,12 @@ def _resolve(name: str) -> type:
         if cls is None:
             raise BadInput(f"unknown optimizer {name!r}; choose one of {accepted_names()}")
         return cls
+    if not all(part.isidentifier() for part in name.split(".")):  # '.', 'a..b', '1a.b': no path to import
+        raise BadInput(f"unknown optimizer {name!r}; choose one of {accepted_names()} (e.g. mypkg.optim.Lion)")
     module, _, attr = name.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - importing a user's module runs its code, which may raise anything
         raise BadInput(f"optimizer {name!r}: cannot import it ({type(e).__name__}: {e})") from None
     return _optimizer_class(cls, repr(name))
 

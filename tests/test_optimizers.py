@@ -173,6 +173,8 @@ def test_names_settings_and_classes_read_as_one_canonical_spec():
     ("adamw:fused=True", "optimizer setting 'fused' is the step's implementation: give --fused"),
     ("adafactor:warmup_init=True", "`warmup_init=True` requires `relative_step=True`"),
     ("mypkg.Lion", "optimizer 'mypkg.Lion': cannot import it (ModuleNotFoundError"),
+    (".", "unknown optimizer '.'; choose one of adamw"),  # was ValueError: Empty module name (the fuzz test)
+    ("os.", "unknown optimizer 'os.'; choose one of adamw"),
     ("tests.test_optimizers.WithoutLr", "optimizer tests.test_optimizers.WithoutLr takes no lr: remat steps at lr=0"),
 ])
 def test_bad_optimizers_are_one_line_naming_what_is_accepted(value, message):
