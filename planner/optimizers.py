@@ -35,7 +35,8 @@ from planner.errors import BadInput
 #   Why: the optimizer users train with, by the name they know, without a registry to keep.
 # Rule 2. Presets: 'sgd' is momentum 0.9 (what remat's 'sgd' always was; torch's plain SGD is
 #   'sgd:momentum=0'), 'adafactor' is scale_parameter=False, relative_step=False (the Trainer's);
-#   every other class has its own defaults.
+#   every other class has its own defaults. A class named by its path ('torch.optim.SGD') or given
+#   as a class is the class with its own defaults, and reads as a built one does ('sgd:momentum=0.0').
 # Rule 3. The canonical spec (what profiles and plans record and what is compared) keeps the
 #   settings that differ from the preset, keys sorted, and drops those that move no memory:
 #   ``lr`` and the scalar hyperparameters of ``_NO_MEMORY`` (they are numbers inside the same
@@ -85,6 +86,8 @@ def parse_optimizer(value: Any) -> str:
         return "none"
     cls = _resolve(name)
     spec = _canonical(name, cls, settings)
+    if "." in name:  # a class by its path ('torch.optim.SGD'): its own defaults, named as a built one is
+        spec = spec_for(cls, settings)
     _construct(spec, cls, [_probe_parameter()], lr=0.0, impl="default")  # what the class refuses, now
     return spec
 

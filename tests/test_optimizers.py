@@ -158,6 +158,9 @@ def test_names_settings_and_classes_read_as_one_canonical_spec():
     (lr, betas, AdamW's decoupled weight decay) are not recorded; a class or a partial of one is its spec."""
     assert parse_optimizer("SGD") == parse_optimizer("sgd:momentum=0.9") == "sgd"
     assert parse_optimizer("SGD:momentum=0") == parse_optimizer(torch.optim.SGD) == "sgd:momentum=0.0"
+    # a class by its path is the class (its own defaults), as the Trainer's built optimizer reads: was
+    # 'torch.optim.SGD', which no built SGD's spec equals
+    assert parse_optimizer("torch.optim.SGD") == "sgd:momentum=0.0" and parse_optimizer("torch.optim.AdamW") == "adamw"
     assert parse_optimizer("AdamW:betas=(0.9, 0.95),lr=1e-4,weight_decay=0.1") == "adamw"
     assert parse_optimizer("adam:weight_decay=0.1") == "adam:weight_decay=0.1"  # coupled: a temporary per grad
     assert parse_optimizer("RMSprop:momentum=0.9,centered=True") == "rmsprop:centered=True,momentum=0.9"
