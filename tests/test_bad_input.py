@@ -596,6 +596,27 @@ def test_hf_checkpointing_enabled_after_apply_plan_is_reported_once():
     handle.remove()
 
 
+def test_the_guard_reads_the_flags_not_every_module_each_step(monkeypatch):
+    """Hugging Face's ``is_activation_checkpointing`` walks every module; the guard runs before every
+    step, so it reads the flags of the modules that have one (0.15 ms of a 4-layer Llama's step)."""
+    import transformers
+
+    from planner.act.applier import apply_plan
+
+    model, batch = _tiny_gpt2()
+    handle = apply_plan(model, _manual_plan(model, batch, ["transformer.h.0"]))
+    reads = []
+    prop = transformers.PreTrainedModel.is_activation_checkpointing
+    monkeypatch.setattr(transformers.PreTrainedModel, "is_activation_checkpointing",
+                        property(lambda self: reads.append(1) or prop.fget(self)))
+    model(**batch).loss.backward()
+    assert reads == []
+    _enable_hf_checkpointing(model)
+    with pytest.warns(UserWarning, match="checkpointing was enabled on the planned model"):
+        model(**batch).loss.backward()  # still seen
+    handle.remove()
+
+
 def test_hf_checkpointing_enabled_before_apply_plan_names_every_module_once():
     from planner.act.applier import apply_plan
 

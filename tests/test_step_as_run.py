@@ -221,3 +221,57 @@ def test_numpy_masks_are_seeded_by_verify_and_replayed_by_the_recompute(monkeypa
     assert handle.recompute_count == len(plan.checkpoints) >= 2  # every region replayed, and only the masking
     assert len(restores) == 2  # layer's took the generators back, before and after (NOTE [ Regions that draw nothing ])
 
+
+
+class GaussianScale(Block):
+    """Scales its input (which its first linear saves) by a normal draw from numpy's and from Python's
+    global generator: in a stack of these, every second block takes the Gaussian the block before it
+    cached (numpy's ``has_gauss``, Python's ``gauss_next``) and moves no word of either generator
+    (NOTE [ Reading global states cheaply ])."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        return super().forward(x * (1.0 + 0.1 * float(np.random.normal()) + 0.1 * random.gauss(0.0, 1.0)))
+
+
+def test_a_region_taking_a_cached_gaussian_replays_it():
+    import random
+
+    import numpy as np
+
+    prof = planner.profile(Stack(GaussianScale), _batch(), loss_fn=_loss, device="cpu", optimizer="none", steps=1)
+    plan = _plan_between(prof, 0.0)
+    assert "layers.1" in plan.checkpoints  # a region whose only draws are cached ones
+    grads = []
+    for planned in (False, True):
+        model = Stack(GaussianScale)
+        handle = apply_plan(model, plan, inputs=_batch()) if planned else None
+        np.random.seed(3)
+        random.seed(3)
+        _loss(model(_batch())).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert handle.recompute_count == len(plan.checkpoints)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_taking_states_that_did_not_move_reads_neither_in_full(monkeypatch):
+    import random
+
+    import numpy as np
+
+    from planner.profiling import rng
+
+    first = HostRngState.capture()  # a full read of each, checked against the bytes (Rule 3)
+    reads = []
+    monkeypatch.setattr(rng._NUMPY, "full_of", lambda: reads.append("numpy") or np.random.get_state())
+    monkeypatch.setattr(rng._PYTHON, "full_of", lambda: reads.append("python") or random.getstate())
+    assert rng._NUMPY.trusted and rng._PYTHON.trusted  # this build's layouts were recognized
+    again = HostRngState.capture()
+    assert reads == [] and again.same_as(first)  # nothing drawn: the cached states, no copy
+    np.random.rand()
+    random.random()
+    moved = HostRngState.capture()
+    assert reads == ["numpy", "python"] and not moved.same_as(first)
