@@ -172,8 +172,9 @@ class CheckpointedForward:
                     host = None  # it drew nothing: nothing to replay (NOTE [ Regions that draw nothing ])
                 return out
             self.counts.recomputes += 1
-            now = None if host is None else HostRngState.capture(self.generators)
-            if host is not None:
+            now = None
+            if host is not None:  # the forward drew: replay its draws, then put back what the step has now
+                now = HostRngState.capture(self.generators)
                 host.restore()
             try:
                 with running_stats_kept(self.norms):
