@@ -23,8 +23,9 @@ Variants, each a fresh ``build_model()`` trained with the step of ``planner.prof
 
 The budget is halfway between the predicted peaks of checkpointing every layer (baseline
 ``all``) and of checkpointing nothing: the range where a fixed rule wastes either memory or time.
-Step times: ``--repeats`` rounds of one step per variant in turn (round-robin, each round starting
-one variant later so that none always runs after the same one; so drift on a
+Step times: ``--repeats`` rounds of one step per variant, in an order shuffled afresh each round
+(seeded by the round; a rotation kept each variant after the same one but at the round's edge, so
+whatever the step before leaves behind, its frees or its caches, fell on one variant; drift on a
 shared machine hits every variant alike); the table gives medians, and the recompute overhead
 relative to every layer, (t - t_none) / (t_every_layer - t_none), from the least CPU time of
 each variant over the rounds (with --threads 1, robust to other jobs). Peaks: one step per
@@ -40,6 +41,7 @@ import argparse
 import gc
 import itertools
 import math
+import random
 import statistics
 import sys
 import time
@@ -277,7 +279,9 @@ def _time_round_robin(variants: list[Variant], kept: list[Any], mf: Any, dev: to
             for v, b in zip(variants, kept) if not v.error]
     for r in range(repeats):
         print(f"round {r + 1}/{repeats}", file=sys.stderr)
-        for v, step in runs[r % len(runs):] + runs[:r % len(runs)]:  # each round starts one variant later
+        order = list(runs)
+        random.Random(r).shuffle(order)  # no variant always after the same one
+        for v, step in order:
             torch.manual_seed(r)
             sync(dev)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -297,7 +301,7 @@ def _print_table(args: argparse.Namespace, dev: torch.device, budget: int, varia
     threads = f", {torch.get_num_threads()} threads" if dev.type == "cpu" else ""
     print(f"`python benchmarks/peers.py {' '.join(sys.argv[1:])}` on {dev}{threads}, torch {torch.__version__}; "
           f"budget {budget} bytes ({budget / MIB:.2f} MiB); step times: median of {args.repeats} "
-          f"round-robin rounds\n")
+          f"rounds, each in a shuffled order\n")
     none = next((v for v in variants if v.name == "no checkpointing" and v.cpu_ms), None)
     t0, t1 = (min(none.cpu_ms), min(base.cpu_ms)) if none and base else (None, None)
     print("| variant | checkpointed | step ms | vs every layer | CPU ms | vs every layer (CPU) "
