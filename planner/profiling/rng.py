@@ -135,7 +135,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class _GlobalState:
-    """A global generator's state, read in full only when it may have moved (NOTE [ Reading global states cheaply ])."""
+    """A global generator's state, read in full only when it may have moved (NOTE [ Reading global states
+    cheaply ]). One thread's: a draw by another thread between the bytes and the full read fails Rule 3's
+    check (then every read is full) or leaves bytes older than the state, which the next read replaces."""
 
     def __init__(self, words: Callable[[], bytes | None], full: Callable[[], Any],
                  matches: Callable[[bytes, Any], bool], cached_draw: Callable[[Any], bool]):
@@ -195,8 +197,8 @@ def _python_matches(words: bytes, full: Any) -> bool:
 _NUMPY = _GlobalState(_Located(lambda: sys.modules["numpy"].random.mtrand._rand._bit_generator, _numpy_address),
                       lambda: sys.modules["numpy"].random.get_state(), _numpy_matches,
                       lambda full: bool(full[3]))
-_PYTHON = _GlobalState(_Located(lambda: random._inst, lambda inst: id(inst) + object.__basicsize__),  # index, state[624]
-                       random.getstate, _python_matches, lambda full: full[2] is not None)
+_PYTHON = _GlobalState(_Located(lambda: random._inst, lambda inst: id(inst) + object.__basicsize__),
+                       random.getstate, _python_matches, lambda full: full[2] is not None)  # int index, state[624]
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +219,8 @@ class HostRngState:
     def same_as(self, other: HostRngState) -> bool:
         """Whether every generator is where ``other`` found it (NOTE [ Regions that draw nothing ])."""
         return (_same_numpy(self.numpy, other.numpy) and (self.python is other.python or self.python == other.python)
-                and len(self.held) == len(other.held) and all(g is h and _same(a, b) for (g, a), (h, b) in zip(self.held, other.held)))
+                and len(self.held) == len(other.held)
+                and all(g is h and _same(a, b) for (g, a), (h, b) in zip(self.held, other.held)))
 
     def restore(self) -> None:
         np = sys.modules.get("numpy")
