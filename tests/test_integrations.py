@@ -365,3 +365,30 @@ def test_lightning_refuses_a_plan_for_another_optimizer_than_configure_optimizer
     with pytest.raises(PlanMismatch, match=re.escape("optimizer: plan has adamw, configure_optimizers gives "
                                                      "sgd:momentum=0.0 (remat plan --optimizer 'sgd:momentum=0.0')")):
         example.train(str(tiny_file), plan, steps=1, module_class=PlainSGD)
+
+
+@needs_lightning
+@one_thread_few_rounds
+def test_lightning_callback_reused_for_a_second_module_plans_that_module(lightning_plain, tiny_file):
+    """NOTE [ One callback, several fits ]: one callback object passed to the Trainers of a loop plans each module
+    fitted, and gives the one fitted before its forwards back (it left the second module unplanned)."""
+    import lightning.pytorch as pl
+
+    from planner.act.applier import planned_modules
+    from planner.integrations.lightning import RematCallback
+
+    example, plan, plain = lightning_plain
+    callback = RematCallback(plan)
+    fitted = []
+    for _ in range(2):
+        pl.seed_everything(0, verbose=False)
+        module = example.ModelFileModule(str(tiny_file))
+        batches = [module.model_file.example_inputs() for _ in range(3)]
+        pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[callback]).fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+        fitted.append(module)
+    first, second = fitted
+    assert sorted(planned_modules(second.model)) == sorted(plan.checkpoints) and planned_modules(first.model) == []
+    assert callback.handle.recompute_count == 3 * len(plan.checkpoints)
+    assert second.losses == plain.losses and same_weights(second.model, plain.model)
