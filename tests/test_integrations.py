@@ -190,6 +190,30 @@ def test_trainer_takes_a_bucketed_plan_and_runs_the_bucket_of_its_batches():
     assert switch.current == 0
 
 
+@needs_trainer
+@one_thread_few_rounds
+def test_a_second_trainer_on_the_same_model_replaces_the_first_ones_plan(hf_example, tmp_path, caplog):
+    """NOTE [ Plans carried without a handle ]: a job trains in two phases, a Trainer each, on one model; the second
+    RematCallback raised PlanAlreadyApplied ('call .remove() on the handle apply_plan returned': the first callback
+    holds it). The second callback now replaces the first's plan, with one warning, and its handle counts."""
+    from transformers import Trainer
+
+    from planner.act.applier import planned_modules
+    from planner.integrations.hf import RematCallback
+
+    example, plan, plain_losses, plain_model = hf_example
+    model = example.build_model()
+    first, second = RematCallback(plan), RematCallback(plan)
+    Trainer(model=model, args=example.training_args(str(tmp_path), steps=1), train_dataset=example.dataset(),
+            callbacks=[first]).train()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        Trainer(model=model, args=example.training_args(str(tmp_path), steps=1), train_dataset=example.dataset(),
+                callbacks=[second]).train()
+    assert "GPT2LMHeadModel already carried a remat plan (9 modules; applied by an earlier Trainer" in caplog.text
+    assert first.handle.recompute_count == second.handle.recompute_count == len(plan.checkpoints)
+    assert not first.handle._active and sorted(planned_modules(model)) == sorted(plan.checkpoints)
+
+
 # ----------------------------------------------------------------------------- Lightning
 
 

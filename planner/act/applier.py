@@ -108,6 +108,8 @@ class CheckpointedForward:
     """The largest bucket's mode, run under torch.compile (the same NOTE); None: a plan without buckets."""
     mode_guard: ModeGuard | None = None
     """Set by ``apply_plan``: warns when the step is compiled and the plan eager, or the reverse."""
+    owner: Any = None
+    """The ``AppliedPlan`` that installed it; None in a copy (NOTE [ Plans carried without a handle ])."""
 
     def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts,
                  norms: list[nn.Module] | None = None, saved: frozenset[tuple[str, int]] | None = None,
@@ -410,6 +412,8 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         handle._guard_hook = model.register_forward_pre_hook(handle._switch, with_kwargs=True)
     elif shape_guard is not None:
         handle._guard_hook = model.register_forward_pre_hook(shape_guard, with_kwargs=True)
+    for fwd in handle._forwards.values():
+        fwd.owner = handle  # NOTE [ Plans carried without a handle ], Rule 1
     _report(plan, handle, already)
     if handle._forwards:
         twice = TwiceGuard(model, modules, handle)
@@ -511,7 +515,8 @@ def _check_model(model: nn.Module) -> None:
     if carrying:
         raise PlanAlreadyApplied(
             f"the model already carries a remat plan ({len(carrying)} modules checkpointed, e.g. "
-            f"{carrying[0] or '<root>'!r}); call .remove() on the handle apply_plan returned before applying another")
+            f"{carrying[0] or '<root>'!r}); call .remove() on the handle apply_plan returned before applying another, or "
+            f"planner.remove_plan(model) for a model copied or loaded with its plan")
 
 
 def planned_modules(model: nn.Module) -> list[str]:

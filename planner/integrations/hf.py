@@ -35,6 +35,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from planner.act.applier import AppliedPlan, apply_plan
+from planner.act.carried import replace_carried
 from planner.errors import BadInput
 from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
 from planner.model.schema import Plan, Recipe
@@ -81,6 +82,7 @@ class RematCallback(TrainerCallback):
         check_training_arguments(self.plan, args, optimizer=optimizer, model=model)
         if self.handle is not None:  # model_init built a new model: the old one keeps nothing of ours
             self.handle.remove()
+        replace_carried(model, by="RematCallback")  # an earlier Trainer's plan: NOTE [ Plans carried without a handle ]
         logger.info("applying %s to %s", self.source, type(model).__name__)
         self.handle = apply_plan(model, self.plan, strict=self.strict, guard=self.guard)
         self._model = model

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from planner.act.applier import AppliedPlan, apply_plan
+from planner.act.carried import replace_carried
 from planner.errors import BadInput
 from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
 from planner.model.schema import Plan, Recipe
@@ -106,6 +107,7 @@ class RematCallback(pl.Callback):
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
         target = self._target(pl_module)
+        replace_carried(target, by="RematCallback")  # an earlier Trainer's plan: NOTE [ Plans carried without a handle ]
         self.handle = apply_plan(target, self.plan, strict=self.strict, guard=self.guard)
         self._fitted = pl_module
 
