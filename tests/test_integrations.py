@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,38 @@ def test_a_second_trainer_on_the_same_model_replaces_the_first_ones_plan(hf_exam
     assert "GPT2LMHeadModel already carried a remat plan (9 modules; applied by an earlier Trainer" in caplog.text
     assert first.handle.recompute_count == second.handle.recompute_count == len(plan.checkpoints)
     assert not first.handle._active and sorted(planned_modules(model)) == sorted(plan.checkpoints)
+
+
+@needs_trainer
+@one_thread_few_rounds
+def test_trainer_given_a_compiled_model_plans_the_model_it_compiles(tmp_path):
+    """NOTE [ A compiled model given to the Trainer ]: Trainer(model=torch.compile(model)) with the callback raised
+    'apply_plan got a torch.compile'd model; apply the plan to the model first', advice a callback user cannot take."""
+    import hf_trainer as example
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer
+
+    import planner
+    from planner.act.applier import planned_modules
+    from planner.integrations.hf import RematCallback, trainer_optimizer, training_recipe
+
+    def build() -> GPT2LMHeadModel:  # one block: the compile takes seconds
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(**{**example.CONFIG, "n_layer": 1}))
+
+    args = example.training_args(str(tmp_path), steps=1, remove_unused_columns=False)  # the wrapper's (*args)
+    plan = planner.plan(build(), "1GB", inputs=example.example_inputs(), device="cpu", solver="all", steps=1,
+                        recipe=training_recipe(args), optimizer=trainer_optimizer(args))
+    runs = []
+    for compiled in (False, True):  # eager and unplanned, then compiled and planned: aot_eager runs the same kernels
+        model, recorder = build(), example.LossRecorder()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager plan under compile: NOTE [ Compiled or eager plans ]
+            Trainer(model=torch.compile(model, backend="aot_eager") if compiled else model, args=args,
+                    train_dataset=example.dataset(), callbacks=[recorder, *[RematCallback(plan)] * compiled]).train()
+        runs.append((recorder.losses, model))
+    (plain_losses, plain_model), (losses, model) = runs
+    assert sorted(planned_modules(model)) == sorted(plan.checkpoints)
+    assert len(losses) == 1 and losses == plain_losses and same_weights(model, plain_model)
 
 
 # ----------------------------------------------------------------------------- Lightning

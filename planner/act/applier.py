@@ -505,7 +505,7 @@ def _unwrap_ddp(model: nn.Module) -> nn.Module:
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise BadInput(f"apply_plan needs a torch.nn.Module, got a {type(model).__name__}")
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+    if compiled_module(model) is not None:
         raise BadInput("apply_plan got a torch.compile'd model; apply the plan to the model first, then "
                        "compile: `apply_plan(model, plan); model = torch.compile(model)`")
     if lazy := lazy_modules(model):  # NOTE [ Lazy modules ]
@@ -517,6 +517,12 @@ def _check_model(model: nn.Module) -> None:
             f"the model already carries a remat plan ({len(carrying)} modules checkpointed, e.g. "
             f"{carrying[0] or '<root>'!r}); call .remove() on the handle apply_plan returned before applying another, or "
             f"planner.remove_plan(model) for a model copied or loaded with its plan")
+
+
+def compiled_module(model: Any) -> nn.Module | None:
+    """The module a ``torch.compile`` wrapper compiles (``_orig_mod``); None for any other object."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module) else None
 
 
 def planned_modules(model: nn.Module) -> list[str]:
@@ -566,5 +572,5 @@ def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
     )
 
 
-__all__ = ["AppliedPlan", "apply_plan", "CheckpointedForward", "GUARDS", "logger", "PlanAlreadyApplied",
+__all__ = ["AppliedPlan", "apply_plan", "CheckpointedForward", "compiled_module", "GUARDS", "logger", "PlanAlreadyApplied",
            "planned_modules", "RegionCounts", "TWICE_FIX", "TwiceGuard"]

@@ -34,7 +34,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from planner.act.applier import AppliedPlan, apply_plan
+from planner.act.applier import AppliedPlan, apply_plan, compiled_module
 from planner.act.carried import replace_carried
 from planner.errors import BadInput
 from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
@@ -76,7 +76,18 @@ class RematCallback(TrainerCallback):
             check_training_arguments(self.plan, args, optimizer=optimizer)
         self._apply(args, model, optimizer)  # a model made by model_init, or a callback added after __init__
 
+    # NOTE [ A compiled model given to the Trainer ]
+    #
+    # ``Trainer(model=torch.compile(model), callbacks=[RematCallback(plan)])`` hands the callback
+    # the compile wrapper. ``apply_plan`` refuses a wrapper ("apply the plan first, then compile"),
+    # advice a callback user cannot take: they never call ``apply_plan``.
+    # Rule 1. The callback plans the module the wrapper compiles (``_orig_mod``), as ``apply_plan``
+    #         looks through a DDP wrapper. ``torch.compile`` traces at the first call, after
+    #         ``on_init_end``: the trace sees the planned forwards, as if compiled after the plan.
+    # Rule 2. A wrapper that has run already is retraced: dynamo guards on the modules' instance
+    #         ``forward`` and recompiles when ``apply_plan`` sets it (its graph then holds the regions).
     def _apply(self, args: Any, model: Any, optimizer: Any) -> None:
+        model = compiled_module(model) or model  # NOTE [ A compiled model given to the Trainer ]
         if model is None or model is self._model:
             return
         check_training_arguments(self.plan, args, optimizer=optimizer, model=model)
