@@ -371,6 +371,37 @@ def test_lightning_refuses_another_accumulation_and_clipping_and_trains_a_matchi
 
 
 @needs_lightning
+@one_thread_few_rounds
+def test_lightning_callback_naming_a_compiled_model_plans_what_it_compiles(lightning_plain, tiny_file):
+    """RematCallback(plan, module='model') on a module holding torch.compile(model) raised 'apply_plan got a
+    torch.compile'd model; apply the plan to the model first' (the default, found by class, planned it)."""
+    import lightning.pytorch as pl
+
+    from planner.act.applier import planned_modules
+    from planner.integrations.lightning import RematCallback
+
+    example, plan, plain = lightning_plain
+
+    class Compiled(example.ModelFileModule):
+        def configure_model(self):
+            if getattr(self, "model", None) is None:
+                self.eager = self.model_file.build_model()
+                self.model = torch.compile(self.eager, backend="aot_eager")
+
+    pl.seed_everything(0, verbose=False)
+    planned = Compiled(str(tiny_file))
+    batches = [planned.model_file.example_inputs() for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager plan under compile: NOTE [ Compiled or eager plans ]
+        pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[RematCallback(plan, module="model")]).fit(
+            planned, torch.utils.data.DataLoader(batches, batch_size=None))
+    assert sorted(planned_modules(planned.eager)) == sorted(plan.checkpoints)
+    assert planned.losses == plain.losses and same_weights(planned.eager, plain.model)
+
+
+@needs_lightning
 def test_lightning_clipping_by_value_is_the_step_without_clipping():
     """gradient_clip_algorithm='value' clamps the gradients in place: nothing allocated."""
     import lightning.pytorch as pl

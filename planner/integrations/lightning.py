@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from planner.act.applier import AppliedPlan, apply_plan
+from planner.act.applier import AppliedPlan, apply_plan, compiled_module
 from planner.act.carried import replace_carried
 from planner.errors import BadInput
 from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
@@ -114,7 +114,10 @@ class RematCallback(pl.Callback):
     def _target(self, pl_module: pl.LightningModule) -> nn.Module:
         if self.module is not None:
             try:
-                return pl_module.get_submodule(self.module)
+                named = pl_module.get_submodule(self.module)
+                # a torch.compile wrapper: plan what it compiles (NOTE [ A compiled model given to the Trainer ]
+                # in planner/integrations/hf.py); the default search below finds it by class already
+                return compiled_module(named) or named
             except AttributeError:
                 raise BadInput(f"RematCallback(module={self.module!r}): the LightningModule has no such "
                                f"submodule; name the attribute holding the planned model, e.g. 'model'") from None
