@@ -62,8 +62,8 @@ def replace_carried(model: nn.Module, *, by: str) -> None:
     """Rule 3: remove the plan ``model`` carries, if any, saying so once; ``by`` names who applies the next."""
     if carries_plan(model):
         n = remove_plan(model)
-        logger.warning("remat: %s already carried a remat plan (%d modules; applied by an earlier Trainer, or "
-                       "copied or loaded with the model): %s replaces it", type(model).__name__, n, by)
+        logger.warning("remat: %s already carried a remat plan (%d modules; applied before, by apply_plan or an "
+                       "earlier Trainer's callback, or copied or loaded with the model): %s replaces it", type(model).__name__, n, by)
 
 
 def _is_remat(forward: Any) -> bool:
