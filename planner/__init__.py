@@ -19,6 +19,7 @@ _LAZY = {
     "build_graph": ("planner.model.graph", "build_graph"),
     "simulate": ("solvers.cost_model", "simulate"),
     "apply_plan": ("planner.act.applier", "apply_plan"),
+    "remove_plan": ("planner.act.carried", "remove_plan"),
     "verify": ("planner.act.verify", "verify"),
     "Profile": ("planner.model.schema", "Profile"),
     "Plan": ("planner.model.schema", "Plan"),

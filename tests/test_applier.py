@@ -254,6 +254,33 @@ def test_signature_deepcopy_and_pickle():
         assert all(p.grad is not None for p in clone.parameters())
 
 
+def test_a_copy_or_loaded_model_carrying_a_plan_is_freed_by_remove_plan():
+    """NOTE [ Plans carried without a handle ]: deepcopy and torch.save/load copy the plan's forwards and hooks but
+    no handle; apply_plan refused the copy telling the user to call .remove() on a handle they never had."""
+    import io
+
+    from planner import remove_plan
+
+    model = _Toy()
+    plan = make_plan(model, ["inner", "bn"], inputs=torch.randn(16, 8))
+    handle = apply_plan(model, plan)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        with pytest.raises(PlanAlreadyApplied, match=r"planner\.remove_plan\(model\) for a model copied or loaded"):
+            apply_plan(clone, plan)
+        assert remove_plan(clone) == 2
+        assert planned_modules(clone) == [] and not clone._forward_pre_hooks
+        assert [n for n, m in clone.named_modules() if "forward" in m.__dict__] == []
+        with apply_plan(clone, plan) as again:
+            _toy_step(clone)
+            assert again.recompute_count == 2
+    assert sorted(planned_modules(model)) == ["bn", "inner"] and handle._active  # the original keeps its plan
+    assert remove_plan(model) == 2 and not handle._active and not model._forward_pre_hooks
+    assert remove_plan(model) == 0
+
+
 def test_remove_restores_an_existing_instance_forward_and_is_a_context_manager():
     model = _Toy()
     custom = functools.partial(type(model.inner).forward, model.inner)

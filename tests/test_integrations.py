@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,107 @@ def test_trainer_takes_a_bucketed_plan_and_runs_the_bucket_of_its_batches():
     assert switch.current == 0
 
 
+@needs_trainer
+@one_thread_few_rounds
+def test_a_second_trainer_on_the_same_model_replaces_the_first_ones_plan(hf_example, tmp_path, caplog):
+    """NOTE [ Plans carried without a handle ]: a job trains in two phases, a Trainer each, on one model; the second
+    RematCallback raised PlanAlreadyApplied ('call .remove() on the handle apply_plan returned': the first callback
+    holds it). The second callback now replaces the first's plan, with one warning, and its handle counts."""
+    from transformers import Trainer
+
+    from planner.act.applier import planned_modules
+    from planner.integrations.hf import RematCallback
+
+    example, plan, plain_losses, plain_model = hf_example
+    model = example.build_model()
+    first, second = RematCallback(plan), RematCallback(plan)
+    Trainer(model=model, args=example.training_args(str(tmp_path), steps=1), train_dataset=example.dataset(),
+            callbacks=[first]).train()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        Trainer(model=model, args=example.training_args(str(tmp_path), steps=1), train_dataset=example.dataset(),
+                callbacks=[second]).train()
+    assert ("GPT2LMHeadModel already carried a remat plan (9 modules; applied before, by apply_plan or an earlier "
+            "Trainer's callback, or copied or loaded with the model): RematCallback replaces it") in caplog.text
+    assert first.handle.recompute_count == second.handle.recompute_count == len(plan.checkpoints)
+    assert not first.handle._active and sorted(planned_modules(model)) == sorted(plan.checkpoints)
+
+
+@needs_trainer
+@one_thread_few_rounds
+def test_trainer_given_a_compiled_model_plans_the_model_it_compiles(tmp_path):
+    """NOTE [ A compiled model given to the Trainer ]: Trainer(model=torch.compile(model)) with the callback raised
+    'apply_plan got a torch.compile'd model; apply the plan to the model first', advice a callback user cannot take."""
+    import hf_trainer as example
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer
+
+    import planner
+    from planner.act.applier import planned_modules
+    from planner.integrations.hf import RematCallback, trainer_optimizer, training_recipe
+
+    def build() -> GPT2LMHeadModel:  # one block: the compile takes seconds
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(**{**example.CONFIG, "n_layer": 1}))
+
+    args = example.training_args(str(tmp_path), steps=1, remove_unused_columns=False)  # the wrapper's (*args)
+    plan = planner.plan(build(), "1GB", inputs=example.example_inputs(), device="cpu", solver="all", steps=1,
+                        recipe=training_recipe(args), optimizer=trainer_optimizer(args))
+    runs = []
+    for compiled in (False, True):  # eager and unplanned, then compiled and planned: aot_eager runs the same kernels
+        model, recorder = build(), example.LossRecorder()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager plan under compile: NOTE [ Compiled or eager plans ]
+            Trainer(model=torch.compile(model, backend="aot_eager") if compiled else model, args=args,
+                    train_dataset=example.dataset(), callbacks=[recorder, *[RematCallback(plan)] * compiled]).train()
+        runs.append((recorder.losses, model))
+    (plain_losses, plain_model), (losses, model) = runs
+    assert sorted(planned_modules(model)) == sorted(plan.checkpoints)
+    assert len(losses) == 1 and losses == plain_losses and same_weights(model, plain_model)
+
+
+@needs_trainer
+@one_thread_few_rounds
+def test_trainer_smoothing_labels_refuses_a_plan_of_the_models_loss_and_runs_one_of_its_own(hf_example, tmp_path):
+    """NOTE [ The Trainer's loss ]: with label_smoothing_factor the Trainer smooths the loss outside the model; a plan
+    of the model's own loss was taken and the step's peak went 4.8% over its prediction (10,767,768 bytes against
+    10,273,976 at 12 MB). Planned with trainer_step_inputs, the step's measured peak is the predicted one."""
+    from transformers import Trainer, TrainerCallback
+
+    import planner
+    from planner.integrations.hf import (RematCallback, check_training_arguments, trainer_optimizer,
+                                         trainer_step_inputs, training_recipe)
+    from planner.profiling.tracker import LiveBytesTracker
+
+    example, own_loss_plan, _, _ = hf_example
+    args = example.training_args(str(tmp_path), steps=2, label_smoothing_factor=0.1)
+    with pytest.raises(PlanMismatch, match=re.escape("loss: the plan's model computes its loss from its 'labels' "
+                                                     "input; TrainingArguments(label_smoothing_factor=0.1) take")):
+        check_training_arguments(own_loss_plan, args)
+    inputs, loss_fn = trainer_step_inputs(args, example.example_inputs(), example.build_model())
+    assert "labels" not in inputs and loss_fn is not None
+    plan = planner.plan(example.build_model(), "12MB", inputs=inputs, loss_fn=loss_fn, device="cpu", steps=1,
+                        recipe=training_recipe(args), optimizer=trainer_optimizer(args))
+
+    class Peak(TrainerCallback):  # each step's peak, counted from the parameters, buffers and optimizer state
+        def __init__(self):
+            self.peaks: list[int] = []
+
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            state_tensors = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+            self.tracker = LiveBytesTracker(device_type="cpu")
+            self.tracker.register_static([*model.parameters(), *model.buffers(), *state_tensors])
+            self.tracker.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.tracker.__exit__(None, None, None)
+            self.peaks.append(self.tracker.peak_bytes)
+
+    peak, recorder, model = Peak(), example.LossRecorder(), example.build_model()
+    Trainer(model=model, args=args, train_dataset=example.dataset(), callbacks=[recorder, peak, RematCallback(plan)]).train()
+    assert plan.checkpoints and abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    plain_losses, plain_model = example.train(steps=2, label_smoothing_factor=0.1)
+    assert len(recorder.losses) == 2 and recorder.losses == plain_losses and same_weights(model, plain_model)
+
+
 # ----------------------------------------------------------------------------- Lightning
 
 
@@ -267,6 +369,37 @@ def test_lightning_refuses_another_accumulation_and_clipping_and_trains_a_matchi
     planned = example.train(str(tiny_file), matching, steps=2, **options)
     assert len(planned.losses) == 4 and planned.losses == plain.losses
     assert same_weights(planned.model, plain.model)
+
+
+@needs_lightning
+@one_thread_few_rounds
+def test_lightning_callback_naming_a_compiled_model_plans_what_it_compiles(lightning_plain, tiny_file):
+    """RematCallback(plan, module='model') on a module holding torch.compile(model) raised 'apply_plan got a
+    torch.compile'd model; apply the plan to the model first' (the default, found by class, planned it)."""
+    import lightning.pytorch as pl
+
+    from planner.act.applier import planned_modules
+    from planner.integrations.lightning import RematCallback
+
+    example, plan, plain = lightning_plain
+
+    class Compiled(example.ModelFileModule):
+        def configure_model(self):
+            if getattr(self, "model", None) is None:
+                self.eager = self.model_file.build_model()
+                self.model = torch.compile(self.eager, backend="aot_eager")
+
+    pl.seed_everything(0, verbose=False)
+    planned = Compiled(str(tiny_file))
+    batches = [planned.model_file.example_inputs() for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager plan under compile: NOTE [ Compiled or eager plans ]
+        pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[RematCallback(plan, module="model")]).fit(
+            planned, torch.utils.data.DataLoader(batches, batch_size=None))
+    assert sorted(planned_modules(planned.eager)) == sorted(plan.checkpoints)
+    assert planned.losses == plain.losses and same_weights(planned.eager, plain.model)
 
 
 @needs_lightning
@@ -365,3 +498,30 @@ def test_lightning_refuses_a_plan_for_another_optimizer_than_configure_optimizer
     with pytest.raises(PlanMismatch, match=re.escape("optimizer: plan has adamw, configure_optimizers gives "
                                                      "sgd:momentum=0.0 (remat plan --optimizer 'sgd:momentum=0.0')")):
         example.train(str(tiny_file), plan, steps=1, module_class=PlainSGD)
+
+
+@needs_lightning
+@one_thread_few_rounds
+def test_lightning_callback_reused_for_a_second_module_plans_that_module(lightning_plain, tiny_file):
+    """NOTE [ One callback, several fits ]: one callback object passed to the Trainers of a loop plans each module
+    fitted, and gives the one fitted before its forwards back (it left the second module unplanned)."""
+    import lightning.pytorch as pl
+
+    from planner.act.applier import planned_modules
+    from planner.integrations.lightning import RematCallback
+
+    example, plan, plain = lightning_plain
+    callback = RematCallback(plan)
+    fitted = []
+    for _ in range(2):
+        pl.seed_everything(0, verbose=False)
+        module = example.ModelFileModule(str(tiny_file))
+        batches = [module.model_file.example_inputs() for _ in range(3)]
+        pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[callback]).fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+        fitted.append(module)
+    first, second = fitted
+    assert sorted(planned_modules(second.model)) == sorted(plan.checkpoints) and planned_modules(first.model) == []
+    assert callback.handle.recompute_count == 3 * len(plan.checkpoints)
+    assert second.losses == plain.losses and same_weights(second.model, plain.model)

@@ -108,6 +108,8 @@ class CheckpointedForward:
     """The largest bucket's mode, run under torch.compile (the same NOTE); None: a plan without buckets."""
     mode_guard: ModeGuard | None = None
     """Set by ``apply_plan``: warns when the step is compiled and the plan eager, or the reverse."""
+    owner: Any = None
+    """The ``AppliedPlan`` that installed it; None in a copy (NOTE [ Plans carried without a handle ])."""
 
     def __init__(self, module: nn.Module, previous: Any, counts: RegionCounts,
                  norms: list[nn.Module] | None = None, saved: frozenset[tuple[str, int]] | None = None,
@@ -411,6 +413,8 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         handle._guard_hook = model.register_forward_pre_hook(handle._switch, with_kwargs=True)
     elif shape_guard is not None:
         handle._guard_hook = model.register_forward_pre_hook(shape_guard, with_kwargs=True)
+    for fwd in handle._forwards.values():
+        fwd.owner = handle  # NOTE [ Plans carried without a handle ], Rule 1
     _report(plan, handle, already)
     if handle._forwards:
         twice = TwiceGuard(model, modules, handle)
@@ -502,7 +506,7 @@ def _unwrap_ddp(model: nn.Module) -> nn.Module:
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise BadInput(f"apply_plan needs a torch.nn.Module, got a {type(model).__name__}")
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+    if compiled_module(model) is not None:
         raise BadInput("apply_plan got a torch.compile'd model; apply the plan to the model first, then "
                        "compile: `apply_plan(model, plan); model = torch.compile(model)`")
     if lazy := lazy_modules(model):  # NOTE [ Lazy modules ]
@@ -512,7 +516,14 @@ def _check_model(model: nn.Module) -> None:
     if carrying:
         raise PlanAlreadyApplied(
             f"the model already carries a remat plan ({len(carrying)} modules checkpointed, e.g. "
-            f"{carrying[0] or '<root>'!r}); call .remove() on the handle apply_plan returned before applying another")
+            f"{carrying[0] or '<root>'!r}); call .remove() on the handle apply_plan returned before applying another, or "
+            f"planner.remove_plan(model) for a model copied or loaded with its plan")
+
+
+def compiled_module(model: Any) -> nn.Module | None:
+    """The module a ``torch.compile`` wrapper compiles (``_orig_mod``); None for any other object."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module) else None
 
 
 def planned_modules(model: nn.Module) -> list[str]:
@@ -562,5 +573,5 @@ def _report(plan: Plan, handle: AppliedPlan, already: dict[str, str]) -> None:
     )
 
 
-__all__ = ["AppliedPlan", "apply_plan", "CheckpointedForward", "GUARDS", "logger", "PlanAlreadyApplied",
+__all__ = ["AppliedPlan", "apply_plan", "CheckpointedForward", "compiled_module", "GUARDS", "logger", "PlanAlreadyApplied",
            "planned_modules", "RegionCounts", "TWICE_FIX", "TwiceGuard"]

@@ -156,11 +156,15 @@ def _without_inputs(fp: Fingerprint) -> Fingerprint:
 class BucketSwitch:
     """The forward pre-hook that puts each batch's bucket in force; see NOTE [ Bucketed plans ].
 
+    Marked ``_remat_hook`` for ``planner.remove_plan`` (NOTE [ Plans carried without a handle ]).
+
     Args:
         buckets: per bucket, smallest first: its input shapes by name, and (module, mode) for every wrapped module.
         guard: the runtime shape guard of the largest bucket, called when no bucket holds a batch; or None.
         forward: the model's forward, whose signature names positional arguments.
     """
+
+    _remat_hook = True
 
     def __init__(self, buckets: list[tuple[dict[str, tuple[int, ...]], list[tuple[nn.Module, Mode]]]],
                  guard: Any, forward: Any):

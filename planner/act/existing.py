@@ -139,6 +139,8 @@ def user_checkpointed_text(found: dict[str, str]) -> str:
 class TwiceGuard:
     """A forward pre-hook warning once when checkpointing is enabled on a planned model (NOTE [ Checkpointed twice ])."""
 
+    _remat_hook = True  # remat's: planner.remove_plan drops it from a copy (NOTE [ Plans carried without a handle ])
+
     def __init__(self, model: nn.Module, modules: dict[str, nn.Module], handle: Any):
         self.model = model
         planned = list(handle._forwards)

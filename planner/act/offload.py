@@ -250,6 +250,8 @@ class StaticRecorder:
     moved (Rule 1). Read at every forward, as the model may have moved (``.to``, ``fully_shard``)
     since ``apply_plan``."""
 
+    _remat_hook = True  # for planner.remove_plan (NOTE [ Plans carried without a handle ])
+
     def __init__(self, store: HostStore) -> None:
         self.store = store
 
@@ -264,6 +266,8 @@ class SyncPoint:
     """CUDA: the forward-end hook of a ``sync_fqn`` module, or of the root for the last units (Rule 4):
     waits for the device-to-host copies of the offloaded calls before it, and arms their prefetch
     on its outputs' gradients."""
+
+    _remat_hook = True  # for planner.remove_plan (NOTE [ Plans carried without a handle ])
 
     def __init__(self, store: HostStore) -> None:
         self.store = store

@@ -42,6 +42,8 @@ from planner.sizes import format_bytes
 class ShapeGuard:
     """A forward pre-hook comparing input shapes with the plan's; see NOTE [ Runtime shape guard ]."""
 
+    _remat_hook = True  # remat's: planner.remove_plan drops it from a copy (NOTE [ Plans carried without a handle ])
+
     def __init__(self, planned: list[TensorSig], mode: str, peak_bytes: int, forward: Any = None):
         self.planned = {sig.name: sig.shape for sig in planned}
         self.mode = mode

@@ -34,7 +34,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from planner.act.applier import AppliedPlan, apply_plan
+from planner.act.applier import AppliedPlan, apply_plan, compiled_module
+from planner.act.carried import replace_carried
 from planner.errors import BadInput
 from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
 from planner.model.schema import Plan, Recipe
@@ -75,12 +76,24 @@ class RematCallback(TrainerCallback):
             check_training_arguments(self.plan, args, optimizer=optimizer)
         self._apply(args, model, optimizer)  # a model made by model_init, or a callback added after __init__
 
+    # NOTE [ A compiled model given to the Trainer ]
+    #
+    # ``Trainer(model=torch.compile(model), callbacks=[RematCallback(plan)])`` hands the callback
+    # the compile wrapper. ``apply_plan`` refuses a wrapper ("apply the plan first, then compile"),
+    # advice a callback user cannot take: they never call ``apply_plan``.
+    # Rule 1. The callback plans the module the wrapper compiles (``_orig_mod``), as ``apply_plan``
+    #         looks through a DDP wrapper. ``torch.compile`` traces at the first call, after
+    #         ``on_init_end``: the trace sees the planned forwards, as if compiled after the plan.
+    # Rule 2. A wrapper that has run already is retraced: dynamo guards on the modules' instance
+    #         ``forward`` and recompiles when ``apply_plan`` sets it (its graph then holds the regions).
     def _apply(self, args: Any, model: Any, optimizer: Any) -> None:
+        model = compiled_module(model) or model  # NOTE [ A compiled model given to the Trainer ]
         if model is None or model is self._model:
             return
         check_training_arguments(self.plan, args, optimizer=optimizer, model=model)
         if self.handle is not None:  # model_init built a new model: the old one keeps nothing of ours
             self.handle.remove()
+        replace_carried(model, by="RematCallback")  # an earlier Trainer's plan: NOTE [ Plans carried without a handle ]
         logger.info("applying %s to %s", self.source, type(model).__name__)
         self.handle = apply_plan(model, self.plan, strict=self.strict, guard=self.guard)
         self._model = model
@@ -145,11 +158,57 @@ def _other_differences(plan: Plan, args: Any, optimizer: Any, model: Any) -> lis
     else:
         out = optimizer_difference(plan, trainer_optimizer(args, model),
                                    source=f"TrainingArguments(optim={_text(args.optim)!r}) build")
+    out += _loss_difference(plan, args, model)
     world = getattr(args, "world_size", 1)
     if world != plan.world_size:
         out.append(f"ranks: plan has {plan.world_size}, TrainingArguments have {world} (world_size; "
                    f"remat plan --world-size)")
     return out
+
+
+# NOTE [ The Trainer's loss ]
+#
+# With ``label_smoothing_factor`` > 0 the Trainer takes ``labels`` out of the batch, calls the
+# model without them, and smooths the loss outside it (``LabelSmoother``: a log-softmax over the
+# logits and two reductions). A plan profiled with the labels in the batch has the model's own
+# loss in its prediction, not the Trainer's: on the docs' GPT-2 at a 12 MB budget the step's peak
+# was 10,767,768 bytes against 10,273,976 predicted (+4.8%; the logits' size, which grows with
+# the vocabulary, is what differs).
+# Rule 1. ``trainer_step_inputs(args, batch, model)`` gives the batch and the loss the Trainer
+#         runs: plan with them and the prediction is the Trainer's step's (10,779,988 predicted).
+# Rule 2. The callback refuses a plan whose inputs name ``labels`` when the Trainer smooths: the
+#         plan cannot have been made with the Trainer's loss. (A plan without ``labels`` may be
+#         a model whose loss needs none; it is not refused.)
+
+def trainer_step_inputs(args: Any, batch: dict[str, Any], model: Any = None) -> tuple[dict[str, Any], Any]:
+    """The batch and ``loss_fn`` a ``Trainer`` with ``args`` runs ``model`` with, for ``planner.plan(model, budget,
+    inputs=inputs, loss_fn=loss_fn, ...)``; ``loss_fn`` None: the model's own loss (NOTE [ The Trainer's loss ])."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    if not _smooths(args, model) or "labels" not in batch:
+        return batch, None
+    smoother, labels = LabelSmoother(epsilon=args.label_smoothing_factor), batch["labels"]
+    base = getattr(getattr(model, "base_model", None), "model", model)  # a PEFT model's, as the Trainer reads it
+    shift = base is None or type(base).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return {k: v for k, v in batch.items() if k != "labels"}, lambda output: smoother(output, labels, shift_labels=shift)
+
+
+def _smooths(args: Any, model: Any) -> bool:
+    """The Trainer smooths the loss itself (multi-label classification turns it off)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(args, "label_smoothing_factor", 0)) and (
+        getattr(config, "problem_type", None) != "multi_label_classification")
+
+
+def _loss_difference(plan: Plan, args: Any, model: Any) -> list[str]:
+    """NOTE [ The Trainer's loss ], Rule 2."""
+    names = {s.name for s in plan.fingerprint.inputs} | {s.name for b in plan.buckets for s in b.inputs}
+    if "labels" not in names or not _smooths(args, model):
+        return []
+    return [f"loss: the plan's model computes its loss from its 'labels' input; TrainingArguments("
+            f"label_smoothing_factor={args.label_smoothing_factor}) take the labels out and smooth the loss outside "
+            f"the model (plan with: inputs, loss_fn = trainer_step_inputs(args, batch, model))"]
 
 
 def trainer_optimizer(args: Any, model: Any = None) -> str | None:
@@ -182,4 +241,4 @@ def _text(value: Any) -> str:
 
 
 __all__ = ["check_training_arguments", "DoubleCheckpointing", "logger", "RematCallback", "trainer_optimizer",
-           "training_recipe"]
+           "trainer_step_inputs", "training_recipe"]

@@ -31,7 +31,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from planner.act.applier import AppliedPlan, apply_plan
+from planner.act.applier import AppliedPlan, apply_plan, compiled_module
+from planner.act.carried import replace_carried
 from planner.errors import BadInput
 from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
 from planner.model.schema import Plan, Recipe
@@ -60,10 +61,24 @@ class RematCallback(pl.Callback):
         self.guard = guard
         self.strict = strict
         self.handle: AppliedPlan | None = None
+        self._fitted: pl.LightningModule | None = None
 
+    # NOTE [ One callback, several fits ]
+    #
+    # A callback object outlives a ``fit``: jobs build it once and pass it to each Trainer of a
+    # loop (folds, a sweep, phases), or fit a new module with the same Trainer.
+    # Rule 1. The plan goes on the module being fitted. Remembering only "applied already" left a
+    #         second module unplanned, silently: it trained with every activation kept.
+    # Rule 2. The module fitted before gets its forwards back (as the Trainer callback does when
+    #         ``model_init`` builds a new model): one handle, on the module in training.
+    # Rule 3. The same module fitted again (fit, then fit more) keeps its plan: nothing is re-applied.
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.handle is not None:
+        # NOTE [ One callback, several fits ], Rule 3: the module fitted again keeps its plan
+        if stage != "fit" or (self.handle is not None and pl_module is self._fitted):
             return
+        if self.handle is not None:  # Rule 2
+            self.handle.remove()
+            self.handle = None
         if not is_overridden("configure_model", pl_module):
             self._apply(pl_module)
             return
@@ -92,12 +107,17 @@ class RematCallback(pl.Callback):
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
         target = self._target(pl_module)
+        replace_carried(target, by="RematCallback")  # an earlier Trainer's plan: NOTE [ Plans carried without a handle ]
         self.handle = apply_plan(target, self.plan, strict=self.strict, guard=self.guard)
+        self._fitted = pl_module
 
     def _target(self, pl_module: pl.LightningModule) -> nn.Module:
         if self.module is not None:
             try:
-                return pl_module.get_submodule(self.module)
+                named = pl_module.get_submodule(self.module)
+                # a torch.compile wrapper: plan what it compiles (NOTE [ A compiled model given to the Trainer ]
+                # in planner/integrations/hf.py); the default search below finds it by class already
+                return compiled_module(named) or named
             except AttributeError:
                 raise BadInput(f"RematCallback(module={self.module!r}): the LightningModule has no such "
                                f"submodule; name the attribute holding the planned model, e.g. 'model'") from None
