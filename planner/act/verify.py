@@ -402,7 +402,7 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)
     changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))
     opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
-    step = make_step(_compiled(model, compile), batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
+    step = make_step(_compiled(model, compile), batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe, finite_loss=False)
     losses: list[float] = []
 
     def mark(name: str, value: Any) -> None:
