@@ -40,3 +40,33 @@ def test_the_python_api_refuses_a_loss_that_is_not_finite():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     with pytest.raises(ProfileError, match="the loss is nan in the first training step"):
         planner.profile(net, torch.randn(2, 4), device="cpu", steps=1, loss_fn=lambda out: torch.log(-out.abs() - 1).mean())
+
+
+# ----------------------------------------------------------------------------- budgets that read as something else
+
+
+@pytest.mark.parametrize("budget, needle", [
+    ("8Gb", "'Gb' is Gbit, an eighth of a GB; write 8GB for bytes"),  # was 8 GiB
+    ("512Mb", "'Mb' is Mbit, an eighth of a MB; write 512MB for bytes"),
+    ("1,5GB", "write the decimal point as '.', e.g. 1.5GB"),
+    ("1_000MB", "write the number without separators, e.g. 1000MB"),
+    ("1,000MB", "write the number without separators, e.g. 1000MB"),
+    ("80%", "a share of the device is not a budget remat can read; give bytes (e.g. 64GB), or --target NAME"),
+])
+def test_a_budget_that_reads_as_something_else_says_its_fix(profile_path: Path, budget: str, needle: str):
+    """NOTE [ Budgets that read as something else ]: '8Gb' planned for 8 GiB; the others got only the generic line."""
+    result = invoke("plan", f"--budget={budget}", "--profile", profile_path)
+    check(result, 2, f"error: --budget: invalid size {budget!r}: {needle}", "e.g. 12GB, 12GiB")
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize("budget, nbytes", [("12Gi", 12 << 30), ("800mi", 800 << 20), ("1gb", 1 << 30), ("1Gb ", None)])
+def test_kubernetes_units_are_binary_and_bytes_stay_case_insensitive(budget: str, nbytes: int | None):
+    from planner.errors import BadInput
+    from planner.sizes import parse_bytes
+
+    if nbytes is None:
+        with pytest.raises(BadInput, match="Gbit"):
+            parse_bytes(budget)
+    else:
+        assert parse_bytes(budget) == nbytes
