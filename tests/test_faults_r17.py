@@ -4,6 +4,8 @@ lists them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 import planner
 from planner.errors import ProfileError
 from tests.conftest import invoke
-from tests.test_errors import GOOD_MODEL, check, model_file
+from tests.test_errors import ENV, GOOD_MODEL, ROOT, check, model_file
 
 # ----------------------------------------------------------------------------- a loss that is not finite
 
@@ -70,3 +72,37 @@ def test_kubernetes_units_are_binary_and_bytes_stay_case_insensitive(budget: str
             parse_bytes(budget)
     else:
         assert parse_bytes(budget) == nbytes
+
+
+# ----------------------------------------------------------------------------- a reader that stops early
+
+
+def _read_one_line_then_leave(args: list[str]) -> subprocess.CompletedProcess:
+    """``remat ARGS | head -1``: the reader takes one line and closes the pipe."""
+    proc = subprocess.Popen([sys.executable, "cli.py", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    return subprocess.CompletedProcess(args, proc.wait(timeout=300), first, stderr)
+
+
+def test_a_reader_that_stops_early_ends_nothing(tmp_path: Path):
+    """NOTE [ A reader that stops early ]: `remat show big.json | head -1` was ~60 lines of traceback ending in
+    AttributeError (rich's SystemExit met a name typer lacks); a model that prints, piped to head, lost its plan."""
+    import random
+
+    from planner.model.synthetic import random_chain, synthetic_profile
+
+    big = tmp_path / "big.json"
+    synthetic_profile(random_chain(random.Random(0), 3000)).save(big)
+    shown = _read_one_line_then_leave(["show", str(big)])
+    assert shown.returncode == 0 and shown.stdout.startswith("profile of") and shown.stderr == "", shown.stderr
+
+    chatty = model_file(tmp_path, GOOD_MODEL.replace("    return nn.Sequential", "    print('x' * 10**6)\n"
+                                                     "    return nn.Sequential"))
+    out = tmp_path / "plan.json"
+    planned = _read_one_line_then_leave(["plan", "-b", "1GB", str(chatty), "--device", "cpu", "--steps", "1",
+                                         "-q", "-o", str(out)])
+    assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
+    assert out.exists()

@@ -11,7 +11,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import typer
+
 from planner.cli.app import app
+from planner.cli.output import reader_may_leave
 
 try:  # typer 0.23 and later carry their own copy of click
     from typer._click import exceptions as click_errors
@@ -32,7 +35,8 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``remat`` (``argv`` or the command line) and exit with its code (NOTE [ Usage errors in one line ])."""
     try:
-        code = app(args=list(argv) if argv is not None else None, prog_name="remat", standalone_mode=False)
+        with reader_may_leave():  # NOTE [ A reader that stops early ]
+            code = app(args=list(argv) if argv is not None else None, prog_name="remat", standalone_mode=False)
     except click_errors.NoArgsIsHelpError:
         app(args=["--help"], prog_name="remat", standalone_mode=False)
         code = 2  # as click exits when it shows the help for want of a command
@@ -40,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "remat"
         print(f"error: {e.format_message()} ({where} -h lists the options)", file=sys.stderr)
         code = e.exit_code
-    except click_errors.Abort:
+    except typer.Abort:  # typer's own copy of click has no exceptions.Abort
         print("interrupted", file=sys.stderr)
         code = 130
     sys.exit(code if isinstance(code, int) else 0)

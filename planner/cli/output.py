@@ -69,6 +69,61 @@ def counter(console: Console, title: str) -> Iterator[Callable[[int, int], None]
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+# ----------------------------------------------------------------------------- a reader that stops early
+
+# NOTE [ A reader that stops early ]
+#
+# Rule 1. When stdout's reader goes away (``remat show plan.json | head -1``, a pager quit), the rest of
+#   stdout goes to /dev/null and the command runs to its end: its files are written (``-o``), its exit
+#   code is its own, and nothing is said: the reader stopped on purpose, as ``head`` and ``less`` do.
+# Rule 2. Every stream remat writes stdout through is wrapped: ``sys.stdout`` while ``main`` runs (rich's
+#   consoles and the model file's prints use it) and ``print_json``'s copy of the real stdout.
+# Why: rich answered the broken pipe with SystemExit(1) mid-command, whose way out met
+# ``click_errors.Abort``, a name this typer lacks: ~60 lines of traceback and an AttributeError
+# (round 17: ``remat show plan.json | head -1`` and ``remat devices | head -2``).
+
+
+class ReaderMayLeave:
+    """``stream`` (a text file on a descriptor) whose writes, once its reader has gone, go to /dev/null
+    (NOTE [ A reader that stops early ]); anything else is the stream's."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """``sys.stdout`` wrapped in ``ReaderMayLeave`` for the duration (Rule 2)."""
+    real = sys.stdout
+    sys.stdout = ReaderMayLeave(real)
+    try:
+        yield
+    finally:
+        sys.stdout = real
+
+
 # ----------------------------------------------------------------------------- JSON
 
 
@@ -109,7 +164,7 @@ def json_stdout(active: bool = True) -> Iterator[None]:
     saved = os.dup(fds[0]) if fds else None
     if fds:
         os.dup2(fds[1], fds[0])
-    _json_out = os.fdopen(os.dup(saved), "w", encoding="utf-8") if saved is not None else real
+    _json_out = ReaderMayLeave(os.fdopen(os.dup(saved), "w", encoding="utf-8")) if saved is not None else real
     sys.stdout = sys.stderr
     try:
         yield
@@ -140,4 +195,4 @@ def print_json(obj: Any) -> None:
     stream.flush()
 
 
-__all__ = ["counter", "json_stdout", "json_text", "print_json", "stages"]
+__all__ = ["counter", "json_stdout", "json_text", "print_json", "reader_may_leave", "ReaderMayLeave", "stages"]
