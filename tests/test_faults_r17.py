@@ -106,3 +106,20 @@ def test_a_reader_that_stops_early_ends_nothing(tmp_path: Path):
                                          "-q", "-o", str(out)])
     assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
     assert out.exists()
+
+
+# ----------------------------------------------------------------------------- a model file that changes directory
+
+
+def test_relative_paths_are_the_users_when_the_model_changes_directory(tmp_path: Path, monkeypatch):
+    """NOTE [ Paths are the user's, not the model file's ]: `-o plan.json` after a model file's os.chdir wrote the
+    plan into the directory the model chose (/plan.json in the probe), and `remat verify` looked for PLAN.json there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(tmp_path)
+    model_file(tmp_path, f"import os\nos.chdir({str(elsewhere)!r})\n" + GOOD_MODEL)
+    check(invoke("plan", "-b", "1GB", "model.py", "--device", "cpu", "--steps", "1", "-q", "-o", "plan.json"), 0,
+          f"wrote {tmp_path / 'plan.json'}")
+    assert (tmp_path / "plan.json").exists() and not (elsewhere / "plan.json").exists()
+    monkeypatch.chdir(tmp_path)
+    check(invoke("verify", "model.py", "plan.json", "--device", "cpu", "--steps", "1", "-q"), 0)
