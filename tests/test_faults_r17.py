@@ -123,3 +123,19 @@ def test_relative_paths_are_the_users_when_the_model_changes_directory(tmp_path:
     assert (tmp_path / "plan.json").exists() and not (elsewhere / "plan.json").exists()
     monkeypatch.chdir(tmp_path)
     check(invoke("verify", "model.py", "plan.json", "--device", "cpu", "--steps", "1", "-q"), 0)
+
+
+# ----------------------------------------------------------------------------- threads the model file leaves running
+
+
+def test_a_thread_the_model_file_leaves_running_does_not_hold_remat(tmp_path: Path):
+    """NOTE [ Threads the model file leaves running ]: remat wrote its plan, then waited for ever at exit."""
+    model = model_file(tmp_path, "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), "
+                                 "name='poller').start()\n" + GOOD_MODEL)
+    out = tmp_path / "plan.json"
+    result = subprocess.run([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "--steps",
+                             "1", "-q", "-o", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    check(result, 0, "note: 1 thread(s) the model file or a library it uses started still run ('poller'); remat "
+                     "exits without waiting for them")
+    assert out.exists() and result.stdout.rstrip().endswith(f"wrote {out}")
+

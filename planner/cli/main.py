@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Sequence
 
 import typer
@@ -47,7 +48,49 @@ def main(argv: Sequence[str] | None = None) -> None:
     except typer.Abort:  # typer's own copy of click has no exceptions.Abort
         print("interrupted", file=sys.stderr)
         code = 130
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    _leave_threads(code)
+    sys.exit(code)
+
+
+# NOTE [ Threads the model file leaves running ]
+#
+# Python waits at exit for every thread that is not a daemon. A model file that starts one (a logger, a
+# prefetcher, a watchdog) and never ends it made remat hang after its last line, its work done and its
+# file written (round 17 probe: `threading.Thread(target=serve).start()` at import, killed after 120 s).
+# Rule 1. When the command is over, such threads get ``THREAD_GRACE_S`` to finish; any still running
+#   are named in one line on stderr and remat exits with the command's code without waiting for them
+#   (``os._exit`` after flushing its streams: the atexit handlers of the model's libraries are skipped).
+
+THREAD_GRACE_S = 2.0
+"""Seconds the model file's non-daemon threads get to finish once the command is over."""
+
+
+def _leave_threads(code: int) -> None:
+    """NOTE [ Threads the model file leaves running ]: exit now if a non-daemon thread would keep remat alive."""
+    import os
+    import time
+
+    deadline = time.monotonic() + THREAD_GRACE_S
+    for thread in _running():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = _running()
+    if not left:
+        return
+    names = ", ".join(repr(t.name) for t in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    print(f"note: {len(left)} thread(s) the model file or a library it uses started still run ({names}); remat exits "
+          f"without waiting for "
+          f"them (make them daemon threads, or join them, to end them yourself)", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _running() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
 
 
 __all__ = ["main"]
