@@ -139,3 +139,15 @@ def test_a_thread_the_model_file_leaves_running_does_not_hold_remat(tmp_path: Pa
                      "exits without waiting for them")
     assert out.exists() and result.stdout.rstrip().endswith(f"wrote {out}")
 
+
+# ----------------------------------------------------------------------------- rules that ignore the budget
+
+
+@pytest.mark.parametrize("solver", ["none", "every-2"])
+def test_a_fixed_rule_over_the_budget_names_the_solver_that_plans_for_it(profile_path: Path, solver: str):
+    """NOTE [ Rules that ignore the budget ]: "found no plan within its limits (no detail) ... raise --time-limit",
+    a fix that cannot help a rule that ignores the budget."""
+    result = invoke("plan", "-b", "10MB", "--profile", profile_path, "--solver", solver, "-q")
+    check(result, 2, f"error: solver '{solver}' is a fixed rule that does not look at the budget: its plan peaks at ",
+          "above what the budget leaves after the headroom; use --solver auto, which finds plans down to a budget of")
+    assert "--time-limit" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
