@@ -13,7 +13,7 @@ import torch
 
 import planner
 from planner.errors import ProfileError
-from tests.conftest import invoke
+from tests.conftest import invoke, signal_when_marked
 from tests.test_errors import ENV, GOOD_MODEL, ROOT, check, model_file
 
 # ----------------------------------------------------------------------------- a loss that is not finite
@@ -151,3 +151,30 @@ def test_a_fixed_rule_over_the_budget_names_the_solver_that_plans_for_it(profile
     check(result, 2, f"error: solver '{solver}' is a fixed rule that does not look at the budget: its plan peaks at ",
           "above what the budget leaves after the headroom; use --solver auto, which finds plans down to a budget of")
     assert "--time-limit" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+# ----------------------------------------------------------------------------- a parent killed with SIGKILL
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the CPU memory cap needs Linux")
+def test_the_folder_of_a_killed_command_is_removed_by_the_next(tmp_path: Path):
+    """NOTE [ Signals and children ], Rule 5: `kill -9` of `remat plan --device-memory` (no finally runs) left
+    /tmp/remat-capped-* for good; the child died with its parent (Rule 3) and still does."""
+    import signal
+
+    from tests.test_faults import MODEL, _gone, marking_model
+
+    marker, model = marking_model(tmp_path)  # under --device-memory the forward runs in the capped child only
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**ENV, "TMPDIR": str(tmpdir)}
+    argv = [sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "--device-memory", "2GB",
+            "--steps", "1", "-q"]
+    returncode, _ = signal_when_marked(argv, marker, signal.SIGKILL, env=env, cwd=ROOT)
+    assert returncode == -signal.SIGKILL and _gone(int(marker.read_text()))
+    left = [p.name for p in tmpdir.glob("remat-capped-*")]
+    assert len(left) == 1, left  # SIGKILL: nothing could remove it
+    marker.unlink()
+    model.write_text(MODEL.format(stage="forward", action="pass"))
+    check(subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), 0)
+    assert list(tmpdir.glob("remat-capped-*")) == []
