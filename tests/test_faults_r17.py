@@ -178,3 +178,26 @@ def test_the_folder_of_a_killed_command_is_removed_by_the_next(tmp_path: Path):
     model.write_text(MODEL.format(stage="forward", action="pass"))
     check(subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), 0)
     assert list(tmpdir.glob("remat-capped-*")) == []
+
+
+# ----------------------------------------------------------------------------- optimizer specs from files
+
+
+def test_a_plan_file_cannot_make_remat_import_a_module(tmp_path: Path, plan_path: Path):
+    """NOTE [ Optimizer specs from files ]: a plan naming optimizer 'this.Zen' printed the Zen of Python in
+    `remat verify` (the module was imported to build the optimizer); a plan is data."""
+    import json
+
+    model = model_file(tmp_path, GOOD_MODEL)
+    assert invoke("plan", "-b", "1GB", model, "--device", "cpu", "--steps", "1", "-q", "-o", plan_path).exit_code == 0
+    document = json.loads(plan_path.read_text())
+    document["optimizer"] = "this.Zen"
+    plan_path.write_text(json.dumps(document))
+    result = subprocess.run([sys.executable, "cli.py", "verify", str(model), str(plan_path), "--device", "cpu",
+                             "--steps", "1", "-q"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    check(result, 2, "error: the plan names optimizer 'this.Zen', and remat imports no module a plan file names "
+                     "(files are data): import this in the model file, which is code you trust")
+    assert "Zen of Python" not in result.stdout + result.stderr
+    document["optimizer"] = "torch.optim.AdamW"  # its module is imported already: named, built and verified
+    plan_path.write_text(json.dumps(document))
+    check(invoke("verify", model, plan_path, "--device", "cpu", "--steps", "1", "-q"), 0)

@@ -30,6 +30,7 @@ from planner.act.robust import (OPTIMISERS as _OPTIMISERS, canonical, difference
 from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
 from planner.model.schema import (COMPILED_PLAN_VERSION, OFFLOAD_PLAN_VERSION, OpRef, Plan, Predicted, Profile, RunStamp,
                                   SelectiveRegion, SolverInfo, now_iso)
+from planner.optimizers import from_file
 from planner.options import check_ceiling, parse_optimizer, parse_sharding
 from planner.spec import SOLVE_FIELDS, STEP_FIELDS, SolveSpec, StepSpec, solve_spec, step_spec
 from planner.sizes import format_bytes, parse_bytes
@@ -487,7 +488,7 @@ def _refuse_step_fields(prof: Profile, inputs: Any, given: dict[str, Any]) -> No
         if name == "target" or value == getattr(StepSpec(), name):
             continue
         if name == "optimizer":
-            if parse_optimizer(value) != parse_optimizer(prof.optimizer):
+            if parse_optimizer(value) != parse_optimizer(from_file(prof.optimizer, "profile")):
                 ignored.append(f"optimizer ({prof.optimizer} in the profile)")
         elif name == "recipe":
             if value != prof.recipe:

@@ -376,9 +376,10 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
 
 def _compared_step(model: torch.nn.Module, batch: Any, loss_fn: Any, plan: Plan) -> tuple[Any, Any, float]:
     """The plan's step (optimizer and recipe) for ``model``, run once from ``SEED``: (step, optimizer, loss)."""
+    from planner.optimizers import from_file
     from planner.profiling.measure import make_optimizer, make_step
 
-    opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
+    opt = make_optimizer(from_file(plan.optimizer or "adamw", "plan"), model, impl=plan.recipe.optimizer_impl)
     step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
     losses: list[float] = []
     rng.seed_all(SEED)
