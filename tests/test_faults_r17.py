@@ -38,6 +38,14 @@ def test_a_loss_that_is_not_finite_is_refused(tmp_path: Path, loss: str, amp: st
         assert "an fp16 overflow (try --amp bf16)" in result.stderr
 
 
+def test_a_loss_no_parameter_reaches_is_refused(tmp_path: Path):
+    """NOTE [ A loss that is not finite ], Rule 5: a loss made as a new leaf tensor was profiled and planned (exit 0)
+    with an empty backward and no optimizer state."""
+    model = model_file(tmp_path, GOOD_MODEL + "def loss_fn(output):\n    return torch.tensor(1.0, requires_grad=True)\n")
+    check(invoke("plan", "-b", "1GB", model, "--device", "cpu", "--steps", "1", "-q"), 2,
+          "error: no parameter got a gradient from the loss: backward reached none of them, so there is nothing to plan")
+
+
 def test_the_python_api_refuses_a_loss_that_is_not_finite():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     with pytest.raises(ProfileError, match="the loss is nan in the first training step"):

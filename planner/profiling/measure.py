@@ -27,7 +27,7 @@ import torch
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
 from planner.optimizers import build_optimizer, check_impl
 from planner.options import parse_amp, parse_optimizer
-from planner.profiling.model_file import (Inputs, call_model, called_exit, check_loss, compute_loss,
+from planner.profiling.model_file import (Inputs, call_model, called_exit, check_grads_reached, check_loss, compute_loss,
                                           loss_arity, user_frames)
 from planner.model.schema import Recipe
 
@@ -125,7 +125,7 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
             model.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
         for k in range(n):
             micro_batch((mark or _no_mark) if k == n - 1 else _no_mark)
-        unchecked[0] = False
+        unchecked[0] = unchecked[0] and check_grads_reached(params)  # NOTE [ A loss that is not finite ], Rule 5
         with user_code("optimizer.step()"):
             if scaler is not None and optimizer is not None:
                 scaler.unscale_(optimizer)

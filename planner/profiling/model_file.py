@@ -429,8 +429,12 @@ def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None) -> to
 # Rule 3. Fake tensors (``--device meta``) have no values: nothing is read there.
 # Rule 4. ``verify`` runs its steps with ``finite_loss=False``: it compares a plan against the plain
 #   model, and says where gradients hold NaN or inf without the plan (NOTE [ Comparing non-finite values ]).
+# Rule 5. After the first step's backward, at least one trainable parameter must hold a gradient: a
+#   loss that no parameter reaches (``torch.tensor(1.0, requires_grad=True)``, a constant) makes an empty
+#   backward and no optimizer state, and is refused the same way (``check_grads_reached``).
 # Why: log of a negative number, a division by zero and an fp16 overflow in the loss were profiled and
-# planned as if fine (round 17 probes: 4 of 4 models with a NaN or inf loss got a plan, exit 0).
+# planned as if fine (round 17 probes: 4 of 4 models with a NaN or inf loss got a plan, exit 0), and so
+# was a loss made as a new leaf tensor, which no parameter reaches.
 
 
 def check_finite(loss: torch.Tensor, amp: str | None = None) -> None:
@@ -444,6 +448,16 @@ def check_finite(loss: torch.Tensor, amp: str | None = None) -> None:
     raise ProfileError(f"the loss is {value} in the first training step, so every gradient and the backward remat "
                        f"would measure are garbage; make the loss finite (look for {cause}a log or square root of a "
                        f"number <= 0, a division by zero) and profile again")
+
+
+def check_grads_reached(params: list[torch.Tensor]) -> bool:
+    """``ProfileError`` if none of ``params`` (the trainable ones) got a gradient from the first step's backward
+    (NOTE [ A loss that is not finite ], Rule 5); False (nothing left to check) otherwise."""
+    if params and all(p.grad is None for p in params):
+        raise ProfileError("no parameter got a gradient from the loss: backward reached none of them, so there is "
+                           "nothing to plan; compute the loss from the model's output (is it a new tensor, or "
+                           "made from the inputs alone?)")
+    return False
 
 
 def check_materialized(model: torch.nn.Module) -> None:
@@ -469,6 +483,6 @@ def check_devices(model: torch.nn.Module, inputs: Inputs) -> torch.device:
     return device
 
 
-__all__ = ["call_model", "called_exit", "check_devices", "check_finite", "check_loss", "check_materialized",
+__all__ = ["call_model", "called_exit", "check_devices", "check_finite", "check_grads_reached", "check_loss", "check_materialized",
            "check_shape_keywords", "compute_loss", "default_loss", "Inputs", "load_model_file", "loss_arity",
            "LOSS_SIGNATURES", "ModelFile", "SHAPE_KEYWORDS", "TEMPLATE", "user_frames"]
