@@ -4,6 +4,7 @@ lists them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,23 @@ def test_a_plan_file_cannot_make_remat_import_a_module(tmp_path: Path, plan_path
     document["optimizer"] = "torch.optim.AdamW"  # its module is imported already: named, built and verified
     plan_path.write_text(json.dumps(document))
     check(invoke("verify", model, plan_path, "--device", "cpu", "--steps", "1", "-q"), 0)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("json_mode", [False, True])
+def test_stdout_that_cannot_be_written_or_is_closed_keeps_the_file(tmp_path: Path, profile_path: Path,
+                                                                   json_mode: bool):
+    """NOTE [ A reader that stops early ], Rules 3 and 4: `> /dev/full` was "internal error: OSError: [Errno 28]"
+    and `>&-` "internal error: AttributeError: 'NoneType' object has no attribute 'write'", neither wrote -o."""
+    out = tmp_path / "plan.json"
+    argv = [sys.executable, "cli.py", "plan", "-b", "10MB", "--profile", str(profile_path), "-q", "-o", str(out),
+            *(["--json"] if json_mode else [])]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(argv, cwd=ROOT, env=ENV, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr == ("error: cannot write to stdout: No space left on device; what "
+                                                        "remat printed there is lost (its files are written)\n"), result.stderr
+    assert out.exists()
+    out.unlink()
+    closed = subprocess.run(argv, cwd=ROOT, env=ENV, stdout=None, stderr=subprocess.PIPE, text=True, timeout=120,
+                            preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 0 and "error" not in closed.stderr and out.exists(), closed.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import typer
 
@@ -36,8 +37,9 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``remat`` (``argv`` or the command line) and exit with its code (NOTE [ Usage errors in one line ])."""
     try:
-        with reader_may_leave():  # NOTE [ A reader that stops early ]
+        with reader_may_leave() as stdout:  # NOTE [ A reader that stops early ]
             code = app(args=list(argv) if argv is not None else None, prog_name="remat", standalone_mode=False)
+            code = _stdout_lost(stdout, code)
     except click_errors.NoArgsIsHelpError:
         app(args=["--help"], prog_name="remat", standalone_mode=False)
         code = 2  # as click exits when it shows the help for want of a command
@@ -51,6 +53,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     code = code if isinstance(code, int) else 0
     _leave_threads(code)
     sys.exit(code)
+
+
+def _stdout_lost(stdout: Any, code: Any) -> Any:
+    """NOTE [ A reader that stops early ], Rule 3: a failed write to stdout said at the end, exit 2."""
+    if stdout.failed is None:
+        return code
+    print(f"error: cannot write to stdout: {stdout.failed.strerror or stdout.failed}; what remat printed there is "
+          f"lost (its files are written)", file=sys.stderr)
+    return code if isinstance(code, int) and code else 2
 
 
 # NOTE [ Threads the model file leaves running ]
