@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,6 +39,10 @@ from planner.errors import Terminated
 # Rule 4. SIGHUP (the terminal closed, the ssh session dropped) is SIGTERM's twin: raised as
 #   ``Terminated``, exit 129, "hung up". Unless it was ignored when remat started (``nohup remat``):
 #   then it stays ignored and the command runs on, as nohup promises.
+# Rule 5. SIGKILL runs no ``finally``: the temporary folder of a killed command stays. Each folder a
+#   command shares with its children is named ``remat-KIND-PID-...`` (``temp_dir``), and the next
+#   command that makes one removes those of this user whose PID no longer runs. Why: ``kill -9`` of
+#   ``remat plan --device-memory`` left /tmp/remat-capped-* for good (round 17 probe; the child died).
 # Why: SIGTERM during ``remat plan --device-memory`` used to kill remat at once, leaving the capped
 # child running for 90 s under PID 1 and its temporary profile on disk; SIGHUP still did so after
 # SIGTERM was caught (exit 129, no line, /tmp/remat-capped-* left behind).
@@ -69,6 +76,36 @@ def signals_raise() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def temp_dir(kind: str) -> Iterator[str]:
+    """A temporary folder ``remat-KIND-PID-...`` removed on every exit path; those left by killed remat
+    processes are removed first (Rule 5)."""
+    _remove_orphaned(kind)
+    with tempfile.TemporaryDirectory(prefix=f"remat-{kind}-{os.getpid()}-") as tmp:
+        yield tmp
+
+
+def _remove_orphaned(kind: str) -> None:
+    """Remove this user's ``remat-KIND-PID-*`` folders whose PID no longer runs (Rule 5)."""
+    root, named = tempfile.gettempdir(), re.compile(rf"remat-{re.escape(kind)}-(\d+)-")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            match = named.match(entry.name)
+            if match and entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == os.getuid() \
+                    and not _runs(int(match.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: it runs
+    return True
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -137,4 +174,4 @@ def _reap(proc: Any, timeout: float | None = 0) -> bool:
 
 
 __all__ = ["child_env", "die_with_parent", "end", "GRACE_S", "how_it_ended", "PARENT_ENV", "run_child",
-           "signals_raise"]
+           "signals_raise", "temp_dir"]

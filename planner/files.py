@@ -56,6 +56,16 @@ def as_path(value: object, expected: str) -> Path:
     raise BadInput(f"expected {expected} (a str or os.PathLike), got {type(value).__name__}")
 
 
+# NOTE [ Paths are the user's, not the model file's ]
+#
+# Every path given on the command line (outputs, model, plan, profile, config) is made absolute when
+# the options are parsed (``planner.cli.options.Options``), against the directory the command was
+# started in, before any user code runs: a model file may change the working directory (os.chdir at
+# import, in build_model or forward), and a relative ``-o plan.json`` then wrote /plan.json (round 17
+# probe), or ``remat verify``'s relative PLAN.json was looked for there. Links are kept, not resolved
+# (Rule 1 above follows them when writing). Messages name the absolute path.
+
+
 def as_output(path: object, example: str = "out.json") -> Path:
     """``path`` as the ``Path`` of a file to write, or ``BadInput`` for '-' or a path ending in a separator (Rule 7;
     ``example``: a file name the message suggests)."""

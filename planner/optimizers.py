@@ -18,6 +18,7 @@ import ast
 import functools
 import importlib
 import inspect
+import sys
 from typing import Any
 
 from planner.errors import BadInput
@@ -89,6 +90,26 @@ def parse_optimizer(value: Any) -> str:
     if "." in name:  # a class by its path ('torch.optim.SGD'): its own defaults, named as a built one is
         spec = spec_for(cls, settings)
     _construct(spec, cls, [_probe_parameter()], lr=0.0, impl="default")  # what the class refuses, now
+    return spec
+
+
+# NOTE [ Optimizer specs from files ]
+# A plan or profile is data: nothing in it is executed, imported or unpickled (docs/cli.md, "Trust").
+# Its optimizer spec may be a dotted path, and building or canonicalising it imports that module:
+# a plan naming 'this.Zen' printed the Zen of Python in `remat verify`, 'antigravity.X' would open a
+# browser (round 17 probe). Rule 1: a spec read from a file (``from_file``) names a class by its path
+# only when its module is imported already (torch.optim, or the user's module that the model file,
+# trusted code, imports); otherwise it is refused in one line saying so.
+
+
+def from_file(spec: str, source: str) -> str:
+    """``spec``, read from a ``source`` file ('plan' or 'profile'), once its class can be named without an
+    import (NOTE [ Optimizer specs from files ]); ``BadInput`` otherwise."""
+    name = _split(spec)[0] if isinstance(spec, str) and spec.strip() else ""
+    module = name.rpartition(".")[0]
+    if module and module not in sys.modules:
+        raise BadInput(f"the {source} names optimizer {name!r}, and remat imports no module a {source} file names "
+                       f"(files are data): import {module} in the model file, which is code you trust")
     return spec
 
 
@@ -320,4 +341,4 @@ def _adafactor_at_lr_zero(cls: type) -> type:
     return AdafactorAtLrZero
 
 
-__all__ = ["accepted_names", "build_optimizer", "parse_optimizer", "spec_for", "spec_of", "impl_of", "check_impl", "unwrapped"]
+__all__ = ["from_file", "accepted_names", "build_optimizer", "parse_optimizer", "spec_for", "spec_of", "impl_of", "check_impl", "unwrapped"]

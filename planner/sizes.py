@@ -22,9 +22,45 @@ _MULTIPLIERS = {
     "m": 2**20, "mb": 2**20, "mib": 2**20,
     "g": 2**30, "gb": 2**30, "gib": 2**30,
     "t": 2**40, "tb": 2**40, "tib": 2**40,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,  # Kubernetes' spelling
 }
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _HINT = "use bytes or a number with a unit, e.g. 12GB, 12GiB, 800MiB, 1.5e9"
+
+# NOTE [ Budgets that read as something else ]
+#
+# Rule 1. Units are case-insensitive (``12gb`` is 12 GiB), except a capital prefix before a small
+#   ``b``: ``8Gb``, ``512Mb`` are how bits are written (memory chips, link speeds), an eighth of the
+#   bytes. Read as bytes they would plan for 8 times the memory meant, or the user meant bytes and
+#   typed one letter wrong: either way the fix is one keystroke, so it is refused, naming both readings.
+# Rule 2. Forms that are numbers elsewhere are refused with their own fix, not only the list of
+#   accepted forms: a decimal comma (``1,5GB``), digit separators (``1_000MB``, ``1,000MB``), a share
+#   (``80%``: remat reads no device's size from a budget; ``--target NAME`` gives its usable memory).
+# Rule 3. ``Ki``, ``Mi``, ``Gi``, ``Ti`` (Kubernetes' spelling of the binary units) are read as KiB, MiB, GiB, TiB.
+# Every message still ends with the accepted forms.
+# Why: round 17 probes: ``-b 8Gb`` planned for 8 GiB; ``1,5GB``, ``1_000MB`` and ``80%`` got only the
+# generic line.
+
+_BITS_RE = re.compile(r"^\s*[0-9.eE+-]+\s*([KMGT])b\s*$")
+
+
+def _misread(raw: str) -> str | None:
+    """Why ``raw``, which the grammar refuses or would misread, is not a budget, with its fix
+    (NOTE [ Budgets that read as something else ]); None when it is no such form."""
+    stripped = raw.strip()
+    bits = _BITS_RE.match(raw)
+    if bits:
+        prefix = bits.group(1)
+        return (f"'{prefix}b' is {prefix}bit, an eighth of a {prefix}B; write {stripped[:-1]}B for bytes "
+                f"(units are binary: {prefix}B = {prefix}iB)")
+    if stripped.endswith("%"):
+        return ("a share of the device is not a budget remat can read; give bytes (e.g. 64GB), or --target NAME "
+                "to plan for that device's usable memory")
+    if re.fullmatch(r"[0-9]+,[0-9]{1,2}\s*[A-Za-z]*", stripped):
+        return f"write the decimal point as '.', e.g. {stripped.replace(',', '.')}"
+    if re.fullmatch(r"[0-9]{1,3}([,_][0-9]{3})+(\.[0-9]+)?\s*[A-Za-z]*", stripped) or "_" in stripped:
+        return f"write the number without separators, e.g. {stripped.replace(',', '').replace('_', '')}"
+    return None
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -42,8 +78,9 @@ def parse_bytes(text: str | int | float) -> int:
         if raw.strip().startswith("-"):
             raise BadInput(f"invalid size {raw!r}: a memory budget must be positive; {_HINT}")
         m = _BUDGET_RE.match(raw)
-        if not m:
-            raise BadInput(f"invalid size {raw!r}: {_HINT}")
+        why = _misread(raw)
+        if why or not m:
+            raise BadInput(f"invalid size {raw!r}: {why + '; ' if why else ''}{_HINT}")
         value, unit = float(m.group(1)), m.group(2).lower()
         if unit not in _MULTIPLIERS:
             raise BadInput(f"invalid size {raw!r}: unknown unit {m.group(2)!r}; {_HINT}")

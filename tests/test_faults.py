@@ -159,15 +159,21 @@ def _gone(pid: int, seconds: float = 10) -> bool:
     return False
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the CPU memory cap needs Linux")
-@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")])
-def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path, sig: int, code: int, word: str):
-    """SIGTERM, and SIGHUP (the terminal closed; before Rule 4 it killed remat at once, leaving /tmp/remat-capped-*)."""
+def marking_model(tmp_path: Path) -> tuple[Path, Path]:
+    """(marker, model file): the model's forward writes its pid to the marker, then sleeps (a signal's moment)."""
     marker = tmp_path / "child.pid"
     model = tmp_path / "model.py"
     model.write_text(MODEL.format(stage="forward", action=(
         f"open({str(marker)!r} + '.tmp', 'w').write(str(os.getpid())); os.rename({str(marker)!r} + '.tmp', "
         f"{str(marker)!r}); import time; time.sleep(120)")))
+    return marker, model
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the CPU memory cap needs Linux")
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")])
+def test_sigterm_to_plan_with_device_memory_ends_the_capped_child(tmp_path: Path, sig: int, code: int, word: str):
+    """SIGTERM, and SIGHUP (the terminal closed; before Rule 4 it killed remat at once, leaving /tmp/remat-capped-*)."""
+    marker, model = marking_model(tmp_path)
     out = tmp_path / "plan.json"
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()

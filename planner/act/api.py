@@ -30,6 +30,7 @@ from planner.act.robust import (OPTIMISERS as _OPTIMISERS, canonical, difference
 from planner.act.offload_plan import check_offload, check_offload_shapes, host_too_small, offloaded_units, resolve_host_budget
 from planner.model.schema import (COMPILED_PLAN_VERSION, OFFLOAD_PLAN_VERSION, OpRef, Plan, Predicted, Profile, RunStamp,
                                   SelectiveRegion, SolverInfo, now_iso)
+from planner.optimizers import from_file
 from planner.options import check_ceiling, parse_optimizer, parse_sharding
 from planner.spec import SOLVE_FIELDS, STEP_FIELDS, SolveSpec, StepSpec, solve_spec, step_spec
 from planner.sizes import format_bytes, parse_bytes
@@ -217,10 +218,24 @@ def _plan_of(profile: Profile, g: nx.DiGraph, est: Any, budget_bytes: int, *, so
     )
 
 
+# NOTE [ Rules that ignore the budget ]
+# The baselines and Chen's sqrt(n) rule choose their checkpoints without the budget; when their plan does
+# not fit, no time limit would help. They said "found no plan within its limits (no detail) ... raise
+# --time-limit", a fix that cannot work (round 17: --solver all at a budget dp fits).
+
+FIXED_RULES = frozenset({"none", "all", "sqrt", "every-2"})
+"""Solvers whose plan does not depend on the budget (NOTE [ Rules that ignore the budget ])."""
+
+
 def _no_plan(profile: Profile, g: nx.DiGraph, sol: Any, budget_bytes: int, headroom: float) -> Exception:
     """The error for an infeasible solution: the solver's limits when a plan exists, else why nothing fits."""
     lowest_peak = sol.min_feasible_bytes if sol.min_feasible_bytes is not None else min_feasible_bytes(g)
     lowest = budget_with_headroom(lowest_peak, headroom)
+    if lowest <= budget_bytes and sol.solver in FIXED_RULES:  # NOTE [ Rules that ignore the budget ]
+        return SolverError(
+            f"solver {sol.solver!r} is a fixed rule that does not look at the budget: its plan peaks at "
+            f"{sol.peak_bytes} bytes ({format_bytes(sol.peak_bytes)}), above what the budget leaves after the "
+            f"headroom; use {{solver}} auto, which finds plans down to a budget of {lowest} bytes", options=("solver",))
     if lowest <= budget_bytes:
         return SolverError(
             f"solver {sol.solver!r} found no plan within its limits ({sol.detail or 'no detail'}), "
@@ -473,7 +488,7 @@ def _refuse_step_fields(prof: Profile, inputs: Any, given: dict[str, Any]) -> No
         if name == "target" or value == getattr(StepSpec(), name):
             continue
         if name == "optimizer":
-            if parse_optimizer(value) != parse_optimizer(prof.optimizer):
+            if parse_optimizer(value) != parse_optimizer(from_file(prof.optimizer, "profile")):
                 ignored.append(f"optimizer ({prof.optimizer} in the profile)")
         elif name == "recipe":
             if value != prof.recipe:

@@ -48,6 +48,7 @@ from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
 from planner.act.buckets import bucket_plans, describe
 from planner.act.compare import initialize_lazy, max_abs_diff, nonfinite_notes, run_copy
 from planner.errors import BadInput, PlanMismatch
+from planner.optimizers import from_file
 from planner.options import parse_fraction
 from planner.spec import StepSpec, step_spec
 from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
@@ -401,8 +402,8 @@ def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev:
     handle = _apply(model, applied or plan, batch) if planned else None
     # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)
     changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))
-    opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
-    step = make_step(_compiled(model, compile), batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
+    opt = make_optimizer(from_file(plan.optimizer or "adamw", "plan"), model, impl=plan.recipe.optimizer_impl)
+    step = make_step(_compiled(model, compile), batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe, finite_loss=False)
     losses: list[float] = []
 
     def mark(name: str, value: Any) -> None:

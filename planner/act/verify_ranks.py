@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from planner.children import PARENT_ENV, die_with_parent, end
+from planner.children import PARENT_ENV, die_with_parent, end, temp_dir
 from planner.errors import BadInput, ProfileError
 from planner.files import atomic_write_text
 from planner.model.schema import Plan
@@ -198,7 +198,7 @@ def _spawn(runs: list[_Args], world_size: int) -> list[list[dict]]:
     """Each run's results, rank by rank (rank 0's with the compared step's gradients), from one set of ranks."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="remat_ranks_") as tmp:
+    with temp_dir("ranks") as tmp:  # NOTE [ Signals and children ], Rule 5
         for i in range(len(runs)):
             Path(tmp, str(i)).mkdir()
         os.environ[PARENT_ENV] = str(os.getpid())  # the spawned ranks inherit it (die_with_parent)
@@ -376,9 +376,10 @@ def _rank_run(args: _Args, plan: Plan, dev: torch.device, *, planned: bool, grad
 
 def _compared_step(model: torch.nn.Module, batch: Any, loss_fn: Any, plan: Plan) -> tuple[Any, Any, float]:
     """The plan's step (optimizer and recipe) for ``model``, run once from ``SEED``: (step, optimizer, loss)."""
+    from planner.optimizers import from_file
     from planner.profiling.measure import make_optimizer, make_step
 
-    opt = make_optimizer(plan.optimizer or "adamw", model, impl=plan.recipe.optimizer_impl)
+    opt = make_optimizer(from_file(plan.optimizer or "adamw", "plan"), model, impl=plan.recipe.optimizer_impl)
     step = make_step(model, batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe)
     losses: list[float] = []
     rng.seed_all(SEED)

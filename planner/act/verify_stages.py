@@ -81,6 +81,7 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
 
     from planner.act.applier import apply_plan
     from planner.act.pipeline import split_batch, stage_module
+    from planner.optimizers import from_file
     from planner.profiling.measure import free, make_optimizer, measure_rank_step, to_device
     from planner.profiling.model_file import load_model_file
 
@@ -99,7 +100,7 @@ def _stage_run(args: Any, plan: Plan, dev: torch.device, seed: int, mesh: Any, *
     handles = [apply_plan(st, plan) for st in stages] if planned else []
     wrapped = [_lay_out(st, plan, mesh) for st in stages]
     schedule = _schedule(plan, stages, wrapped, dev, mesh)
-    opt = make_optimizer(plan.optimizer or "adamw", torch.nn.ModuleList(stages), impl=plan.recipe.optimizer_impl)
+    opt = make_optimizer(from_file(plan.optimizer or "adamw", "plan"), torch.nn.ModuleList(stages), impl=plan.recipe.optimizer_impl)
 
     def step() -> list:
         opt.zero_grad(set_to_none=True)

@@ -9,9 +9,14 @@ Example::
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
+
+import typer
 
 from planner.cli.app import app
+from planner.cli.output import reader_may_leave
 
 try:  # typer 0.23 and later carry their own copy of click
     from typer._click import exceptions as click_errors
@@ -32,7 +37,9 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``remat`` (``argv`` or the command line) and exit with its code (NOTE [ Usage errors in one line ])."""
     try:
-        code = app(args=list(argv) if argv is not None else None, prog_name="remat", standalone_mode=False)
+        with reader_may_leave() as stdout:  # NOTE [ A reader that stops early ]
+            code = app(args=list(argv) if argv is not None else None, prog_name="remat", standalone_mode=False)
+            code = _stdout_lost(stdout, code)
     except click_errors.NoArgsIsHelpError:
         app(args=["--help"], prog_name="remat", standalone_mode=False)
         code = 2  # as click exits when it shows the help for want of a command
@@ -40,10 +47,61 @@ def main(argv: Sequence[str] | None = None) -> None:
         where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "remat"
         print(f"error: {e.format_message()} ({where} -h lists the options)", file=sys.stderr)
         code = e.exit_code
-    except click_errors.Abort:
+    except typer.Abort:  # typer's own copy of click has no exceptions.Abort
         print("interrupted", file=sys.stderr)
         code = 130
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    _leave_threads(code)
+    sys.exit(code)
+
+
+def _stdout_lost(stdout: Any, code: Any) -> Any:
+    """NOTE [ A reader that stops early ], Rule 3: a failed write to stdout said at the end, exit 2."""
+    if stdout.failed is None:
+        return code
+    print(f"error: cannot write to stdout: {stdout.failed.strerror or stdout.failed}; what remat printed there is "
+          f"lost (its files are written)", file=sys.stderr)
+    return code if isinstance(code, int) and code else 2
+
+
+# NOTE [ Threads the model file leaves running ]
+#
+# Python waits at exit for every thread that is not a daemon. A model file that starts one (a logger, a
+# prefetcher, a watchdog) and never ends it made remat hang after its last line, its work done and its
+# file written (round 17 probe: `threading.Thread(target=serve).start()` at import, killed after 120 s).
+# Rule 1. When the command is over, such threads get ``THREAD_GRACE_S`` to finish; any still running
+#   are named in one line on stderr and remat exits with the command's code without waiting for them
+#   (``os._exit`` after flushing its streams: the atexit handlers of the model's libraries are skipped).
+
+THREAD_GRACE_S = 2.0
+"""Seconds the model file's non-daemon threads get to finish once the command is over."""
+
+
+def _leave_threads(code: int) -> None:
+    """NOTE [ Threads the model file leaves running ]: exit now if a non-daemon thread would keep remat alive."""
+    import os
+    import time
+
+    deadline = time.monotonic() + THREAD_GRACE_S
+    for thread in _running():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = _running()
+    if not left:
+        return
+    names = ", ".join(repr(t.name) for t in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    print(f"note: {len(left)} thread(s) the model file or a library it uses started still run ({names}); remat exits "
+          f"without waiting for "
+          f"them (make them daemon threads, or join them, to end them yourself)", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _running() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
 
 
 __all__ = ["main"]

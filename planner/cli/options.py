@@ -8,8 +8,7 @@ are ``Literal`` fields checked by ``planner.options``. A field's error names the
 
 Example::
 
-    o = PlanOptions(model=Path("model.py"), budget="12GB", given=frozenset())
-    o.step_spec(), o.solve_spec
+    o = PlanOptions(model=Path("model.py"), budget="12GB", given=frozenset()); o.step_spec(), o.solve_spec
 """
 
 from __future__ import annotations
@@ -234,11 +233,13 @@ class Options(BaseModel):
     given: frozenset[str] = frozenset()
     """Fields the user typed on the command line (not defaults, not environment variables)."""
 
-    @field_validator("output", "plot", mode="before", check_fields=False)
+    @field_validator("output", "plot", "model", "plan", "profile", "path", "hf", mode="before", check_fields=False)
     @classmethod
-    def _output_path(cls, value: Any, info: ValidationInfo) -> Path | None:
+    def _path(cls, value: Any, info: ValidationInfo) -> Path | None:  # NOTE [ Paths are the user's, not the model file's ]
+        if value is None or info.field_name not in ("output", "plot"):
+            return None if value is None else Path(value).absolute()
         example = "frontier.png" if info.field_name == "plot" else "out.json"
-        return None if value is None else as_output(value, example)  # NOTE [ Writing output files ], Rule 7
+        return as_output(value, example).absolute()  # NOTE [ Writing output files ], Rule 7
 
 
 class HfSource(BaseModel):

@@ -69,6 +69,86 @@ def counter(console: Console, title: str) -> Iterator[Callable[[int, int], None]
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+# ----------------------------------------------------------------------------- a reader that stops early
+
+# NOTE [ A reader that stops early ]
+#
+# Rule 1. When stdout's reader goes away (``remat show plan.json | head -1``, a pager quit), the rest of
+#   stdout goes to /dev/null and the command runs to its end: its files are written (``-o``), its exit
+#   code is its own, and nothing is said: the reader stopped on purpose, as ``head`` and ``less`` do.
+# Rule 2. Every stream remat writes stdout through is wrapped: ``sys.stdout`` while ``main`` runs (rich's
+#   consoles and the model file's prints use it) and ``print_json``'s copy of the real stdout.
+# Rule 3. Any other failed write to stdout (``> /dev/full``, an I/O error) is handled the same way while the
+#   command runs, and said at its end in one line, exit 2 (a 0 becomes 2): its files are written, what it
+#   printed is lost.
+# Rule 4. A standard stream closed when remat starts (``>&-``, ``2>&-``) is opened on /dev/null first:
+#   Python's ``sys.stdout`` is then None (an AttributeError), and the next file remat opened would get
+#   descriptor 1, where a child process's output would land.
+# Why: rich answered the broken pipe with SystemExit(1) mid-command, whose way out met
+# ``click_errors.Abort``, a name this typer lacks: ~60 lines of traceback and an AttributeError
+# (round 17: ``remat show plan.json | head -1`` and ``remat devices | head -2``); ``> /dev/full`` was an
+# internal error and ``>&-`` an AttributeError, both before the plan was written.
+
+
+class ReaderMayLeave:
+    """``stream`` (a text file on a descriptor) whose writes, once its reader has gone or a write failed, go to
+    /dev/null (NOTE [ A reader that stops early ]); ``failed``: the first error other than the reader leaving
+    (Rule 3); anything else is the stream's."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self.failed: OSError | None = None
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self._lost(e)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self._lost(e)
+
+    def _lost(self, e: OSError) -> None:
+        if not isinstance(e, BrokenPipeError) and self.failed is None:
+            self.failed = e
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[ReaderMayLeave]:
+    """``sys.stdout`` wrapped in ``ReaderMayLeave`` for the duration (Rule 2), the standard streams open (Rule 4)."""
+    real_out, real_err = sys.stdout, sys.stderr
+    _standard_fds_open()
+    sys.stdout = ReaderMayLeave(real_out if real_out is not None else open(os.devnull, "w"))
+    sys.stderr = real_err if real_err is not None else open(os.devnull, "w")
+    try:
+        yield sys.stdout
+    finally:
+        sys.stdout, sys.stderr = real_out, real_err
+
+
+def _standard_fds_open() -> None:
+    """Rule 4: a closed descriptor 0, 1 or 2 (``remat ... >&-``) is opened on /dev/null."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+
+
 # ----------------------------------------------------------------------------- JSON
 
 
@@ -109,13 +189,15 @@ def json_stdout(active: bool = True) -> Iterator[None]:
     saved = os.dup(fds[0]) if fds else None
     if fds:
         os.dup2(fds[1], fds[0])
-    _json_out = os.fdopen(os.dup(saved), "w", encoding="utf-8") if saved is not None else real
+    _json_out = ReaderMayLeave(os.fdopen(os.dup(saved), "w", encoding="utf-8")) if saved is not None else real
     sys.stdout = sys.stderr
     try:
         yield
     finally:
         sys.stdout = real
         _json_out.flush()
+        if isinstance(real, ReaderMayLeave) and real.failed is None:  # NOTE [ A reader that stops early ], Rule 3
+            real.failed = getattr(_json_out, "failed", None)
         if saved is not None:
             _json_out.close()
             sys.stderr.flush()
@@ -140,4 +222,4 @@ def print_json(obj: Any) -> None:
     stream.flush()
 
 
-__all__ = ["counter", "json_stdout", "json_text", "print_json", "stages"]
+__all__ = ["counter", "json_stdout", "json_text", "print_json", "reader_may_leave", "ReaderMayLeave", "stages"]

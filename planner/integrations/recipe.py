@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from planner.errors import PlanMismatch
 from planner.model.schema import Plan, Recipe
-from planner.optimizers import parse_optimizer
+from planner.optimizers import from_file, parse_optimizer
 
 
 def refuse_other_recipe(plan: Plan, job: Recipe, *, framework: str, settings: Mapping[str, str],
@@ -49,7 +49,7 @@ def optimizer_difference(plan: Plan, job_spec: str | None, *, source: str) -> li
     None when it cannot be read; ``source`` says whose it is ("the Trainer's optimizer is").
     A plan without an optimizer (made before plans recorded one) is not compared.
     """
-    if job_spec is None or not plan.optimizer or parse_optimizer(plan.optimizer) == job_spec:
+    if job_spec is None or not plan.optimizer or parse_optimizer(from_file(plan.optimizer, "plan")) == job_spec:
         return []
     return [f"optimizer: plan has {parse_optimizer(plan.optimizer)}, {source} {job_spec} "
             f"(remat plan --optimizer '{job_spec}')"]

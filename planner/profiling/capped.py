@@ -19,11 +19,10 @@ import os
 import resource
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from planner.children import die_with_parent, how_it_ended, run_child
+from planner.children import die_with_parent, how_it_ended, run_child, temp_dir
 from planner.errors import ProfileError, RematError
 from planner.files import atomic_write_text
 from planner.spec import StepSpec
@@ -69,7 +68,7 @@ def profile_capped(model_path: str | Path, *, step: StepSpec, quiet: bool = Fals
     from planner.model.schema import Profile
 
     device_memory_bytes = step.device_memory_bytes
-    with tempfile.TemporaryDirectory(prefix="remat-capped-") as tmp:
+    with temp_dir("capped") as tmp:  # NOTE [ Signals and children ], Rule 5
         out = Path(tmp) / "profile.json"
         cmd = [sys.executable, "-m", "planner.profiling.capped", str(Path(model_path).resolve()), str(out),
                "--device-memory", str(device_memory_bytes), "--optimizer", step.optimizer, "--steps", str(step.steps),

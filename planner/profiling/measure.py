@@ -27,8 +27,8 @@ import torch
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
 from planner.optimizers import build_optimizer, check_impl
 from planner.options import parse_amp, parse_optimizer
-from planner.profiling.model_file import (Inputs, call_model, called_exit, check_loss, compute_loss, loss_arity,
-                                          user_frames)
+from planner.profiling.model_file import (Inputs, call_model, called_exit, check_grads_reached, check_loss, compute_loss,
+                                          loss_arity, user_frames)
 from planner.model.schema import Recipe
 
 Mark = Callable[[str, Any], None]
@@ -68,13 +68,12 @@ step would not create the optimizer's state and the compared gradients would be 
 
 def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
               optimizer: torch.optim.Optimizer | None = None, amp: str | None = None,
-              recipe: Recipe | None = None) -> Step:
+              recipe: Recipe | None = None, finite_loss: bool = True) -> Step:
     """One training step of ``recipe`` (default: ``Recipe(amp=amp)``, a plain loop).
 
     ``zero_grad(set_to_none=recipe.zero_grad_set_to_none)``, then ``recipe.grad_accum``
-    micro-batches on ``inputs``, each as a new batch (NOTE [ Inputs that take a gradient ]; forward and
-    loss under autocast when ``recipe.amp``; backward
-    of ``loss / grad_accum``, scaled by a GradScaler under fp16), then, once, unscaling,
+    micro-batches on ``inputs``, each as a new batch (NOTE [ Inputs that take a gradient ]; forward and loss
+    under autocast when ``recipe.amp``; backward of ``loss / grad_accum``, scaled by a GradScaler under fp16), then, once, unscaling,
     ``clip_grad_norm_`` when ``recipe.clip_grad_norm`` and ``optimizer.step()``.
 
     The model output is dropped once the loss is computed, before backward, as torchtitan's
@@ -84,7 +83,7 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
     The returned ``step(mark=None)`` calls ``mark(name, value)`` at each point of ``STEP_MARKS``,
     in the *last* micro-batch: the worst one, with the other micro-batches' gradients alive (see
     NOTE [ Peak-memory model ]). Exceptions from user code become ``ProfileError`` showing the
-    user's frames; running out of memory becomes ``ProfileError`` with advice.
+    user's frames; running out of memory, or a NaN loss (NOTE [ A loss that is not finite ]), ``ProfileError``.
     """
     arity = loss_arity(loss_fn)  # a loss_fn that cannot be called fails here, before any step
     recipe = resolve_recipe(recipe, amp)
@@ -94,6 +93,7 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
     params = [p for p in model.parameters() if p.requires_grad]
     fresh = grad_leaves(inputs)
     n = recipe.grad_accum
+    unchecked = [finite_loss and not _fake()]  # NOTE [ A loss that is not finite ]: the first step's losses are read, once
 
     def autocast() -> contextlib.AbstractContextManager:
         if amp_dtype is None:
@@ -108,7 +108,7 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
             output = call_model(model, inputs)
         mark("loss_start", output)
         with user_code("loss_fn"), autocast():
-            loss = check_loss(compute_loss(loss_fn, output, inputs, arity=arity))
+            loss = check_loss(compute_loss(loss_fn, output, inputs, arity=arity), finite=unchecked[0], amp=recipe.amp)
         mark("forward_end", loss)
         del output
         mark("backward_start", None)
@@ -125,6 +125,7 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
             model.zero_grad(set_to_none=recipe.zero_grad_set_to_none)
         for k in range(n):
             micro_batch((mark or _no_mark) if k == n - 1 else _no_mark)
+        unchecked[0] = unchecked[0] and check_grads_reached(params)  # NOTE [ A loss that is not finite ], Rule 5
         with user_code("optimizer.step()"):
             if scaler is not None and optimizer is not None:
                 scaler.unscale_(optimizer)

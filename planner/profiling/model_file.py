@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import inspect
 import itertools
+import math
 import os
 import sys
 import sysconfig
@@ -396,8 +397,9 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
-def check_loss(loss: Any) -> torch.Tensor:
-    """Return ``loss`` if it can be back-propagated; raise ``ProfileError`` naming the fix if not."""
+def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None) -> torch.Tensor:
+    """Return ``loss`` if it can be back-propagated (and with ``finite``, is not NaN or infinite: ``check_finite``
+    with the recipe's ``amp``); raise ``ProfileError`` naming the fix if not."""
     if not isinstance(loss, torch.Tensor):
         raise ProfileError(f"loss_fn must return a scalar tensor, got a {type(loss).__name__}")
     if loss.numel() != 1:
@@ -409,7 +411,53 @@ def check_loss(loss: Any) -> torch.Tensor:
     if not loss.requires_grad:
         raise ProfileError("the loss does not require grad, so backward() would do nothing: is the "
                            "forward run under torch.no_grad(), or does loss_fn detach the output?")
+    if finite:
+        check_finite(loss, amp)
     return loss
+
+
+# NOTE [ A loss that is not finite ]
+#
+# Rule 1. A loss that is NaN or infinite is refused (``ProfileError``, exit 2), not profiled: its
+#   gradients are NaN or infinite, so the backward remat would time and plan is not the one training
+#   runs; under fp16 the GradScaler then skips ``optimizer.step()``, so the optimizer's state, a third
+#   of a plain AdamW step's memory, is never created or measured. No plan made from such a step holds.
+# Rule 2. The loss is read on the first step a step function runs (every micro-batch of it): the
+#   profiler's and verify's warm-up step, which nothing measures. Reading a value is a device sync on
+#   CUDA; in every measured step it would stall the GPU between forward and backward. Profiling trains
+#   at lr=0 on one batch, so each later step computes the same loss.
+# Rule 3. Fake tensors (``--device meta``) have no values: nothing is read there.
+# Rule 4. ``verify`` runs its steps with ``finite_loss=False``: it compares a plan against the plain
+#   model, and says where gradients hold NaN or inf without the plan (NOTE [ Comparing non-finite values ]).
+# Rule 5. After the first step's backward, at least one trainable parameter must hold a gradient: a
+#   loss that no parameter reaches (``torch.tensor(1.0, requires_grad=True)``, a constant) makes an empty
+#   backward and no optimizer state, and is refused the same way (``check_grads_reached``).
+# Why: log of a negative number, a division by zero and an fp16 overflow in the loss were profiled and
+# planned as if fine (round 17 probes: 4 of 4 models with a NaN or inf loss got a plan, exit 0), and so
+# was a loss made as a new leaf tensor, which no parameter reaches.
+
+
+def check_finite(loss: torch.Tensor, amp: str | None = None) -> None:
+    """``ProfileError`` if ``loss`` is NaN or infinite (NOTE [ A loss that is not finite ]); ``amp``: the
+    recipe's, for the hint."""
+    value = float(loss.detach().float())
+    if math.isfinite(value):
+        return
+    cause = ("an fp16 overflow (try --amp bf16), " if amp == "fp16" else
+             "an overflow in low precision, " if loss.dtype in (torch.float16, torch.bfloat16) else "")
+    raise ProfileError(f"the loss is {value} in the first training step, so every gradient and the backward remat "
+                       f"would measure are garbage; make the loss finite (look for {cause}a log or square root of a "
+                       f"number <= 0, a division by zero) and profile again")
+
+
+def check_grads_reached(params: list[torch.Tensor]) -> bool:
+    """``ProfileError`` if none of ``params`` (the trainable ones) got a gradient from the first step's backward
+    (NOTE [ A loss that is not finite ], Rule 5); False (nothing left to check) otherwise."""
+    if params and all(p.grad is None for p in params):
+        raise ProfileError("no parameter got a gradient from the loss: backward reached none of them, so there is "
+                           "nothing to plan; compute the loss from the model's output (is it a new tensor, or "
+                           "made from the inputs alone?)")
+    return False
 
 
 def check_materialized(model: torch.nn.Module) -> None:
@@ -435,6 +483,6 @@ def check_devices(model: torch.nn.Module, inputs: Inputs) -> torch.device:
     return device
 
 
-__all__ = ["call_model", "called_exit", "check_devices", "check_loss", "check_materialized",
+__all__ = ["call_model", "called_exit", "check_devices", "check_finite", "check_grads_reached", "check_loss", "check_materialized",
            "check_shape_keywords", "compute_loss", "default_loss", "Inputs", "load_model_file", "loss_arity",
            "LOSS_SIGNATURES", "ModelFile", "SHAPE_KEYWORDS", "TEMPLATE", "user_frames"]
