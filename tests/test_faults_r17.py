@@ -149,6 +149,18 @@ def test_a_thread_the_model_file_leaves_running_does_not_hold_remat(tmp_path: Pa
     assert out.exists() and result.stdout.rstrip().endswith(f"wrote {out}")
 
 
+def test_a_pools_workers_are_left_to_pythons_shutdown(tmp_path: Path):
+    """NOTE [ Threads the model file leaves running ], Rule 2: inductor's compile pool left two idle workers
+    after every ``remat plan --compile``, which the note named and ``os._exit`` left to no atexit hook."""
+    model = model_file(tmp_path, "import concurrent.futures\nPOOL = concurrent.futures.ThreadPoolExecutor(2)\n"
+                                 "POOL.submit(print, end='').result()\n" + GOOD_MODEL)
+    out = tmp_path / "plan.json"
+    result = subprocess.run([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "--steps",
+                             "1", "-q", "-o", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "thread(s)" not in result.stderr, result.stderr
+    assert out.exists()
+
+
 # ----------------------------------------------------------------------------- rules that ignore the budget
 
 

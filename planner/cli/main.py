@@ -72,6 +72,9 @@ def _stdout_lost(stdout: Any, code: Any) -> Any:
 # Rule 1. When the command is over, such threads get ``THREAD_GRACE_S`` to finish; any still running
 #   are named in one line on stderr and remat exits with the command's code without waiting for them
 #   (``os._exit`` after flushing its streams: the atexit handlers of the model's libraries are skipped).
+# Rule 2. A ``concurrent.futures`` pool's workers are not such threads: Python's shutdown ends them
+#   (its own atexit hook), and skipping it could leave the pool's work, or a compile pool's children,
+#   behind. torch.compile's inductor leaves two after ``remat plan --compile``.
 
 THREAD_GRACE_S = 2.0
 """Seconds the model file's non-daemon threads get to finish once the command is over."""
@@ -101,7 +104,12 @@ def _leave_threads(code: int) -> None:
 
 
 def _running() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+    """Non-daemon threads that would hold the exit; not a ``concurrent.futures`` pool's workers, which
+    Python's own shutdown ends (inductor compiles with such a pool: ``remat plan --compile`` leaves two)."""
+    pools = sys.modules.get("concurrent.futures.thread")
+    pooled = getattr(pools, "_threads_queues", {}) if pools is not None else {}
+    return [t for t in threading.enumerate()
+            if t.is_alive() and not t.daemon and t is not threading.main_thread() and t not in pooled]
 
 
 __all__ = ["main"]
