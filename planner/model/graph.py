@@ -212,13 +212,15 @@ def held_saves(p: Profile) -> list[tuple[int, int]]:
 
 
 def _dropped(p: Profile) -> dict[int, int]:
-    """Release seqs of the unit outputs no unit takes as input, and of the tensors only saves released in the
-    forward keep (NOTE [ Outputs the caller drops ], Rules 2 and 4)."""
+    """Release seqs of the unit outputs the step's code keeps: those no unit takes, those units take and no save
+    holds, and the tensors only saves released in the forward keep (NOTE [ Outputs the caller drops ], Rules
+    2, 5 and 4)."""
     taken = {t for u in p.units for t in u.input_ids}
     casts = {t.id for t in p.tensors if t.autocast_cached}
-    out = {t.id: t.released_seq for t in p.tensors
-           if t.released_seq is not None and t.id not in taken | casts}
-    held = taken | casts | {t for _, t in held_saves(p)}  # also saved for backward: held as before
+    saved = {t for _, t in held_saves(p)}
+    out = {t.id: t.released_seq for t in p.tensors  # a unit's input a save holds: held as before (Rule 5)
+           if t.released_seq is not None and t.id not in casts and not (t.id in taken and t.id in saved)}
+    held = taken | casts | saved  # also saved for backward: held as before
     for s in p.saves:
         if s.released_seq is not None and s.tensor_id not in held:
             out[s.tensor_id] = max(out.get(s.tensor_id, -1), s.released_seq)
