@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import planner
 from planner.act.api import graph_for, min_feasible_bytes
@@ -49,3 +51,47 @@ def test_an_input_the_caller_keeps_and_no_save_holds_is_counted_once_when_its_bl
     assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
     assert abs(report.predicted_peak_bytes - report.measured_peak_bytes) <= REPLAY_SCALARS_BYTES, (
         report.predicted_peak_bytes, report.measured_peak_bytes)
+
+
+def _conv_block(channels_in: int, channels_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(channels_in, channels_out, 3, padding=1), nn.BatchNorm2d(channels_out),
+                         nn.ReLU(inplace=True), nn.Conv2d(channels_out, channels_out, 3, padding=1),
+                         nn.BatchNorm2d(channels_out), nn.ReLU(inplace=True))
+
+
+class UNet(nn.Module):
+    """A U-Net as users write it: ``conv_block`` Sequentials of layers, encoder outputs kept for the decoder's
+    skip connections, the loss in forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.d1, self.d2, self.d3 = _conv_block(3, 8), _conv_block(8, 16), _conv_block(16, 32)
+        self.up2, self.u2 = nn.ConvTranspose2d(32, 16, 2, stride=2), _conv_block(32, 16)
+        self.up1, self.u1 = nn.ConvTranspose2d(16, 8, 2, stride=2), _conv_block(16, 8)
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, image: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        a = self.d1(image)
+        b = self.d2(F.max_pool2d(a, 2))
+        c = self.d3(F.max_pool2d(b, 2))
+        y = self.u2(torch.cat([self.up2(c), b], 1))
+        y = self.u1(torch.cat([self.up1(y), a], 1))
+        return F.cross_entropy(self.head(y), mask)
+
+
+def _images():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 2, (2, 32, 32), generator=g)
+
+
+def test_a_unet_of_sequential_conv_blocks_plans_its_blocks_not_their_layers():
+    # NOTE [ Layers are not blocks ]: the Conv2d and BatchNorm2d layers of each conv_block were the
+    # candidates, and no plan fit below the unplanned peak ("no candidate frees memory there")
+    prof, plan = _mid_plan(UNet(), _images())
+    assert sorted(graph_for(prof).nodes) == ["d1", "d2", "d3", "head", "u1", "u2", "up1", "up2"]
+    assert plan.checkpoints
+    report = verify(UNet(), plan, inputs=_images(), device="cpu", steps=1, tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
+    assert report.predicted_peak_bytes == report.measured_peak_bytes

@@ -115,6 +115,21 @@ def unit_children(units: Iterable[UnitRecord]) -> dict[str, list[str]]:
     return out
 
 
+# NOTE [ Layers are not blocks ]
+#
+# Rule 1. Repeated blocks are >= 2 siblings of one class whose names end in an index: transformer layers
+# in a ModuleList, ResNet blocks in a Sequential. The siblings of a stack of layers also repeat a class
+# (a U-Net's ``conv_block``: ``nn.Sequential(Conv2d, BatchNorm2d, ReLU, Conv2d, BatchNorm2d, ReLU)``), but
+# a layer alone is no block to checkpoint: its region keeps its input, which is most of what it saves, so
+# it frees next to nothing. A U-Net of such blocks got its Conv2d and BatchNorm2d layers as candidates,
+# its in-place ReLUs excluded, and no plan below its unplanned peak ("no candidate frees memory there").
+#
+# Rule 2. Siblings without submodules beside siblings of another class are layers, not blocks: the
+# cut stays at the module that holds them (``d1``, ``u2``), and ``granularity`` goes down to the layers.
+# A list of one class only (``nn.ModuleList(nn.Linear(...) for ...)``) stays blocks, as before; so do
+# siblings with submodules (a Sequential of ResNet blocks).
+
+
 def repeated_blocks(units: dict[str, UnitRecord], children: dict[str, list[str]]) -> set[str]:
     """Unit ids of repeated blocks: >= 2 siblings of the same class whose names end in an index."""
     groups: dict[tuple[str | None, str], list[str]] = defaultdict(list)
@@ -122,9 +137,17 @@ def repeated_blocks(units: dict[str, UnitRecord], children: dict[str, list[str]]
         last = u.fqn.rsplit(".", 1)[-1]
         if u.id not in (ROOT_ID, LOSS_ID) and last.isdigit():
             groups[(u.parent, u.module_type)].append(u.id)
-    blocks = {uid for ids in groups.values() if len(ids) >= 2 for uid in ids}
+    blocks = {uid for (parent, _), ids in groups.items() if len(ids) >= 2 and not _layers(ids, parent, units, children)
+              for uid in ids}
     # keep the outermost: a block inside another block is a part of it, not a block
     return {b for b in blocks if not any(a in blocks for a in _ancestors(units, b))}
+
+
+def _layers(ids: list[str], parent: str | None, units: dict[str, UnitRecord], children: dict[str, list[str]]) -> bool:
+    """Whether ``ids`` are layers of a stack of layers, not blocks (NOTE [ Layers are not blocks ])."""
+    if any(children.get(uid) for uid in ids):
+        return False
+    return any(units[c].module_type != units[ids[0]].module_type for c in children.get(parent, []))
 
 
 def _ancestors(units: dict[str, UnitRecord], uid: str) -> list[str]:
