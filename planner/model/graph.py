@@ -409,10 +409,39 @@ def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, 
     peaks = window_peaks(p.timeline, leaves)
     g.graph["tail_fwd_peak_bytes"] = peaks.get("end of forward")
     g.graph["tail_bwd_peak_bytes"] = peaks.get("start of backward")
+    own = unit_forward_peaks(p.timeline, leaves)
     for n in leaves:
         if f"forward of {n}" in peaks:
             g.nodes[n]["fwd_window_peak_bytes"] = peaks[f"forward of {n}"]
             g.nodes[n]["bwd_window_peak_bytes"] = peaks[f"backward of {n}"]
+        if own.get(n) is not None:
+            g.nodes[n]["fwd_unit_peak_bytes"] = own[n]
+
+
+# NOTE [ A replay's temporaries ]
+#
+# Rule 1. A recompute probe counts what the replay of a region re-creates beside the temporaries of the
+# forwards it re-runs (NOTE [ Peak-memory model ], Rule 4). Those were the calibrated T of each leaf's
+# forward window, which starts where the previous leaf ended: the code between two leaves is in it, and a
+# replay never runs that code. Truncated backprop (``x = x.detach()`` after the second of four MLP blocks)
+# frees the first blocks' saves there, so the third block's window peaked before the block began, with
+# them alive; as its replay's temporaries they made checkpointing that block look worse than none
+# (367,872 predicted, 321,352 measured, unplanned 365,192), and no plan fit below the unplanned peak.
+#
+# Rule 2. The profile's timeline gives each leaf's own forward, from its fwd_start event to its fwd_end
+# (``unit_forward_peaks``); ``calibrate`` sets ``unit_fwd_transient_bytes`` = max(0, that peak - the
+# window's modelled bytes), never more than the window's T, and ``CostModel.recompute_transient_bytes``
+# takes it; without a timeline (older profiles, synthetic graphs) the window's T, as before. The forward
+# and backward windows themselves keep the window's T: their peaks are what is measured.
+
+
+def unit_forward_peaks(tl: list, leaves: list[str]) -> dict[str, int | None]:
+    """Measured peak of each leaf's own forward, from its start to its end: its window less the code before
+    it (NOTE [ A replay's temporaries ])."""
+    index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
+    spans = {n: (index.get(("fwd_start", n)), index.get(("fwd_end", n))) for n in leaves}
+    return {n: max(e.peak_bytes for e in tl[lo + 1: hi + 1]) for n, (lo, hi) in spans.items()
+            if lo is not None and hi is not None and hi > lo}
 
 
 def window_peaks(tl: list, leaves: list[str]) -> dict[str, int | None]:
