@@ -259,8 +259,8 @@ used there, and a tensor never held is held from there."""
 # c's inputs as one tensor of r(c) bytes created when c starts. So a checkpointed c holds it
 # like its inputs, until backward passes c; not checkpointed, it is an input no one saves and
 # costs nothing beyond the measured step (whose windows already contain it). Every solver sees
-# it through the same held-tensor terms. A tensor that c's replay replaces (an attribute set
-# again) is counted twice while c is recomputed: an overestimate, on the safe side. What a
+# it through the same held-tensor terms. What no save holds is alive unplanned too, in T, and
+# left out of r(c) (NOTE [ Kept past the forward ] in planner/model/graph.py). What a
 # custom Function keeps on ctx is held like a save instead (NOTE [ Tensors on ctx ]). Units
 # whose recomputation is unsafe are not candidates. The CPU RNG state each checkpointed region
 # keeps (Profile.region_state_bytes, device memory on a CPU run) is counted as retained bytes

@@ -138,3 +138,42 @@ def test_a_replay_runs_beside_its_own_forwards_temporaries_not_those_of_the_code
     assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
     assert report.measured_peak_bytes < report.measured_no_plan_peak_bytes
     assert abs(report.prediction_error) < 0.001, (report.predicted_peak_bytes, report.measured_peak_bytes)
+
+
+class KeepsItsOutput(nn.Module):
+    """A residual block that stores its MLP's output on itself in forward (``self.last = h``), a cache users
+    keep across steps; nothing saves it."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.f(x)
+        self.last = h
+        return x + h
+
+
+class KeepingBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(KeepsItsOutput() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_tensor_a_block_keeps_on_itself_and_no_save_holds_is_not_counted_twice():
+    # NOTE [ Kept past the forward ]: the retained bytes of the checkpointed block counted the kept output
+    # beside the calibrated temporaries that held it already: 369,352 predicted, 361,160 measured (+2.27%)
+    prof, plan = _mid_plan(KeepingBlocks(), _tokens(), _mean_square)
+    assert plan.checkpoints == ["blocks.0"]
+    assert {r.unit for r in prof.retained} >= {"blocks.0"}
+    report = verify(KeepingBlocks(), plan, inputs=_tokens(), loss_fn=_mean_square, device="cpu", steps=1,
+                    tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
+    assert report.predicted_peak_bytes == report.measured_peak_bytes
