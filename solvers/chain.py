@@ -81,9 +81,11 @@ def build_chain_terms(model: CostModel) -> ChainTerms:
     delta, tail_delta, exact_deltas = _chain_deltas(model, hold)
     # autocast's casts no one holds stay alive to the forward's end (NOTE [ Peak-memory model ], Rule 8), the
     # outputs no unit takes until the step's code drops them (NOTE [ Outputs the caller drops ]):
-    # (made, dropped, bytes)
-    unsaved_casts = ([(c, ALIVE_SEQ, model.tensor_bytes[t]) for c, t in model.casts if t not in hold]
-                     + [(c, r, model.tensor_bytes[t]) for c, t, r in model.dropped if t not in hold])
+    # (made, dropped, bytes, tensor)
+    # a kept input of a region the caller keeps too (Rule 5 there) counts as kept whatever is chosen: an over-count
+    unsaved_casts = ([(c, ALIVE_SEQ, model.tensor_bytes[t], t) for c, t in model.casts if t not in hold]
+                     + [(c, r, model.tensor_bytes[t], t) for c, t, r in model.dropped])
+    exact_holdings = exact_holdings and not any(t in hold for _, t, _ in model.dropped)
     last_end = model.leaf_end_seq[-1] if model.leaves else -1
     menus = [_menu(g, x) for x in model.leaves]
     return ChainTerms(
@@ -91,8 +93,8 @@ def build_chain_terms(model: CostModel) -> ChainTerms:
         forward_ms=tuple(g.nodes[x]["forward_ms"] for x in model.leaves),
         delta=tuple(tuple(tuple(row) for row in d) for d in delta),
         k=_chain_peaks(model, hold, unsaved_casts), tail_delta=tuple(tail_delta),
-        tail_k=max(model.tail_forward_base_bytes + sum(b for c, r, b in unsaved_casts
-                                                          if kept_at(c, r, ALIVE_SEQ, last_end)),
+        tail_k=max(model.tail_forward_base_bytes + sum(b for c, r, b, _ in unsaved_casts
+                                                             if kept_at(c, r, ALIVE_SEQ, last_end)),
                    model.tail_backward_base_bytes),
         const_bytes=model.rank.opt_static_bytes, exact=exact_holdings and exact_deltas,
         cost_ms=tuple((0.0, g.nodes[x]["forward_ms"], *(p.recompute_ms for p in m))
@@ -165,7 +167,7 @@ def _chain_deltas(model: CostModel, hold: dict[int, list[_Holding]]) -> tuple[li
 
 
 def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
-                 unsaved_casts: list[tuple[int, int, int]]) -> tuple[tuple[int, ...], ...]:
+                 unsaved_casts: list[tuple[int, int, int, int]]) -> tuple[tuple[int, ...], ...]:
     """k[i][choice]: window i's largest probe on top of the held bytes (forward with its in-flight
     tensors and the unheld casts made so far, backward, and for a region the leaf's recompute)."""
     k = []
@@ -173,10 +175,12 @@ def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
         recs = [0, model.recomputed_bytes(x, end)] + [model.recomputed_bytes(x, end, pol.cached_ids)
                                                        for pol in _menu(model.graph, x)]
         terms = []
+        in_flight = model.graph.nodes[x]["in_flight_ids"]
+        # kept tensors in flight are counted as such, as ``CostModel.probes`` counts them
+        kept = sum(b for c, r, b, t in unsaved_casts if kept_at(c, r, end) and t not in in_flight)
         for cur, rec in enumerate(recs):
-            out_extra = sum(model.tensor_bytes[t] for t in model.graph.nodes[x]["in_flight_ids"]
+            out_extra = sum(model.tensor_bytes[t] for t in in_flight
                             if not any(h[0] <= i and _in_force(h, cur) for h in hold.get(t, ())))
-            kept = sum(b for c, r, b in unsaved_casts if kept_at(c, r, end))
             fwd = model.forward_base_bytes[i] + out_extra + kept
             bwd = model.backward_base_bytes[i] + rec
             rcp = (model.recompute_static_bytes(x) + rec + model.replay_in_flight(x)

@@ -69,6 +69,10 @@ class NodeAttrs(TypedDict):
                                                    "after it")]
     fwd_window_peak_bytes: Annotated[Optional[int], Doc("(leaves) measured peak of the forward window")]
     bwd_window_peak_bytes: Annotated[Optional[int], Doc("(leaves) measured peak of the backward window")]
+    fwd_unit_peak_bytes: NotRequired[Annotated[int, Doc("(leaves) measured peak of the leaf's own forward, its window "
+                                                        "less the code before it; absent when not measured")]]
+    unit_fwd_transient_bytes: NotRequired[Annotated[int, Doc("(leaves) calibrated temporaries of the leaf's own "
+                                                             "forward, what its replay runs beside (Rule 6)")]]
     fwd_transient_bytes: Annotated[int, Doc("(leaves) calibrated forward temporaries T "
                                             "(NOTE [ Peak-memory model ], Rule 6)")]
     bwd_transient_bytes: Annotated[int, Doc("(leaves) calibrated backward temporaries T")]

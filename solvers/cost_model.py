@@ -126,6 +126,8 @@ def calibrate(g: nx.DiGraph) -> None:
             measured = a.get(peak_key)
             if measured is not None:
                 a[key] = max(0, measured - probes[f"{kind} of {leaf}"])
+        if a.get("fwd_unit_peak_bytes") is not None:  # NOTE [ A replay's temporaries ] in planner/model/graph.py
+            a["unit_fwd_transient_bytes"] = max(0, a["fwd_unit_peak_bytes"] - probes[f"forward of {leaf}"])
     for key, peak_key, probe in (("tail_fwd_transient_bytes", "tail_fwd_peak_bytes", "end of forward"),
                                  ("tail_bwd_transient_bytes", "tail_bwd_peak_bytes", "start of backward")):
         measured = g.graph.get(peak_key)
@@ -214,7 +216,7 @@ used there, and a tensor never held is held from there."""
 #   forward of window i:   static + |held with p <= end(l_i)  U  out_i  U  kept_i| + T_fwd(i)
 #   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
 #   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
-#                          + G_c + max T_fwd over the leaves of c
+#                          + G_c + max T over the leaves' own forwards in c
 #   tail forward/backward: static + |all held| + T_tail   (forward: U kept_tail)
 #   optimizer step:        static + all grads + the optimizer's measured temporaries
 # where out_i are tensors created in window i that later code still uses (in flight, alive
@@ -257,8 +259,8 @@ used there, and a tensor never held is held from there."""
 # c's inputs as one tensor of r(c) bytes created when c starts. So a checkpointed c holds it
 # like its inputs, until backward passes c; not checkpointed, it is an input no one saves and
 # costs nothing beyond the measured step (whose windows already contain it). Every solver sees
-# it through the same held-tensor terms. A tensor that c's replay replaces (an attribute set
-# again) is counted twice while c is recomputed: an overestimate, on the safe side. What a
+# it through the same held-tensor terms. What no save holds is alive unplanned too, in T, and
+# left out of r(c) (NOTE [ Kept past the forward ] in planner/model/graph.py). What a
 # custom Function keeps on ctx is held like a save instead (NOTE [ Tensors on ctx ]). Units
 # whose recomputation is unsafe are not candidates. The CPU RNG state each checkpointed region
 # keeps (Profile.region_state_bytes, device memory on a CPU run) is counted as retained bytes
@@ -458,10 +460,12 @@ class CostModel(OffloadTerms):
         return self.backward_static(end, end)[0]
 
     def recompute_transient_bytes(self, c: str) -> int:
-        """The temporaries T of ``c``'s recompute: the largest forward T over its leaves, with Rule 11's
-        offset, never below 0; and the replay's copy of the RNG state (Rule 7)."""
-        return max(0, max((self.forward_base_bytes[i] - self.rank.fwd_static_bytes for i in self.node_leaves[c]),
-                          default=0) + self.graph.graph.get("replay_transient_bytes", 0)) \
+        """The temporaries T of ``c``'s recompute: the largest T of its leaves' own forwards (NOTE [ A replay's
+        temporaries ]), with Rule 11's offset, never below 0; and the replay's copy of the RNG state (Rule 7)."""
+        leaf_t = [self.graph.nodes[self.leaves[i]].get("unit_fwd_transient_bytes", self.forward_base_bytes[i]
+                                                       - self.rank.fwd_static_bytes) if self.calibrated else 0
+                  for i in self.node_leaves[c]]
+        return max(0, max(leaf_t, default=0) + self.graph.graph.get("replay_transient_bytes", 0)) \
             + self.graph.graph.get("replay_rng_copy_bytes", 0)
 
     def recomputed_bytes(self, c: str, upto_seq: int, kept: frozenset[int] = frozenset()) -> int:

@@ -83,15 +83,42 @@ def _excluded(fqn: str, profile: Profile) -> bool:
     return any(fqn == x.module or x.module == "" or fqn.startswith(x.module + ".") for x in profile.excluded)
 
 
+# NOTE [ Kept past the forward ]
+#
+# Rule 1. The validation step's retained bytes r(c) (NOTE [ Validation step ]) are what c allocated and
+# something still references when backward starts, with c checkpointed. A tensor a block stores on
+# itself in forward (``self.last = h``) is among them. If the unplanned step saves it, checkpointing c
+# would free it but for the attribute, and r(c) rightly counts it as kept. If nothing saves it, it is
+# alive in the unplanned step as well, from its creation on, and the calibrated temporaries T of every
+# later window already hold it: counted in r(c) too, three MLP blocks that each keep their MLP's output
+# were predicted 8,192 bytes (that output) over in every window after a checkpointed block, the peak
+# 369,352 against 361,160 (+2.27%).
+#
+# Rule 2. ``_kept_unheld``: the unit outputs with no release in the forward (kept past it, NOTE [ Outputs
+# the caller drops ], Rule 1) that no save holds; ``_add_retained`` takes those made inside c, other than
+# c's own outputs (which r(c) never holds), out of r(c), as it takes out what is kept on ctx.
+
+
+def _kept_unheld(p: Profile) -> list[tuple[int, int, int]]:
+    """(created seq, tensor id, bytes) of the unit outputs something keeps past the forward (an attribute set
+    in forward: no release) that no save holds: alive in the unplanned step too, in its calibrated T."""
+    returned = {t for u in p.units for t in u.output_ids}
+    saved = {t for _, t in held_saves(p)}
+    return [(t.created_seq, t.id, t.nbytes) for t in p.tensors
+            if t.id in returned and t.released_seq is None and t.id not in saved and not t.ctx_held]
+
+
 def _add_retained(g: nx.DiGraph, profile: Profile) -> None:
     """Retained bytes r(c), the unit's own plus the state every region keeps, as one more input of c
     (see "Retained bytes" in NOTE [ Peak-memory model ])."""
     own = {r.unit: r.nbytes for r in profile.retained}
     ctx = [(t.created_seq, t.nbytes) for t in profile.tensors if t.ctx_held]  # NOTE [ Tensors on ctx ]
+    kept = _kept_unheld(profile)  # NOTE [ Peak-memory model ], Rule 7: alive with or without the plan
     for node, a in g.nodes(data=True):
         if node in own:
             lo, hi = a["fwd_start_seq"], a["fwd_end_seq"]
-            own[node] = max(0, own[node] - sum(b for s, b in ctx if lo <= s <= hi))
+            own[node] = max(0, own[node] - sum(b for s, b in ctx if lo <= s <= hi)
+                            - sum(b for s, t, b in kept if lo <= s <= hi and t not in a["output_ids"]))
     for k, (node, a) in enumerate(sorted(g.nodes(data=True), key=lambda na: na[1]["order"])):
         nbytes = own.get(node, 0) + profile.region_state_bytes
         if nbytes <= 0:
@@ -115,6 +142,21 @@ def unit_children(units: Iterable[UnitRecord]) -> dict[str, list[str]]:
     return out
 
 
+# NOTE [ Layers are not blocks ]
+#
+# Rule 1. Repeated blocks are >= 2 siblings of one class whose names end in an index: transformer layers
+# in a ModuleList, ResNet blocks in a Sequential. The siblings of a stack of layers also repeat a class
+# (a U-Net's ``conv_block``: ``nn.Sequential(Conv2d, BatchNorm2d, ReLU, Conv2d, BatchNorm2d, ReLU)``), but
+# a layer alone is no block to checkpoint: its region keeps its input, which is most of what it saves, so
+# it frees next to nothing. A U-Net of such blocks got its Conv2d and BatchNorm2d layers as candidates,
+# its in-place ReLUs excluded, and no plan below its unplanned peak ("no candidate frees memory there").
+#
+# Rule 2. Siblings without submodules beside siblings of another class are layers, not blocks: the
+# cut stays at the module that holds them (``d1``, ``u2``), and ``granularity`` goes down to the layers.
+# A list of one class only (``nn.ModuleList(nn.Linear(...) for ...)``) stays blocks, as before; so do
+# siblings with submodules (a Sequential of ResNet blocks).
+
+
 def repeated_blocks(units: dict[str, UnitRecord], children: dict[str, list[str]]) -> set[str]:
     """Unit ids of repeated blocks: >= 2 siblings of the same class whose names end in an index."""
     groups: dict[tuple[str | None, str], list[str]] = defaultdict(list)
@@ -122,9 +164,17 @@ def repeated_blocks(units: dict[str, UnitRecord], children: dict[str, list[str]]
         last = u.fqn.rsplit(".", 1)[-1]
         if u.id not in (ROOT_ID, LOSS_ID) and last.isdigit():
             groups[(u.parent, u.module_type)].append(u.id)
-    blocks = {uid for ids in groups.values() if len(ids) >= 2 for uid in ids}
+    blocks = {uid for (parent, _), ids in groups.items() if len(ids) >= 2 and not _layers(ids, parent, units, children)
+              for uid in ids}
     # keep the outermost: a block inside another block is a part of it, not a block
     return {b for b in blocks if not any(a in blocks for a in _ancestors(units, b))}
+
+
+def _layers(ids: list[str], parent: str | None, units: dict[str, UnitRecord], children: dict[str, list[str]]) -> bool:
+    """Whether ``ids`` are layers of a stack of layers, not blocks (NOTE [ Layers are not blocks ])."""
+    if any(children.get(uid) for uid in ids):
+        return False
+    return any(units[c].module_type != units[ids[0]].module_type for c in children.get(parent, []))
 
 
 def _ancestors(units: dict[str, UnitRecord], uid: str) -> list[str]:
@@ -212,13 +262,15 @@ def held_saves(p: Profile) -> list[tuple[int, int]]:
 
 
 def _dropped(p: Profile) -> dict[int, int]:
-    """Release seqs of the unit outputs no unit takes as input, and of the tensors only saves released in the
-    forward keep (NOTE [ Outputs the caller drops ], Rules 2 and 4)."""
+    """Release seqs of the unit outputs the step's code keeps: those no unit takes, those units take and no save
+    holds, and the tensors only saves released in the forward keep (NOTE [ Outputs the caller drops ], Rules
+    2, 5 and 4)."""
     taken = {t for u in p.units for t in u.input_ids}
     casts = {t.id for t in p.tensors if t.autocast_cached}
-    out = {t.id: t.released_seq for t in p.tensors
-           if t.released_seq is not None and t.id not in taken | casts}
-    held = taken | casts | {t for _, t in held_saves(p)}  # also saved for backward: held as before
+    saved = {t for _, t in held_saves(p)}
+    out = {t.id: t.released_seq for t in p.tensors  # a unit's input a save holds: held as before (Rule 5)
+           if t.released_seq is not None and t.id not in casts and not (t.id in taken and t.id in saved)}
+    held = taken | casts | saved  # also saved for backward: held as before
     for s in p.saves:
         if s.released_seq is not None and s.tensor_id not in held:
             out[s.tensor_id] = max(out.get(s.tensor_id, -1), s.released_seq)
@@ -384,10 +436,39 @@ def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, 
     peaks = window_peaks(p.timeline, leaves)
     g.graph["tail_fwd_peak_bytes"] = peaks.get("end of forward")
     g.graph["tail_bwd_peak_bytes"] = peaks.get("start of backward")
+    own = unit_forward_peaks(p.timeline, leaves)
     for n in leaves:
         if f"forward of {n}" in peaks:
             g.nodes[n]["fwd_window_peak_bytes"] = peaks[f"forward of {n}"]
             g.nodes[n]["bwd_window_peak_bytes"] = peaks[f"backward of {n}"]
+        if own.get(n) is not None:
+            g.nodes[n]["fwd_unit_peak_bytes"] = own[n]
+
+
+# NOTE [ A replay's temporaries ]
+#
+# Rule 1. A recompute probe counts what the replay of a region re-creates beside the temporaries of the
+# forwards it re-runs (NOTE [ Peak-memory model ], Rule 4). Those were the calibrated T of each leaf's
+# forward window, which starts where the previous leaf ended: the code between two leaves is in it, and a
+# replay never runs that code. Truncated backprop (``x = x.detach()`` after the second of four MLP blocks)
+# frees the first blocks' saves there, so the third block's window peaked before the block began, with
+# them alive; as its replay's temporaries they made checkpointing that block look worse than none
+# (367,872 predicted, 321,352 measured, unplanned 365,192), and no plan fit below the unplanned peak.
+#
+# Rule 2. The profile's timeline gives each leaf's own forward, from its fwd_start event to its fwd_end
+# (``unit_forward_peaks``); ``calibrate`` sets ``unit_fwd_transient_bytes`` = max(0, that peak - the
+# window's modelled bytes), never more than the window's T, and ``CostModel.recompute_transient_bytes``
+# takes it; without a timeline (older profiles, synthetic graphs) the window's T, as before. The forward
+# and backward windows themselves keep the window's T: their peaks are what is measured.
+
+
+def unit_forward_peaks(tl: list, leaves: list[str]) -> dict[str, int | None]:
+    """Measured peak of each leaf's own forward, from its start to its end: its window less the code before
+    it (NOTE [ A replay's temporaries ])."""
+    index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
+    spans = {n: (index.get(("fwd_start", n)), index.get(("fwd_end", n))) for n in leaves}
+    return {n: max(e.peak_bytes for e in tl[lo + 1: hi + 1]) for n, (lo, hi) in spans.items()
+            if lo is not None and hi is not None and hi > lo}
 
 
 def window_peaks(tl: list, leaves: list[str]) -> dict[str, int | None]:

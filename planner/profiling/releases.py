@@ -36,9 +36,10 @@ import torch
 # model ], Rule 7).
 #
 # Rule 2. The graph keeps releases of the outputs no unit takes as input ("dropped", ``build_graph``):
-# the others are held by the units that take them, or in flight (Rule 4). The cost model counts a
-# dropped tensor it does not hold in every forward window that sees it alive (NOTE [ Peak-memory
-# model ], Rule 4, kept_i), as it counts autocast's cached casts.
+# the others are held by the units that take them, or in flight (Rule 4), or kept by the caller with
+# no save holding them (Rule 5). The cost model counts a dropped tensor it does not hold in every
+# forward window that sees it alive (NOTE [ Peak-memory model ], Rule 4, kept_i), as it counts
+# autocast's cached casts.
 #
 # Rule 4. Saves of a branch no loss reads. An extra output computed off the hidden states' path
 # (``return x + f(x), up(x).softmax(-1)``) is saved by nodes backward never runs; they live until
@@ -60,6 +61,18 @@ import torch
 # one dropped inside a later window is not counted there, nor one made and dropped inside a window
 # (among its measured temporaries). The tail: dropped after the last leaf's end; those dropped right
 # at it are in the last window's probe, the same moment.
+#
+# Rule 5. An input the caller keeps that no save holds. Hugging Face's Swinv2 keeps the patch embeddings
+# (``embedding_output``) in its forward's frame until it returns, and its post-norm stage 0 saves a
+# windowed copy, not that tensor: unplanned, the embeddings are alive through every window yet held by
+# nothing, so each window's calibrated temporaries T absorbed them; with stage 0 checkpointed they are
+# its kept input, held, and were counted a second time in every forward window to the frame's return
+# and in stage 0's recompute probe: the step's peak, 2,456,912 predicted against 2,391,416 measured
+# (+2.74%). Such a tensor (a unit took it, no save holds it, the caller dropped it in the forward) is
+# kept like the outputs no unit takes (Rule 2): counted until its release while nothing holds it, and
+# left out of T; ``_dropped`` in planner/model/graph.py. The chain recurrence cannot tell whether the
+# region keeping it was chosen and counts it as kept whatever is (an over-count, not exact); the ILP
+# counts a unit's input so already.
 
 
 class Releases:
