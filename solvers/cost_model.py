@@ -28,6 +28,7 @@ from solvers.errors import SolverError
 from solvers.offload_cost import OffloadTerms
 from solvers.rank_memory import RankMemory, rank_memory
 from solvers.kept import ever_kept, kept_at  # NOTE [ Outputs the caller drops ]
+from solvers.replay import replay_stop_seq  # NOTE [ The replay stops at the last save ]
 from solvers.ties import close_ties, enclosing, is_tied, tie_groups  # NOTE [ Tied calls ]
 
 if TYPE_CHECKING:
@@ -231,9 +232,9 @@ used there, and a tensor never held is held from there."""
 # used after window i, and G_c (``CostModel.replay_in_flight``) is what the replay of c runs
 # beside: the gradient of c's outputs that code after c differentiates through (backward has
 # reached c; an output kept but read by no loss has none: NOTE [ Outputs without a gradient ] in
-# planner/profiling/recording.py) and c's outputs, which the replay re-creates unless c saves
-# them. ``CostModel`` holds each probe's base (static, gradients, T); the held, in-flight and
-# recomputed bytes depend on C.
+# planner/profiling/recording.py) and c's outputs the replay re-makes (not those c saves, nor those made
+# after its last save: NOTE [ The replay stops at the last save ]). ``CostModel`` holds each probe's base
+# (static, gradients, T); the held, in-flight and recomputed bytes depend on C.
 #
 # Rule 5. grads(i) leaves out window i's own parameters: their gradients appear while backward
 # frees what window i saved, so the window never holds both in full; counting both at once
@@ -488,15 +489,14 @@ class CostModel(OffloadTerms):
     def replay_in_flight(self, c: str) -> int:
         """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradients
         of c's outputs that code after c differentiates through (backward has reached c; NOTE [ Outputs
-        without a gradient ]) and c's outputs, which the replay re-creates unless c saves them (NOTE [
-        Peak-memory model ], recompute)."""
+        without a gradient ]) and c's outputs the replay re-creates: not those c saves, nor those made after
+        its last save (NOTE [ The replay stops at the last save ])."""
         a, tb = self.graph.nodes[c], self.graph.graph["tensor_bytes"]
-        outs = a.get("output_ids", ())
-        created = self.graph.graph["tensor_created_seq"]
-        lo, hi = a["fwd_start_seq"], a["fwd_end_seq"]
+        outs, created = a.get("output_ids", ()), self.graph.graph["tensor_created_seq"]
+        lo, hi, stop = a["fwd_start_seq"], a["fwd_end_seq"], replay_stop_seq(self, c)
         ctx = [t for t in self.graph.graph.get("ctx_held", ()) if lo <= created[t] <= hi]
         return (sum(tb.get(t, 0) for t in a.get("grad_output_ids", outs))
-                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"])
+                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"] and created.get(t, -1) <= stop)
                 + sum(tb[t] for t in ctx))  # NOTE [ Tensors on ctx ], Rule 3: the replay's node keeps a copy
 
     def cached_casts(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:

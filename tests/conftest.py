@@ -35,8 +35,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-CHAIN_MIN_FEASIBLE_BYTES = 7197536
-"""The cost model's lowest feasible peak of ``profile_path``'s chain (no headroom)."""
+CHAIN_MIN_FEASIBLE_BYTES = 7197536 - 170501
+"""The cost model's lowest feasible peak of ``profile_path``'s chain (no headroom): h.1, h.2, h.3, h.5 and h.6
+checkpointed, the peak at h.5's recompute. h.5 makes its output (170,501 bytes) after its last save and does not
+save it, so its replay stops before re-making it (NOTE [ The replay stops at the last save ]); counted as re-made,
+the peak was 7,197,536."""
 
 _runner = CliRunner()
 

@@ -138,9 +138,10 @@ def test_chain_recurrence_equals_simulate_on_chains():
 
 def test_dp_min_feasible_matches_uniform_closed_form():
     """n identical blocks that save their input x and an internal tensor s. A block's replay runs
-    beside its output, re-created, and the output's gradient (G_c in NOTE [ Peak-memory model ]),
-    so checkpointing the last block, replayed as soon as backward starts, only adds them: the
-    lowest peak checkpoints all the others."""
+    beside the output's gradient (G_c in NOTE [ Peak-memory model ]); it stops at the block's last save,
+    s, and the output, made after it (``output_saved`` False: the block ends like a Linear or a residual
+    add), is never re-made (NOTE [ The replay stops at the last save ]). So checkpointing the last block,
+    replayed as soon as backward starts, only adds the gradient: the lowest peak checkpoints all the others."""
     units = [SynUnit(name=f"h.{i}", saves=[1000], saves_inputs=True, output_bytes=100) for i in range(8)]
     g = build_graph(synthetic_profile(units, batch_bytes=0))
     lowest, bits = min_feasible(chain_terms(g))
@@ -150,10 +151,16 @@ def test_dp_min_feasible_matches_uniform_closed_form():
     # held without checkpointing: 7 block inputs (100 B each; h.0 takes the batch) + 8 x 1000
     assert none == 7 * 100 + 8 * 1000
     # h.6's replay, once h.7's backward has freed h.7's input and saves: 6 inputs held, its 1000 B
-    # recomputed, its output and the output's gradient
-    assert lowest == 6 * 100 + 1000 + 2 * 100
-    # all checkpointed: h.7's replay beside the 7 inputs
-    assert simulate(g, g.graph["leaves"]).peak_bytes == 7 * 100 + 1000 + 2 * 100
+    # recomputed and the output's gradient (the output is not re-made: the replay stops at s); the same
+    # as h.7's own backward before it, 7 inputs held and h.7's 1000 B
+    assert lowest == 6 * 100 + 1000 + 100
+    # all checkpointed: h.7's replay beside the 7 inputs and its output's gradient
+    assert simulate(g, g.graph["leaves"]).peak_bytes == 7 * 100 + 1000 + 100
+    # a block whose last op saves its output (a ReLU) re-makes it: replay beside output and gradient
+    saved = [SynUnit(name=f"h.{i}", saves=[1000], saves_inputs=True, output_bytes=100, output_saved=True)
+             for i in range(8)]
+    gs = build_graph(synthetic_profile(saved, batch_bytes=0))
+    assert simulate(gs, gs.graph["leaves"]).peak_bytes == 7 * 100 + 1000 + 2 * 100
 
 
 def _all_subsets(items):

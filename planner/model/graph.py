@@ -237,6 +237,7 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         tensor_bytes={t.id: t.nbytes for t in p.tensors},
         tensor_created_seq={t.id: t.created_seq for t in p.tensors},
         saves=sorted(set(held_saves(p))), ctx_held=frozenset(t.id for t in p.tensors if t.ctx_held),
+        pack_seqs=tuple(sorted(s.seq for s in p.saves)),  # released too: NOTE [ The replay stops at the last save ]
         param_grads=sorted((pr.grad_seq, pr.nbytes) for pr in p.params),
         params_bytes=s.params_bytes, buffers_bytes=s.buffers_bytes, batch_bytes=s.batch_bytes,
         optimizer_bytes=s.optimizer_bytes, grads_bytes=s.grads_bytes,
