@@ -41,7 +41,7 @@ _HINT = "use bytes or a number with a unit, e.g. 12GB, 12GiB, 800MiB, 1.5e9"
 # Why: round 17 probes: ``-b 8Gb`` planned for 8 GiB; ``1,5GB``, ``1_000MB`` and ``80%`` got only the
 # generic line.
 
-_BITS_RE = re.compile(r"^\s*[0-9.eE+-]+\s*([KMGT])b\s*$")
+_BITS_RE = re.compile(r"^\s*([0-9.eE+-]+)\s*([KMGT])b\s*$")
 
 
 def _misread(raw: str) -> str | None:
@@ -50,16 +50,18 @@ def _misread(raw: str) -> str | None:
     stripped = raw.strip()
     bits = _BITS_RE.match(raw)
     if bits:
-        prefix = bits.group(1)
-        return (f"'{prefix}b' is {prefix}bit, an eighth of a {prefix}B; write {stripped[:-1]}B for bytes "
+        number, prefix = bits.groups()  # not the text itself: a newline may stand between them
+        return (f"'{prefix}b' is {prefix}bit, an eighth of a {prefix}B; write {number}{prefix}B for bytes "
                 f"(units are binary: {prefix}B = {prefix}iB)")
     if stripped.endswith("%"):
         return ("a share of the device is not a budget remat can read; give bytes (e.g. 64GB), or --target NAME "
                 "to plan for that device's usable memory")
-    if re.fullmatch(r"[0-9]+,[0-9]{1,2}\s*[A-Za-z]*", stripped):
+    if re.fullmatch(r"[0-9]+,[0-9]{1,2} ?[A-Za-z]*", stripped):
         return f"write the decimal point as '.', e.g. {stripped.replace(',', '.')}"
-    if re.fullmatch(r"[0-9]{1,3}([,_][0-9]{3})+(\.[0-9]+)?\s*[A-Za-z]*", stripped) or "_" in stripped:
+    if re.fullmatch(r"[0-9]{1,3}([,_][0-9]{3})+(\.[0-9]+)? ?[A-Za-z]*", stripped):
         return f"write the number without separators, e.g. {stripped.replace(',', '').replace('_', '')}"
+    if "_" in stripped:  # the input itself is not echoed: it may hold any character, a newline too
+        return "write the number without separators ('_' or ',')"
     return None
 
 

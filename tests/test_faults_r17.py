@@ -83,6 +83,18 @@ def test_kubernetes_units_are_binary_and_bytes_stay_case_insensitive(budget: str
         assert parse_bytes(budget) == nbytes
 
 
+@pytest.mark.parametrize("budget", ["0\n_", "1\nGb", "1,5\nGB", "1_0\t00MB"])
+def test_a_budgets_fix_never_echoes_a_control_character(budget: str):
+    """The hints quoted the budget back: '0\\n_' (drawn by the fuzz test in a fresh clone's run) gave a
+    two-line message, 'write the number without separators, e.g. 0\\n'."""
+    from planner.errors import BadInput
+    from planner.sizes import parse_bytes
+
+    with pytest.raises(BadInput) as e:
+        parse_bytes(budget)
+    assert "\n" not in str(e.value) and "\t" not in str(e.value), str(e.value)
+
+
 # ----------------------------------------------------------------------------- a reader that stops early
 
 
