@@ -129,14 +129,18 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
 
 
 def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec | None = None,
-                      graph: nx.DiGraph | None = None, **solve_fields: Any) -> Plan:
+                      graph: nx.DiGraph | None = None, lowered_bytes: int = 0, check: Any = None,
+                      progress: Any = None, **solve_fields: Any) -> Plan:
     """Plan on a measured profile. Raises ``BudgetInfeasible`` when nothing fits ``budget``.
 
     ``solve`` says how (``planner.spec.SolveSpec``: the solver, granularity, time limit, ranks,
     headroom, op-level regions); ``solve_fields`` replace its fields (``solver="ilp"``, ...).
     ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]). The solver plans for
     ``budget * (1 - headroom)``; headroom None: ``headroom_for(profile)`` (NOTE [ Headroom from
-    evidence ]). ``graph``: the candidate graph to plan on, when the caller has built it. ``offload``:
+    evidence ]), less ``lowered_bytes`` (Rule 4 of NOTE [ The compiled plan is checked ]). ``check``: for
+    a compiled profile, what measures a plan's compiled step (``compiled_check.compiled_peak``), so that
+    the plan returned was measured within the budget (that NOTE). ``graph``: the
+    candidate graph to plan on, when the caller has built it. ``offload``:
     each unit may also move its saved tensors to host memory, within ``host_memory`` (default:
     ``planner.act.offload_plan.resolve_host_budget``; NOTE [ Peak-memory model ], Rule 10).
 
@@ -146,12 +150,17 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
     """
     profile = as_profile(profile, "plan_from_profile")
     spec = solve_spec(solve, **solve_fields)
+    if check is not None and profile.compile is not None:  # NOTE [ The compiled plan is checked ]
+        from planner.act.compiled_check import checked_plan
+
+        return checked_plan(profile, budget, check, solve=spec, graph=graph, progress=progress)
     solver = spec.solver
     budget_bytes = parse_bytes(budget)
     check_offload(spec.offload, solver=solver, world_size=spec.world_size, sharding=spec.sharding)
     host_budget = resolve_host_budget(profile, spec.offload, spec.host_memory)
     headroom = headroom_for(profile) if spec.headroom is None else spec.headroom
     usable, headroom_bytes = usable_budget(budget_bytes, headroom)
+    usable -= lowered_bytes  # what a check measured the model under-predicting (NOTE [ The compiled plan is checked ])
     g = graph if graph is not None else graph_for(profile, solve=spec)
     t0 = time.perf_counter()
     sol = solve_graph(g, usable, solver=solver, time_limit_s=spec.time_limit_s, host_budget_bytes=host_budget)
@@ -443,6 +452,11 @@ def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any 
         run = spec if meta else spec.replace(target=None)
         profiles = [profile(model_or_profile, batch, step=run, progress=progress)
                     for batch in ([inputs] if buckets is None else buckets)]
+        if profiles[0].compile is not None and buckets is None:  # NOTE [ The compiled plan is checked ]
+            from planner.act.compiled_check import compiled_peak
+
+            return plan_from_profile(profiles[0], budget, solve=solving, progress=progress,
+                                     check=compiled_peak(model_or_profile, step=run, inputs=inputs))
     return plan_buckets(profiles, budget, solve=solving)
 
 

@@ -153,6 +153,7 @@ def _given_on_command_line(ctx: typer.Context, kwargs: dict[str, Any]) -> frozen
 def plan_cmd(o: PlanOptions) -> None:
     """Find the checkpoint set that fits --budget with the least recompute."""
     from planner.act.api import graph_for, plan_from_profile, resolve_budget
+    from planner.act.compiled_check import compiled_peak
 
     out, log = render.consoles(quiet=o.quiet)
     budget_bytes, budget = resolve_budget(o.budget, o.target)
@@ -168,10 +169,12 @@ def plan_cmd(o: PlanOptions) -> None:
     elif len(o.shapes) > 1:
         plan, graph = _plan_buckets(o, budget_bytes, log), None
     else:
-        prof = _profile_source(o, log)
+        source = _model_source(o.model, o)
+        prof = _profile_source(o, log, source)
         graph = graph_for(prof, solve=o.solve_spec)
         render.plain(log, f"solving with {o.solver} over {graph.number_of_nodes()} candidates ...")
-        plan = plan_from_profile(prof, budget_bytes, solve=o.solve_spec, graph=graph)
+        check = compiled_peak(source, step=o.step_spec()) if prof.compile and source else None
+        plan = plan_from_profile(prof, budget_bytes, solve=o.solve_spec, graph=graph, check=check, progress=_progress(log))
     if o.output is not None:
         plan.save(o.output)
     if o.as_json:
@@ -497,15 +500,16 @@ def _check_output(o: Any, path: Path | None, **outputs: Path | None) -> None:
                         "the config read by --hf": o.hf}, outputs)
 
 
-def _profile_source(o: StepOptions, log: Any) -> Any:
-    """The profile to plan on: loaded from --profile, else measured by running the model.
+def _profile_source(o: StepOptions, log: Any, source: Any = None) -> Any:
+    """The profile to plan on: loaded from --profile, else measured by running the model (``source``,
+    its ``ModelFile`` when the caller has loaded it).
 
     A saved profile measured one recipe: recipe options other than the defaults must match it.
     """
     from planner.act.api import check_profile_matches
     from planner.model.schema import Profile
 
-    source = _model_source(o.model, o)
+    source = source if source is not None else _model_source(o.model, o)
     profile = getattr(o, "profile", None)
     if profile is None:
         return _run_profiler(source, o, log)

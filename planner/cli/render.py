@@ -276,6 +276,8 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
         out.print(offload_table(plan))
     for line in peak_lines(plan.predicted, plan.budget_bytes):
         plain(out, line)
+    if plan.compile is not None:
+        plain(out, compiled_check_line(plan))
     plain(out, recompute_line(plan.predicted))
     if plan.offload:
         plain(out, host_line(plan))
@@ -284,6 +286,15 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
     step_lines(out, plan.step_changes, plan.excluded)
     if fresh:
         plain(out, written_line(written))
+
+
+def compiled_check_line(plan: Plan) -> str:
+    """Whether the compiled plan's step was measured (NOTE [ The compiled plan is checked ])."""
+    mine = [m for m in plan.compile.measured if set(m.checkpoints) == set(plan.checkpoints)]
+    if not mine:
+        return "compiled step: not measured with this plan; remat verify --compile measures it"
+    return (f"compiled step: measured at {mine[0].peak_bytes} bytes ({format_bytes(mine[0].peak_bytes)}) with this "
+            f"plan when it was made ({len(plan.compile.measured)} checkpoint sets measured in all)")
 
 
 def step_lines(out: Console, changes: Iterable[Any], excluded: Iterable[Any], retained: Iterable[Any] = ()) -> None:

@@ -140,6 +140,13 @@ def _recipe_with_amp(data: Any) -> Any:
 # ----------------------------------------------------------------------------- compile
 
 
+class CompiledPeak(_Model):
+    """One checkpoint set's compiled step, measured (NOTE [ The compiled plan is checked ])."""
+
+    checkpoints: list[str] = Field(description="Module FQNs checkpointed whole; empty: the step as it is.")
+    peak_bytes: Bytes = Field(description="The compiled step's measured peak with them checkpointed.")
+
+
 class CompileInfo(_Model):
     """The step was profiled (a profile) or planned (a plan) as ``torch.compile`` runs it
     (NOTE [ Compiled profile ] in planner/profiling/compiled.py)."""
@@ -151,6 +158,9 @@ class CompileInfo(_Model):
                                         description="A compiled replay's temporaries beyond its saves, signed: "
                                                     "negative where the fused replay's are below the eager "
                                                     "forward's (NOTE [ Peak-memory model ], Rule 11).")
+    measured: list[CompiledPeak] = Field(default_factory=list, description=(
+        "Checkpoint sets whose compiled step was measured: the profile's two compiles and, in a plan, each "
+        "set remat checked before returning it (NOTE [ The compiled plan is checked ])."))
 
 
 # ----------------------------------------------------------------------------- step changes
@@ -497,7 +507,7 @@ def _check_plan(plan: Plan) -> None:
                 raise _bad(f"{field}.{i}", f"module {name!r} is not in the model (fingerprint.modules)")
 
 
-__all__ = ["BUCKETED_PLAN_VERSION", "Bytes", "COMPILED_PLAN_VERSION", "COMPILED_PROFILE_VERSION", "CompileInfo",
+__all__ = ["BUCKETED_PLAN_VERSION", "Bytes", "COMPILED_PLAN_VERSION", "COMPILED_PROFILE_VERSION", "CompileInfo", "CompiledPeak",
            "Count", "ExcludedUnit", "Fingerprint", "LOSS_ID", "MAX_BYTES", "MAX_COUNT",
            "MAX_WORLD_SIZE", "MemoryEvent", "Ms", "NonNegFloat", "now_iso", "OpRecord", "OpRef",
            "ParamRecord", "Plan", "PIPELINE_PLAN_VERSION", "Pipeline", "PLAN_SCHEMA_VERSION", "PlanBucket", "BUCKETED_PLAN_VERSION", "Predicted", "Profile",

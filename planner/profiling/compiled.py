@@ -498,13 +498,20 @@ def profile_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
     result = compiled_profile(eager, graphs, model, measured, step.compile)
     candidates = default_candidates(result)
     if not candidates:
-        return result
+        return _with_measured(result, [([], measured)])
     replayed, regions = measure_compiled(model, inputs, eager, step=step, progress=say, checkpointed=candidates,
                                          timed=False)
     from planner.profiling.compiled_calibration import with_backward_bounds, with_region_saves, with_replay_calibration
 
     result = with_region_saves(result, eager, regions, model, candidates, graphs)
-    return with_replay_calibration(with_backward_bounds(result, replayed, candidates), replayed, candidates)
+    result = with_replay_calibration(with_backward_bounds(result, replayed, candidates), replayed, candidates)
+    return _with_measured(result, [([], measured), (candidates, replayed)])
+
+
+def _with_measured(profile: schema.Profile, runs: list[tuple[list[str], CompiledStep]]) -> schema.Profile:
+    """``profile`` recording the peaks of the compiles it measured (NOTE [ The compiled plan is checked ])."""
+    peaks = [schema.CompiledPeak(checkpoints=list(fqns), peak_bytes=run.peak_bytes) for fqns, run in runs]
+    return profile.model_copy(update={"compile": profile.compile.model_copy(update={"measured": peaks})})
 
 
 def default_candidates(profile: schema.Profile) -> list[str]:

@@ -1,0 +1,188 @@
+"""A compiled plan is compiled and measured before it is returned (NOTE [ The compiled plan is checked ]).
+
+Example::
+
+    prof = planner.profile(model_file, compile="inductor")
+    plan = checked_plan(prof, "2GB", compiled_peak(model_file))   # the chosen set compiled once, measured
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import networkx as nx
+
+from planner.errors import BudgetInfeasible, SolverError
+from planner.model.schema import CompiledPeak, Plan, Profile, SolverInfo
+from planner.sizes import format_bytes, parse_bytes
+from planner.spec import SolveSpec, StepSpec, solve_spec
+
+# NOTE [ The compiled plan is checked ]
+#
+# A compiled profile predicts every checkpoint set from two measured compiles, the step as it is
+# and the repeated blocks checkpointed (NOTE [ Compiled profile ]). Every other set compiles to a
+# fused backward of its own, whose buffers inductor plans: measured on examples/llama.py, two
+# sets with the same saves peak 6 to 9 MB apart by inductor's code alone (docs/benchmarks.md,
+# "Where the compiled backward peaks"), which no per-model figure can follow. So a compiled plan
+# is measured before it is returned, as the eager profile's validation step proves its figures:
+# Rule 1. The chosen set's compiled step is measured as ``remat verify --compile`` measures it
+#   (``apply_plan`` on a copy, ``torch.compile`` afresh, the peak of one step), unless the profile
+#   or an earlier check measured that set (``CompileInfo.measured``: the profile's two compiles).
+# Rule 2. A measured set is predicted at its measurement: ``peak_bytes`` and ``activations_bytes``
+#   move by the difference, ``peak_at`` names the check (``CHECKED_AT``); the cost model's own
+#   figure is what the solver chose by. Within the usable budget (the budget less its headroom)
+#   the plan stands.
+# Rule 3. Above the usable budget: the cost model under-predicts that set by e bytes. The solver
+#   plans again for the usable budget less the largest e seen, so the next set is one the cost
+#   model puts e lower; the set that failed cannot come back (its prediction plus e is its
+#   measurement, over). At most ``CHECKS`` compiles.
+# Rule 4. A set measured within the usable budget that needs less recompute than the plan found
+#   (a set of the profile's compiles the cost model put over the budget) is the plan; when no
+#   plan is found within ``CHECKS`` compiles, the measured set within the budget with the least
+#   recompute is; with none, ``BudgetInfeasible`` names the measured peaks and a budget the
+#   lowest of them fits.
+# Rule 5. The plan records every set measured (``compile.measured``). A plan made from a saved
+#   profile without the model is not checked (nothing to compile): ``remat verify --compile``
+#   measures it, and ``remat show`` says which.
+
+CHECKS = 3
+"""Compiles the check may run for one plan (Rule 3): each is one compile and three steps."""
+
+CHECKED_AT = "the compiled step (measured)"
+
+Measure = Callable[[Plan], int]
+"""The compiled step's measured peak with a plan applied (``compiled_peak``)."""
+
+
+def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve: SolveSpec | None = None,
+                 graph: nx.DiGraph | None = None, progress: Callable[[str], None] | None = None) -> Plan:
+    """The plan for ``budget`` whose compiled step was measured within it (Rules 1-4); ``measure``
+    compiles and measures one plan. ``profile`` is a compiled profile (``Profile.compile``)."""
+    from planner.act.api import graph_for, plan_from_profile
+
+    say = progress or (lambda _msg: None)
+    spec = solve_spec(solve)
+    g = graph if graph is not None else graph_for(profile, solve=spec)
+    known = {frozenset(m.checkpoints): m for m in profile.compile.measured}
+    lowered, over, found, refused = 0, [], None, None
+    for _ in range(CHECKS):
+        try:
+            plan = plan_from_profile(profile, budget, solve=spec, graph=g, lowered_bytes=lowered)
+        except (BudgetInfeasible, SolverError) as e:  # nothing predicted below the (lowered) budget
+            refused = e
+            break
+        key = frozenset(plan.checkpoints)
+        if key not in known:
+            say(f"checking the plan: compiling the step with {len(plan.checkpoints)} modules checkpointed")
+            known[key] = CompiledPeak(checkpoints=list(plan.checkpoints), peak_bytes=measure(plan))
+        modelled, plan = plan.predicted.peak_bytes, with_check(plan, list(known.values()))
+        if plan.predicted.peak_bytes <= plan.budget_bytes - plan.headroom_bytes:
+            found = plan
+            break
+        over.append(plan)
+        lowered = max(lowered, plan.predicted.peak_bytes - modelled)
+    plans = [p for p in (found, *_measured_plans(profile, g, spec, budget, list(known.values()))) if p is not None]
+    if plans:
+        return min(plans, key=lambda p: p.predicted.recompute_ms)  # the first of equals: the solver's (Rule 4)
+    if refused is not None and not over:
+        raise refused
+    raise _nothing_fits(parse_bytes(budget), over, list(known.values()), profile)
+
+
+def with_check(plan: Plan, measured: list[CompiledPeak]) -> Plan:
+    """``plan`` recording the compiles ``measured``, predicted at its own set's measurement when that is
+    among them (Rules 2 and 5)."""
+    update: dict[str, Any] = {"compile": plan.compile.model_copy(update={"measured": list(measured)})}
+    mine = [m.peak_bytes for m in measured if set(m.checkpoints) == set(plan.checkpoints)]
+    if mine and mine[0] != plan.predicted.peak_bytes:
+        p, moved = plan.predicted, mine[0] - plan.predicted.peak_bytes
+        update["predicted"] = p.model_copy(update={"peak_bytes": mine[0], "peak_at": CHECKED_AT,
+                                                   "activations_bytes": p.activations_bytes + moved})
+    return plan.model_copy(update=update)
+
+
+def _measured_plans(profile: Profile, g: nx.DiGraph, spec: SolveSpec, budget: int | str,
+                    measured: list[CompiledPeak]) -> list[Plan]:
+    """A plan for each measured set whose measurement fits the usable budget (Rule 4)."""
+    from planner.act.api import _plan_of, headroom_for, usable_budget
+    from solvers.cost_model import simulate
+
+    budget_bytes = parse_bytes(budget)
+    usable, headroom_bytes = usable_budget(budget_bytes, headroom_for(profile) if spec.headroom is None
+                                           else spec.headroom)
+    out = []
+    for m in measured:
+        units = [n for n in g.nodes if g.nodes[n].get("fqn") in set(m.checkpoints)]
+        if m.peak_bytes > usable or len({g.nodes[n]["fqn"] for n in units}) != len(set(m.checkpoints)):
+            continue
+        est = simulate(g, units)
+        est = est.model_copy(update={"peak_bytes": m.peak_bytes, "peak_at": CHECKED_AT,
+                                     "activations_bytes": est.activations_bytes + m.peak_bytes - est.peak_bytes})
+        plan = _plan_of(profile, g, est, budget_bytes, headroom_bytes=headroom_bytes,
+                        solver=SolverInfo(name="measured", status="feasible", detail="a compiled step measured "
+                                          "within the budget (NOTE [ The compiled plan is checked ], Rule 4)"))
+        out.append(with_check(plan, measured))
+    return out
+
+
+def _nothing_fits(budget_bytes: int, over: list[Plan], measured: list[CompiledPeak],
+                  profile: Profile) -> BudgetInfeasible:
+    """Rule 4's error: the plans whose compiled steps measured over the budget, and the budget the lowest
+    measured compiled peak fits."""
+    from planner.act.api import budget_with_headroom, headroom_for
+
+    tried = "; ".join(f"{_named(p.checkpoints)} measured {p.predicted.peak_bytes} bytes" for p in over)
+    lowest = min(measured, key=lambda m: m.peak_bytes)
+    fits = budget_with_headroom(lowest.peak_bytes, headroom_for(profile))
+    return BudgetInfeasible(
+        f"no checkpoint plan fits the budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}) under "
+        f"torch.compile: the compiled step of each plan the cost model put within it peaked above it ({tried}); "
+        f"the lowest compiled peak measured is {lowest.peak_bytes} bytes, with {_named(lowest.checkpoints)}: raise "
+        f"{{budget}} to {fits} bytes ({format_bytes(fits)}) or more", budget_bytes=budget_bytes,
+        min_feasible_bytes=fits, options=("budget",))
+
+
+def _named(fqns: list[str]) -> str:
+    """A checkpoint set in words: 'model.layers.0, model.layers.1 checkpointed', or 'nothing checkpointed'."""
+    return f"{', '.join(fqns)} checkpointed" if fqns else "nothing checkpointed"
+
+
+def compiled_peak(source: Any, *, step: StepSpec | None = None, inputs: Any = None) -> Measure:
+    """``Measure`` for the model file or ``nn.Module`` ``source`` (with ``inputs``), trained as ``step``
+    says (device, threads, loss): each plan applied to a copy, compiled with the plan's backend and
+    measured as ``verify`` measures it (Rule 1)."""
+    import torch
+
+    from planner.act.verify import _load, _run
+    from planner.profiling import rng, step_changes
+    from planner.profiling.profiler import resolve_device
+    from planner.profiling.timing import num_threads, pick_clock
+
+    run_as = step or StepSpec(device="cpu")
+
+    def measure(plan: Plan) -> int:
+        master, batches, fn, _label = _load(source, inputs, run_as.loss_fn, plan)
+        dev = resolve_device(run_as.device)
+        with num_threads(run_as.threads or (plan.threads if dev.type == "cpu" else None)), rng.kept(dev), \
+                _quiet(step_changes.logger):  # the profile said them already
+            clock = pick_clock(dev, torch.get_num_threads())
+            run = _run(master, batches[0], fn, plan, dev, 1, clock, planned=True, compile=plan.compile.backend)
+        return run.peak.peak_bytes
+
+    return measure
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """``logger`` silent for the duration."""
+    before, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
+__all__ = ["CHECKED_AT", "CHECKS", "Measure", "checked_plan", "compiled_peak", "with_check"]

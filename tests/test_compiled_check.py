@@ -1,0 +1,170 @@
+"""A compiled plan is compiled and measured before it is returned (NOTE [ The compiled plan is checked ],
+planner/act/compiled_check.py): the loop on a synthetic profile with a stated measure, then the real
+compile of a small model through the API and the CLI."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import planner
+from planner.act.api import plan_from_profile
+from planner.act.compiled_check import CHECKED_AT, CHECKS
+from planner.errors import BudgetInfeasible
+from planner.model.graph import build_graph
+from planner.model.schema import CompiledPeak, CompileInfo, Plan, Profile
+from planner.model.synthetic import random_chain, synthetic_profile
+from solvers.cost_model import simulate
+from tests.conftest import invoke
+from tests.model_files import TINY_SEQ_MODEL
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _compiled(measured: list[CompiledPeak] = ()) -> Profile:
+    p = synthetic_profile(random_chain(random.Random(3), 6))
+    return p.model_copy(update={"compile": CompileInfo(backend="inductor", torch_version=torch.__version__,
+                                                       measured=list(measured))})
+
+
+class _Measure:
+    """A compiled step whose peak is the cost model's plus ``over(plan)`` bytes; counts its compiles."""
+
+    def __init__(self, over) -> None:
+        self.over, self.sets = over, []
+
+    def __call__(self, plan: Plan) -> int:
+        self.sets.append(list(plan.checkpoints))
+        return plan.predicted.peak_bytes + self.over(plan)
+
+
+def _mid_budget(p: Profile) -> int:
+    g = build_graph(p)
+    none, every = simulate(g, []).peak_bytes, simulate(g, [n for n in g.nodes if n.startswith("h.")]).peak_bytes
+    return (none + every) // 2
+
+
+def test_a_plan_measured_under_its_prediction_is_predicted_at_its_measurement():
+    p = _compiled()
+    budget = _mid_budget(p)
+    measure = _Measure(lambda plan: -1000)
+    plan = plan_from_profile(p, budget, check=measure)
+    alone = plan_from_profile(p, budget)
+    assert measure.sets == [alone.checkpoints] and plan.checkpoints == alone.checkpoints
+    assert plan.predicted.peak_bytes == alone.predicted.peak_bytes - 1000 and plan.predicted.peak_at == CHECKED_AT
+    assert plan.predicted.recompute_ms == alone.predicted.recompute_ms
+    assert plan.compile.measured == [CompiledPeak(checkpoints=alone.checkpoints,
+                                                  peak_bytes=alone.predicted.peak_bytes - 1000)]
+
+
+def test_a_plan_measured_above_its_prediction_within_the_budget_is_predicted_at_the_measurement(tmp_path):
+    p = _compiled()
+    budget = _mid_budget(p)
+    alone = plan_from_profile(p, budget)
+    room = alone.budget_bytes - alone.headroom_bytes - alone.predicted.peak_bytes
+    assert room > 10
+    plan = plan_from_profile(p, budget, check=_Measure(lambda plan: room))
+    assert plan.checkpoints == alone.checkpoints
+    assert plan.predicted.peak_bytes == alone.predicted.peak_bytes + room
+    assert plan.predicted.activations_bytes == alone.predicted.activations_bytes + room
+    assert plan.predicted.peak_at == CHECKED_AT
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan  # the raised prediction still adds up and fits
+
+
+def test_a_plan_measured_over_the_budget_is_planned_again_lower_by_the_excess():
+    p = _compiled()
+    budget = _mid_budget(p)
+    first = plan_from_profile(p, budget)
+    usable = first.budget_bytes - first.headroom_bytes
+    excess = usable - first.predicted.peak_bytes + 50_000  # the first set measures 50,000 B over the budget
+    measure = _Measure(lambda plan: excess if plan.checkpoints == first.checkpoints else 0)
+    plan = plan_from_profile(p, budget, check=measure)
+    assert measure.sets[0] == first.checkpoints and plan.checkpoints != first.checkpoints
+    assert plan.predicted.peak_bytes <= usable - excess  # what the solver was asked for on the second try
+    measured = {tuple(m.checkpoints): m.peak_bytes for m in plan.compile.measured}
+    assert measured[tuple(first.checkpoints)] == usable + 50_000 and measured[tuple(plan.checkpoints)] <= usable
+
+
+def test_no_plan_measured_within_the_budget_names_the_measured_peaks():
+    p = _compiled()
+    budget = _mid_budget(p)
+    measure = _Measure(lambda plan: 10 << 20)  # every set 10 MiB above its prediction
+    with pytest.raises(BudgetInfeasible) as e:
+        plan_from_profile(p, budget, check=measure)
+    assert 1 <= len(measure.sets) <= CHECKS
+    text = str(e.value)
+    assert "under torch.compile" in text and "measured" in text and "\n" not in text
+    assert e.value.min_feasible_bytes > budget  # the budget the lowest measured peak fits
+
+
+def test_a_set_the_profile_measured_is_not_compiled_again():
+    p = _compiled()
+    budget = _mid_budget(p)
+    alone = plan_from_profile(p, budget)
+    known = CompiledPeak(checkpoints=list(reversed(alone.checkpoints)), peak_bytes=alone.predicted.peak_bytes - 7)
+    measure = _Measure(lambda plan: 0)
+    plan = plan_from_profile(_compiled([known]), budget, check=measure)
+    assert measure.sets == [] and plan.checkpoints == alone.checkpoints
+    assert plan.compile.measured == [known] and plan.predicted.peak_bytes == known.peak_bytes
+
+
+def test_a_measured_set_within_the_budget_is_the_plan_when_the_cost_model_puts_it_over():
+    p = _compiled()
+    g = build_graph(p)
+    blocks = sorted(n for n in g.nodes if n.startswith("h."))
+    every = simulate(g, blocks)
+    budget = planner.act.api.budget_with_headroom(every.peak_bytes - 1)  # the cost model: nothing fits
+    with pytest.raises(BudgetInfeasible):
+        plan_from_profile(p, budget)
+    known = CompiledPeak(checkpoints=blocks, peak_bytes=every.peak_bytes - 2)  # measured: it fits
+    measure = _Measure(lambda plan: 0)
+    plan = plan_from_profile(_compiled([known]), budget, check=measure)
+    assert measure.sets == [] and sorted(plan.checkpoints) == blocks and plan.solver.name == "measured"
+    assert plan.predicted.peak_bytes == every.peak_bytes - 2
+    assert plan.predicted.recompute_ms == pytest.approx(every.recompute_ms)
+
+
+def test_an_eager_profile_is_not_checked():
+    p = synthetic_profile(random_chain(random.Random(3), 6))
+    measure = _Measure(lambda plan: 0)
+    plan = plan_from_profile(p, _mid_budget(p), check=measure)
+    assert measure.sets == [] and plan.compile is None
+
+
+# ----------------------------------------------------------------------------- the real compile
+
+
+def test_plan_compile_measures_the_chosen_plan_within_its_budget(tmp_path):
+    (tmp_path / "tiny.py").write_text(TINY_SEQ_MODEL)
+    made = invoke("profile", "--compile", str(tmp_path / "tiny.py"), "--threads", "1", "--steps", "1",
+                  "-o", str(tmp_path / "profile.json"))
+    assert made.exit_code == 0, made.output
+    prof = Profile.load(tmp_path / "profile.json")
+    assert [m.checkpoints for m in prof.compile.measured][0] == []  # the profile's two compiles
+    assert len(prof.compile.measured) == 2
+    g = build_graph(prof)
+    blocks = sorted(n for n in g.nodes if n.startswith("blocks."))
+    budget = planner.act.api.budget_with_headroom(simulate(g, blocks[:2]).peak_bytes)  # a set neither compile ran
+    result = invoke("plan", "--profile", str(tmp_path / "profile.json"), str(tmp_path / "tiny.py"),
+                    "--budget", str(budget), "-o", str(tmp_path / "plan.json"))
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(tmp_path / "plan.json")
+    mine = [m for m in plan.compile.measured if set(m.checkpoints) == set(plan.checkpoints)]
+    assert plan.checkpoints and mine and mine[0].peak_bytes <= budget - plan.headroom_bytes
+    assert len(plan.compile.measured) == 3 and plan.predicted.peak_bytes >= mine[0].peak_bytes
+    assert "compiled step: measured at" in result.output
+    again = invoke("plan", "--profile", str(tmp_path / "profile.json"), "--budget", str(budget))
+    assert again.exit_code == 0 and "not measured with this plan" in again.output  # nothing to compile
+
+
+def test_the_python_api_checks_a_compiled_plan_too():
+    ns: dict = {}
+    exec(TINY_SEQ_MODEL, ns)  # noqa: S102 (the shared test model file)
+    model, batch = ns["build_model"](), ns["example_inputs"]()
+    plan = planner.plan(model, 10 << 20, inputs=batch, device="cpu", threads=1, steps=1, compile="inductor")
+    assert not plan.checkpoints  # the plain compiled step fits: the profile measured it, no compile more
+    assert [m.checkpoints for m in plan.compile.measured][0] == [] and len(plan.compile.measured) == 2
+    assert plan.predicted.peak_bytes == plan.compile.measured[0].peak_bytes
