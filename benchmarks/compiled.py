@@ -11,8 +11,10 @@
    (no AOT or FX graph cache; one backend object per variant, see ``benchmarks/peers.py``), its
    first step (compiling it) timed, its peak measured by ``measure_step``.
 3. remat's compiled plan made at each budget variant's measured peak (``plan_from_profile`` with
-   that peak as the budget), applied by ``apply_plan`` and then compiled, measured the same way;
-   its prediction next to the measurement.
+   that peak as the budget and the check of ``remat plan --compile``: the chosen plan compiled and
+   measured before it is returned, NOTE [ The compiled plan is checked ]), applied by ``apply_plan``
+   and then compiled, measured the same way; its prediction next to the measurement, and the cost
+   model's own figure for the set it chose before the check ("cost model").
 4. ``--repeats`` round-robin rounds of one step per variant (drift hits all alike); the table
    gives the median wall and CPU ms per step (with --threads 1, CPU time is robust to other jobs).
 
@@ -35,12 +37,14 @@ import torch
 
 from benchmarks.peers import Variant, _applier, _measure_peak, _time_round_robin
 from planner.act.api import plan_from_profile
+from planner.act.compiled_check import compiled_peak
 from planner.errors import BudgetInfeasible
 from planner.model.schema import Plan
 from planner.profiling import profile
 from planner.profiling.model_file import load_model_file
 from planner.profiling.profiler import resolve_device
 from planner.profiling.step_changes import find_step_changes, install
+from planner.spec import StepSpec
 
 MIB = 2**20
 
@@ -67,26 +71,30 @@ def main() -> None:
                  for b in args.budgets]
     kept = [_timed_peak(v, mf, dev) for v in variants]
     plans: dict[str, Plan | None] = {}
+    costs: dict[str, str] = {}  # the cost model's own figure at each budget, before the check
     targets = [(f"remat --compile at the peak of budget {v.compile_budget:g}", v.peak_bytes)
                for v in variants if isinstance(v.compile_budget, float) and v.peak_bytes]
     targets += [(f"remat --compile at {b / MIB:.2f} MiB (its own range)", b)
                 for b in _spread(prof, variants[0].peak_bytes, args.spread)]
+    check = compiled_peak(mf.build_model(), inputs=mf.example_inputs(),
+                          step=StepSpec(device=dev, threads=args.threads or None, loss_fn=mf.loss_fn))
     for name, budget in targets:
         t1 = time.perf_counter()
         try:
-            plan = plan_from_profile(prof, budget)
+            plan = plan_from_profile(prof, budget, check=check)
         except BudgetInfeasible as e:  # compile went below what remat's candidates reach
             variants.append(Variant(name, lambda m, b: "-", None, error=str(e).split(": raise")[0][:160]))
             kept.append(None)
             continue
         plans[name] = plan
         solve_s = time.perf_counter() - t1
+        costs[name] = _unchecked(prof, budget)
         variants.append(Variant(name, _applier(plan), plan.predicted.peak_bytes,
                                 predicted_recompute_ms=plan.predicted.recompute_ms, compile_budget=None))
         variants[-1].solve_s = solve_s  # type: ignore[attr-defined]
         kept.append(_timed_peak(variants[-1], mf, dev))
     _time_round_robin(variants, kept, mf, dev, "adamw", args.repeats)
-    _print(args, dev, prof, profile_s, variants, plans)
+    _print(args, dev, prof, profile_s, variants, plans, costs)
 
 
 def _args() -> argparse.Namespace:
@@ -104,6 +112,16 @@ def _args() -> argparse.Namespace:
                    help="also N remat plans at budgets spread evenly from the lowest its plans fit up to the "
                         "plain compiled step's peak (for models where compile's budgets go below remat's reach)")
     return p.parse_args()
+
+
+def _unchecked(prof: Any, budget: int) -> str:
+    """The cost model's own plan at ``budget`` (no check): its predicted peak, and its set where the check
+    changed it."""
+    try:
+        plan = plan_from_profile(prof, budget)
+    except BudgetInfeasible:
+        return "none fits"
+    return str(plan.predicted.peak_bytes)
 
 
 def _zoo_model(name: str) -> Any:
@@ -149,7 +167,7 @@ def _timed_peak(v: Variant, mf: Any, dev: torch.device) -> Any:
 
 
 def _print(args: argparse.Namespace, dev: torch.device, prof: Any, profile_s: float, variants: list[Variant],
-           plans: dict[str, Plan | None]) -> None:
+           plans: dict[str, Plan | None], costs: dict[str, str]) -> None:
     threads = f", {torch.get_num_threads()} thread(s)" if dev.type == "cpu" else ""
     print(f"`python benchmarks/compiled.py {' '.join(sys.argv[1:])}` on {dev}{threads}, torch {torch.__version__}; "
           f"step times: median of {args.repeats} round-robin rounds\n")
@@ -158,16 +176,18 @@ def _print(args: argparse.Namespace, dev: torch.device, prof: Any, profile_s: fl
           f"of this process): {first_s:.1f} s; ratio {profile_s / max(first_s, 1e-9):.2f}; replay temporaries "
           f"{prof.compile.replay_transient_bytes} B. First steps below are later compiles of this process (inductor "
           f"reuses compiled kernels it has seen)\n")
-    print("| variant | checkpointed | peak bytes (measured) | predicted | error | step ms | CPU ms | first step s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| variant | checkpointed | peak bytes (measured) | predicted | error | cost model | plan s | step ms | CPU ms "
+          "| first step s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for v in variants:
         if v.error:
-            print(f"| {v.name} | {v.error} | | | | | | |")
+            print(f"| {v.name} | {v.error} | | | | | | | | |")
             continue
         pred = v.predicted_peak_bytes
         err = f"{(pred - v.peak_bytes) / v.peak_bytes:+.2%}" if pred and v.peak_bytes else ""
+        model, plan_s = (costs[v.name], f"{v.solve_s:.1f}") if v.name in plans else ("", "")  # type: ignore
         print(f"| {v.name} | {v.what} | {v.peak_bytes} ({v.peak_bytes / MIB:.2f} MiB) | {pred or ''} | {err} "
-              f"| {statistics.median(v.times_ms):.1f} | {statistics.median(v.cpu_ms):.1f} "
+              f"| {model} | {plan_s} | {statistics.median(v.times_ms):.1f} | {statistics.median(v.cpu_ms):.1f} "
               f"| {getattr(v, 'first_s', 0.0):.1f} |")
     print()
     budgets = [v for v in variants if isinstance(v.compile_budget, float)]

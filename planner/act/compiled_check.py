@@ -66,7 +66,7 @@ def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve
     say = progress or (lambda _msg: None)
     spec = solve_spec(solve)
     g = graph if graph is not None else graph_for(profile, solve=spec)
-    known = {frozenset(m.checkpoints): m for m in profile.compile.measured}
+    known = {_key(m): m for m in profile.compile.measured}
     lowered, over, found, refused = 0, [], None, None
     for _ in range(CHECKS):
         try:
@@ -74,10 +74,12 @@ def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve
         except (BudgetInfeasible, SolverError) as e:  # nothing predicted below the (lowered) budget
             refused = e
             break
-        key = frozenset(plan.checkpoints)
+        key = _key(plan)
         if key not in known:
-            say(f"checking the plan: compiling the step with {len(plan.checkpoints)} modules checkpointed")
-            known[key] = CompiledPeak(checkpoints=list(plan.checkpoints), peak_bytes=measure(plan))
+            say(f"checking the plan: compiling the step with {len(plan.checkpoints) + len(plan.selective)} modules "
+                f"checkpointed")
+            known[key] = CompiledPeak(checkpoints=list(plan.checkpoints), selective=list(plan.selective),
+                                      peak_bytes=measure(plan))
         modelled, plan = plan.predicted.peak_bytes, with_check(plan, list(known.values()))
         if plan.predicted.peak_bytes <= plan.budget_bytes - plan.headroom_bytes:
             found = plan
@@ -96,7 +98,7 @@ def with_check(plan: Plan, measured: list[CompiledPeak]) -> Plan:
     """``plan`` recording the compiles ``measured``, predicted at its own set's measurement when that is
     among them (Rules 2 and 5)."""
     update: dict[str, Any] = {"compile": plan.compile.model_copy(update={"measured": list(measured)})}
-    mine = [m.peak_bytes for m in measured if set(m.checkpoints) == set(plan.checkpoints)]
+    mine = [m.peak_bytes for m in measured if _key(m) == _key(plan)]  # measured_of, before they are recorded
     if mine and mine[0] != plan.predicted.peak_bytes:
         p, moved = plan.predicted, mine[0] - plan.predicted.peak_bytes
         update["predicted"] = p.model_copy(update={"peak_bytes": mine[0], "peak_at": CHECKED_AT,
@@ -114,7 +116,7 @@ def _measured_plans(profile: Profile, g: nx.DiGraph, spec: SolveSpec, budget: in
     usable, headroom_bytes = usable_budget(budget_bytes, headroom_for(profile) if spec.headroom is None
                                            else spec.headroom)
     out = []
-    for m in measured:
+    for m in (m for m in measured if not m.selective):  # whole units only: no menu index to rebuild
         units = [n for n in g.nodes if g.nodes[n].get("fqn") in set(m.checkpoints)]
         if m.peak_bytes > usable or len({g.nodes[n]["fqn"] for n in units}) != len(set(m.checkpoints)):
             continue
@@ -128,13 +130,23 @@ def _measured_plans(profile: Profile, g: nx.DiGraph, spec: SolveSpec, budget: in
     return out
 
 
+def measured_of(plan: Plan) -> CompiledPeak | None:
+    """The measurement of ``plan``'s own compiled step among those it records (Rule 5); None: not measured."""
+    return next((m for m in plan.compile.measured if _key(m) == _key(plan)), None) if plan.compile else None
+
+
+def _key(s: Plan | CompiledPeak) -> tuple[frozenset, frozenset]:
+    """What identifies a compiled step: the modules checkpointed whole, and op by op with what each keeps."""
+    return frozenset(s.checkpoints), frozenset((r.fqn, tuple((o.op, o.index) for o in r.save)) for r in s.selective)
+
+
 def _nothing_fits(budget_bytes: int, over: list[Plan], measured: list[CompiledPeak],
                   profile: Profile) -> BudgetInfeasible:
     """Rule 4's error: the plans whose compiled steps measured over the budget, and the budget the lowest
     measured compiled peak fits."""
     from planner.act.api import budget_with_headroom, headroom_for
 
-    tried = "; ".join(f"{_named(p.checkpoints)} measured {p.predicted.peak_bytes} bytes" for p in over)
+    tried = "; ".join(f"{_named(p.checkpoints + [r.fqn + ' (op by op)' for r in p.selective])} measured {p.predicted.peak_bytes} bytes" for p in over)
     lowest = min(measured, key=lambda m: m.peak_bytes)
     fits = budget_with_headroom(lowest.peak_bytes, headroom_for(profile))
     return BudgetInfeasible(
@@ -185,4 +197,4 @@ def _quiet(logger: logging.Logger) -> Iterator[None]:
         logger.disabled = before
 
 
-__all__ = ["CHECKED_AT", "CHECKS", "Measure", "checked_plan", "compiled_peak", "with_check"]
+__all__ = ["CHECKED_AT", "CHECKS", "Measure", "checked_plan", "compiled_peak", "measured_of", "with_check"]

@@ -290,10 +290,12 @@ def show_plan(out: Console, plan: Plan, *, graph: nx.DiGraph | None = None, fres
 
 def compiled_check_line(plan: Plan) -> str:
     """Whether the compiled plan's step was measured (NOTE [ The compiled plan is checked ])."""
-    mine = [m for m in plan.compile.measured if set(m.checkpoints) == set(plan.checkpoints)]
-    if not mine:
+    from planner.act.compiled_check import measured_of
+
+    mine = measured_of(plan)
+    if mine is None:
         return "compiled step: not measured with this plan; remat verify --compile measures it"
-    return (f"compiled step: measured at {mine[0].peak_bytes} bytes ({format_bytes(mine[0].peak_bytes)}) with this "
+    return (f"compiled step: measured at {mine.peak_bytes} bytes ({format_bytes(mine.peak_bytes)}) with this "
             f"plan when it was made ({len(plan.compile.measured)} checkpoint sets measured in all)")
 
 

@@ -144,6 +144,7 @@ class CompiledPeak(_Model):
     """One checkpoint set's compiled step, measured (NOTE [ The compiled plan is checked ])."""
 
     checkpoints: list[str] = Field(description="Module FQNs checkpointed whole; empty: the step as it is.")
+    selective: list[SelectiveRegion] = Field(default_factory=list, description="Modules checkpointed op by op.")
     peak_bytes: Bytes = Field(description="The compiled step's measured peak with them checkpointed.")
 
 

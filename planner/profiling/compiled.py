@@ -101,15 +101,21 @@ if TYPE_CHECKING:
 #   forward, backward, optimizer. Per unit, no hook can time a fused graph, so each unit's eager
 #   forward and backward times are scaled by the compiled-to-eager ratio of its phase; a
 #   checkpointed unit's recompute is its scaled forward.
-# Rule 7. Op records are dropped: compiled plans checkpoint whole units. Op-level policies do
-#   run under compile (the applier's MUST_SAVE/PREFER_RECOMPUTE policy is traced into the fused
-#   backward), and measured at commit 6cd6f05 they were faster at compile's budgets (Llama 0.5:
-#   +3.6% against compile's own, from +10% with whole layers), but the peak they were planned for
-#   was off by +1.8 to +10.2% (Llama), +8% (GPT-NeoX), +4% (Qwen2), so `remat verify --compile`
-#   would fail the plan remat chose: a kept eager output is not what the partitioner keeps, and a
-#   region's replay temporaries were calibrated with whole layers. They come back when a second
-#   compile reads the op-by-op saves and replays from the graph (as Rules 4 and 8 do for whole
-#   layers); docs/benchmarks.md has both measurements.
+# Rule 7. Op-level policies. The eager op records stay (positions scaled by K), so every
+#   candidate gets its menu of selective policies (NOTE [ Selective menus ]); the applier's
+#   policy (MUST_SAVE the listed op calls, PREFER_RECOMPUTE the rest) is traced into the
+#   compiled graph (``tag_activation_checkpoint`` with its ``context_fn``), so the partitioner
+#   saves the kept ops' outputs and the region's inputs and recomputes the rest inside the fused
+#   backward: what remat gets of compile's cheap recompute of pointwise ops, inside the units it
+#   chooses. Figures: a kept output's bytes are the eager op's; a policy's recompute is the
+#   unit's compiled forward times the eager kernel share of the recomputed ops (NOTE [ Selective
+#   menus ]: it over-prices fused pointwise ops, on the safe side), with no dispatch cost (the
+#   policy runs once, at trace time: ``sac_*_op_ms`` are 0). Outputs written in place later (the
+#   CPU's dropout mask) are not kept: torch asks for no in-place ops in a compiled selective
+#   region. Measured at commit 6cd6f05, these peaks were over by 1.8 to 10.2% (a kept eager
+#   output is not what the partitioner keeps; the replay temporaries are calibrated on whole
+#   blocks): the solver chooses by them (the safe side) and the chosen plan is then compiled and
+#   measured, which predicts it at its measurement (NOTE [ The compiled plan is checked ]).
 # Rule 8. Replay. A checkpointed region's replay runs inside the fused backward graph: inductor
 #   recomputes a region where its first reader's backward needs it (a region's output read by
 #   the next module's backward is recomputed there, not saved), and its temporaries overlap with
@@ -195,7 +201,7 @@ def compiled_profile(eager: schema.Profile, graphs: _Graphs, model: torch.nn.Mod
     scaled = _scaled_records(eager, k)
     timeline = _compiled_timeline(eager, scaled["timeline"], saves, {t.id: t.nbytes for t in tensors}, k, step)
     return eager.model_copy(update=dict(
-        tensors=tensors, saves=saves, ops=[], timeline=timeline,
+        tensors=tensors, saves=saves, ops=_compiled_ops(eager, k), timeline=timeline,
         units=_with_inputs(_scaled_units(eager, k, step), crossing, {t.id: t.nbytes for t in tensors}),
         params=scaled["params"], step=_compiled_step_record(eager, k, step), region_state_bytes=0,  # Rule 4
         sac_recomputed_op_ms=0.0, sac_kept_op_ms=0.0, sac_recomputed_op_spread_ms=0.0, sac_kept_op_spread_ms=0.0, sac_rounds=0,
@@ -255,6 +261,14 @@ def _save_position(owner: str, unit: str, readers: dict[str, list[str]], lay: _L
     if lay.unit_of.get(owner) == unit:
         return lay.position[owner]
     return lay.scale * units.by_id[unit].fwd_start_seq
+
+
+def _compiled_ops(eager: schema.Profile, k: int) -> list[schema.OpRecord]:
+    """The eager op records at the compiled positions, as Rule 7 keeps them: in-place groups
+    (a kept storage written later, the CPU's dropout) are left out of the menus."""
+    return [o.model_copy(update={"seq": k * o.seq, "writes": None if o.writes is None else k * o.writes,
+                                 "read_between_writes": o.read_between_writes or o.mutated})
+            for o in eager.ops]
 
 
 def _scaled_records(eager: schema.Profile, k: int) -> dict[str, list]:
