@@ -74,10 +74,11 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from planner.children import HANGUP, signals_raise
+        from planner.crashes import exits_said
 
         debug = bool(kwargs.get("debug", False))
         try:
-            with signals_raise():
+            with signals_raise(), exits_said():  # NOTE [ Exits that skip remat ]
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise

@@ -1,0 +1,120 @@
+"""Bad input and faults, round 18: the three classes round 17 left, and those a new probe found. Each test failed on
+the code before its fix; docs/cli.md, "Faults handled (round 18)", lists them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import invoke
+from tests.test_errors import ENV, GOOD_MODEL, ROOT, check, model_file
+
+PLAIN_ENV = {k: v for k, v in ENV.items() if k != "PYTHONFAULTHANDLER"}
+"""The environment of a user who did not ask for faulthandler's dump (NOTE [ Exits that skip remat ], Rule 3)."""
+
+
+def _plan_cli(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "--steps",
+                           "1", "-q", "-o", str(out), *extra], cwd=ROOT, env=PLAIN_ENV, capture_output=True,
+                          text=True, timeout=180)
+
+
+# ----------------------------------------------------------------------------- exits that skip remat
+
+OS_EXIT_IN_FORWARD = """
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+    def forward(self, x):
+        os._exit(5)
+def build_model():
+    return M()
+def example_inputs():
+    return torch.randn(4, 8)
+"""
+
+
+@pytest.mark.parametrize("where, body, said", [
+    ("import", "import os\nos._exit(4)\n" + GOOD_MODEL, "error: importing {path} called os._exit(4) at {path}:4 in "
+                                                        "<module>; put the file's script code under"),
+    ("build", "import os\n" + GOOD_MODEL.replace("    return nn.Sequential", "    os._exit(3)\n    return nn.Sequential"),
+     "error: build_model() in {path} called os._exit(3) at {path}:6 in build_model; return a value or raise"),
+    ("forward", "import os\n" + OS_EXIT_IN_FORWARD, "error: the model's forward called os._exit(5) at {path}:10 in "
+                                                    "forward; return a value or raise an exception instead"),
+])
+def test_os_exit_in_the_model_file_is_one_line(tmp_path: Path, where: str, body: str, said: str):
+    """NOTE [ Exits that skip remat ], Rule 1: remat ended with the model's status (4, 3, 5) and no line."""
+    model = model_file(tmp_path, body)
+    out = tmp_path / "plan.json"
+    result = _plan_cli(model, out)  # a process of its own: before the fix, os._exit ended it
+    check(result, 2, said.format(path=model))
+    assert result.stderr.count("\n") == 1 and not out.exists(), result.stderr
+
+
+def test_os_exit_in_a_thread_of_the_model_says_so(tmp_path: Path):
+    """Rule 1: another thread's os._exit still ends the process with its status, now with a line."""
+    model = model_file(tmp_path, "import os, threading\n" + GOOD_MODEL.replace(
+        "    return nn.Sequential", "    t = threading.Thread(target=os._exit, args=(6,)); t.start(); t.join()\n"
+                                    "    import time; time.sleep(5)\n    return nn.Sequential"))
+    out = tmp_path / "plan.json"
+    result = _plan_cli(model, out)
+    check(result, 6, "error: a thread of the model's code called os._exit(6) at ", "remat ends with status 6")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["build", "forward"])
+def test_a_segmentation_fault_in_the_model_names_where(tmp_path: Path, where: str):
+    """Rule 2: a SIGSEGV (ctypes.string_at(0)) ended remat with status 139 and no line."""
+    crash = "ctypes.string_at(0)"
+    body = ("import ctypes\n" + GOOD_MODEL.replace("    return nn.Sequential", f"    {crash}\n    return nn.Sequential")
+            if where == "build" else "import ctypes, os\n" + OS_EXIT_IN_FORWARD.replace("os._exit(5)", crash))
+    model = model_file(tmp_path, body)
+    out = tmp_path / "plan.json"
+    result = _plan_cli(model, out)
+    line = 6 if where == "build" else 10
+    func = "build_model" if where == "build" else "forward"
+    assert result.returncode == -11, result.stderr
+    assert (f"error: remat's process crashed with a fatal signal, segmentation fault, at {model}:{line} in {func} "
+            f"(innermost: ") in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr and not out.exists(), result.stderr
+
+
+def test_a_forked_childs_crash_is_not_remats(tmp_path: Path):
+    """Rule 2: the watcher says nothing when the command ended its own way (a forked child crashed)."""
+    body = ("import ctypes, multiprocessing as mp\ndef crash():\n    ctypes.string_at(0)\n" + GOOD_MODEL.replace(
+        "    return nn.Sequential", "    p = mp.get_context('fork').Process(target=crash); p.start(); p.join()\n"
+                                    "    return nn.Sequential"))
+    out = tmp_path / "plan.json"
+    result = _plan_cli(model_file(tmp_path, body), out)
+    check(result, 0)
+    assert "crashed" not in result.stderr and out.exists(), result.stderr
+
+
+# ----------------------------------------------------------------------------- a lowered recursion limit
+
+
+def test_a_recursion_limit_the_model_file_lowered_is_named(tmp_path: Path):
+    """NOTE [ A recursion limit the model file lowered ]: 'internal error: RecursionError' (remat's profiler failed
+    to import under the model file's limit of 50)."""
+    model = model_file(tmp_path, "import sys\nsys.setrecursionlimit(50)\n" + GOOD_MODEL)
+    result = _plan_cli(model, tmp_path / "plan.json")
+    check(result, 2, "error: Python's recursion limit is 50, lowered from 1000 by the model file or a library it "
+                     "imports (sys.setrecursionlimit), and remat ran out of it (RecursionError)",
+          "raise the limit to at least 1000, or remove the call")
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_watcher_is_not_started_when_faulthandler_is_on(tmp_path: Path):
+    """Rule 3: PYTHONFAULTHANDLER=1 gives faulthandler's whole dump, as the user asked, and no watcher line."""
+    model = model_file(tmp_path, "import ctypes\n" + GOOD_MODEL.replace("    return nn.Sequential",
+                                                                       "    ctypes.string_at(0)\n    return nn.Sequential"))
+    result = subprocess.run([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "-q"],
+                            cwd=ROOT, env={**PLAIN_ENV, "PYTHONFAULTHANDLER": "1"}, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == -11 and "Fatal Python error: Segmentation fault" in result.stderr
+    assert "remat's process crashed" not in result.stderr and os.path.exists(model)
