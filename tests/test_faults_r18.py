@@ -3,6 +3,7 @@ the code before its fix; docs/cli.md, "Faults handled (round 18)", lists them.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -106,6 +107,63 @@ def test_a_recursion_limit_the_model_file_lowered_is_named(tmp_path: Path):
     check(result, 2, "error: Python's recursion limit is 50, lowered from 1000 by the model file or a library it "
                      "imports (sys.setrecursionlimit), and remat ran out of it (RecursionError)",
           "raise the limit to at least 1000, or remove the call")
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+# ----------------------------------------------------------------------------- plan fields edited by hand
+
+
+def _edited(plan_path: Path, tmp_path: Path, edit) -> Path:
+    document = json.loads(plan_path.read_text())
+    edit(document)
+    out = tmp_path / "edited.json"
+    out.write_text(json.dumps(document))
+    return out
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d["checkpoints"].append(d["checkpoints"][0]), "checkpoints.1: module 'h.5' is listed twice (also "
+                                                              "checkpoints.0); list each once"),
+    (lambda d: d.update(device="tpu"), "device: 'tpu' is not a device remat profiles on (cpu, cuda, meta, synthetic)"),
+    (lambda d: d.update(fingerprint_digest="0" * 16), "fingerprint_digest: '0000000000000000' is not the digest of "
+                                                       "the plan's fingerprint ("),
+])
+def test_a_plan_edited_by_hand_is_refused_where_it_is_wrong(plan_path: Path, tmp_path: Path, edit, needle: str):
+    """NOTE [ Plan fields edited by hand ]: each was read (a duplicate applied once) and shown, exit 0."""
+    result = invoke("show", _edited(plan_path, tmp_path, edit))
+    check(result, 2, f"error: plan file {tmp_path / 'edited.json'}: {needle}")
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_solver_named_by_hand_is_a_record(plan_path: Path, tmp_path: Path):
+    """NOTE [ Plan fields edited by hand ], Rule 3: a plan chosen by hand names its own solver; shown as written."""
+    result = invoke("show", _edited(plan_path, tmp_path, lambda d: d["solver"].update(name="manual")))
+    check(result, 0, "solver manual: ")
+
+
+@pytest.mark.parametrize("edit, where", [
+    (lambda d: d["solver"].update(detail="done\x1b[2J\x1b[31m"), "solver.detail"),  # clears the screen
+    (lambda d: d.update(device_name="cpu\x1b]0;pwned\x07"), "device_name"),  # sets the window title
+    (lambda d: d["fingerprint"].update(model_class="Net\r"), "fingerprint.model_class"),
+])
+def test_a_file_whose_text_holds_terminal_controls_is_refused(plan_path: Path, tmp_path: Path, edit, where: str):
+    """NOTE [ Text in files ]: `remat show` sent each to the terminal as read, exit 0."""
+    result = invoke("show", _edited(plan_path, tmp_path, edit))
+    check(result, 2, f"error: plan file {tmp_path / 'edited.json'}: {where}: text with the control character ")
+    assert "\x1b[" not in result.stdout and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize("kind", ["plan", "profile"])
+def test_a_key_twice_in_one_object_is_refused(plan_path: Path, profile_path: Path, kind: str):
+    """Rule 5 of NOTE [ Files that are not remat's JSON ]: the last one counted in silence (a plan's budget of 5
+    bytes shown as its second, 10MB, exit 0)."""
+    source = plan_path if kind == "plan" else profile_path
+    key = "budget_bytes" if kind == "plan" else "device"
+    text = source.read_text()
+    source.write_text(text.replace(f'"{key}":', f'"{key}": 5, "{key}":', 1))
+    result = invoke("show", source) if kind == "plan" else invoke("plan", "-b", "10MB", "--profile", source)
+    check(result, 2, f"error: {kind} file {source} has the key '{key}' twice in one object, and JSON readers disagree "
+                     f"on which counts (Python's takes the last); keep one")
     assert result.stderr.count("\n") == 1, result.stderr
 
 
