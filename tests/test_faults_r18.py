@@ -176,3 +176,14 @@ def test_the_watcher_is_not_started_when_faulthandler_is_on(tmp_path: Path):
                             timeout=180)
     assert result.returncode == -11 and "Fatal Python error: Segmentation fault" in result.stderr
     assert "remat's process crashed" not in result.stderr and os.path.exists(model)
+
+
+# ----------------------------------------------------------------------------- one way to list names
+
+
+def test_names_are_listed_as_every_message_lists_them():
+    from planner.errors import listed
+
+    assert listed(["a", "b"]) == "a, b"
+    assert listed([f"h.{i}" for i in range(7)]) == "h.0, h.1, h.2, h.3 and 3 more"
+    assert listed(["'x'", "'y'", "'z'", "'w'"], 3) == "'x', 'y', 'z' and 1 more"

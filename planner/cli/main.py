@@ -17,6 +17,7 @@ import typer
 
 from planner.cli.app import app
 from planner.cli.output import reader_may_leave
+from planner.errors import listed
 
 try:  # typer 0.23 and later carry their own copy of click
     from typer._click import exceptions as click_errors
@@ -91,7 +92,7 @@ def _leave_threads(code: int) -> None:
     left = _running()
     if not left:
         return
-    names = ", ".join(repr(t.name) for t in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    names = listed([repr(t.name) for t in left], 3)
     print(f"note: {len(left)} thread(s) the model file or a library it uses started still run ({names}); remat exits "
           f"without waiting for "
           f"them (make them daemon threads, or join them, to end them yourself)", file=sys.stderr)
