@@ -178,6 +178,20 @@ def test_the_watcher_is_not_started_when_faulthandler_is_on(tmp_path: Path):
     assert "remat's process crashed" not in result.stderr and os.path.exists(model)
 
 
+# ----------------------------------------------------------------------------- exceptions Python can only report
+
+
+def test_an_atexit_callback_that_raises_is_one_note(tmp_path: Path):
+    """NOTE [ Exceptions Python can only report ]: six lines of traceback after remat's last line (exit 0)."""
+    model = model_file(tmp_path, "import atexit\ndef boom():\n    raise RuntimeError('cleanup failed')\n"
+                                 "atexit.register(boom)\n" + GOOD_MODEL)
+    out = tmp_path / "plan.json"
+    result = _plan_cli(model, out)
+    check(result, 0, f"note: exception ignored in atexit callback boom: RuntimeError: cleanup failed at {model}:5 in "
+                     f"boom (remat's result stands; --debug shows the traceback)")
+    assert result.stderr.count("\n") == 1 and out.exists(), result.stderr
+
+
 # ----------------------------------------------------------------------------- one way to list names
 
 

@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``remat`` (``argv`` or the command line) and exit with its code (NOTE [ Usage errors in one line ])."""
+    if "--debug" not in (sys.argv[1:] if argv is None else argv):
+        sys.unraisablehook = _unraisable_line  # NOTE [ Exceptions Python can only report ]
     try:
         with reader_may_leave() as stdout:  # NOTE [ A reader that stops early ]
             code = app(args=list(argv) if argv is not None else None, prog_name="remat", standalone_mode=False)
@@ -63,6 +66,29 @@ def _stdout_lost(stdout: Any, code: Any) -> Any:
     print(f"error: cannot write to stdout: {stdout.failed.strerror or stdout.failed}; what remat printed there is "
           f"lost (its files are written)", file=sys.stderr)
     return code if isinstance(code, int) and code else 2
+
+
+# NOTE [ Exceptions Python can only report ]
+#
+# An exception raised where no caller can catch it (an ``atexit`` callback of the model file, a ``__del__``, a
+# weakref callback) goes to ``sys.unraisablehook``, whose default prints "Exception ignored in ..." and a
+# traceback: a model file's atexit callback that raised printed six lines of traceback after remat's last line
+# (round 18 probe, exit 0, the plan written). remat words it as one note on stderr naming the exception and its
+# innermost frame; the exit status stays the command's (the work is done). ``--debug`` keeps Python's report.
+
+
+def _unraisable_line(unraisable: Any) -> None:
+    """NOTE [ Exceptions Python can only report ]."""
+    import traceback
+
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    what = (unraisable.err_msg or "Exception ignored in").rstrip(": ")
+    owner = getattr(unraisable.object, "__qualname__", None) or type(unraisable.object).__name__
+    text = (str(unraisable.exc_value).strip().splitlines() or [""])[0]
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(f"note: {what[:1].lower()}{what[1:]} {owner}: {unraisable.exc_type.__name__}: {text}{where} (remat's "
+              f"result stands; --debug shows the traceback)", file=sys.stderr, flush=True)
 
 
 # NOTE [ Threads the model file leaves running ]
