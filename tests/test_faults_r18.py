@@ -3,6 +3,7 @@ the code before its fix; docs/cli.md, "Faults handled (round 18)", lists them.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -190,6 +191,38 @@ def test_an_atexit_callback_that_raises_is_one_note(tmp_path: Path):
     check(result, 0, f"note: exception ignored in atexit callback boom: RuntimeError: cleanup failed at {model}:5 in "
                      f"boom (remat's result stands; --debug shows the traceback)")
     assert result.stderr.count("\n") == 1 and out.exists(), result.stderr
+
+
+# ----------------------------------------------------------------------------- processes the model file leaves running
+
+
+def test_a_process_the_model_file_leaves_running_does_not_hold_remat(tmp_path: Path):
+    """Rule 3 of NOTE [ Threads the model file leaves running ]: a non-daemon multiprocessing Process started at import
+    held remat until it ended (60 s in the probe); Rule 6 of NOTE [ Signals and children ]: ended with SIGTERM, the
+    forked child raised remat's Terminated and printed its traceback."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    model = model_file(tmp_path, f"import multiprocessing, time\np = multiprocessing.get_context('fork').Process("
+                                 f"target=time.sleep, args=(300,), name='prefetcher')\np.start()\n"
+                                 f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n" + GOOD_MODEL)
+    out = tmp_path / "plan.json"
+    start = time.monotonic()
+    try:
+        result = subprocess.run([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu",
+                                 "--steps", "1", "-q", "-o", str(out)], cwd=ROOT, env=PLAIN_ENV, capture_output=True,
+                                text=True, timeout=90)
+        pid = int(pid_file.read_text())
+        check(result, 0, f"note: 1 process(es) the model file or a library it uses started with multiprocessing still "
+                         f"run ('prefetcher' (pid {pid})), which Python would wait for at exit; remat ends them")
+        assert result.stderr.count("\n") == 1 and out.exists() and time.monotonic() - start < 60, result.stderr
+        time.sleep(0.5)
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- one way to list names

@@ -102,6 +102,11 @@ def _unraisable_line(unraisable: Any) -> None:
 # Rule 2. A ``concurrent.futures`` pool's workers are not such threads: Python's shutdown ends them
 #   (its own atexit hook), and skipping it could leave the pool's work, or a compile pool's children,
 #   behind. torch.compile's inductor leaves two after ``remat plan --compile``.
+# Rule 3. A ``multiprocessing`` process that is not a daemon is waited for too (multiprocessing's atexit hook
+#   joins it): `Process(target=serve).start()` at import held remat 60 s after its last line (round 18 probe).
+#   Such processes share the threads' grace; any still running are named in one line and ended (SIGTERM, then
+#   SIGKILL, NOTE [ Signals and children ]), as Python's exit would have ended the threads. Daemon processes
+#   (a ``Pool``'s workers) are left to multiprocessing, which ends them at exit.
 
 THREAD_GRACE_S = 2.0
 """Seconds the model file's non-daemon threads get to finish once the command is over."""
@@ -115,6 +120,7 @@ def _leave_threads(code: int) -> None:
     deadline = time.monotonic() + THREAD_GRACE_S
     for thread in _running():
         thread.join(max(0.0, deadline - time.monotonic()))
+    _end_processes(deadline)
     left = _running()
     if not left:
         return
@@ -128,6 +134,27 @@ def _leave_threads(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _end_processes(deadline: float) -> None:
+    """Rule 3 of NOTE [ Threads the model file leaves running ]: end the non-daemon processes Python would wait for."""
+    import time
+
+    from planner.children import end
+
+    multiprocessing = sys.modules.get("multiprocessing")
+    waited = [p for p in multiprocessing.active_children() if not p.daemon] if multiprocessing is not None else []
+    for process in waited:
+        process.join(max(0.0, deadline - time.monotonic()))
+    left = [p for p in waited if p.is_alive()]
+    if not left:
+        return
+    names = listed([f"{p.name!r} (pid {p.pid})" for p in left], 3)
+    print(f"note: {len(left)} process(es) the model file or a library it uses started with multiprocessing still run "
+          f"({names}), which Python would wait for at exit; remat ends them (make them daemon processes, or join "
+          f"them, to end them yourself)", file=sys.stderr, flush=True)
+    for process in left:
+        end(process)
 
 
 def _running() -> list[threading.Thread]:
