@@ -60,19 +60,24 @@ class CalledExit(SystemExit):
         self.call = call
 
 
-# NOTE [ A recursion limit the model file lowered ]
+# NOTE [ Settings the model file changes ]
 #
-# ``sys.setrecursionlimit(50)`` in a model file holds for remat too, whose own frames (the CLI, the profiler,
-# torch's dispatch) sit below the model's: remat failed importing its profiler, "internal error: RecursionError"
-# (round 17 probe). remat does not undo the user's setting (a limit is sometimes lowered on purpose, to catch
-# runaway recursion early); a RecursionError while the limit is below the one the command started with, raised
-# anywhere (remat's code, or the model's, wrapped), is one line naming the limit and the fix, exit 2.
+# The model file runs in remat's process, so a process-wide setting it changes holds for remat's own code too.
+# remat does not undo the user's setting (it may be meant); when remat's code fails under one, the line names it.
+# Rule 1. ``sys.setrecursionlimit(50)``: remat's own frames (the CLI, the profiler, torch's dispatch) sit below the
+#   model's; remat failed importing its profiler, "internal error: RecursionError" (round 17 probe). A RecursionError
+#   while the limit is below the one the command started with, raised anywhere (remat's code, or the model's,
+#   wrapped), is one line naming the limit and the fix, exit 2.
+# Rule 2. ``torch.set_default_device("cuda")``: remat's own tensors are made there too; on a machine without CUDA
+#   "internal error: AssertionError: Torch not compiled with CUDA enabled" (round 18 probe, set in
+#   ``example_inputs``). A failure in remat's code (not a RematError) while torch's default device is not the CPU
+#   is one line naming the setting and the failure, exit 2.
 
 
 @contextlib.contextmanager
 def exits_said() -> Iterator[None]:
-    """NOTE [ Exits that skip remat ] (main thread only; elsewhere nothing changes) and NOTE [ A recursion limit
-    the model file lowered ] for the duration of a command."""
+    """NOTE [ Exits that skip remat ] (main thread only; elsewhere nothing changes) and NOTE [ Settings the model
+    file changes ] for the duration of a command."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -85,12 +90,40 @@ def exits_said() -> Iterator[None]:
     except CalledExit as e:  # an os._exit that no boundary of the model's code caught
         raise ProfileError(f"the model's code called {e.call}; return a value or raise an exception instead") from None
     except Exception as e:
-        if sys.getrecursionlimit() >= limit or not _recursion_in(e):
+        changed = _changed_setting(e, limit)
+        if changed is None:
             raise
-        raise BadInput(f"Python's recursion limit is {sys.getrecursionlimit()}, lowered from {limit} by the model "
-                       f"file or a library it imports (sys.setrecursionlimit), and remat ran out of it (RecursionError):"
-                       f" remat and torch call the model deeper than a training script does; raise the limit to at "
-                       f"least {limit}, or remove the call") from e
+        raise BadInput(changed) from e
+
+
+def _changed_setting(e: Exception, limit: int) -> str | None:
+    """The line of NOTE [ Settings the model file changes ] for ``e``, or None."""
+    if sys.getrecursionlimit() < limit and _recursion_in(e):
+        return (f"Python's recursion limit is {sys.getrecursionlimit()}, lowered from {limit} by the model file or a "
+                f"library it imports (sys.setrecursionlimit), and remat ran out of it (RecursionError): remat and "
+                f"torch call the model deeper than a training script does; raise the limit to at least {limit}, or "
+                f"remove the call")
+    from planner.errors import RematError
+
+    device = _default_device()
+    if device is None or isinstance(e, RematError):
+        return None
+    text = (str(e).strip().splitlines() or [""])[0]
+    return (f"the model's code set torch's default device to {device} (torch.set_default_device), and "
+            f"remat's own tensors follow it: {type(e).__name__}: {text}; remove the call (build the model and the "
+            f"batch with device=... instead; remat moves them to --device)")
+
+
+def _default_device() -> str | None:
+    """torch's default device in words when it is not the CPU (Rule 2), else None; no torch import."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "get_default_device"):
+        return None
+    try:
+        device = torch.get_default_device()
+    except Exception:  # noqa: BLE001 -- it probes with a tensor, which fails where the device cannot be used
+        return "a device this machine cannot use"
+    return None if device.type == "cpu" else repr(str(device))
 
 
 def _recursion_in(e: BaseException | None) -> bool:

@@ -101,7 +101,7 @@ def test_a_forked_childs_crash_is_not_remats(tmp_path: Path):
 
 
 def test_a_recursion_limit_the_model_file_lowered_is_named(tmp_path: Path):
-    """NOTE [ A recursion limit the model file lowered ]: 'internal error: RecursionError' (remat's profiler failed
+    """NOTE [ Settings the model file changes ]: 'internal error: RecursionError' (remat's profiler failed
     to import under the model file's limit of 50)."""
     model = model_file(tmp_path, "import sys\nsys.setrecursionlimit(50)\n" + GOOD_MODEL)
     result = _plan_cli(model, tmp_path / "plan.json")
@@ -109,6 +109,41 @@ def test_a_recursion_limit_the_model_file_lowered_is_named(tmp_path: Path):
                      "imports (sys.setrecursionlimit), and remat ran out of it (RecursionError)",
           "raise the limit to at least 1000, or remove the call")
     assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_default_device_the_model_code_set_is_named(tmp_path: Path):
+    """Rule 2 of NOTE [ Settings the model file changes ]: 'internal error: NotImplementedError: Cannot copy out of
+    meta tensor' (remat's own tensors were made on the model file's default device)."""
+    model = model_file(tmp_path, GOOD_MODEL.replace("    return torch.randn(4, 8)", "    x = torch.randn(4, 8)\n"
+                                                    "    torch.set_default_device('meta')\n    return x"))
+    result = _plan_cli(model, tmp_path / "plan.json")
+    check(result, 2, "error: the model's code set torch's default device to 'meta' (torch.set_default_device), and "
+                     "remat's own tensors follow it: NotImplementedError: ", "remove the call")
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the default device must be one torch lacks")
+def test_a_default_device_torch_lacks_fails_in_the_model_code(tmp_path: Path):
+    """Rule 2: remat's optimizer probe made its tensor on the default device ('internal error: AssertionError: Torch
+    not compiled with CUDA enabled'); it is made on the CPU, and the model's build_model fails in its own line."""
+    model = model_file(tmp_path, "torch.set_default_device('cuda')\n" + GOOD_MODEL)
+    result = _plan_cli(model, tmp_path / "plan.json")
+    check(result, 2, f"error: build_model() in {model} raised AssertionError: Torch not compiled with CUDA enabled")
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_the_model_code_cannot_close_remats_streams(tmp_path: Path, stream: str):
+    """Rule 5 of NOTE [ A reader that stops early ]: stdout closed at import was 'internal error: ValueError: I/O
+    operation on closed file.' (exit 1); stderr closed, then an error, printed Python's 'lost sys.stderr'."""
+    raises = "def loss_fn(output):\n    raise ValueError('boom')\n" if stream == "stderr" else ""
+    model = model_file(tmp_path, f"import sys\nsys.{stream}.close()\n" + GOOD_MODEL + raises)
+    out = tmp_path / "plan.json"
+    result = _plan_cli(model, out)
+    if stream == "stdout":
+        check(result, 0, f"wrote {out}")
+    else:
+        check(result, 2, "error: loss_fn raised ValueError: boom")
+        assert "lost sys.stderr" not in result.stderr
 
 
 # ----------------------------------------------------------------------------- plan fields edited by hand
