@@ -228,6 +228,26 @@ def test_an_atexit_callback_that_raises_is_one_note(tmp_path: Path):
     assert result.stderr.count("\n") == 1 and out.exists(), result.stderr
 
 
+# ----------------------------------------------------------------------------- a plot's format is its suffix
+
+
+@pytest.mark.parametrize("name, head", [("f.svg", b"<?xml"), ("f.pdf", b"%PDF"), ("f.png", b"\x89PNG"), ("f", b"\x89PNG")])
+def test_a_plot_is_drawn_in_the_format_its_suffix_names(profile_path: Path, tmp_path: Path, name: str, head: bytes):
+    """NOTE [ A plot's format is its suffix ]: .svg and .pdf got PNG bytes."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / name
+    check(invoke("frontier", "--profile", profile_path, "--points", "3", "--plot", out, "-q"), 0)
+    assert out.read_bytes().startswith(head)
+
+
+def test_a_plot_suffix_remat_cannot_draw_is_refused_before_anything_runs(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "f.jpeg"
+    result = invoke("frontier", model_file(tmp_path, GOOD_MODEL), "--device", "cpu", "--plot", out, "-q")
+    check(result, 2, "error: --plot f.jpeg: remat draws png, svg or pdf, named by the suffix, not .jpeg; use e.g. f.png")
+    assert result.stderr.count("\n") == 1 and not out.exists() and "budget" not in result.output
+
+
 # ----------------------------------------------------------------------------- processes the model file leaves running
 
 

@@ -276,7 +276,7 @@ def frontier_cmd(o: FrontierOptions) -> None:
     if o.plot is not None:
         from planner.cli.plot import require_matplotlib
 
-        require_matplotlib()  # before minutes of profiling, not after
+        require_matplotlib(o.plot)  # before minutes of profiling, not after; its format too
     prof = _profile_source(o, log)
     graph = sweep_graph(prof, o.solvers, granularity=o.granularity, world_size=o.world_size, sharding=o.sharding)
     headroom = o.headroom if o.headroom is not None else headroom_for(prof)
