@@ -43,6 +43,9 @@ from typing import NoReturn
 #   as the shell reports it. The watcher ends when remat ends, whichever way: the pipe closes.
 # Rule 3. When faulthandler is on already (``python -X faulthandler``, PYTHONFAULTHANDLER=1, pytest), its full
 #   dump is what the user asked for: remat leaves it and starts no watcher.
+# Rule 4. The watcher runs in a session of its own and ignores SIGINT: Ctrl-C at the terminal goes to the whole
+#   foreground process group, and the watcher, blocked reading its pipe, printed a KeyboardInterrupt traceback
+#   under remat's "interrupted" line (round 18, found by test_ctrl_c_at_the_terminal_is_one_line).
 
 DONE = b"\0remat-done\n"
 """Written to the watcher's pipe when the command ended in Python's way: whatever came before is a forked
@@ -172,7 +175,7 @@ def _crash_watch() -> Iterator[None]:
     read_fd, write_fd = os.pipe()
     try:
         watcher = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(_library())],
-                                   stdin=read_fd, stdout=subprocess.DEVNULL)
+                                   stdin=read_fd, stdout=subprocess.DEVNULL, start_new_session=True)  # Rule 4
     except OSError:  # no process to spare: remat runs on without the line
         os.close(read_fd), os.close(write_fd)
         yield
@@ -239,6 +242,9 @@ def _is_library(filename: str, library: dict[str, list[str]]) -> bool:
 
 def _watch(library: dict[str, list[str]]) -> None:
     """Read the pipe to its end; say the crash unless remat marked its end as its own (Rule 2)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Rule 4
     dump = sys.stdin.buffer.read()
     if dump.endswith(DONE):
         return

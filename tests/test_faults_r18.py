@@ -97,6 +97,31 @@ def test_a_forked_childs_crash_is_not_remats(tmp_path: Path):
     assert "crashed" not in result.stderr and out.exists(), result.stderr
 
 
+def test_ctrl_c_at_the_terminal_is_one_line(tmp_path: Path):
+    """Rule 4: Ctrl-C at a terminal signals the whole process group; the crash watcher printed a KeyboardInterrupt
+    traceback under remat's 'interrupted' line (test_errors.py signals remat's pid alone)."""
+    import signal
+    import time
+
+    marker = tmp_path / "imported"
+    model = model_file(tmp_path, f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)\n"
+                                 + GOOD_MODEL)
+    proc = subprocess.Popen([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "-q"],
+                            cwd=ROOT, env=PLAIN_ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # a group of its own, as a shell's foreground job
+    try:
+        deadline = time.monotonic() + 90
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and stderr == "interrupted: nothing was written\n", stderr
+
+
 # ----------------------------------------------------------------------------- a lowered recursion limit
 
 
