@@ -196,6 +196,15 @@ def test_a_plan_edited_by_hand_is_refused_where_it_is_wrong(plan_path: Path, tmp
     assert result.stderr.count("\n") == 1, result.stderr
 
 
+def test_a_profile_on_a_device_remat_does_not_profile_on_is_refused(profile_path: Path, tmp_path: Path):
+    """Rule 3: the plan made from it inherited 'tpu', and planning was an internal error (a ValidationError)."""
+    document = json.loads(profile_path.read_text())
+    document["device"] = "tpu"
+    profile_path.write_text(json.dumps(document))
+    check(invoke("plan", "-b", "10MB", "--profile", profile_path), 2,
+          f"error: profile file {profile_path}: device: 'tpu' is not a device remat profiles on (cpu, cuda, meta, ")
+
+
 def test_a_solver_named_by_hand_is_a_record(plan_path: Path, tmp_path: Path):
     """NOTE [ Plan fields edited by hand ], Rule 3: a plan chosen by hand names its own solver; shown as written."""
     result = invoke("show", _edited(plan_path, tmp_path, lambda d: d["solver"].update(name="manual")))

@@ -278,6 +278,8 @@ class Profile(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> "Profile":
         check_records(self)
+        if self.device not in DEVICE_KINDS:  # NOTE [ Plan fields edited by hand ], Rule 3: a plan inherits it
+            raise _bad("device", f"{self.device!r} is not a device remat profiles on ({', '.join(DEVICE_KINDS)})")
         return self
 
     def unit(self, unit_id: str) -> UnitRecord:
@@ -510,7 +512,8 @@ def _check_plan(plan: Plan) -> None:
 # Rule 2. ``fingerprint_digest`` is the digest of the plan's ``fingerprint`` (the stages' of theirs): it is what
 #   ``remat show --why`` matches a profile by, so an edited digest would pair a plan with another model's profile.
 # Rule 3. ``device`` is a device kind remat profiles on (``DEVICE_KINDS``; empty in plans made in Python without
-#   a profile): ``verify`` compares it with the device it trains on. ``solver`` stays a record, read as written:
+#   a profile): ``verify`` compares it with the device it trains on. A profile's too, which its plans inherit
+#   (a profile saying 'tpu' made planning an internal error once plans were checked). ``solver`` stays a record, read as written:
 #   a plan chosen by hand in Python names its own (``SolverInfo(name="manual")``, as tests and benchmarks do), and
 #   its text is checked as all text is (NOTE [ Text in files ] in planner/model/fields.py).
 
