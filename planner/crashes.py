@@ -73,8 +73,9 @@ class CalledExit(SystemExit):
 #   wrapped), is one line naming the limit and the fix, exit 2.
 # Rule 2. ``torch.set_default_device("cuda")``: remat's own tensors are made there too; on a machine without CUDA
 #   "internal error: AssertionError: Torch not compiled with CUDA enabled" (round 18 probe, set in
-#   ``example_inputs``). A failure in remat's code (not a RematError) while torch's default device is not the CPU
-#   is one line naming the setting and the failure, exit 2.
+#   ``example_inputs``). A failure in remat's code (not a RematError) while torch's default device is meta or a
+#   device this machine cannot use is one line naming the setting and the failure, exit 2. A usable GPU as the
+#   default is left alone (an out-of-memory there is what it says; not probed on a GPU in round 18).
 
 
 @contextlib.contextmanager
@@ -118,7 +119,9 @@ def _changed_setting(e: Exception, limit: int) -> str | None:
 
 
 def _default_device() -> str | None:
-    """torch's default device in words when it is not the CPU (Rule 2), else None; no torch import."""
+    """torch's default device in words when remat's own tensors cannot work there (Rule 2: meta, or a device this
+    machine lacks), else None; no torch import. A usable GPU as the default is left alone: a failure there (an
+    out-of-memory) is what it says."""
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "get_default_device"):
         return None
@@ -126,7 +129,7 @@ def _default_device() -> str | None:
         device = torch.get_default_device()
     except Exception:  # noqa: BLE001 -- it probes with a tensor, which fails where the device cannot be used
         return "a device this machine cannot use"
-    return None if device.type == "cpu" else repr(str(device))
+    return repr(str(device)) if device.type == "meta" else None
 
 
 def _recursion_in(e: BaseException | None) -> bool:
