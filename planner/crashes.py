@@ -76,6 +76,9 @@ class CalledExit(SystemExit):
 #   ``example_inputs``). A failure in remat's code (not a RematError) while torch's default device is meta or a
 #   device this machine cannot use is one line naming the setting and the failure, exit 2. A usable GPU as the
 #   default is left alone (an out-of-memory there is what it says; not probed on a GPU in round 18).
+# Rule 3. ``os.umask(0o777)``: remat's new output files get the umask remat started with, the shell's, not the
+#   model's (``planner.files.UMASK_FOR_FILES``; NOTE [ Writing output files ], Rule 3); the plan was written
+#   ``----------`` (round 18 probe). The model's own files keep its umask: remat does not reset it.
 
 
 @contextlib.contextmanager
@@ -86,8 +89,9 @@ def exits_said() -> Iterator[None]:
         yield
         return
     from planner.errors import BadInput, ProfileError
+    from planner.files import UMASK_FOR_FILES, process_umask
 
-    limit = sys.getrecursionlimit()
+    limit, umask = sys.getrecursionlimit(), UMASK_FOR_FILES.set(process_umask())  # Rule 3
     try:
         with _os_exit_raises(), _crash_watch():
             yield
@@ -98,6 +102,8 @@ def exits_said() -> Iterator[None]:
         if changed is None:
             raise
         raise BadInput(changed) from e
+    finally:
+        UMASK_FOR_FILES.reset(umask)
 
 
 def _changed_setting(e: Exception, limit: int) -> str | None:

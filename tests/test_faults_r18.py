@@ -156,6 +156,18 @@ def test_a_default_device_torch_lacks_fails_in_the_model_code(tmp_path: Path):
     check(result, 2, f"error: build_model() in {model} raised AssertionError: Torch not compiled with CUDA enabled")
 
 
+def test_remats_files_take_the_umask_remat_started_with(tmp_path: Path):
+    """Rule 3 of NOTE [ Settings the model file changes ]: the model file's os.umask(0o777) made the plan ----------."""
+    import stat
+
+    from planner.files import process_umask
+
+    model = model_file(tmp_path, "import os\nos.umask(0o777)\n" + GOOD_MODEL)
+    out = tmp_path / "plan.json"
+    check(_plan_cli(model, out), 0, f"wrote {out}")
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~process_umask()
+
+
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
 def test_the_model_code_cannot_close_remats_streams(tmp_path: Path, stream: str):
     """Rule 5 of NOTE [ A reader that stops early ]: stdout closed at import was 'internal error: ValueError: I/O
