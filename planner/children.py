@@ -43,6 +43,9 @@ from planner.errors import Terminated
 #   command shares with its children is named ``remat-KIND-PID-...`` (``temp_dir``), and the next
 #   command that makes one removes those of this user whose PID no longer runs. Why: ``kill -9`` of
 #   ``remat plan --device-memory`` left /tmp/remat-capped-* for good (round 17 probe; the child died).
+# Rule 6. A process the model's code forks (a multiprocessing ``Process``, a DataLoader worker) inherits these
+#   handlers; there SIGTERM and SIGHUP do what they would without remat (the process dies of the signal), not
+#   raise remat's ``Terminated``, which printed a traceback from the child (round 18 probe).
 # Why: SIGTERM during ``remat plan --device-memory`` used to kill remat at once, leaving the capped
 # child running for 90 s under PID 1 and its temporary profile on disk; SIGHUP still did so after
 # SIGTERM was caught (exit 129, no line, /tmp/remat-capped-* left behind).
@@ -65,10 +68,15 @@ def signals_raise() -> Iterator[None]:
         return
 
     def terminated(signum: int, _frame: Any) -> None:
+        if os.getpid() != pid:  # Rule 6: a forked child of the model's code dies of the signal, as it would
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)  # cleanup runs once
         raise Terminated(f"terminated by signal {signum}", signum)
 
+    pid = os.getpid()
     caught = [signal.SIGTERM] + [s for s in HANGUP if signal.getsignal(s) is not signal.SIG_IGN]  # Rule 4
     previous = {sig: signal.signal(sig, terminated) for sig in caught}
     try:

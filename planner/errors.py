@@ -11,10 +11,19 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from solvers.errors import RematError, SolverError
 
 __all__ = ["BadInput", "BudgetInfeasible", "ModelLoadError", "PlanFileError", "PlanMismatch", "ProfileError",
-           "RematError", "SolverError", "Terminated", "VerificationFailed", "WriteFailed"]
+           "RematError", "SolverError", "Terminated", "VerificationFailed", "WriteFailed", "listed"]
+
+
+def listed(names: Sequence[str], shown: int = 4) -> str:
+    """``'a, b, c, d and 3 more'``: the first ``shown`` of ``names`` and how many more, as every message lists
+    names (modules, threads) that may be many."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 class BadInput(RematError):

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import os
 import stat
@@ -31,7 +32,9 @@ from planner.errors import BadInput, WriteFailed
 #   /dev/full turned the device into a regular file.
 # Rule 3. Modes: an existing file keeps its mode (and, for root, its owner and group); a new file
 #   gets what the umask gives, 0666 & ~umask, as ``open(path, "w")`` would. Why: ``mkstemp``
-#   creates 0600, which made plans unreadable to the group that trains with them.
+#   creates 0600, which made plans unreadable to the group that trains with them. While a CLI command runs,
+#   the umask is the one remat started with (``UMASK_FOR_FILES``), the shell's: a model file's ``os.umask(0o777)``
+#   made the plan ``----------`` (round 18 probe; NOTE [ Settings the model file changes ], Rule 3).
 # Rule 4. The bytes go to a temp file in the target's folder (same filesystem), are fsynced and
 #   renamed over the target: a reader sees the old file or the new one, never half of one. The
 #   temp file is removed on every exit path, an exception or a signal that raises included
@@ -198,8 +201,22 @@ def _mode_for(target: Path) -> tuple[int, tuple[int, int] | None]:
     return stat.S_IMODE(st.st_mode), ((st.st_uid, st.st_gid) if keep_owner else None)
 
 
+UMASK_FOR_FILES: contextvars.ContextVar[int | None] = contextvars.ContextVar("remat_umask_for_files", default=None)
+"""The umask new output files get (Rule 3): set by the CLI for a command to the umask remat started with; None
+(Python callers): the process's umask when the file is written."""
+
+
 def _umask() -> int:
-    """The process's umask, read without changing it where the OS allows (Linux: /proc/self/status)."""
+    """The umask for a new file: ``UMASK_FOR_FILES`` when set, else the process's, read without changing it where
+    the OS allows (Linux: /proc/self/status)."""
+    fixed = UMASK_FOR_FILES.get()
+    if fixed is not None:
+        return fixed
+    return process_umask()
+
+
+def process_umask() -> int:
+    """The process's umask now, read without changing it where the OS allows (Linux: /proc/self/status)."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -223,4 +240,5 @@ def _temp_beside(given: Path, target: Path) -> tuple[int, str]:
         raise BadInput(f"cannot write {given}: {e.strerror}; pick a writable location") from None
 
 
-__all__ = ["as_path", "atomic_write", "atomic_write_text", "check_output", "check_writable", "device_kind"]
+__all__ = ["as_path", "atomic_write", "atomic_write_text", "check_output", "check_writable", "device_kind", "process_umask",
+           "UMASK_FOR_FILES"]

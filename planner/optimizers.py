@@ -326,7 +326,7 @@ def _same(value: Any, default: Any) -> bool:
 def _probe_parameter() -> Any:
     import torch
 
-    return torch.nn.Parameter(torch.zeros(1, 1))
+    return torch.nn.Parameter(torch.zeros(1, 1, device="cpu"))  # not the model file's default device
 
 
 def _adafactor_at_lr_zero(cls: type) -> type:

@@ -23,7 +23,7 @@ import networkx as nx
 
 from solvers.cost_model import simulate, window_bytes
 from solvers.dp import min_feasible_bytes
-from planner.errors import BadInput, BudgetInfeasible, SolverError
+from planner.errors import BadInput, BudgetInfeasible, SolverError, listed
 from planner.model.graph import build_graph
 from planner.act.robust import (OPTIMISERS as _OPTIMISERS, canonical, difference_spread_ms, group_search, op_level_stands,
                                 simplest_within_spread)
@@ -337,10 +337,9 @@ def _excluded_text(profile: Profile) -> str:
     """``; 2 modules are excluded from plans: h.0 (why), ...`` (Rule 4), or nothing."""
     if not profile.excluded:
         return ""
-    shown = ", ".join(f"{x.module or '<root>'} ({x.reason})" for x in profile.excluded[:4])
-    more = f" and {len(profile.excluded) - 4} more" if len(profile.excluded) > 4 else ""
     n = len(profile.excluded)
-    return f"; {n} module{'s are' if n > 1 else ' is'} excluded from plans: {shown}{more}"
+    shown = listed([f"{x.module or '<root>'} ({x.reason})" for x in profile.excluded])
+    return f"; {n} module{'s are' if n > 1 else ' is'} excluded from plans: {shown}"
 
 
 _WINDOWS = ("forward of ", "backward of ", "end of forward", "start of backward")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from planner.errors import listed
 from planner.model.fingerprint import plain_name
 
 
@@ -40,8 +41,7 @@ def listing(found: dict[str, str]) -> str:
         by_how.setdefault(how, []).append(name or "<root>")
     parts = []
     for how, names in by_how.items():
-        shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        parts.append(f"{how} on {shown}")
+        parts.append(f"{how} on {listed(sorted(names))}")
     return "; ".join(parts)
 
 

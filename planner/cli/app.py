@@ -74,10 +74,11 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from planner.children import HANGUP, signals_raise
+        from planner.crashes import exits_said
 
         debug = bool(kwargs.get("debug", False))
         try:
-            with signals_raise():
+            with signals_raise(), exits_said():  # NOTE [ Exits that skip remat ]
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
@@ -278,7 +279,7 @@ def frontier_cmd(o: FrontierOptions) -> None:
     if o.plot is not None:
         from planner.cli.plot import require_matplotlib
 
-        require_matplotlib()  # before minutes of profiling, not after
+        require_matplotlib(o.plot)  # before minutes of profiling, not after; its format too
     prof = _profile_source(o, log)
     graph = sweep_graph(prof, o.solvers, granularity=o.granularity, world_size=o.world_size, sharding=o.sharding)
     headroom = o.headroom if o.headroom is not None else headroom_for(prof)

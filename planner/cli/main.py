@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ import typer
 
 from planner.cli.app import app
 from planner.cli.output import reader_may_leave
+from planner.errors import listed
 
 try:  # typer 0.23 and later carry their own copy of click
     from typer._click import exceptions as click_errors
@@ -36,6 +38,8 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``remat`` (``argv`` or the command line) and exit with its code (NOTE [ Usage errors in one line ])."""
+    if "--debug" not in (sys.argv[1:] if argv is None else argv):
+        sys.unraisablehook = _unraisable_line  # NOTE [ Exceptions Python can only report ]
     try:
         with reader_may_leave() as stdout:  # NOTE [ A reader that stops early ]
             code = app(args=list(argv) if argv is not None else None, prog_name="remat", standalone_mode=False)
@@ -64,6 +68,29 @@ def _stdout_lost(stdout: Any, code: Any) -> Any:
     return code if isinstance(code, int) and code else 2
 
 
+# NOTE [ Exceptions Python can only report ]
+#
+# An exception raised where no caller can catch it (an ``atexit`` callback of the model file, a ``__del__``, a
+# weakref callback) goes to ``sys.unraisablehook``, whose default prints "Exception ignored in ..." and a
+# traceback: a model file's atexit callback that raised printed six lines of traceback after remat's last line
+# (round 18 probe, exit 0, the plan written). remat words it as one note on stderr naming the exception and its
+# innermost frame; the exit status stays the command's (the work is done). ``--debug`` keeps Python's report.
+
+
+def _unraisable_line(unraisable: Any) -> None:
+    """NOTE [ Exceptions Python can only report ]."""
+    import traceback
+
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    what = (unraisable.err_msg or "Exception ignored in").rstrip(": ")
+    owner = getattr(unraisable.object, "__qualname__", None) or type(unraisable.object).__name__
+    text = (str(unraisable.exc_value).strip().splitlines() or [""])[0]
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(f"note: {what[:1].lower()}{what[1:]} {owner}: {unraisable.exc_type.__name__}: {text}{where} (remat's "
+              f"result stands; --debug shows the traceback)", file=sys.stderr, flush=True)
+
+
 # NOTE [ Threads the model file leaves running ]
 #
 # Python waits at exit for every thread that is not a daemon. A model file that starts one (a logger, a
@@ -75,6 +102,11 @@ def _stdout_lost(stdout: Any, code: Any) -> Any:
 # Rule 2. A ``concurrent.futures`` pool's workers are not such threads: Python's shutdown ends them
 #   (its own atexit hook), and skipping it could leave the pool's work, or a compile pool's children,
 #   behind. torch.compile's inductor leaves two after ``remat plan --compile``.
+# Rule 3. A ``multiprocessing`` process that is not a daemon is waited for too (multiprocessing's atexit hook
+#   joins it): `Process(target=serve).start()` at import held remat 60 s after its last line (round 18 probe).
+#   Such processes share the threads' grace; any still running are named in one line and ended (SIGTERM, then
+#   SIGKILL, NOTE [ Signals and children ]), as Python's exit would have ended the threads. Daemon processes
+#   (a ``Pool``'s workers) are left to multiprocessing, which ends them at exit.
 
 THREAD_GRACE_S = 2.0
 """Seconds the model file's non-daemon threads get to finish once the command is over."""
@@ -88,10 +120,11 @@ def _leave_threads(code: int) -> None:
     deadline = time.monotonic() + THREAD_GRACE_S
     for thread in _running():
         thread.join(max(0.0, deadline - time.monotonic()))
+    _end_processes(deadline)
     left = _running()
     if not left:
         return
-    names = ", ".join(repr(t.name) for t in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    names = listed([repr(t.name) for t in left], 3)
     print(f"note: {len(left)} thread(s) the model file or a library it uses started still run ({names}); remat exits "
           f"without waiting for "
           f"them (make them daemon threads, or join them, to end them yourself)", file=sys.stderr)
@@ -101,6 +134,27 @@ def _leave_threads(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _end_processes(deadline: float) -> None:
+    """Rule 3 of NOTE [ Threads the model file leaves running ]: end the non-daemon processes Python would wait for."""
+    import time
+
+    from planner.children import end
+
+    multiprocessing = sys.modules.get("multiprocessing")
+    waited = [p for p in multiprocessing.active_children() if not p.daemon] if multiprocessing is not None else []
+    for process in waited:
+        process.join(max(0.0, deadline - time.monotonic()))
+    left = [p for p in waited if p.is_alive()]
+    if not left:
+        return
+    names = listed([f"{p.name!r} (pid {p.pid})" for p in left], 3)
+    print(f"note: {len(left)} process(es) the model file or a library it uses started with multiprocessing still run "
+          f"({names}), which Python would wait for at exit; remat ends them (make them daemon processes, or join "
+          f"them, to end them yourself)", file=sys.stderr, flush=True)
+    for process in left:
+        end(process)
 
 
 def _running() -> list[threading.Thread]:

@@ -511,7 +511,7 @@ FRONTIER = [
         "--points", min=1, max=MAX_POINTS, help="Budgets swept, evenly spaced from the lowest feasible peak to the "
                                                 "peak without checkpointing.")], 12),
     _param("plot", Annotated[str | None, typer.Option(
-        "--plot", metavar="PATH", help="Draw the trade-off to this PNG (needs: pip install 'remat\\[plot]').")], None),
+        "--plot", metavar="PATH", help="Draw the trade-off to this PNG, SVG or PDF, by its suffix (needs: pip install 'remat\\[plot]').")], None),
     _output("Write the points as JSON here (atomic)."),
     PROFILE, *MEASURED_STEP, GRANULARITY, SOLVERS,
     _time_limit(30.0, "Seconds the ILP may search at each budget."), HEADROOM, OFFLOAD, HOST_MEMORY,

@@ -84,6 +84,10 @@ def counter(console: Console, title: str) -> Iterator[Callable[[int, int], None]
 # Rule 4. A standard stream closed when remat starts (``>&-``, ``2>&-``) is opened on /dev/null first:
 #   Python's ``sys.stdout`` is then None (an AttributeError), and the next file remat opened would get
 #   descriptor 1, where a child process's output would land.
+# Rule 5. The model's code cannot close remat's standard streams: ``sys.stdout.close()`` or ``sys.stderr.close()``
+#   in the model file flushes them and leaves them open, as closing a terminal's stream in a script would not
+#   close the terminal. Round 18 probe: stdout closed at import was "internal error: ValueError: I/O operation on
+#   closed file." (exit 1); stderr closed, then an error, printed Python's "lost sys.stderr" dump.
 # Why: rich answered the broken pipe with SystemExit(1) mid-command, whose way out met
 # ``click_errors.Abort``, a name this typer lacks: ~60 lines of traceback and an AttributeError
 # (round 17: ``remat show plan.json | head -1`` and ``remat devices | head -2``); ``> /dev/full`` was an
@@ -120,6 +124,33 @@ class ReaderMayLeave:
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
 
+    def close(self) -> None:
+        """Rule 5: flushed, not closed."""
+        self.flush()
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class KeptOpen:
+    """``stream`` whose ``close()`` only flushes (Rule 5 of NOTE [ A reader that stops early ]); anything else is
+    the stream's."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
+
+    @property
+    def closed(self) -> bool:
+        return False
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
@@ -130,7 +161,7 @@ def reader_may_leave() -> Iterator[ReaderMayLeave]:
     real_out, real_err = sys.stdout, sys.stderr
     _standard_fds_open()
     sys.stdout = ReaderMayLeave(real_out if real_out is not None else open(os.devnull, "w"))
-    sys.stderr = real_err if real_err is not None else open(os.devnull, "w")
+    sys.stderr = KeptOpen(real_err if real_err is not None else open(os.devnull, "w"))  # Rule 5
     try:
         yield sys.stdout
     finally:
@@ -222,4 +253,4 @@ def print_json(obj: Any) -> None:
     stream.flush()
 
 
-__all__ = ["counter", "json_stdout", "json_text", "print_json", "reader_may_leave", "ReaderMayLeave", "stages"]
+__all__ = ["counter", "json_stdout", "json_text", "KeptOpen", "print_json", "reader_may_leave", "ReaderMayLeave", "stages"]

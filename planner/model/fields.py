@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
@@ -89,7 +90,11 @@ def read_document(path: str | Path, what: str) -> Any:
     if not text.strip():
         raise PlanFileError(f"{what} file {path} is empty; re-create it with `remat {what} ...`")
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _KeyTwice as e:  # Rule 5 of NOTE [ Files that are not remat's JSON ]
+        raise PlanFileError(f"{what} file {path} has the key {e.args[0]!r} twice in one object, and JSON readers "
+                            f"disagree on which counts (Python's takes the last); keep one, or re-create the file "
+                            f"with `remat {what} ...`") from None
     except json.JSONDecodeError as e:
         if e.pos == len(text) - len(text.lstrip()):  # Rule 3 of NOTE [ Files that are not remat's JSON ]
             begins = text.lstrip().splitlines()[0][:30]
@@ -105,6 +110,19 @@ def read_document(path: str | Path, what: str) -> Any:
                             f"`remat {what}` wrote, or re-create it") from None
 
 
+class _KeyTwice(Exception):
+    """A JSON object with a key twice; ``args[0]``: the key."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: the object, or ``_KeyTwice`` (Rule 5 of NOTE [ Files that are not remat's JSON ])."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _KeyTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 # NOTE [ Files that are not remat's JSON ]
 #
 # Rule 1. An input file is read as bytes and decoded as UTF-8; a UTF-8 byte-order mark (which some
@@ -116,6 +134,9 @@ def read_document(path: str | Path, what: str) -> Any:
 #   said to begin with what it begins with; "it may be truncated" only of JSON that stops short.
 # Rule 4. An input the system cannot read (permission denied, a name too long: JSON text passed as
 #   a path to ``Plan.load``, an I/O error) is one line with the reason, not an internal OSError.
+# Rule 5. An object with a key twice (``"budget_bytes": 5, "budget_bytes": 1073741824``, as a hand edit or a
+#   merge leaves one) is refused naming the key: JSON readers disagree on which one counts, and Python's took the
+#   last in silence (round 18 probe: `remat show` printed the second budget, exit 0).
 # Why: `remat plan --profile profile.json.gz` and `remat verify model.py model.py` said the file
 # "may be truncated", a profile saved from Notepad with a BOM was refused, and a 100,000-deep
 # array ended as "internal error: RecursionError".
@@ -168,10 +189,46 @@ def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: st
             f"{what} file {path} has schema_version {sv!r}, this remat reads version {version}; "
             f"upgrade remat (pip install -U remat) or re-create the file"
         )
+    control = control_text(data)
+    if control is not None:
+        raise PlanFileError(f"{what} file {path}: {control[0] or '<top>'}: text with the control character "
+                            f"{control[1]!r}, which remat never writes and `remat show` would send to your terminal; "
+                            f"re-create it with `remat {what} ...`")
     try:
         return cls.model_validate(data)
     except ValidationError as e:
         raise PlanFileError(f"{what} file {path}: {field_error(e)}; re-create it with `remat {what} ...`") from None
+
+
+# NOTE [ Text in files ]
+#
+# `remat show` prints a file's text (module names, the model class, the solver's detail, the device's name) to the
+# terminal, and a plan from someone else is meant to be safe to show (docs/cli.md, "Trust"). A control character
+# in that text is a terminal command: ESC [2J cleared the screen, ESC ]0; set the window title (round 18 probe;
+# printed as read, exit 0). Rule 1. A string anywhere in a plan or profile file (a key too) that holds a C0
+# control character other than newline and tab, DEL, or a C1 control character is refused, naming its path and
+# the character, before the file is validated. Rule 2. Newline and tab stay: they are text, and an error
+# message remat recorded may hold them.
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def control_text(data: Any, where: str = "") -> tuple[str, str] | None:
+    """``(path into the file, character)`` of the first string in ``data`` that holds a control character
+    (NOTE [ Text in files ]), or None."""
+    stack = [(where, data)]
+    while stack:
+        at, item = stack.pop()
+        if isinstance(item, str):
+            found = _CONTROL.search(item)
+            if found:
+                return at, found.group()
+        elif isinstance(item, dict):
+            stack.extend((f"{at}.{k}" if at else str(k), k) for k in reversed(item))
+            stack.extend((f"{at}.{k}" if at else str(k), v) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((f"{at}.{i}" if at else str(i), v) for i, v in reversed(list(enumerate(item))))
+    return None
 
 
 def field_error(e: ValidationError) -> str:
@@ -185,5 +242,5 @@ def field_error(e: ValidationError) -> str:
     return f"{loc or '<top>'}: {first['msg'][:1].lower()}{first['msg'][1:]}{shown}"
 
 
-__all__ = ["bad_field", "Bytes", "Count", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
+__all__ = ["bad_field", "Bytes", "Count", "control_text", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
            "MAX_COUNT", "MAX_GRAD_ACCUM", "MAX_THREADS", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]

@@ -289,6 +289,8 @@ class Profile(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> "Profile":
         check_records(self)
+        if self.device not in DEVICE_KINDS:  # NOTE [ Plan fields edited by hand ], Rule 3: a plan inherits it
+            raise _bad("device", f"{self.device!r} is not a device remat profiles on ({', '.join(DEVICE_KINDS)})")
         return self
 
     def unit(self, unit_id: str) -> UnitRecord:
@@ -506,9 +508,53 @@ def _check_plan(plan: Plan) -> None:
         for i, name in enumerate(names):
             if name not in modules:
                 raise _bad(f"{field}.{i}", f"module {name!r} is not in the model (fingerprint.modules)")
+    _check_records(plan)
 
 
-__all__ = ["BUCKETED_PLAN_VERSION", "Bytes", "COMPILED_PLAN_VERSION", "COMPILED_PROFILE_VERSION", "CompileInfo", "CompiledPeak",
+# NOTE [ Plan fields edited by hand ]
+#
+# A plan file is data (docs/cli.md, "Trust"), and one edited by hand is read as remat wrote it or refused; remat
+# never applies a guess at what an edit meant. Round 17 probe: a module listed twice was applied once, and
+# ``solver``, ``device`` and ``fingerprint_digest`` were read without a check.
+# Rule 1. A module is listed once in a plan's (or bucket's, or stage's) checkpoints, and a unit (one call of a
+#   module) once in its selective and offload lists: a second mention is refused naming both places
+#   (``checkpoints.2: module 'h.0' is listed twice (also checkpoints.0)``). remat never writes one; a hand edit
+#   that did meant something remat cannot know.
+# Rule 2. ``fingerprint_digest`` is the digest of the plan's ``fingerprint`` (the stages' of theirs): it is what
+#   ``remat show --why`` matches a profile by, so an edited digest would pair a plan with another model's profile.
+# Rule 3. ``device`` is a device kind remat profiles on (``DEVICE_KINDS``; empty in plans made in Python without
+#   a profile): ``verify`` compares it with the device it trains on. A profile's too, which its plans inherit
+#   (a profile saying 'tpu' made planning an internal error once plans were checked). ``solver`` stays a record, read as written:
+#   a plan chosen by hand in Python names its own (``SolverInfo(name="manual")``, as tests and benchmarks do), and
+#   its text is checked as all text is (NOTE [ Text in files ] in planner/model/fields.py).
+
+DEVICE_KINDS = ("cpu", "cuda", "meta", "synthetic")
+"""The devices a profile (and so a plan) is made on: ``Profile.device``, ``Plan.device``; 'synthetic' for the
+made-up profiles of ``planner.model.synthetic`` (tests, benchmarks)."""
+
+
+def _check_records(plan: Plan) -> None:
+    """NOTE [ Plan fields edited by hand ]."""
+    lists = [("", plan), *((f"buckets.{i}.", b) for i, b in enumerate(plan.buckets)),
+             *((f"stages.{i}.", st) for i, st in enumerate(plan.stages))]
+    for prefix, part in lists:
+        for field, key in (("checkpoints", None), ("selective", "unit"), ("offload", "unit")):
+            seen: dict[str, str] = {}
+            for i, item in enumerate(getattr(part, field, [])):
+                name, where = getattr(item, key) if key else item, f"{prefix}{field}.{i}"
+                if name in seen:
+                    raise _bad(where, f"{'module' if key is None else 'unit'} {name!r} is listed twice (also "
+                                      f"{seen[name]}); list each once")
+                seen[name] = where
+    for prefix, part in (("", plan), *((f"stages.{i}.", st) for i, st in enumerate(plan.stages))):
+        if part.fingerprint_digest != part.fingerprint.digest():
+            raise _bad(f"{prefix}fingerprint_digest", f"{part.fingerprint_digest!r} is not the digest of the "
+                                                      f"plan's fingerprint ({part.fingerprint.digest()!r})")
+    if plan.device and plan.device not in DEVICE_KINDS:
+        raise _bad("device", f"{plan.device!r} is not a device remat profiles on ({', '.join(DEVICE_KINDS)})")
+
+
+__all__ = ["BUCKETED_PLAN_VERSION", "Bytes", "DEVICE_KINDS", "COMPILED_PLAN_VERSION", "COMPILED_PROFILE_VERSION", "CompileInfo", "CompiledPeak",
            "Count", "ExcludedUnit", "Fingerprint", "LOSS_ID", "MAX_BYTES", "MAX_COUNT",
            "MAX_WORLD_SIZE", "MemoryEvent", "Ms", "NonNegFloat", "now_iso", "OpRecord", "OpRef",
            "ParamRecord", "Plan", "PIPELINE_PLAN_VERSION", "Pipeline", "PLAN_SCHEMA_VERSION", "PlanBucket", "BUCKETED_PLAN_VERSION", "Predicted", "Profile",

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from planner.crashes import CalledExit
 from planner.errors import ModelLoadError, ProfileError
 from planner.files import as_path, device_kind
 
@@ -241,7 +242,10 @@ def _call_user(fn: Callable[[], Any], path: Path, what: str) -> Any:
 
 def called_exit(e: SystemExit) -> str:
     """``called sys.exit(3)``: how a model file's ``sys.exit`` (or ``exit()``) is worded in an error. remat runs
-    the file's code in its own process, so an exit there would end remat without saying why."""
+    the file's code in its own process, so an exit there would end remat without saying why. ``os._exit`` is
+    named with where it was called (NOTE [ Exits that skip remat ] in planner/crashes.py)."""
+    if isinstance(e, CalledExit):
+        return f"called {e.call}"
     return f"called sys.exit({e.code!r})" if e.code is not None else "called sys.exit()"
 
 
