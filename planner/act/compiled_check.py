@@ -179,7 +179,9 @@ def compiled_peak(source: Any, *, step: StepSpec | None = None, inputs: Any = No
         master, batches, fn, _label = _load(source, inputs, run_as.loss_fn, plan)
         dev = resolve_device(run_as.device)
         with num_threads(run_as.threads or (plan.threads if dev.type == "cpu" else None)), rng.kept(dev), \
-                _quiet(step_changes.logger):  # the profile said them already
+                _quiet(step_changes.logger), _quiet(logging.getLogger("torch._higher_order_ops.wrap")):
+            # the profile said the step changes already; torch's advice on op-level policies is the applier's
+            # (NOTE [ Compiled profile ], Rule 7: no in-place op is kept), not the user's
             clock = pick_clock(dev, torch.get_num_threads())
             run = _run(master, batches[0], fn, plan, dev, 1, clock, planned=True, compile=plan.compile.backend)
         return run.peak.peak_bytes
