@@ -254,12 +254,11 @@ def test_trainer_smoothing_labels_refuses_a_plan_of_the_models_loss_and_runs_one
     """NOTE [ The Trainer's loss ]: with label_smoothing_factor the Trainer smooths the loss outside the model; a plan
     of the model's own loss was taken and the step's peak went 4.8% over its prediction (10,767,768 bytes against
     10,273,976 at 12 MB). Planned with trainer_step_inputs, the step's measured peak is the predicted one."""
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer
 
     import planner
     from planner.integrations.hf import (RematCallback, check_training_arguments, trainer_optimizer,
                                          trainer_step_inputs, training_recipe)
-    from planner.profiling.tracker import LiveBytesTracker
 
     example, own_loss_plan, _, _ = hf_example
     args = example.training_args(str(tmp_path), steps=2, label_smoothing_factor=0.1)
@@ -271,7 +270,21 @@ def test_trainer_smoothing_labels_refuses_a_plan_of_the_models_loss_and_runs_one
     plan = planner.plan(example.build_model(), "12MB", inputs=inputs, loss_fn=loss_fn, device="cpu", steps=1,
                         recipe=training_recipe(args), optimizer=trainer_optimizer(args))
 
-    class Peak(TrainerCallback):  # each step's peak, counted from the parameters, buffers and optimizer state
+    peak, recorder, model = step_peaks(), example.LossRecorder(), example.build_model()
+    Trainer(model=model, args=args, train_dataset=example.dataset(), callbacks=[recorder, peak, RematCallback(plan)]).train()
+    assert plan.checkpoints and abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    plain_losses, plain_model = example.train(steps=2, label_smoothing_factor=0.1)
+    assert len(recorder.losses) == 2 and recorder.losses == plain_losses and same_weights(model, plain_model)
+
+
+def step_peaks():
+    """A Trainer callback recording each step's peak bytes, counted from the parameters, buffers and optimizer
+    state."""
+    from transformers import TrainerCallback
+
+    from planner.profiling.tracker import LiveBytesTracker
+
+    class Peak(TrainerCallback):
         def __init__(self):
             self.peaks: list[int] = []
 
@@ -285,11 +298,52 @@ def test_trainer_smoothing_labels_refuses_a_plan_of_the_models_loss_and_runs_one
             self.tracker.__exit__(None, None, None)
             self.peaks.append(self.tracker.peak_bytes)
 
-    peak, recorder, model = Peak(), example.LossRecorder(), example.build_model()
-    Trainer(model=model, args=args, train_dataset=example.dataset(), callbacks=[recorder, peak, RematCallback(plan)]).train()
+    return Peak()
+
+
+def z_loss(outputs, labels, num_items_in_batch=None):
+    """A user's ``compute_loss_func``: cross-entropy of the next token plus a z-loss, in float32."""
+    logits = outputs.logits[:, :-1].float()
+    nll = -torch.log_softmax(logits, -1).gather(-1, labels[:, 1:, None]).mean()
+    return nll + 1e-4 * (torch.logsumexp(logits, -1) ** 2).mean()
+
+
+@needs_trainer
+@one_thread_few_rounds
+def test_trainer_compute_loss_func_reports_a_plan_of_the_models_loss_and_runs_one_of_its_own(hf_example, tmp_path):
+    """NOTE [ The Trainer's loss ], Rule 3: a Trainer(compute_loss_func=...) calls the model without labels and
+    computes the loss outside it; a plan of the model's own loss peaked 9.8% over its prediction with no word
+    (11,281,600 bytes against 10,273,976 at 12 MB). The guard now reports it; planned with trainer_step_inputs,
+    the measured peak is the predicted one and losses and weights are the plain run's."""
+    from transformers import Trainer
+
+    import planner
+    from planner.integrations.hf import RematCallback, trainer_optimizer, trainer_step_inputs, training_recipe
+
+    example = hf_example[0]
+    args = example.training_args(str(tmp_path), steps=2)
+    recipe, optimizer = training_recipe(args), trainer_optimizer(args)
+    own_loss_plan = planner.plan(example.build_model(), "12MB", inputs=example.example_inputs(), device="cpu",
+                                 steps=1, recipe=recipe, optimizer=optimizer)
+    trainer = Trainer(model=example.build_model(), args=args, train_dataset=example.dataset(), compute_loss_func=z_loss,
+                      callbacks=[RematCallback(own_loss_plan, guard="error")])
+    with pytest.raises(PlanMismatch, match=re.escape("input labels: planned [4, 64], got none); the predicted peak")):
+        trainer.train()
+    inputs, loss_fn = trainer_step_inputs(args, example.example_inputs(), example.build_model(),
+                                          compute_loss_func=z_loss)
+    assert "labels" not in inputs and loss_fn is not None
+    plan = planner.plan(example.build_model(), "12MB", inputs=inputs, loss_fn=loss_fn, device="cpu", steps=1,
+                        recipe=recipe, optimizer=optimizer)
+    peak, recorder, model = step_peaks(), example.LossRecorder(), example.build_model()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="remat: a batch")
+        Trainer(model=model, args=args, train_dataset=example.dataset(), compute_loss_func=z_loss,
+                callbacks=[recorder, peak, RematCallback(plan)]).train()
     assert plan.checkpoints and abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
-    plain_losses, plain_model = example.train(steps=2, label_smoothing_factor=0.1)
-    assert len(recorder.losses) == 2 and recorder.losses == plain_losses and same_weights(model, plain_model)
+    plain, plain_recorder = example.build_model(), example.LossRecorder()
+    Trainer(model=plain, args=args, train_dataset=example.dataset(), compute_loss_func=z_loss,
+            callbacks=[plain_recorder]).train()
+    assert len(recorder.losses) == 2 and recorder.losses == plain_recorder.losses and same_weights(model, plain)
 
 
 # ----------------------------------------------------------------------------- Lightning
