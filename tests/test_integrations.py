@@ -579,3 +579,4 @@ def test_lightning_callback_reused_for_a_second_module_plans_that_module(lightni
     assert sorted(planned_modules(second.model)) == sorted(plan.checkpoints) and planned_modules(first.model) == []
     assert callback.handle.recompute_count == 3 * len(plan.checkpoints)
     assert second.losses == plain.losses and same_weights(second.model, plain.model)
+
