@@ -580,3 +580,66 @@ def test_lightning_callback_reused_for_a_second_module_plans_that_module(lightni
     assert callback.handle.recompute_count == 3 * len(plan.checkpoints)
     assert second.losses == plain.losses and same_weights(second.model, plain.model)
 
+
+@needs_lightning
+@needs_trainer
+@one_thread_few_rounds
+def test_lightning_step_frees_the_gradients_before_the_forward_as_planned(hf_example):
+    """NOTE [ Lightning zeroes gradients after the forward ]: Lightning runs training_step, then zero_grad, then
+    backward, so the last step's gradients were alive through the forward: the docs' GPT-2 at 12 MB peaked at
+    10,691,320 bytes against 10,273,976 predicted (+4.1%). The callback now frees them when the batch starts: the
+    planned peak, and the losses and weights of the plain fit."""
+    import lightning.pytorch as pl
+
+    import planner
+    from planner.integrations.lightning import RematCallback
+    from planner.profiling.tracker import LiveBytesTracker
+
+    example = hf_example[0]
+    batch = example.example_inputs()
+    plan = planner.plan(example.build_model(), "12MB", inputs=batch, device="cpu", steps=1, optimizer="adamw")
+
+    class GPT2Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = example.build_model()
+
+        def training_step(self, b, i):
+            loss = self.model(**b).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Peak(pl.Callback):  # each step's peak, everything alive when it starts counted
+        def __init__(self):
+            self.peaks: list[int] = []
+
+        def on_train_batch_start(self, trainer, module, b, i):
+            optimizer = trainer.optimizers[0]
+            self.tracker = LiveBytesTracker(device_type="cpu")
+            self.tracker.register_static([*module.parameters(), *module.buffers(),
+                                          *(p.grad for p in module.parameters() if p.grad is not None),
+                                          *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))])
+            self.tracker.__enter__()
+
+        def on_train_batch_end(self, trainer, module, outputs, b, i):
+            self.tracker.__exit__(None, None, None)
+            self.peaks.append(self.tracker.peak_bytes)
+
+    def fit(callbacks):
+        module, peak = GPT2Module(), Peak()
+        module.losses = []
+        rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))] * 3
+        trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[peak, *callbacks])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="remat: the training step")
+            trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=len(batch["input_ids"])))
+        return module, peak.peaks
+
+    planned, peaks = fit([RematCallback(plan)])
+    plain, _ = fit([])
+    assert plan.checkpoints and abs(max(peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    assert len(planned.losses) == 3 and planned.losses == plain.losses and same_weights(planned, plain)
