@@ -89,6 +89,28 @@ def test_trainer_refuses_double_checkpointing_another_model_and_another_recipe(h
 
 
 @needs_trainer
+def test_arguments_checkpointing_by_default_are_named_with_their_class_and_the_fix(hf_example, tmp_path):
+    """NOTE [ Checkpointing the arguments turn on by default ]: TRL's SFTConfig subclasses TrainingArguments with
+    gradient_checkpointing=True as its default; the refusal named 'TrainingArguments(activation_checkpointing=True)',
+    which the job never wrote. It names the class, that it is its default, and the argument to pass."""
+    import dataclasses
+
+    from transformers import Trainer, TrainingArguments
+
+    from planner.integrations.hf import DoubleCheckpointing, RematCallback
+
+    @dataclasses.dataclass
+    class SFTLikeConfig(TrainingArguments):  # as trl's SFTConfig declares it
+        gradient_checkpointing: bool = True
+
+    with pytest.raises(DoubleCheckpointing, match=re.escape(
+            "SFTLikeConfig(gradient_checkpointing=True), SFTLikeConfig's default, checkpoints every layer") + ".*"
+            + re.escape("pass SFTLikeConfig(gradient_checkpointing=False) and let the plan choose")):
+        Trainer(model=hf_example[0].build_model(), callbacks=[RematCallback(hf_example[1])],
+                args=SFTLikeConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
+
+
+@needs_trainer
 def test_trainer_refuses_a_plan_for_another_accumulation_and_clipping_naming_the_flags(hf_example, tmp_path):
     """The plan was made for the Trainer's defaults: clipping at 1.0, one micro-batch, fused AdamW."""
     from transformers import TrainingArguments

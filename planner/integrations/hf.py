@@ -104,9 +104,10 @@ def check_training_arguments(plan: Plan, args: Any, *, optimizer: Any = None, mo
     ``optimizer``: the one the Trainer was given or built (default: the one ``args.optim`` builds)."""
     which = _trainer_checkpointing(args)
     if which:
+        what, fix = which
         raise DoubleCheckpointing(
-            f"{which} checkpoints every layer, and the remat plan would checkpoint on top of it (double "
-            f"checkpointing; the plan's prediction would not hold): turn it off and let the plan choose, or drop "
+            f"{what} checkpoints every layer, and the remat plan would checkpoint on top of it (double "
+            f"checkpointing; the plan's prediction would not hold): {fix} and let the plan choose, or drop "
             f"RematCallback")
     refuse_other_recipe(plan, training_recipe(args, optimizer), framework="these TrainingArguments", settings=_SETTINGS,
                         python_call="training_recipe(args)", other=_other_differences(plan, args, optimizer, model))
@@ -118,16 +119,40 @@ _SETTINGS = {"grad_accum": "gradient_accumulation_steps", "amp": "bf16/fp16",
 """The TrainingArguments behind each ``Recipe`` field, named in refusals."""
 
 
-def _trainer_checkpointing(args: Any) -> str | None:
-    """How the Trainer itself would checkpoint layers, or None."""
-    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name mirrors it)
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if getattr(args, name, None):
-            return f"TrainingArguments({name}=True)"
+# NOTE [ Checkpointing the arguments turn on by default ]
+#
+# TRL's ``SFTConfig`` (and its other trainers' configs) subclass ``TrainingArguments`` with
+# ``gradient_checkpointing=True`` as the default: a job that never wrote it was refused with
+# "TrainingArguments(activation_checkpointing=True) checkpoints every layer", naming a class and
+# an argument (transformers 5's new name) it had not used.
+# Rule 1. The refusal names the arguments' own class and, when the value is that class's default,
+#         says so; the fix names the argument to pass: ``SFTConfig(gradient_checkpointing=False)``.
+# Rule 2. It still refuses: the plan then checkpoints on top of every layer, and its prediction is
+#         for a step without that checkpointing.
+def _trainer_checkpointing(args: Any) -> tuple[str, str] | None:
+    """How the Trainer itself would checkpoint layers, and the argument that turns it off; or None."""
+    cls, names = type(args).__name__, ("gradient_checkpointing", "activation_checkpointing")
+    on = [n for n in names if getattr(args, n, None)]  # transformers 5 mirrors one name into the other
+    by_default = [n for n in on if _field_default(type(args), n) is True]
+    if by_default:  # NOTE [ Checkpointing the arguments turn on by default ]
+        name = by_default[0]
+        return f"{cls}({name}=True), {cls}'s default,", f"pass {cls}({name}=False)"
+    if on:
+        name = on[-1] if len(on) > 1 else on[0]
+        return f"{cls}({name}=True)", f"pass {cls}({name}=False)"
     fsdp_config = getattr(args, "fsdp_config", None) or {}
     if isinstance(fsdp_config, dict) and fsdp_config.get("activation_checkpointing"):
-        return "TrainingArguments(fsdp_config={'activation_checkpointing': True})"
+        return (f"{cls}(fsdp_config={{'activation_checkpointing': True}})",
+                "drop activation_checkpointing from fsdp_config")
     return None
+
+
+def _field_default(cls: type, name: str) -> Any:
+    """The dataclass default of field ``name`` of ``cls``; None when it has none."""
+    import dataclasses
+
+    field = next((f for f in dataclasses.fields(cls) if f.name == name), None) if dataclasses.is_dataclass(cls) else None
+    return None if field is None or field.default is dataclasses.MISSING else field.default
 
 
 def training_recipe(args: Any, optimizer: Any = None) -> Recipe:
