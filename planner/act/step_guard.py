@@ -44,15 +44,20 @@ from planner.sizes import format_bytes
 #   loss (an output mapping with a ``loss``), a forward hook keeps weak references to the other
 #   tensors of the output, and a hook on the loss's gradient, the first thing its backward computes,
 #   reads them: alive then, they are alive through the backward. Reported when they hold over 1% of
-#   the predicted peak. (A loss computed outside the model may save the output itself, so that the
-#   caller holding it costs nothing: not read.) The plan cannot predict that step: drop the output
-#   before backward (``loss = model(**batch).loss``, or ``del outputs``).
+#   the predicted peak; read at the first ``OUTPUT_CHECKS`` backward passes only (a loop keeps its
+#   habit), since the hooks cost 65 us a step of a tiny Llama. (A loss computed outside the model
+#   may save the output itself, so that the caller holding it costs nothing: not read.) The plan
+#   cannot predict that step: drop the output before backward (``loss = model(**batch).loss``, or
+#   ``del outputs``).
 # Each is reported once per ``apply_plan`` as a warning, or raises ``PlanMismatch`` on every such
 # step under ``guard="error"``; ``guard="off"`` installs none. Forwards without grad (evaluation)
 # and forwards traced by ``torch.compile`` are not checked.
 
 KEPT_FRACTION = 0.01
 """An output kept through backward is reported when it holds more than this part of the predicted peak."""
+OUTPUT_CHECKS = 3
+"""Backward passes whose model output is read (Rule 3); after them the hooks cost nothing (65 us a step of the
+tiny Llama of ``benchmarks/wrapper_cost.py --tiny`` while they read)."""
 
 
 class StepGuard:
@@ -70,6 +75,7 @@ class StepGuard:
         by their shards after the plan is applied (held, the full ones stayed alive: +0.41 MiB on a pipeline
         stage's rank)."""
         self.reported: set[str] = set()
+        self.outputs_read = 0
 
     def hooks(self) -> tuple[Any, Any, Any]:
         return _Hook(self.before), _Hook(self.amp), _Hook(self.after)
@@ -86,6 +92,8 @@ class StepGuard:
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Rule 3: at the start of the backward of the model's own loss, its other outputs should be gone (an input
         handed back in the output lives with the batch: not counted)."""
+        if self.outputs_read >= OUTPUT_CHECKS:
+            return
         loss = output.get("loss") if isinstance(output, Mapping) and _checked() else None
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             return
@@ -95,6 +103,7 @@ class StepGuard:
         loss.register_hook(lambda grad: self.at_backward(kept))
 
     def at_backward(self, kept: list[tuple[weakref.ref, int]]) -> None:
+        self.outputs_read += 1
         alive = sum(n for ref, n in kept if ref() is not None)
         if alive > KEPT_FRACTION * self.plan.predicted.peak_bytes:
             self.report("output", f"the model's output ({format_bytes(alive)}, "
@@ -106,7 +115,8 @@ class StepGuard:
     def amp(self, module: nn.Module, args: tuple) -> None:
         if not _checked() or "amp" in self.reported:
             return
-        device = next((p.device.type for p in module.parameters()), None)
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)  # walking parameters: 15 us a call
+        device = tensor.device.type if tensor is not None else next((p.device.type for p in module.parameters()), None)
         running = torch.get_autocast_dtype(device) if device and torch.is_autocast_enabled(device) else None
         planned = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.plan.recipe.amp or "")
         if (running is None) != (planned is None) or (running and running.itemsize != planned.itemsize):
@@ -159,4 +169,4 @@ def install(plan: Plan, model: nn.Module, first: nn.Module | None, mode: str) ->
     return handles
 
 
-__all__ = ["install", "KEPT_FRACTION", "StepGuard"]
+__all__ = ["install", "KEPT_FRACTION", "OUTPUT_CHECKS", "StepGuard"]
