@@ -48,7 +48,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,22 +284,31 @@ def _measure_peak(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> Any
     return built
 
 
+def shuffled_rounds(items: list[Any], rounds: int, *, progress: bool = True) -> Iterator[tuple[int, Any]]:
+    """``(round, item)``: ``rounds`` rounds of every item, each round in an order shuffled afresh, seeded by the
+    round (no item always after the same one, nor always at a round's edge); ``progress``: a line on stderr per
+    round."""
+    for r in range(rounds):
+        if progress:
+            print(f"round {r + 1}/{rounds}", file=sys.stderr)
+        order = list(items)
+        random.Random(r).shuffle(order)
+        for item in order:
+            yield r, item
+
+
 def _time_round_robin(variants: list[Variant], kept: list[Any], mf: Any, dev: torch.device, optimizer: str,
                       repeats: int) -> None:
     runs = [(v, (b if b is not None else _build(v, mf, dev, optimizer))[2])
             for v, b in zip(variants, kept) if not v.error]
-    for r in range(repeats):
-        print(f"round {r + 1}/{repeats}", file=sys.stderr)
-        order = list(runs)
-        random.Random(r).shuffle(order)  # no variant always after the same one
-        for v, step in order:
-            torch.manual_seed(r)
-            sync(dev)
-            t0, c0 = time.perf_counter(), time.process_time()
-            step()
-            sync(dev)
-            v.times_ms.append((time.perf_counter() - t0) * 1e3)
-            v.cpu_ms.append((time.process_time() - c0) * 1e3)
+    for r, (v, step) in shuffled_rounds(runs, repeats):
+        torch.manual_seed(r)
+        sync(dev)
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        sync(dev)
+        v.times_ms.append((time.perf_counter() - t0) * 1e3)
+        v.cpu_ms.append((time.process_time() - c0) * 1e3)
 
 
 # ----------------------------------------------------------------------------- output

@@ -12,8 +12,9 @@ step: the whole step, the Python calls, and the cumulative time of every functio
 to every Python call alike, so compare the two rows, not the step times with an unprofiled run's.
 
 ``--rounds N`` times instead, without cProfile: N rounds of one step of each (the plain model, Hugging
-Face's, remat's), each round starting one later, process CPU time per step; it prints each one's median and
-the median over rounds of remat's step less Hugging Face's. ``--tiny`` builds the model file's Llama at
+Face's, remat's), each round in an order shuffled afresh (``shuffled_rounds`` of ``benchmarks/peers.py``),
+process CPU time per step; it prints each one's median and the median over rounds of remat's step less
+Hugging Face's. ``--tiny`` builds the model file's Llama at
 hidden 16, 8 tokens of a 64-word vocabulary, so that the steps' arithmetic is small and what is left
 is the checkpointing's Python.
 """
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.peers import shuffled_rounds  # noqa: E402
 from planner.act.api import graph_for, plan_of  # noqa: E402
 from planner.act.applier import apply_plan  # noqa: E402
 from planner.model.schema import SolverInfo  # noqa: E402
@@ -107,11 +109,10 @@ def timed(steps: dict, rounds: int, title: str) -> None:
         for _ in range(3):
             step()
     names, cpu_us = list(steps), {name: [] for name in steps}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            c0 = time.process_time_ns()
-            steps[name]()
-            cpu_us[name].append((time.process_time_ns() - c0) / 1e3)
+    for _, name in shuffled_rounds(names, rounds, progress=False):  # peers.py's order: shuffled afresh each round
+        c0 = time.process_time_ns()
+        steps[name]()
+        cpu_us[name].append((time.process_time_ns() - c0) / 1e3)
     print(title)
     for name in names:
         print(f"    {name}: median {statistics.median(cpu_us[name]):.0f} us CPU per step, least {min(cpu_us[name]):.0f}")

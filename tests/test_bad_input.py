@@ -617,6 +617,26 @@ def test_the_guard_reads_the_flags_not_every_module_each_step(monkeypatch):
     handle.remove()
 
 
+def test_checkpoint_wrappers_applied_after_apply_plan_are_reported():
+    """NOTE [ Checkpointed twice ], Rule 1: torch's apply_activation_checkpointing after apply_plan (an FSDP recipe)
+    puts a CheckpointWrapper where each GPT-2 block was, the planned one included; the guard held the blocks found
+    when the plan was applied and said nothing. It finds them again when the module tree changes."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from planner.act.applier import apply_plan
+
+    model, batch = _tiny_gpt2()
+    handle = apply_plan(model, _manual_plan(model, batch, ["transformer.h.0"]))
+    model(**batch).loss.backward()  # nothing to report yet
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, GPT2Block))
+    with pytest.warns(UserWarning, match=r"checkpointing was enabled on the planned model \(torch checkpoint_wrapper "
+                                         r"on transformer\.h\.0, transformer\.h\.1, transformer\.h\.2\): modules "
+                                         r"checkpointed twice: transformer\.h\.0;"):
+        model(**batch).loss.backward()
+    handle.remove()
+
+
 def test_hf_checkpointing_enabled_before_apply_plan_names_every_module_once():
     from planner.act.applier import apply_plan
 

@@ -59,11 +59,13 @@ def bucketed(model: nn.Module) -> Plan:
 
 
 def step(model: nn.Module, rows: int, tokens: int, *, positional: bool = False) -> tuple[torch.Tensor, list[str]]:
-    """One forward and backward under a fixed seed: the loss and the remat warnings."""
+    """One training step's forward and backward (gradients set to None first) under a fixed seed: the loss and
+    the remat warnings."""
     b = batch(rows, tokens)
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        model.zero_grad()
         loss = model(b["input_ids"], b["labels"]) if positional else model(**b)
         loss.backward()
     return loss.detach(), [str(w.message) for w in caught if "remat" in str(w.message)]

@@ -50,9 +50,10 @@ def planned_model(guard: str = "warn"):
 
 
 def step(model: nn.Module, rows: int, tokens: int) -> list[str]:
-    """One forward and backward; the guard's warnings."""
+    """One training step's forward and backward (gradients set to None first); the guard's warnings."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        model.zero_grad()
         model(**batch(rows, tokens)).backward()
     return [str(w.message) for w in caught if "remat" in str(w.message)]
 

@@ -39,6 +39,7 @@ from planner.act.existing import (TWICE_FIX, TwiceGuard, listing, modules_by_pla
 from planner.act.sharding import check_fsdp_options
 from planner.act.mode_guard import ModeGuard
 from planner.act.norm_stats import running_stats_kept
+from planner.act import step_guard
 from planner.act.shape_guard import ShapeGuard
 from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import lazy_modules, model_differences
@@ -350,7 +351,8 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         inputs: the inputs the model will be trained on (as ``example_inputs()`` returns them);
             when given, their shapes are checked against the plan's too.
         guard: what happens when a training forward gets inputs larger than the plan's
-            ("warn": one warning, "error": ``PlanMismatch``, "off": nothing); smaller ones pass.
+            ("warn": one warning, "error": ``PlanMismatch``, "off": nothing); smaller ones pass; and
+            when the loop runs another step than the plan's (NOTE [ The step as the loop runs it ]).
             See NOTE [ Runtime shape guard ].
 
     Returns:
@@ -420,6 +422,8 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         twice = TwiceGuard(model, modules, handle)
         twice.reported = bool(already)  # _report has warned about it already: once
         handle._twice_hook = model.register_forward_pre_hook(twice)
+    first = next((fwd.module for fwd in handle._forwards.values()), None)
+    handle._hooks += step_guard.install(plan, model, first, guard)  # NOTE [ The step as the loop runs it ]
     return handle
 
 

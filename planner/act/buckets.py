@@ -32,8 +32,8 @@ from planner.model.schema import BUCKETED_PLAN_VERSION, Fingerprint, Plan, PlanB
 #   (``BucketSwitch``) picks the first bucket, smallest first, whose every input is at least
 #   as large as the batch's in every dimension. A batch larger than every bucket runs the
 #   largest bucket's checkpoints, and the runtime shape guard reports it as it does for a
-#   single plan (see NOTE [ Runtime shape guard ]). Inputs are named as the fingerprint names
-#   them; the call is bound to forward's signature, so positional and keyword calls both match.
+#   single plan (see NOTE [ Runtime shape guard ]), as it reports any batch lacking an input the
+#   plan names. Inputs are named as the fingerprint names them; the call is bound to forward's signature, so positional and keyword calls both match.
 # Rule 2. Switching. ``apply_plan`` wraps the union of the modules any bucket checkpoints, each
 #   with one ``CheckpointedForward``; a bucket is a mode per wrapper (off, full, or its selective
 #   policy), and the switch sets the modes that change. A region reads its mode when it is
@@ -160,7 +160,8 @@ class BucketSwitch:
 
     Args:
         buckets: per bucket, smallest first: its input shapes by name, and (module, mode) for every wrapped module.
-        guard: the runtime shape guard of the largest bucket, called when no bucket holds a batch; or None.
+        guard: the runtime shape guard of the largest bucket, checking a batch no bucket holds, and a planned
+            input missing from any batch; or None.
         forward: the model's forward, whose signature names positional arguments.
     """
 
@@ -186,10 +187,10 @@ class BucketSwitch:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         index = self.choose(args, kwargs)
+        if self.guard is not None:  # a larger batch when no bucket holds it; a missing input always
+            self.guard.check(args, kwargs, shapes=index is None)
         if index is None:
             index = len(self.shapes) - 1
-            if self.guard is not None:
-                self.guard(module, args, kwargs)
         if index != self.current:
             self.current = index
             self.switches += 1

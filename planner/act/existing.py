@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -20,12 +21,21 @@ from planner.errors import listed
 from planner.model.fingerprint import plain_name
 
 
-def hf_checkpointing(model: nn.Module) -> bool:
-    """A Hugging Face model with its gradient (activation, in transformers 5) checkpointing on."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the new name first: no warning
-        if hasattr(type(model), name):
-            return getattr(model, name) is True
-    return False
+def hf_checkpointing(model: nn.Module, flagged: list[nn.Module] | None = None) -> bool:
+    """A Hugging Face model with its gradient (activation, in transformers 5) checkpointing on: Hugging Face's own
+    test (``is_activation_checkpointing``), read over ``flagged`` (``hf_flagged(model)``, its modules that carry the
+    flag) when the caller keeps that list, as ``TwiceGuard`` does, instead of walking every module."""
+    if flagged is None:
+        flagged = hf_flagged(model)
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in flagged)
+
+
+def hf_flagged(model: nn.Module) -> list[nn.Module]:
+    """The modules of a Hugging Face model that carry a ``gradient_checkpointing`` flag (none of another model):
+    those ``gradient_checkpointing_enable()`` sets."""
+    if not any(hasattr(type(model), n) for n in ("is_activation_checkpointing", "is_gradient_checkpointing")):
+        return []
+    return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
 
 
 def ancestors(name: str) -> list[str]:
@@ -119,6 +129,12 @@ def overlap(name: str, already: dict[str, str]) -> str | None:
 #     stderr and records them (``Profile.user_checkpointed``); when no plan fits, the error names
 #     them and the fix, where it said only "no candidate frees memory there" (a peft LoRA Llama
 #     whose layers a QLoRA recipe had checkpointed with ``gradient_checkpointing_enable()``).
+# Rule 1. The guard finds its modules again when the model's module tree changes (a submodule
+#   registered into a planned model's module since it last looked: ``_Registrations``, counted by
+#   torch's global registration hook). torch's ``apply_activation_checkpointing`` after ``apply_plan`` (an FSDP
+#   recipe) puts a ``CheckpointWrapper`` where a planned layer was: the guard held the layers found
+#   when the plan was applied, saw no wrapper, and said nothing; a module added later (a grown
+#   layer) was never read either. The walk runs only after such a change, not every step.
 # The fix in every order is the same: ``model.gradient_checkpointing_disable()`` and let the plan
 # choose, or ``handle.remove()`` and use the other.
 
@@ -136,29 +152,60 @@ def user_checkpointed_text(found: dict[str, str]) -> str:
             f"checkpoint wrappers)")
 
 
+class _Registrations:
+    """How many submodules were registered (``setattr``, ``add_module``, a ``ModuleList.append``) into a module of a
+    planned model since the first ``TwiceGuard``: a guard finds its modules again when it moved (NOTE [ Checkpointed
+    twice ], Rule 1). Only into a planned model's modules: a Hugging Face forward slices its ``ModuleList`` of layers
+    (``self.layers[:n]``), which registers every layer into a new list, at every step."""
+
+    count = 0
+    parents: weakref.WeakSet = weakref.WeakSet()
+
+    @staticmethod
+    def registered(module: nn.Module, name: str, submodule: Any) -> None:
+        if module in _Registrations.parents:
+            _Registrations.count += 1
+
+
+@functools.cache
+def _count_registrations() -> None:
+    torch.nn.modules.module.register_module_module_registration_hook(_Registrations.registered)
+
+
 class TwiceGuard:
     """A forward pre-hook warning once when checkpointing is enabled on a planned model (NOTE [ Checkpointed twice ])."""
 
     _remat_hook = True  # remat's: planner.remove_plan drops it from a copy (NOTE [ Plans carried without a handle ])
 
     def __init__(self, model: nn.Module, modules: dict[str, nn.Module], handle: Any):
+        _count_registrations()
         self.model = model
         planned = list(handle._forwards)
         self.planned = set(planned)
-        names = {a for name in planned for a in ancestors(name)} | self.planned
-        self.watch = {n: modules[n] for n in names if n in modules}
+        self.names = {a for name in planned for a in ancestors(name)} | self.planned
         self.reported = False
-        # Hugging Face's ``is_activation_checkpointing`` walks every module on each read (0.15 ms a step
-        # of a 4-layer Llama); ``gradient_checkpointing_enable()`` sets the flag only on modules that
-        # have it, so the guard keeps those and reads their flags alone.
-        self.hf_flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")] if any(
-            hasattr(type(model), n) for n in ("is_activation_checkpointing", "is_gradient_checkpointing")) else []
+        self.find(modules)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A model copied or loaded with its plan: its modules are found again at the first call, and counted."""
+        self.__dict__.update(state)
+        self.registrations = -1
+        _count_registrations()
+
+    def find(self, modules: dict[str, nn.Module]) -> None:
+        """The planned modules and their ancestors by name, and the modules with Hugging Face's flag (whose
+        ``is_activation_checkpointing`` walks every module on each read: 0.15 ms a step of a 4-layer Llama)."""
+        self.watch = [modules[n] for n in self.names if n in modules]
+        self.hf_flagged = hf_flagged(self.model)
+        _Registrations.parents.update(self.model.modules())
+        self.registrations = _Registrations.count
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        if not (any(checkpointed_by(m) for m in self.watch.values())
-                or any(getattr(m, "gradient_checkpointing", False) for m in self.hf_flagged)):
+        if self.registrations != _Registrations.count:  # the module tree changed: NOTE [ Checkpointed twice ], Rule 1
+            self.find(modules_by_plain_name(self.model))
+        if not (any(checkpointed_by(m) for m in self.watch) or hf_checkpointing(self.model, self.hf_flagged)):
             return
         found = user_checkpointed(self.model, modules_by_plain_name(self.model))  # once: every module
         if not found:
@@ -174,5 +221,5 @@ TWICE_FIX = ("Call model.gradient_checkpointing_disable() (or drop the wrapper) 
              "checkpoint, or handle.remove() the plan")
 
 
-__all__ = ["TWICE_FIX", "TwiceGuard", "ancestors", "checkpointed_by", "hf_checkpointing", "is_hf_layer", "listing",
-           "modules_by_plain_name", "overlap", "user_checkpointed"]
+__all__ = ["TWICE_FIX", "TwiceGuard", "ancestors", "checkpointed_by", "hf_checkpointing", "hf_flagged", "is_hf_layer",
+           "listing", "modules_by_plain_name", "overlap", "user_checkpointed"]

@@ -34,7 +34,13 @@ from planner.sizes import format_bytes
 #     once per handle, with the planned and the actual shapes: a warning under "warn" (the
 #     default), ``PlanMismatch`` under "error";
 #   - equal or smaller inputs pass silently: activations shrink with them;
-#   - inputs the plan does not name (an attention mask it was made without) are not checked.
+#   - inputs the plan does not name (an attention mask it was made without) are not checked;
+#   - an input the plan names that the call lacks (or passes as None) is reported the same way: the
+#     forward is not the planned one. ``labels`` missing means the loss is computed outside the
+#     model (a ``Trainer``'s ``compute_loss_func`` or label smoothing, a loop's own loss function),
+#     and the plan's prediction holds the model's own loss: a z-loss ``compute_loss_func`` on the
+#     docs' GPT-2 peaked 9.8% over it, with no word (NOTE [ The Trainer's loss ]). Checked only where
+#     forward's signature binds the call (it tells a keyword from a position).
 # Forwards without grad (evaluation) and forwards traced by ``torch.compile`` are not checked.
 # To plan for variable-length data, plan at the largest shape the job will see, or plan several
 # shapes in one bucketed plan (NOTE [ Bucketed plans ] in planner/act/buckets.py).
@@ -82,35 +88,53 @@ class ShapeGuard:
         return given
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.check(args, kwargs)
+
+    def check(self, args: tuple, kwargs: dict, *, shapes: bool = True) -> None:
+        """Report a larger input (``shapes``; a bucketed plan checks that itself) or a missing one."""
         if self.reported or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        shapes = _flat_shapes(args, kwargs)
-        if shapes is not None and shapes == self.passed:  # the shapes of the last call that passed
+        flat = _flat_shapes(args, kwargs)
+        if flat is not None and flat == self.passed:  # the shapes of the last call that passed
             return
-        larger = self.larger_inputs(args, kwargs)
-        if not larger:
-            self.passed = shapes
+        given = self.named_arguments(args, kwargs)
+        found = [f"input {n}: planned {p}, got {a}" for n, p, a in self.larger_inputs(given)] if shapes else []
+        missing = self.missing_inputs(given)
+        found += [f"input {name}: planned {self.planned[name]}, got none" for name in missing]
+        if not found:
+            self.passed = flat
             return
         self.reported = True
-        listing = "; ".join(f"input {name}: planned {planned}, got {actual}" for name, planned, actual in larger)
-        message = (f"remat: a batch is larger than the plan was made for ({listing}); the predicted peak "
-                   f"({format_bytes(self.peak_bytes)}) no longer holds. Plan at the largest shape the job will "
-                   f"see (e.g. pad or cap to it)")
+        message = (f"remat: a batch is {'not what' if missing else 'larger than'} the plan was made for "
+                   f"({'; '.join(found)}); the predicted peak ({format_bytes(self.peak_bytes)}) no longer holds. "
+                   + (_MISSING_FIX if missing else "Plan at the largest shape the job will see (e.g. pad or cap to it)"))
         if self.mode == "error":
             self.reported = False  # raise on every such batch
-            raise PlanMismatch(message + ", or pass guard='warn'", [f"input {n}: planned {p}, got {a}"
-                                                                     for n, p, a in larger])
-        warnings.warn(message + "; reported once", stacklevel=3)
+            raise PlanMismatch(message + ", or pass guard='warn'", found)
+        warnings.warn(message + "; reported once", stacklevel=4)
 
-    def larger_inputs(self, args: tuple, kwargs: dict) -> list[tuple[str, list[int], list[int]]]:
-        """``(name, planned shape, actual shape)`` of every input larger than planned."""
-        given = self.named_arguments(args, kwargs)
+    def missing_inputs(self, given: dict[str, Any]) -> list[str]:
+        """The planned inputs the call lacks or passes as None (NOTE [ Runtime shape guard ]); none checked
+        when forward's signature is unknown: a keyword could then be a planned position."""
+        if self.signature is None:
+            return []
+        return [name for name in self.planned if given.get(name.split(".")[0]) is None]
+
+    def larger_inputs(self, given: dict[str, Any]) -> list[tuple[str, list[int], list[int]]]:
+        """``(name, planned shape, actual shape)`` of every input of ``given`` (``named_arguments``) larger than
+        planned."""
         out = []
         for name, t in input_tensors(given):
             planned = self.planned.get(name)
             if planned is not None and _exceeds(list(t.shape), planned):
                 out.append((name, planned, list(t.shape)))
         return out
+
+
+_MISSING_FIX = ("Make the plan with the inputs the training forward gets; with 'labels' missing the loss is "
+                "computed outside the model, so plan that loss: planner.plan(model, budget, inputs=<the batch without "
+                "labels>, loss_fn=<the loss of the output>) (Trainer: inputs, loss_fn = trainer_step_inputs(args, "
+                "batch, model, compute_loss_func=...))")
 
 
 def _flat_shapes(args: tuple, kwargs: dict) -> tuple | None:

@@ -104,9 +104,10 @@ def check_training_arguments(plan: Plan, args: Any, *, optimizer: Any = None, mo
     ``optimizer``: the one the Trainer was given or built (default: the one ``args.optim`` builds)."""
     which = _trainer_checkpointing(args)
     if which:
+        what, fix = which
         raise DoubleCheckpointing(
-            f"{which} checkpoints every layer, and the remat plan would checkpoint on top of it (double "
-            f"checkpointing; the plan's prediction would not hold): turn it off and let the plan choose, or drop "
+            f"{what} checkpoints every layer, and the remat plan would checkpoint on top of it (double "
+            f"checkpointing; the plan's prediction would not hold): {fix} and let the plan choose, or drop "
             f"RematCallback")
     refuse_other_recipe(plan, training_recipe(args, optimizer), framework="these TrainingArguments", settings=_SETTINGS,
                         python_call="training_recipe(args)", other=_other_differences(plan, args, optimizer, model))
@@ -118,16 +119,40 @@ _SETTINGS = {"grad_accum": "gradient_accumulation_steps", "amp": "bf16/fp16",
 """The TrainingArguments behind each ``Recipe`` field, named in refusals."""
 
 
-def _trainer_checkpointing(args: Any) -> str | None:
-    """How the Trainer itself would checkpoint layers, or None."""
-    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name mirrors it)
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if getattr(args, name, None):
-            return f"TrainingArguments({name}=True)"
+# NOTE [ Checkpointing the arguments turn on by default ]
+#
+# TRL's ``SFTConfig`` (and its other trainers' configs) subclass ``TrainingArguments`` with
+# ``gradient_checkpointing=True`` as the default: a job that never wrote it was refused with
+# "TrainingArguments(activation_checkpointing=True) checkpoints every layer", naming a class and
+# an argument (transformers 5's new name) it had not used.
+# Rule 1. The refusal names the arguments' own class and, when the value is that class's default,
+#         says so; the fix names the argument to pass: ``SFTConfig(gradient_checkpointing=False)``.
+# Rule 2. It still refuses: the plan then checkpoints on top of every layer, and its prediction is
+#         for a step without that checkpointing.
+def _trainer_checkpointing(args: Any) -> tuple[str, str] | None:
+    """How the Trainer itself would checkpoint layers, and the argument that turns it off; or None."""
+    cls, names = type(args).__name__, ("gradient_checkpointing", "activation_checkpointing")
+    on = [n for n in names if getattr(args, n, None)]  # transformers 5 mirrors one name into the other
+    by_default = [n for n in on if _field_default(type(args), n) is True]
+    if by_default:  # NOTE [ Checkpointing the arguments turn on by default ]
+        name = by_default[0]
+        return f"{cls}({name}=True), {cls}'s default,", f"pass {cls}({name}=False)"
+    if on:
+        name = on[-1] if len(on) > 1 else on[0]
+        return f"{cls}({name}=True)", f"pass {cls}({name}=False)"
     fsdp_config = getattr(args, "fsdp_config", None) or {}
     if isinstance(fsdp_config, dict) and fsdp_config.get("activation_checkpointing"):
-        return "TrainingArguments(fsdp_config={'activation_checkpointing': True})"
+        return (f"{cls}(fsdp_config={{'activation_checkpointing': True}})",
+                "drop activation_checkpointing from fsdp_config")
     return None
+
+
+def _field_default(cls: type, name: str) -> Any:
+    """The dataclass default of field ``name`` of ``cls``; None when it has none."""
+    import dataclasses
+
+    field = next((f for f in dataclasses.fields(cls) if f.name == name), None) if dataclasses.is_dataclass(cls) else None
+    return None if field is None or field.default is dataclasses.MISSING else field.default
 
 
 def training_recipe(args: Any, optimizer: Any = None) -> Recipe:
@@ -168,30 +193,46 @@ def _other_differences(plan: Plan, args: Any, optimizer: Any, model: Any) -> lis
 
 # NOTE [ The Trainer's loss ]
 #
-# With ``label_smoothing_factor`` > 0 the Trainer takes ``labels`` out of the batch, calls the
-# model without them, and smooths the loss outside it (``LabelSmoother``: a log-softmax over the
-# logits and two reductions). A plan profiled with the labels in the batch has the model's own
-# loss in its prediction, not the Trainer's: on the docs' GPT-2 at a 12 MB budget the step's peak
-# was 10,767,768 bytes against 10,273,976 predicted (+4.8%; the logits' size, which grows with
-# the vocabulary, is what differs).
-# Rule 1. ``trainer_step_inputs(args, batch, model)`` gives the batch and the loss the Trainer
-#         runs: plan with them and the prediction is the Trainer's step's (10,779,988 predicted).
+# With ``label_smoothing_factor`` > 0, or a ``Trainer(compute_loss_func=...)``, the Trainer takes
+# ``labels`` out of the batch, calls the model without them, and computes the loss outside it
+# (``LabelSmoother``: a log-softmax over the logits and two reductions; or the user's function).
+# A plan profiled with the labels in the batch has the model's own loss in its prediction, not the
+# Trainer's: on the docs' GPT-2 at a 12 MB budget the step's peak was 10,767,768 bytes against
+# 10,273,976 predicted with smoothing (+4.8%), 11,281,600 with a z-loss ``compute_loss_func``
+# (+9.8%; the logits' size, which grows with the vocabulary, is what differs).
+# Rule 1. ``trainer_step_inputs(args, batch, model, compute_loss_func=...)`` gives the batch and the
+#         loss the Trainer runs: plan with them and the prediction is the Trainer's step's.
+#         ``compute_loss_func`` gets ``num_items_in_batch`` as the Trainer counts it (the batch's
+#         labels other than -100, shifted for a causal LM, times the accumulation steps): a scalar,
+#         for the loss's value; the memory does not depend on it.
 # Rule 2. The callback refuses a plan whose inputs name ``labels`` when the Trainer smooths: the
 #         plan cannot have been made with the Trainer's loss. (A plan without ``labels`` may be
 #         a model whose loss needs none; it is not refused.)
+# Rule 3. ``compute_loss_func`` is the Trainer's own, which no callback is shown: the runtime guard
+#         reports the first training forward that lacks the plan's ``labels`` (NOTE [ Runtime shape
+#         guard ], a planned input missing), naming ``trainer_step_inputs``.
 
-def trainer_step_inputs(args: Any, batch: dict[str, Any], model: Any = None) -> tuple[dict[str, Any], Any]:
-    """The batch and ``loss_fn`` a ``Trainer`` with ``args`` runs ``model`` with, for ``planner.plan(model, budget,
-    inputs=inputs, loss_fn=loss_fn, ...)``; ``loss_fn`` None: the model's own loss (NOTE [ The Trainer's loss ])."""
+def trainer_step_inputs(args: Any, batch: dict[str, Any], model: Any = None, *,
+                        compute_loss_func: Any = None) -> tuple[dict[str, Any], Any]:
+    """The batch and ``loss_fn`` a ``Trainer`` with ``args`` (and ``compute_loss_func``, if it is given one) runs
+    ``model`` with, for ``planner.plan(model, budget, inputs=inputs, loss_fn=loss_fn, ...)``; ``loss_fn`` None: the
+    model's own loss (NOTE [ The Trainer's loss ])."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.trainer_pt_utils import LabelSmoother
 
-    if not _smooths(args, model) or "labels" not in batch:
+    if "labels" not in batch or (compute_loss_func is None and not _smooths(args, model)):
         return batch, None
-    smoother, labels = LabelSmoother(epsilon=args.label_smoothing_factor), batch["labels"]
+    labels = batch["labels"]
     base = getattr(getattr(model, "base_model", None), "model", model)  # a PEFT model's, as the Trainer reads it
     shift = base is None or type(base).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-    return {k: v for k, v in batch.items() if k != "labels"}, lambda output: smoother(output, labels, shift_labels=shift)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if compute_loss_func is not None:
+        counted = labels[..., 1:] if shift and not getattr(getattr(base, "config", None), "is_encoder_decoder",
+                                                           False) else labels
+        items = counted.ne(-100).sum() * (getattr(args, "gradient_accumulation_steps", 1) or 1)
+        return inputs, lambda output: compute_loss_func(output, labels, num_items_in_batch=items)
+    smoother = LabelSmoother(epsilon=args.label_smoothing_factor)
+    return inputs, lambda output: smoother(output, labels, shift_labels=shift)
 
 
 def _smooths(args: Any, model: Any) -> bool:

@@ -102,6 +102,27 @@ class RematCallback(pl.Callback):
         refuse_other_recipe(self.plan, training_recipe(trainer, optimizer), framework="this Trainer",
                             settings=_SETTINGS, python_call="training_recipe(trainer, optimizer)", other=other)
 
+    # NOTE [ Lightning zeroes gradients after the forward ]
+    #
+    # Lightning's automatic optimization runs ``training_step``, then ``optimizer.zero_grad()``, then
+    # backward: the last step's gradients are alive through the forward. A plan's step (and a plain
+    # loop's, and the Hugging Face Trainer's) frees them before it, so on the docs' GPT-2 at a 12 MB
+    # budget Lightning's step peaked at 10,691,320 bytes against 10,273,976 predicted (+4.1%), and the
+    # step guard reports it (NOTE [ The step as the loop runs it ], Rule 1).
+    # Rule 1. When a batch starts, the callback sets the gradients to None, as Lightning is about to:
+    #         the gradients backward makes, the loss and the weights are the same (the step already
+    #         used the old gradients), and the step is the planned one.
+    # Rule 2. Not under manual optimization, nor with an overridden ``optimizer_zero_grad`` (the
+    #         module decides), nor when the plan keeps gradients alive anyway (accumulation).
+    #         ``on_before_zero_grad`` hooks see gradients set to None.
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if (self.handle is None or self.plan.recipe.grads_alive or not pl_module.automatic_optimization
+                or is_overridden("optimizer_zero_grad", pl_module)):
+            return
+        for optimizer in trainer.optimizers:  # NOTE [ Lightning zeroes gradients after the forward ]
+            optimizer.zero_grad(set_to_none=True)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         pl_module.__dict__.pop("configure_model", None)  # fit failed before configure_model ran
 
