@@ -347,6 +347,12 @@ class MemoryRecorder(Recorder):
         (NOTE [ Saved tensors without their graph ]); ``watch=False``: autograd does not keep what it returns."""
         if not self.in_forward:
             return t
+        packed = self._pack(t, watch)
+        if self.stack:  # every pack counts where a replay stops (NOTE [ The replay stops at the last save ], Rule 3)
+            self.stack[-1].last_pack_seq = self.seq
+        return packed
+
+    def _pack(self, t: torch.Tensor, watch: bool) -> torch.Tensor:
         e = self.tracker.entry(t)
         if e is None or e.static:  # parameters, their views, buffers, the batch: not new memory
             return t

@@ -62,6 +62,7 @@ class UnitCall:
         "input_bytes",
         "input_ids",
         "key",
+        "last_pack_seq",
         "module_type",
         "output_bytes",
         "output_ids",
@@ -82,6 +83,8 @@ class UnitCall:
         """The outputs backward gives a gradient from outside the call (NOTE [ Outputs without a gradient ]
         in recording.py); None: not known."""
         self.input_bytes = self.output_bytes = self.param_bytes = 0
+        self.last_pack_seq: int | None = None
+        """Seq of the call's last pack as the innermost unit (NOTE [ The replay stops at the last save ], Rule 3)."""
 
 
 @dataclass
