@@ -73,3 +73,47 @@ def test_a_replay_runs_on_to_a_pack_of_a_tensor_saved_before_and_re_makes_the_ou
     assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
     assert 0 <= report.measured_peak_bytes - report.predicted_peak_bytes <= REPLAY_TEMPORARY_BYTES + 8, (
         report.predicted_peak_bytes, report.measured_peak_bytes)
+
+
+def _mlp(width: int = 32) -> nn.Sequential:
+    return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+
+class ScaledInPlace(nn.Module):
+    """Residual MLP blocks whose output the caller scales in place (``h.mul_(0.5)``); a Linear on a 3-D input
+    returns a view, so autograd drops the output's node from the graph."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_mlp() for _ in range(3))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(x)
+            h.mul_(0.5)
+            x = x + h
+        return self.head(x).square().mean()
+
+
+def _tokens():
+    return {"x": torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))}
+
+
+@pytest.mark.parametrize("block", ["blocks.1", "blocks.2"])
+def test_a_blocks_backward_starts_where_its_output_written_in_place_gets_its_gradient(block):
+    # NOTE [ Outputs written in place ]: the start of each block's backward was never heard, its window folded
+    # into the one before; checkpointed, blocks.1 was predicted 345,056 and measured 370,392 (-6.84%, the mid
+    # plan, over its budget), blocks.2 370,520 / 419,168 (-11.6%)
+    prof = planner.profile(ScaledInPlace(), _tokens(), device="cpu", optimizer="none", steps=1, threads=1)
+    unit = prof.unit(block)
+    assert unit.bwd_start_seq < prof.unit(block + ".3").bwd_end_seq  # its last layer's backward inside its own
+    g = graph_for(prof)
+    plan = plan_of(prof, g, simulate(g, [block]), 2 * simulate(g, []).peak_bytes,
+                   solver=SolverInfo(name="by hand", status="optimal"))
+    report = verify(ScaledInPlace(), plan, inputs=_tokens(), device="cpu", steps=1, tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
+    assert 0 <= report.predicted_peak_bytes - report.measured_peak_bytes <= 128, (
+        report.predicted_peak_bytes, report.measured_peak_bytes)
