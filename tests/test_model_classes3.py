@@ -16,6 +16,15 @@ from solvers.replay import replay_stop_seq
 
 pytestmark = pytest.mark.usefixtures("one_thread", "bytes_only")
 
+def _by_hand(model: nn.Module, batch: dict, units: list[str]):
+    """The profile of ``model`` and its plan checkpointing ``units`` by hand, twice the unplanned peak its budget
+    (``verify`` judges the prediction, gradients and buffers, not a budget the set was not chosen for)."""
+    prof = planner.profile(model, batch, device="cpu", optimizer="none", steps=1, threads=1)
+    g = graph_for(prof)
+    return prof, plan_of(prof, g, simulate(g, units), 2 * simulate(g, []).peak_bytes,
+                         solver=SolverInfo(name="by hand", status="optimal"))
+
+
 REPLAY_TEMPORARY_BYTES = 16_384
 """What ``WideGate``'s replay is still under by (docs/zoo.md, round 18, left): ``cat``'s result (32,768 bytes), alive
 while ``repeat`` makes the wide output, less the product (16,384) that ends the unplanned forward, whose peak
@@ -60,14 +69,12 @@ def test_a_replay_runs_on_to_a_pack_of_a_tensor_saved_before_and_re_makes_the_ou
     # NOTE [ The replay stops at the last save ], Rule 3: the profile recorded a tensor's first save in a unit
     # only, so the last block's stop was seen at sigmoid's save, before its wide output; its replay runs on to
     # the product's packs and re-makes it: 817,616 predicted, 888,304 measured (-7.96%), verify not ok
-    prof = planner.profile(WideGates(), _batch(), device="cpu", optimizer="none", steps=1, threads=1)
+    prof, plan = _by_hand(WideGates(), _batch(), ["blocks.2"])
     g = graph_for(prof)
-    block = next(u for u in prof.units if u.id == "blocks.2")
+    block = prof.unit("blocks.2")
     (wide, _) = block.output_ids
     assert replay_stop_seq(CostModel.of(g), "blocks.2") == block.last_pack_seq >= prof.tensors[wide].created_seq
-    est = simulate(g, ["blocks.2"])
-    assert est.peak_at == "recompute of blocks.2"
-    plan = plan_of(prof, g, est, 2 * simulate(g, []).peak_bytes, solver=SolverInfo(name="by hand", status="optimal"))
+    assert simulate(g, ["blocks.2"]).peak_at == "recompute of blocks.2"
     report = verify(WideGates(), plan, inputs=_batch(), device="cpu", steps=1, tolerance=0.0)
     assert report.ok, report.problems
     assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
@@ -79,22 +86,35 @@ def _mlp(width: int = 32) -> nn.Sequential:
     return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
 
-class ScaledInPlace(nn.Module):
+class Blocks(nn.Module):
+    """Three blocks made by ``make``, run by ``step``, and a head; the loss in forward."""
+
+    def __init__(self, make):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(make() for _ in range(3))
+        self.head = nn.Linear(32, 1)
+
+    def step(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return block(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.step(block, x)
+        return self.head(x).square().mean()
+
+
+class ScaledInPlace(Blocks):
     """Residual MLP blocks whose output the caller scales in place (``h.mul_(0.5)``); a Linear on a 3-D input
     returns a view, so autograd drops the output's node from the graph."""
 
     def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(_mlp() for _ in range(3))
-        self.head = nn.Linear(32, 1)
+        super().__init__(_mlp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            h = block(x)
-            h.mul_(0.5)
-            x = x + h
-        return self.head(x).square().mean()
+    def step(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = block(x)
+        h.mul_(0.5)
+        return x + h
 
 
 def _tokens():
@@ -106,12 +126,8 @@ def test_a_blocks_backward_starts_where_its_output_written_in_place_gets_its_gra
     # NOTE [ Outputs written in place ]: the start of each block's backward was never heard, its window folded
     # into the one before; checkpointed, blocks.1 was predicted 345,056 and measured 370,392 (-6.84%, the mid
     # plan, over its budget), blocks.2 370,520 / 419,168 (-11.6%)
-    prof = planner.profile(ScaledInPlace(), _tokens(), device="cpu", optimizer="none", steps=1, threads=1)
-    unit = prof.unit(block)
-    assert unit.bwd_start_seq < prof.unit(block + ".3").bwd_end_seq  # its last layer's backward inside its own
-    g = graph_for(prof)
-    plan = plan_of(prof, g, simulate(g, [block]), 2 * simulate(g, []).peak_bytes,
-                   solver=SolverInfo(name="by hand", status="optimal"))
+    prof, plan = _by_hand(ScaledInPlace(), _tokens(), [block])
+    assert prof.unit(block).bwd_start_seq < prof.unit(block + ".3").bwd_end_seq  # its last layer's inside its own
     report = verify(ScaledInPlace(), plan, inputs=_tokens(), device="cpu", steps=1, tolerance=0.0)
     assert report.ok, report.problems
     assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
@@ -135,11 +151,7 @@ def test_a_tensor_the_replay_stores_on_its_module_is_put_back_so_the_replays_ten
     # the replay's recomputed saves to the step's end: the two recurrent layers checkpointed (the lowest plan)
     # were predicted 1,100,606 and measured 1,365,150 (-19.4%, over the budget)
     layers = ["model.layers.0", "model.layers.1"]
-    model, batch = _recurrent_gemma()
-    prof = planner.profile(model, batch, device="cpu", optimizer="none", steps=1, threads=1)
-    g = graph_for(prof)
-    plan = plan_of(prof, g, simulate(g, layers), 2 * simulate(g, []).peak_bytes,
-                   solver=SolverInfo(name="by hand", status="optimal"))
+    _, plan = _by_hand(*_recurrent_gemma(), layers)
     model, batch = _recurrent_gemma()
     report = verify(model, plan, inputs=batch, device="cpu", steps=1, tolerance=0.0)
     assert report.ok, report.problems
@@ -149,11 +161,7 @@ def test_a_tensor_the_replay_stores_on_its_module_is_put_back_so_the_replays_ten
 
 def test_the_model_keeps_the_tensor_its_forward_stored_not_the_replays():
     # NOTE [ Tensors a replay stores on modules ], Rule 2: after the step the attribute is the forward's tensor
-    model, batch = _recurrent_gemma()
-    prof = planner.profile(model, batch, device="cpu", optimizer="none", steps=1, threads=1)
-    g = graph_for(prof)
-    plan = plan_of(prof, g, simulate(g, ["model.layers.0"]), 2 * simulate(g, []).peak_bytes,
-                   solver=SolverInfo(name="by hand", status="optimal"))
+    _, plan = _by_hand(*_recurrent_gemma(), ["model.layers.0"])
     model, batch = _recurrent_gemma()
     rg_lru = model.model.layers[0].temporal_block.rg_lru
     with planner.apply_plan(model, plan):
@@ -179,27 +187,16 @@ class RangeTracked(nn.Module):
         return x + self.f(x)
 
 
-class RangeTrackedBlocks(nn.Module):
+class RangeTrackedBlocks(Blocks):
     def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(RangeTracked() for _ in range(3))
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).square().mean()
+        super().__init__(RangeTracked)
 
 
 def test_a_buffer_the_replay_replaces_is_put_back_so_it_is_updated_once_per_step():
     # NOTE [ Tensors a replay stores on modules ], Rule 4: the replay replaced the buffer a second time, and the
     # validation step, comparing versions, did not see it: buffers 1.5e-3 off the unplanned model's (I-BERT)
-    prof = planner.profile(RangeTrackedBlocks(), _tokens(), device="cpu", optimizer="none", steps=1, threads=1)
+    prof, plan = _by_hand(RangeTrackedBlocks(), _tokens(), ["blocks.0", "blocks.1"])
     assert not prof.excluded
-    g = graph_for(prof)
-    plan = plan_of(prof, g, simulate(g, ["blocks.0", "blocks.1"]), 2 * simulate(g, []).peak_bytes,
-                   solver=SolverInfo(name="by hand", status="optimal"))
     report = verify(RangeTrackedBlocks(), plan, inputs=_tokens(), device="cpu", steps=1, tolerance=0.0)
     assert report.ok, report.problems
     assert report.max_buffer_diff == 0
