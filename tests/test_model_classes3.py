@@ -16,6 +16,7 @@ from solvers.replay import replay_stop_seq
 
 pytestmark = pytest.mark.usefixtures("one_thread", "bytes_only")
 
+
 def _by_hand(model: nn.Module, batch: dict, units: list[str]):
     """The profile of ``model`` and its plan checkpointing ``units`` by hand, twice the unplanned peak its budget
     (``verify`` judges the prediction, gradients and buffers, not a budget the set was not chosen for)."""
