@@ -3,6 +3,8 @@ with ``tolerance=0``, predicted against measured bytes."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -201,5 +203,39 @@ def test_a_buffer_the_replay_replaces_is_put_back_so_it_is_updated_once_per_step
     report = verify(RangeTrackedBlocks(), plan, inputs=_tokens(), device="cpu", steps=1, tolerance=0.0)
     assert report.ok, report.problems
     assert report.max_buffer_diff == 0
+    assert 0 <= report.predicted_peak_bytes - report.measured_peak_bytes <= 128, (
+        report.predicted_peak_bytes, report.measured_peak_bytes)
+
+
+@functools.lru_cache(maxsize=4)
+def _relative_index(n: int) -> torch.Tensor:
+    """A process-wide cache as BEiT keeps its relative position index: made once, read by every step."""
+    coords = torch.arange(n)
+    return (coords[:, None] - coords[None, :]) + n - 1
+
+
+class RelativeBias(nn.Module):
+    """A residual MLP block adding a learned relative position bias, gathered with the cached index (its
+    gradient saves the index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = _mlp()
+        self.table = nn.Parameter(torch.randn(63) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.table[_relative_index(x.shape[1])]
+        return x + self.f(torch.softmax(bias, -1) @ x)
+
+
+def test_a_tensor_made_before_the_step_and_read_by_it_is_measured_as_the_profile_counts_it():
+    # NOTE [ Tensors from before the step ]: the profile counts the cached index (32 x 32 int64, 8,192 bytes)
+    # with the buffers; verify's CPU peak left it out, the unplanned step measured 8,192 bytes below its
+    # prediction (Data2VecVision and BEiT: 33,800, their lowest plans +2.3% and +2.7%)
+    prof, plan = _by_hand(Blocks(RelativeBias), _tokens(), ["blocks.0", "blocks.1"])
+    assert any("before the step" in n for n in prof.notes)
+    report = verify(Blocks(RelativeBias), plan, inputs=_tokens(), device="cpu", steps=1, tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
     assert 0 <= report.predicted_peak_bytes - report.measured_peak_bytes <= 128, (
         report.predicted_peak_bytes, report.measured_peak_bytes)

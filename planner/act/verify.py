@@ -219,16 +219,7 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
     steps, device, threads, loss_fn = spec.steps, spec.device, spec.threads, spec.loss_fn
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if plan.sharding != "none" or plan.pipeline is not None or plan.tensor_parallel > 1:
-        if plan.buckets:
-            raise BadInput("verify of a per-rank plan with buckets is not supported yet: verify the plan of each "
-                           "shape alone (remat plan with one --seq-len)")
-        source = getattr(model_file_or_model, "path", model_file_or_model)  # a loaded ModelFile: its file
-        if isinstance(source, torch.nn.Module) or Path(str(source)).suffix != ".py":
-            raise BadInput("a per-rank plan is verified on processes of their own, which import the model: "
-                           "pass the model file (model.py) it was made from")
-        from planner.act.verify_ranks import verify_ranks
-
-        return verify_ranks(source, plan, steps=steps, device=str(device), progress=progress)
+        return _per_rank(model_file_or_model, plan, steps=steps, device=str(device), progress=progress)
     if steps < 1:
         raise BadInput(f"verify needs steps >= 1, got {steps}")
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
@@ -248,11 +239,13 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
         where = f" ({describe(plan.buckets[index])})" if plan.buckets else ""
         with num_threads(threads), rng.kept(dev):  # the caller's generators as they were (NOTE [ Randomness outside torch ])
             clock = pick_clock(dev, torch.get_num_threads())
-            say(f"training {_steps_run(one, steps, planned=False)} steps without the plan{where}{under}")
+            say(f"training {_steps_run(one, steps, planned=False, compiled=bool(compile), cpu=dev.type == 'cpu')} "
+                f"steps without the plan{where}{under}")
             base = _run(master, batch, loss_fn, one, dev, steps, clock, planned=False, compile=compile)
             say(f"training {_steps_run(one, steps, planned=True, compiled=bool(compile))} steps with the plan"
                 f"{where}{under}")
-            mine = _run(master, batch, loss_fn, one, dev, steps, clock, planned=True, applied=plan, compile=compile)
+            mine = _run(master, batch, loss_fn, one, dev, steps, clock, planned=True, applied=plan, compile=compile,
+                        found_bytes=base.found_bytes)
             used = torch.get_num_threads() if dev.type == "cpu" else None
             # inside the threads' context: the noise note reads the thread count the steps ran with
             report = _report(one, master, label, dev, steps, tolerance, base, mine, prediction_tolerance,
@@ -269,6 +262,21 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
                          problems=[f"bucket {describe(b)}: {p}" for b, r in zip(plan.buckets, reports)
                                    for p in r.problems],
                          ok=all(r.ok for r in reports))
+
+
+def _per_rank(model_file_or_model: Any, plan: Plan, *, steps: int, device: str,
+              progress: Callable[[str], None] | None) -> RanksReport:
+    """``verify`` of a per-rank plan: on processes of their own, from the model file."""
+    if plan.buckets:
+        raise BadInput("verify of a per-rank plan with buckets is not supported yet: verify the plan of each "
+                       "shape alone (remat plan with one --seq-len)")
+    source = getattr(model_file_or_model, "path", model_file_or_model)  # a loaded ModelFile: its file
+    if isinstance(source, torch.nn.Module) or Path(str(source)).suffix != ".py":
+        raise BadInput("a per-rank plan is verified on processes of their own, which import the model: "
+                       "pass the model file (model.py) it was made from")
+    from planner.act.verify_ranks import verify_ranks
+
+    return verify_ranks(source, plan, steps=steps, device=device, progress=progress)
 
 
 def _compile_of(spec: StepSpec, plan: Plan) -> tuple[str | None, str]:
