@@ -116,8 +116,9 @@ class GraphAttrs(TypedDict):
         "tensor id -> seq when the step's code dropped it, for unit outputs no unit takes "
         "(NOTE [ Outputs the caller drops ]); absent: none known")]]
     pack_seqs: NotRequired[Annotated[tuple[int, ...], Doc(
-        "seqs of every pack in forward, those released in the forward too, sorted: where each region's replay "
-        "stops (NOTE [ The replay stops at the last save ]); absent: the saves'")]]
+        "seqs of every save in forward, those released in the forward too, and of each unit call's last pack, "
+        "sorted: where each region's replay stops (NOTE [ The replay stops at the last save ]); absent: the "
+        "saves'")]]
     ctx_held: NotRequired[Annotated[frozenset[int], Doc(
         "tensors custom autograd nodes keep on ctx: saves no region drops (NOTE [ Tensors on ctx ])")]]
     replay_rng_copy_bytes: NotRequired[Annotated[int, Doc(

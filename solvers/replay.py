@@ -34,10 +34,13 @@ if TYPE_CHECKING:
 # terms and the ILP's recompute rows all read that one method.
 #
 # Rule 3. The profile records a tensor's first save in a unit, and no parameter's (planner/profiling/
-# recording.py, ``pack``); a pack it leaves out is an input pack, made before its op's output, so the stop is
-# seen early only when an op whose every pack is left out comes after an output: ``out = a + b`` then
-# ``a * b``, a and b saved before, would count ``out`` as not re-made (under, by its bytes). Not met in the
-# classes probed; recording each unit's last pack would close it.
+# recording.py, ``pack``), but torch counts every pack: an op whose packs are all of tensors saved before (or
+# of parameters) runs the replay on past an output made before it. So each unit call also records its last
+# pack of any tensor (``UnitRecord.last_pack_seq``, the seq when it packed), and "pack_seqs" holds those too.
+# Measured (tests/test_model_classes3.py, ``WideGate``: ``wide = cat([a, b]).repeat(...)``, then ``a * b``,
+# whose packs are a and b, saved before): the last block checkpointed, its replay the peak, was predicted
+# 817,616 against 888,304 measured (-7.96%), the wide output (131,072 bytes) counted as not re-made; now
+# 871,912 / 888,304 (-1.85%: Rule 5). Older profiles: the saves' seqs, as before.
 #
 # Rule 4. Measured (tests/test_model_classes2.py, ``verify(..., tolerance=0)``): four bottleneck blocks
 # ``x + fc2(relu(fc1(x)))`` all checkpointed, the peak at the last one's recompute, were predicted 561,096
@@ -47,6 +50,13 @@ if TYPE_CHECKING:
 # checkpointed: each layer's output is its residual add; 1,970,448 / 1,940,568 (+1.54%) before, exact now.
 # Selective regions: a block's Python after its last pack ran once (forward only) under both full and
 # selective checkpointing (torch 2.13), the replay stopping at the pack in both.
+#
+# Rule 5. Left: the replay's temporaries are its leaves' forward temporaries, calibrated against the unplanned
+# forward, whose end holds what the block makes after its last pack (``WideGate``'s product, 16,384 bytes):
+# a temporary above the stop (``cat``'s 32,768) is counted less that, 16,384 under. And where the outputs'
+# gradients are one tensor (``x = h + g``: add's backward passes one gradient to both), G_c counts it per
+# output, which Rule 3's re-made output no longer hides: four such gate blocks (width 128) checkpointed in the
+# mid plan are +4,024 bytes over (+0.29%), all four +5,048 (+0.38%), exact before.
 
 
 def replay_stop_seq(model: CostModel, c: str) -> int:

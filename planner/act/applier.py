@@ -38,7 +38,7 @@ from planner.act.existing import (TWICE_FIX, TwiceGuard, listing, modules_by_pla
                                    user_checkpointed)
 from planner.act.sharding import check_fsdp_options
 from planner.act.mode_guard import ModeGuard
-from planner.act.norm_stats import running_stats_kept
+from planner.act.norm_stats import attributes_kept, running_stats_kept
 from planner.act import step_guard
 from planner.act.shape_guard import ShapeGuard
 from planner.errors import BadInput, PlanMismatch
@@ -155,6 +155,12 @@ class CheckpointedForward:
 
 
     @functools.cached_property
+    def submodules(self) -> list[nn.Module]:
+        """The region's modules, whose tensor attributes a replay leaves as they were (NOTE [ Tensors a replay
+        stores on modules ])."""
+        return list(self.module.modules())
+
+    @functools.cached_property
     def generators(self) -> tuple[Any, ...]:
         """The generators the region's modules hold (NOTE [ Generators a model holds ]); found on first use."""
         return held_generators(self.module)
@@ -180,7 +186,7 @@ class CheckpointedForward:
                 now = HostRngState.capture(self.generators)
                 host.restore()
             try:
-                with running_stats_kept(self.norms):
+                with running_stats_kept(self.norms), attributes_kept(self.submodules):
                     return self.inner(*args, **kwargs)
             finally:
                 if now is not None:

@@ -31,36 +31,26 @@ NOTE [ Peak-memory model ] in ``solvers/cost_model.py``); nothing is re-derived 
 
 from __future__ import annotations
 
-import gc
-import itertools
 import math
-import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, Field
 
-from planner.act.applier import PlanAlreadyApplied, apply_plan, planned_modules
+from planner.act.applier import PlanAlreadyApplied, planned_modules
 from planner.act.buckets import bucket_plans, describe
-from planner.act.compare import initialize_lazy, max_abs_diff, nonfinite_notes, run_copy
-from planner.errors import BadInput, PlanMismatch
-from planner.optimizers import from_file
+from planner.act.verify_run import SEED, _Run, _run, _steps_run
+from planner.act.compare import max_abs_diff, nonfinite_notes
+from planner.errors import BadInput
 from planner.options import parse_fraction
 from planner.spec import StepSpec, step_spec
-from planner.profiling.measure import Measured, free, make_optimizer, make_step, measure_step, sync, to_device
 from planner.profiling.model_file import Inputs, ModelFile, load_model_file
 from planner.profiling.profiler import resolve_device
 from planner.model.schema import Plan, Recipe
 from planner.profiling import rng
-from planner.profiling.step_changes import install
-from planner.profiling.tracker import iter_tensors, storage_bytes
 from planner.profiling.timing import num_threads, pick_clock
-from planner.profiling.recording import memory_step
-from planner.model.graph import window_peaks
 from planner.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -73,8 +63,6 @@ PREDICTION_SLACK_BYTES = 16 * 1024
 """A prediction this close in bytes passes at any tolerance: scalars (the loss, a norm) and an op's
 scratch are not modelled, and on a toy model of a few hundred KB they alone are 2%."""
 
-SEED = 1234
-"""RNG seed set before the compared step of each run: both draw the same dropout masks."""
 
 
 class VerifyReport(BaseModel):
@@ -231,16 +219,7 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
     steps, device, threads, loss_fn = spec.steps, spec.device, spec.threads, spec.loss_fn
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if plan.sharding != "none" or plan.pipeline is not None or plan.tensor_parallel > 1:
-        if plan.buckets:
-            raise BadInput("verify of a per-rank plan with buckets is not supported yet: verify the plan of each "
-                           "shape alone (remat plan with one --seq-len)")
-        source = getattr(model_file_or_model, "path", model_file_or_model)  # a loaded ModelFile: its file
-        if isinstance(source, torch.nn.Module) or Path(str(source)).suffix != ".py":
-            raise BadInput("a per-rank plan is verified on processes of their own, which import the model: "
-                           "pass the model file (model.py) it was made from")
-        from planner.act.verify_ranks import verify_ranks
-
-        return verify_ranks(source, plan, steps=steps, device=str(device), progress=progress)
+        return _per_rank(model_file_or_model, plan, steps=steps, device=str(device), progress=progress)
     if steps < 1:
         raise BadInput(f"verify needs steps >= 1, got {steps}")
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
@@ -260,11 +239,13 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
         where = f" ({describe(plan.buckets[index])})" if plan.buckets else ""
         with num_threads(threads), rng.kept(dev):  # the caller's generators as they were (NOTE [ Randomness outside torch ])
             clock = pick_clock(dev, torch.get_num_threads())
-            say(f"training {_steps_run(one, steps, planned=False)} steps without the plan{where}{under}")
+            say(f"training {_steps_run(one, steps, planned=False, compiled=bool(compile), cpu=dev.type == 'cpu')} "
+                f"steps without the plan{where}{under}")
             base = _run(master, batch, loss_fn, one, dev, steps, clock, planned=False, compile=compile)
             say(f"training {_steps_run(one, steps, planned=True, compiled=bool(compile))} steps with the plan"
                 f"{where}{under}")
-            mine = _run(master, batch, loss_fn, one, dev, steps, clock, planned=True, applied=plan, compile=compile)
+            mine = _run(master, batch, loss_fn, one, dev, steps, clock, planned=True, applied=plan, compile=compile,
+                        found_bytes=base.found_bytes)
             used = torch.get_num_threads() if dev.type == "cpu" else None
             # inside the threads' context: the noise note reads the thread count the steps ran with
             report = _report(one, master, label, dev, steps, tolerance, base, mine, prediction_tolerance,
@@ -281,6 +262,21 @@ def verify(model_file_or_model: str | Path | ModelFile | torch.nn.Module, plan: 
                          problems=[f"bucket {describe(b)}: {p}" for b, r in zip(plan.buckets, reports)
                                    for p in r.problems],
                          ok=all(r.ok for r in reports))
+
+
+def _per_rank(model_file_or_model: Any, plan: Plan, *, steps: int, device: str,
+              progress: Callable[[str], None] | None) -> RanksReport:
+    """``verify`` of a per-rank plan: on processes of their own, from the model file."""
+    if plan.buckets:
+        raise BadInput("verify of a per-rank plan with buckets is not supported yet: verify the plan of each "
+                       "shape alone (remat plan with one --seq-len)")
+    source = getattr(model_file_or_model, "path", model_file_or_model)  # a loaded ModelFile: its file
+    if isinstance(source, torch.nn.Module) or Path(str(source)).suffix != ".py":
+        raise BadInput("a per-rank plan is verified on processes of their own, which import the model: "
+                       "pass the model file (model.py) it was made from")
+    from planner.act.verify_ranks import verify_ranks
+
+    return verify_ranks(source, plan, steps=steps, device=device, progress=progress)
 
 
 def _compile_of(spec: StepSpec, plan: Plan) -> tuple[str | None, str]:
@@ -303,62 +299,7 @@ class BucketsReport(BaseModel):
     ok: bool
 
 
-# ----------------------------------------------------------------------------- one run
-
-
-@dataclass
-class _Run:
-    loss: float
-    grads: dict[str, torch.Tensor | None]
-    buffers: dict[str, torch.Tensor]
-    step_ms: float
-    wall_ms: float
-    peak: Measured
-    checkpointed: list[str]
-    skipped: dict[str, str]
-    recomputes: int
-    windows: dict[str, int | None] = field(default_factory=dict)
-    """Measured peak per window (planned run of a plan with predicted windows only)."""
-    spread_ms: float = 0.0
-    """max - min of the timed steps."""
-    bucket: int | None = None
-    """The bucket the switch put in force (NOTE [ Bucketed plans ]); None without buckets."""
-    offloaded: list[str] = field(default_factory=list)
-    host_peak_bytes: int | None = None
-    """The host store's peak during the measured step (offload plans only)."""
-    first_step_s: float = 0.0
-    """Wall seconds of the compared (first) step: under torch.compile, compiling it included."""
-
-
-def _peaks(step: Any, dev: torch.device, static: int, handle: Any) -> tuple[Measured, int | None]:
-    """The measured step's device peak and, for an offload plan, its host store's peak."""
-    store = handle.host_store if handle else None
-    if store is not None:
-        store.reset_peak()
-    peak = measure_step(step, dev, static_bytes=static)
-    return peak, (store.peak_bytes if store is not None else None)
-
-
-def _host_problems(p: Any, mine: _Run, prediction_tolerance: float) -> list[str]:
-    """An offload plan's host peak off the measured one by more than the tolerance: one problem."""
-    if p.host_peak_bytes is None:
-        return []
-    host = mine.host_peak_bytes or 0
-    if abs(p.host_peak_bytes - host) <= max(prediction_tolerance * host, PREDICTION_SLACK_BYTES):
-        return []
-    return [f"predicted host memory {p.host_peak_bytes} bytes is off the measured {host} bytes "
-            f"(tolerance {prediction_tolerance:.1%})"]
-
-
-def _offload_fields(p: Any, mine: _Run) -> dict[str, Any]:
-    return {"offloaded": mine.offloaded, "predicted_offload_ms": p.offload_ms or 0.0,
-            "predicted_host_peak_bytes": p.host_peak_bytes, "measured_host_peak_bytes": mine.host_peak_bytes}
-
-
-def _steps_run(plan: Plan, steps: int, *, planned: bool, compiled: bool = False) -> int:
-    """Steps ``_run`` trains: the compared one, ``steps`` timed, one for the peak, one for the windows (planned,
-    eager: no hook runs inside a compiled graph)."""
-    return 1 + steps + 1 + (1 if planned and plan.predicted.windows and not compiled else 0)
+# ----------------------------------------------------------------------------- loading and offload
 
 
 def _load(source: Any, inputs: Inputs | list[Inputs] | None, loss_fn: Any,
@@ -381,99 +322,20 @@ def _load(source: Any, inputs: Inputs | list[Inputs] | None, loss_fn: Any,
     return mf.build_model(), batches, mf.loss_fn, str(mf.path if isinstance(source, ModelFile) else source)
 
 
-def _apply(model: torch.nn.Module, plan: Plan, batch: Any) -> Any:
-    """``apply_plan`` as verify applies it: the whole plan, so a mismatch advises re-planning (verify has no
-    ``strict=False``, which apply_plan's message offers)."""
-    try:
-        return apply_plan(model, plan, inputs=batch)
-    except PlanMismatch as e:
-        raise PlanMismatch.listing("the plan was made for another model or input shapes", e.differences,
-                                   "re-plan for this model (remat plan MODEL.py ...)") from None
+def _host_problems(p: Any, mine: _Run, prediction_tolerance: float) -> list[str]:
+    """An offload plan's host peak off the measured one by more than the tolerance: one problem."""
+    if p.host_peak_bytes is None:
+        return []
+    host = mine.host_peak_bytes or 0
+    if abs(p.host_peak_bytes - host) <= max(prediction_tolerance * host, PREDICTION_SLACK_BYTES):
+        return []
+    return [f"predicted host memory {p.host_peak_bytes} bytes is off the measured {host} bytes "
+            f"(tolerance {prediction_tolerance:.1%})"]
 
 
-def _run(master: torch.nn.Module, inputs: Inputs, loss_fn: Any, plan: Plan, dev: torch.device,
-         steps: int, clock: Any, *, planned: bool, applied: Plan | None = None, compile: str | None = None) -> _Run:
-    """Train a copy of ``master`` on ``inputs``; ``plan`` is what is predicted for them, ``applied`` (default
-    ``plan``) what is applied: a bucketed plan whose bucket for these inputs is ``plan``. With ``compile``
-    the step trains ``torch.compile(model, backend=compile)``, compiled afresh."""
-    model = run_copy(master).to(dev).train()  # NOTE [ Derived tensor attributes ]
-    batch = to_device(inputs, dev)
-    initialize_lazy(model, batch, dev)  # NOTE [ Lazy modules ]
-    handle = _apply(model, applied or plan, batch) if planned else None
-    # the step the plan runs; and, both runs, the step it was planned for (NOTE [ Step changes ], Rule 2)
-    changes = install(model, plan.step_changes, say=False, scopes=("measure",) if planned else ("train", "measure"))
-    opt = make_optimizer(from_file(plan.optimizer or "adamw", "plan"), model, impl=plan.recipe.optimizer_impl)
-    step = make_step(_compiled(model, compile), batch, loss_fn=loss_fn, optimizer=opt, recipe=plan.recipe, finite_loss=False)
-    losses: list[float] = []
-
-    def mark(name: str, value: Any) -> None:
-        if name == "forward_end":
-            losses.append(float(value.detach()))
-
-    rng.seed_all(SEED)
-    first_s = _seconds(lambda: step(mark))
-    grads = {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
-             for n, p in model.named_parameters()}
-    buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}
-    recomputes = handle.recompute_count if handle else 0
-
-    times, walls = [], []
-    for i in range(steps):
-        rng.seed_all(SEED + 1 + i)
-        sync(dev)
-        wall, start = time.perf_counter(), clock.stamp()
-        step()
-        end = clock.stamp()
-        sync(dev)
-        walls.append((time.perf_counter() - wall) * 1e3)
-        times.append(clock.ms(start, end))
-
-    if plan.recipe.zero_grad_set_to_none:
-        model.zero_grad(set_to_none=True)  # see measure_step's warning
-    gc.collect()  # a recipe with zero_grad(set_to_none=False) starts its steps with the gradients alive
-    kept = (p.grad for p in model.parameters() if p.grad is not None)
-    static = storage_bytes(itertools.chain(model.parameters(), model.buffers(), kept,
-                                           iter_tensors(*opt.state.values()) if opt else (), iter_tensors(batch)))
-    rng.seed_all(SEED)
-    peak, host_peak = _peaks(step, dev, static, handle)
-    windows: dict[str, int | None] = {}
-    if planned and plan.predicted.windows and compile is None:  # no hook runs inside a compiled graph
-        rng.seed_all(SEED)
-        leaves = [k[len("forward of "):] for k in plan.predicted.windows if k.startswith("forward of ")]
-        windows = window_peaks(memory_step(model, step, batch, opt, dev, recipe=plan.recipe).recorder.timeline(), leaves)
-    mine = {*plan.checkpoints, *(r.fqn for r in plan.selective)}  # a bucketed plan's other buckets: not in force
-    run = _Run(losses[0], grads, buffers, statistics.median(times), statistics.median(walls), peak,
-               [n for n in [*handle.checkpointed, *handle.selective] if n in mine] if handle else [],
-               dict(handle.skipped) if handle else {},
-               recomputes, windows, max(times) - min(times), handle.bucket if handle else None,
-               list(handle.offloaded) if handle else [], host_peak, first_s)
-    if handle:
-        handle.remove()
-    changes.remove()
-    del model, opt, step, batch
-    free(dev)
-    return run
-
-
-def _seconds(run: Callable[[], Any]) -> float:
-    """Wall seconds of ``run()``."""
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
-def _compiled(model: torch.nn.Module, compile: str | None) -> torch.nn.Module:
-    """``model``, or ``torch.compile(model, backend=compile)`` compiled afresh."""
-    if compile is None:
-        return model
-    torch._dynamo.reset()
-    return torch.compile(model, backend=compile)
-
-
-
-
-
-
+def _offload_fields(p: Any, mine: _Run) -> dict[str, Any]:
+    return {"offloaded": mine.offloaded, "predicted_offload_ms": p.offload_ms or 0.0,
+            "predicted_host_peak_bytes": p.host_peak_bytes, "measured_host_peak_bytes": mine.host_peak_bytes}
 
 
 # ----------------------------------------------------------------------------- the report

@@ -237,7 +237,7 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         tensor_bytes={t.id: t.nbytes for t in p.tensors},
         tensor_created_seq={t.id: t.created_seq for t in p.tensors},
         saves=sorted(set(held_saves(p))), ctx_held=frozenset(t.id for t in p.tensors if t.ctx_held),
-        pack_seqs=tuple(sorted(s.seq for s in p.saves)),  # released too: NOTE [ The replay stops at the last save ]
+        pack_seqs=_pack_seqs(p),
         param_grads=sorted((pr.grad_seq, pr.nbytes) for pr in p.params),
         params_bytes=s.params_bytes, buffers_bytes=s.buffers_bytes, batch_bytes=s.batch_bytes,
         optimizer_bytes=s.optimizer_bytes, grads_bytes=s.grads_bytes,
@@ -260,6 +260,13 @@ def held_saves(p: Profile) -> list[tuple[int, int]]:
     ctx ], Rule 2)."""
     return ([(s.seq, s.tensor_id) for s in p.saves if s.released_seq is None]
             + [(t.created_seq, t.id) for t in p.tensors if t.ctx_held])
+
+
+def _pack_seqs(p: Profile) -> tuple[int, ...]:
+    """Where the forward packed: every save, those released in the forward too, and each unit call's last pack,
+    of a parameter or a tensor saved before included (NOTE [ The replay stops at the last save ], Rules 2-3)."""
+    last = (u.last_pack_seq for u in p.units if u.last_pack_seq is not None)
+    return tuple(sorted({s.seq for s in p.saves}.union(last)))
 
 
 def _dropped(p: Profile) -> dict[int, int]:

@@ -126,6 +126,10 @@ class UnitRecord(FileModel):
     input_bytes: Bytes = Field(0, description="Bytes of all tensor inputs (unique storages), pre-existing included.")
     output_bytes: Bytes = Field(0, description="Bytes of all tensor outputs (unique storages).")
     param_bytes: Bytes = Field(0, description="Bytes of the parameters of this module and its submodules.")
+    last_pack_seq: Seq | None = Field(None, description=(
+        "Seq of the call's last pack in the forward while it was the innermost unit, of any tensor (a parameter, "
+        "one saved before): where a replay may stop (NOTE [ The replay stops at the last save ], Rule 3); None: "
+        "it packed nothing itself, or not recorded (older profiles)."))
 
 
 class TensorRecord(FileModel):

@@ -191,6 +191,7 @@ def _unit_record(u: UnitCall, cost: UnitCost, group: str, remap: dict[int, int])
         input_ids=[remap[i] for i in u.input_ids], output_ids=[remap[i] for i in u.output_ids],
         grad_output_ids=None if u.grad_output_ids is None else [remap[i] for i in u.grad_output_ids],
         input_bytes=u.input_bytes, output_bytes=u.output_bytes, param_bytes=u.param_bytes,
+        last_pack_seq=u.last_pack_seq,
     )
 
 

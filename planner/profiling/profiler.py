@@ -44,9 +44,8 @@ from planner.profiling.measure import make_optimizer, make_step, measure_step, t
 from planner.profiling.model_file import Inputs, check_devices
 from planner.profiling.as_run import AsRun, as_run_timeline
 from planner.profiling.assemble import assemble_profile
-from planner.profiling.recording import (
-    OP_TIMING_STEPS, MemoryRecorder, Progress, memory_step, op_timing_steps, release_grads,
-)
+from planner.profiling.op_timing import OP_TIMING_STEPS, op_timing_steps
+from planner.profiling.recording import MemoryRecorder, Progress, memory_step, release_grads
 from planner.profiling.units import Recorder, StepTimes, UnitCall
 from planner.profiling.timing import (
     HookFreeClock, calibrated, num_threads, profile_clock, robust_ms, spread_ms, timing_threads,

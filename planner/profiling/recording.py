@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import gc
 import math
 from collections.abc import Callable, Iterator
@@ -21,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.model import schema
 from planner.profiling.model_file import Inputs
@@ -30,14 +28,12 @@ from planner.profiling.ctx_held import ctx_tensors
 from planner.profiling.releases import Releases
 from planner.profiling.tracker import LiveBytesTracker, StorageEntry, iter_tensors, storage_bytes
 from planner.profiling.units import Recorder, UnitCall, io_tensors
-from planner.profiling.timing import WallClock, describe, signature
+from planner.profiling.timing import describe, signature
 
 Progress = Callable[[str], None]
 
 _TO_COPY = torch.ops.aten._to_copy.default
 """What autocast's ``cached_cast`` runs to cast a parameter (below autocast, so the tracker sees it)."""
-OP_TIMING_STEPS = 2
-"""Extra steps timing each forward op (NOTE [ Op records ]); each op keeps its least time."""
 
 _ROUND_TO = {"cuda": 512}
 """Allocation granularity per device type: the CUDA caching allocator rounds to 512 bytes."""
@@ -167,49 +163,6 @@ def counted_op(func: Any) -> bool:
     """An op selective checkpointing counts; the profiler's own markers (``record_function``,
     which only the measuring steps run) are not ops of the model."""
     return func not in _SAC_IGNORED_OPS and getattr(func, "namespace", "") != "profiler"
-
-
-class _OpTimer(TorchDispatchMode):
-    """Time of every counted op of the forward, in order, on the profile's clock (NOTE [ Op
-    records ]): a few extra steps give each op the least of its times, which noise on a shared
-    machine only raises."""
-
-    def __init__(self, clock: Any, sync: Callable[[], None] | None):
-        super().__init__()
-        self.clock, self.sync = clock, sync
-        self.ms: list[float] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.sync is not None:
-            self.sync()
-        t0 = self.clock.stamp()
-        out = func(*args, **(kwargs or {}))
-        if self.sync is not None:
-            self.sync()
-        if counted_op(func):
-            self.ms.append(self.clock.ms(t0, self.clock.stamp()))
-        return out
-
-
-def op_timing_steps(step: Callable, dev: torch.device, steps: int, clock: Any | None = None) -> list[list[float]]:
-    """Per step, the forward's counted op times (``_OpTimer``) on ``clock`` (the profile's; on CUDA
-    and by default the wall clock, synchronised around each op on CUDA)."""
-    sync = functools.partial(torch.cuda.synchronize, dev) if dev.type == "cuda" else None
-    if clock is None or dev.type == "cuda":
-        clock = WallClock()
-    runs = []
-    for _ in range(steps):
-        timer = _OpTimer(clock, sync)
-
-        def mark(name: str, _value: Any = None, timer: _OpTimer = timer) -> None:
-            if name == "step_start":
-                timer.__enter__()
-            elif name == "forward_end":
-                timer.__exit__(None, None, None)
-
-        step(mark)
-        runs.append(timer.ms)
-    return runs
 
 
 class MemoryRecorder(Recorder):
@@ -394,6 +347,12 @@ class MemoryRecorder(Recorder):
         (NOTE [ Saved tensors without their graph ]); ``watch=False``: autograd does not keep what it returns."""
         if not self.in_forward:
             return t
+        packed = self._pack(t, watch)
+        if self.stack:  # every pack counts where a replay stops (NOTE [ The replay stops at the last save ], Rule 3)
+            self.stack[-1].last_pack_seq = self.seq
+        return packed
+
+    def _pack(self, t: torch.Tensor, watch: bool) -> torch.Tensor:
         e = self.tracker.entry(t)
         if e is None or e.static:  # parameters, their views, buffers, the batch: not new memory
             return t
@@ -596,5 +555,5 @@ def release_grads(model: torch.nn.Module, dev: torch.device, recipe: schema.Reci
         gc.collect()
 
 
-__all__ = ["Event", "MemoryRecord", "MemoryRecorder", "OP_TIMING_STEPS", "optimizer_transient_bytes", "Progress",
-           "counted_op", "memory_step", "op_timing_steps", "release_grads"]
+__all__ = ["Event", "MemoryRecord", "MemoryRecorder", "optimizer_transient_bytes", "Progress", "counted_op",
+           "memory_step", "release_grads"]
