@@ -168,7 +168,8 @@ def compiled_peak(source: Any, *, step: StepSpec | None = None, inputs: Any = No
     measured as ``verify`` measures it (Rule 1)."""
     import torch
 
-    from planner.act.verify import _load, _run
+    from planner.act.verify import _load
+    from planner.act.verify_run import _run
     from planner.profiling import rng, step_changes
     from planner.profiling.profiler import resolve_device
     from planner.profiling.timing import num_threads, pick_clock
