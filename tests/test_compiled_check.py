@@ -168,3 +168,24 @@ def test_the_python_api_checks_a_compiled_plan_too():
     assert not plan.checkpoints  # the plain compiled step fits: the profile measured it, no compile more
     assert [m.checkpoints for m in plan.compile.measured][0] == [] and len(plan.compile.measured) == 2
     assert plan.predicted.peak_bytes == plan.compile.measured[0].peak_bytes
+
+
+def test_an_op_level_plan_is_known_by_what_each_region_keeps():
+    from types import SimpleNamespace
+
+    from planner.act.compiled_check import measured_of
+    from planner.model.schema import OpRef, SelectiveRegion
+
+    def region(*ops: int) -> SelectiveRegion:
+        return SelectiveRegion(fqn="h.0", unit="h.0", save=[OpRef(op="aten.mm.default", index=i) for i in ops])
+
+    measured = [CompiledPeak(checkpoints=["h.1"], selective=[region(0, 1)], peak_bytes=100),
+                CompiledPeak(checkpoints=["h.1"], peak_bytes=200)]
+
+    def plan(selective):
+        return SimpleNamespace(checkpoints=["h.1"], selective=selective,
+                               compile=SimpleNamespace(measured=measured))
+
+    assert measured_of(plan([region(0, 1)])).peak_bytes == 100
+    assert measured_of(plan([])).peak_bytes == 200
+    assert measured_of(plan([region(0)])) is None  # keeps another set of outputs: another compiled step
