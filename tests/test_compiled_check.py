@@ -122,9 +122,29 @@ def test_a_measured_set_within_the_budget_is_the_plan_when_the_cost_model_puts_i
     known = CompiledPeak(checkpoints=blocks, peak_bytes=every.peak_bytes - 2)  # measured: it fits
     measure = _Measure(lambda plan: 0)
     plan = plan_from_profile(_compiled([known]), budget, check=measure)
-    assert measure.sets == [] and sorted(plan.checkpoints) == blocks and plan.solver.name == "measured"
+    floor = plan_from_profile(p, budget + 1000)  # the cost model's plan at its own lowest budget
+    assert measure.sets == [floor.checkpoints] != [blocks]  # measured at its prediction: over (Rule 5)
+    assert sorted(plan.checkpoints) == blocks and plan.solver.name == "measured"
     assert plan.predicted.peak_bytes == every.peak_bytes - 2
     assert plan.predicted.recompute_ms == pytest.approx(every.recompute_ms)
+
+
+def test_the_cost_models_lowest_plan_is_measured_when_nothing_is_predicted_within_the_budget(tmp_path):
+    p = _compiled()
+    g = build_graph(p)
+    every = simulate(g, [n for n in g.nodes if n.startswith("h.")]).peak_bytes  # the cost model's lowest
+    budget = planner.act.api.budget_with_headroom(every) - 5000  # the cost model: nothing fits
+    with pytest.raises(BudgetInfeasible) as refused:
+        plan_from_profile(p, budget)
+    floor = plan_from_profile(p, refused.value.min_feasible_bytes)
+    measure = _Measure(lambda plan: -10_000)  # every set measures 10,000 B below the cost model
+    plan = plan_from_profile(p, budget, check=measure)
+    assert measure.sets == [floor.checkpoints] and plan.checkpoints == floor.checkpoints
+    assert plan.budget_bytes == budget and plan.predicted.peak_bytes == floor.predicted.peak_bytes - 10_000
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan  # fits the budget asked for, as measured
+    with pytest.raises(BudgetInfeasible):  # measured at the cost model's figure: nothing fits, one compile spent
+        plan_from_profile(p, budget, check=_Measure(lambda plan: 0))
 
 
 def test_an_eager_profile_is_not_checked():

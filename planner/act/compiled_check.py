@@ -44,7 +44,12 @@ from planner.spec import SolveSpec, StepSpec, solve_spec
 #   plan is found within ``CHECKS`` compiles, the measured set within the budget with the least
 #   recompute is; with none, ``BudgetInfeasible`` names the measured peaks and a budget the
 #   lowest of them fits.
-# Rule 5. The plan records every set measured (``compile.measured``). A plan made from a saved
+# Rule 5. When the cost model puts no set within the budget, its plan at its own lowest budget
+#   (the minimum feasible) is compiled and measured once: a set can measure below the cost model's
+#   floor (the wide Llama: every set predicted at 540.33 MiB or more, layers 0 and 1 whole measured
+#   536.33 MiB in round 12), and within the budget it is the plan. Otherwise the cost model's
+#   ``BudgetInfeasible`` stands.
+# Rule 6. The plan records every set measured (``compile.measured``). A plan made from a saved
 #   profile without the model is not checked (nothing to compile): ``remat verify --compile``
 #   measures it, and ``remat show`` says which.
 
@@ -59,7 +64,7 @@ Measure = Callable[[Plan], int]
 
 def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve: SolveSpec | None = None,
                  graph: nx.DiGraph | None = None, progress: Callable[[str], None] | None = None) -> Plan:
-    """The plan for ``budget`` whose compiled step was measured within it (Rules 1-4); ``measure``
+    """The plan for ``budget`` whose compiled step was measured within it (Rules 1-5); ``measure``
     compiles and measures one plan. ``profile`` is a compiled profile (``Profile.compile``)."""
     from planner.act.api import graph_for, plan_from_profile
 
@@ -74,18 +79,14 @@ def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve
         except (BudgetInfeasible, SolverError) as e:  # nothing predicted below the (lowered) budget
             refused = e
             break
-        key = _key(plan)
-        if key not in known:
-            say(f"checking the plan: compiling the step with {len(plan.checkpoints) + len(plan.selective)} modules "
-                f"checkpointed")
-            known[key] = CompiledPeak(checkpoints=list(plan.checkpoints), selective=list(plan.selective),
-                                      peak_bytes=measure(plan))
-        modelled, plan = plan.predicted.peak_bytes, with_check(plan, list(known.values()))
+        modelled, plan = plan.predicted.peak_bytes, _measured(plan, known, measure, say)
         if plan.predicted.peak_bytes <= plan.budget_bytes - plan.headroom_bytes:
             found = plan
             break
         over.append(plan)
         lowered = max(lowered, plan.predicted.peak_bytes - modelled)
+    if isinstance(refused, BudgetInfeasible) and not over:  # Rule 5
+        found = _at_the_floor(profile, refused, budget, spec, g, known, measure, say)
     plans = [p for p in (found, *_measured_plans(profile, g, spec, budget, list(known.values()))) if p is not None]
     if plans:
         return min(plans, key=lambda p: p.predicted.recompute_ms)  # the first of equals: the solver's (Rule 4)
@@ -94,9 +95,50 @@ def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve
     raise _nothing_fits(parse_bytes(budget), over, list(known.values()), profile)
 
 
+def _measured(plan: Plan, known: dict[tuple, CompiledPeak], measure: Measure, say: Callable[[str], None]) -> Plan:
+    """``plan`` predicted at its compiled step's measurement, compiled and measured unless ``known`` has it
+    (Rules 1 and 2); ``known`` gains it."""
+    key = _key(plan)
+    if key not in known:
+        say(f"checking the plan: compiling the step with {len(plan.checkpoints) + len(plan.selective)} modules "
+            f"checkpointed")
+        known[key] = CompiledPeak(checkpoints=list(plan.checkpoints), selective=list(plan.selective),
+                                  peak_bytes=measure(plan))
+    return with_check(plan, list(known.values()))
+
+
+def _at_the_floor(profile: Profile, refused: BudgetInfeasible, budget: int | str, spec: SolveSpec, g: nx.DiGraph,
+                  known: dict[tuple, CompiledPeak], measure: Measure, say: Callable[[str], None]) -> Plan | None:
+    """Rule 5: the cost model's plan at its lowest budget, measured; the plan for ``budget`` where that
+    measurement fits it."""
+    from planner.act.api import plan_from_profile
+
+    if refused.min_feasible_bytes is None:
+        return None
+    try:
+        plan = _measured(plan_from_profile(profile, refused.min_feasible_bytes, solve=spec, graph=g), known,
+                         measure, say)
+    except (BudgetInfeasible, SolverError):
+        return None
+    budget_bytes, usable, headroom_bytes = _usable(profile, spec, budget)
+    if plan.predicted.peak_bytes > usable:
+        return None
+    return plan.model_copy(update={"budget_bytes": budget_bytes, "headroom_bytes": headroom_bytes})
+
+
+def _usable(profile: Profile, spec: SolveSpec, budget: int | str) -> tuple[int, int, int]:
+    """``(budget bytes, usable bytes, headroom bytes)`` as ``plan_from_profile`` reads them."""
+    from planner.act.api import headroom_for, usable_budget
+
+    budget_bytes = parse_bytes(budget)
+    usable, headroom_bytes = usable_budget(budget_bytes, headroom_for(profile) if spec.headroom is None
+                                           else spec.headroom)
+    return budget_bytes, usable, headroom_bytes
+
+
 def with_check(plan: Plan, measured: list[CompiledPeak]) -> Plan:
     """``plan`` recording the compiles ``measured``, predicted at its own set's measurement when that is
-    among them (Rules 2 and 5)."""
+    among them (Rules 2 and 6)."""
     update: dict[str, Any] = {"compile": plan.compile.model_copy(update={"measured": list(measured)})}
     mine = [m.peak_bytes for m in measured if _key(m) == _key(plan)]  # measured_of, before they are recorded
     if mine and mine[0] != plan.predicted.peak_bytes:
@@ -109,12 +151,10 @@ def with_check(plan: Plan, measured: list[CompiledPeak]) -> Plan:
 def _measured_plans(profile: Profile, g: nx.DiGraph, spec: SolveSpec, budget: int | str,
                     measured: list[CompiledPeak]) -> list[Plan]:
     """A plan for each measured set whose measurement fits the usable budget (Rule 4)."""
-    from planner.act.api import _plan_of, headroom_for, usable_budget
+    from planner.act.api import _plan_of
     from solvers.cost_model import simulate
 
-    budget_bytes = parse_bytes(budget)
-    usable, headroom_bytes = usable_budget(budget_bytes, headroom_for(profile) if spec.headroom is None
-                                           else spec.headroom)
+    budget_bytes, usable, headroom_bytes = _usable(profile, spec, budget)
     out = []
     for m in (m for m in measured if not m.selective):  # whole units only: no menu index to rebuild
         units = [n for n in g.nodes if g.nodes[n].get("fqn") in set(m.checkpoints)]
@@ -131,7 +171,7 @@ def _measured_plans(profile: Profile, g: nx.DiGraph, spec: SolveSpec, budget: in
 
 
 def measured_of(plan: Plan) -> CompiledPeak | None:
-    """The measurement of ``plan``'s own compiled step among those it records (Rule 5); None: not measured."""
+    """The measurement of ``plan``'s own compiled step among those it records (Rule 6); None: not measured."""
     return next((m for m in plan.compile.measured if _key(m) == _key(plan)), None) if plan.compile else None
 
 
