@@ -143,8 +143,10 @@ def test_the_cost_models_lowest_plan_is_measured_when_nothing_is_predicted_withi
     assert plan.budget_bytes == budget and plan.predicted.peak_bytes == floor.predicted.peak_bytes - 10_000
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan  # fits the budget asked for, as measured
-    with pytest.raises(BudgetInfeasible):  # measured at the cost model's figure: nothing fits, one compile spent
+    with pytest.raises(BudgetInfeasible) as e:  # measured at the cost model's figure: nothing fits, one compile
         plan_from_profile(p, budget, check=_Measure(lambda plan: 0))
+    assert f"was compiled and measured at {floor.predicted.peak_bytes} bytes" in str(e.value)
+    assert e.value.min_feasible_bytes == refused.value.min_feasible_bytes
 
 
 def test_an_eager_profile_is_not_checked():

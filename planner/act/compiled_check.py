@@ -91,7 +91,7 @@ def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve
     if plans:
         return min(plans, key=lambda p: p.predicted.recompute_ms)  # the first of equals: the solver's (Rule 4)
     if refused is not None and not over:
-        raise refused
+        raise _with_floor(refused, list(known.values()), profile)
     raise _nothing_fits(parse_bytes(budget), over, list(known.values()), profile)
 
 
@@ -124,6 +124,17 @@ def _at_the_floor(profile: Profile, refused: BudgetInfeasible, budget: int | str
     if plan.predicted.peak_bytes > usable:
         return None
     return plan.model_copy(update={"budget_bytes": budget_bytes, "headroom_bytes": headroom_bytes})
+
+
+def _with_floor(refused: Exception, measured: list[CompiledPeak], profile: Profile) -> Exception:
+    """The cost model's refusal, saying what its lowest plan measured when Rule 5 compiled it."""
+    floor = measured[len(profile.compile.measured):]
+    if not isinstance(refused, BudgetInfeasible) or not floor:
+        return refused
+    what = _named(floor[0].checkpoints + [r.fqn + " (op by op)" for r in floor[0].selective])
+    return BudgetInfeasible(f"{refused.template}; the cost model's lowest plan ({what}) was compiled and measured "
+                            f"at {floor[0].peak_bytes} bytes", budget_bytes=refused.budget_bytes,
+                            min_feasible_bytes=refused.min_feasible_bytes, options=refused.options)
 
 
 def _usable(profile: Profile, spec: SolveSpec, budget: int | str) -> tuple[int, int, int]:
