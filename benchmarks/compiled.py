@@ -115,8 +115,7 @@ def _args() -> argparse.Namespace:
 
 
 def _unchecked(prof: Any, budget: int) -> str:
-    """The cost model's own plan at ``budget`` (no check): its predicted peak, and its set where the check
-    changed it."""
+    """The cost model's own plan at ``budget`` (no check): its predicted peak, or 'none fits'."""
     try:
         plan = plan_from_profile(prof, budget)
     except BudgetInfeasible:

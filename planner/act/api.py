@@ -137,7 +137,7 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
     headroom, op-level regions); ``solve_fields`` replace its fields (``solver="ilp"``, ...).
     ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]). The solver plans for
     ``budget * (1 - headroom)``; headroom None: ``headroom_for(profile)`` (NOTE [ Headroom from
-    evidence ]), less ``lowered_bytes`` (Rule 4 of NOTE [ The compiled plan is checked ]). ``check``: for
+    evidence ]), less ``lowered_bytes`` (Rule 3 of NOTE [ The compiled plan is checked ]). ``check``: for
     a compiled profile, what measures a plan's compiled step (``compiled_check.compiled_peak``), so that
     the plan returned was measured within the budget (that NOTE). ``graph``: the
     candidate graph to plan on, when the caller has built it. ``offload``:

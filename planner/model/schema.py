@@ -289,8 +289,7 @@ class Profile(_Model):
     @model_validator(mode="after")
     def _consistent(self) -> "Profile":
         check_records(self)
-        if self.device not in DEVICE_KINDS:  # NOTE [ Plan fields edited by hand ], Rule 3: a plan inherits it
-            raise _bad("device", f"{self.device!r} is not a device remat profiles on ({', '.join(DEVICE_KINDS)})")
+        _check_device(self.device)  # NOTE [ Plan fields edited by hand ], Rule 3: a plan inherits it
         return self
 
     def unit(self, unit_id: str) -> UnitRecord:
@@ -550,8 +549,14 @@ def _check_records(plan: Plan) -> None:
         if part.fingerprint_digest != part.fingerprint.digest():
             raise _bad(f"{prefix}fingerprint_digest", f"{part.fingerprint_digest!r} is not the digest of the "
                                                       f"plan's fingerprint ({part.fingerprint.digest()!r})")
-    if plan.device and plan.device not in DEVICE_KINDS:
-        raise _bad("device", f"{plan.device!r} is not a device remat profiles on ({', '.join(DEVICE_KINDS)})")
+    if plan.device:  # empty in plans made in Python without a profile
+        _check_device(plan.device)
+
+
+def _check_device(device: str) -> None:
+    """Rule 3 of NOTE [ Plan fields edited by hand ], for a profile and a plan alike."""
+    if device not in DEVICE_KINDS:
+        raise _bad("device", f"{device!r} is not a device remat profiles on ({', '.join(DEVICE_KINDS)})")
 
 
 __all__ = ["BUCKETED_PLAN_VERSION", "Bytes", "DEVICE_KINDS", "COMPILED_PLAN_VERSION", "COMPILED_PROFILE_VERSION", "CompileInfo", "CompiledPeak",
