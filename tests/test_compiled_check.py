@@ -149,6 +149,91 @@ def test_the_cost_models_lowest_plan_is_measured_when_nothing_is_predicted_withi
     assert e.value.min_feasible_bytes == refused.value.min_feasible_bytes
 
 
+def _spend_case():
+    """A budget with a margin: the profile, the budget, the cost model's plan there, the cheaper plan the
+    solver finds when the usable budget is raised by ``raise_bytes``, ``raise_bytes`` and the usable budget."""
+    p = _compiled()
+    g = build_graph(p)
+    lo = planner.act.api.budget_with_headroom(simulate(g, [n for n in g.nodes if n.startswith("h.")]).peak_bytes)
+    hi = simulate(g, []).peak_bytes
+    plans = [plan_from_profile(p, lo + (hi - lo) * k // 40) for k in range(40)]
+    for first, next_ in zip(plans, plans[1:]):
+        usable = first.budget_bytes - first.headroom_bytes
+        raise_bytes = next_.predicted.peak_bytes - usable
+        margin = usable - first.predicted.peak_bytes + raise_bytes  # measured that far below: the margin
+        if next_.checkpoints != first.checkpoints and raise_bytes > 0 and margin >= 0.03 * first.budget_bytes:
+            raised = plan_from_profile(p, planner.act.api.budget_with_headroom(usable + raise_bytes))
+            return p, first.budget_bytes, first, raised, raise_bytes, usable
+    raise AssertionError("no budget whose plan changes when raised")
+
+
+def test_a_plan_measured_well_under_the_budget_spends_the_margin_on_a_cheaper_plan():
+    p, budget, first, raised, tenth, usable = _spend_case()
+    assert raised.predicted.recompute_ms < first.predicted.recompute_ms and raised.checkpoints != first.checkpoints
+    measure = _Measure(lambda plan: -tenth)  # every set that far below the cost model (Rule 7)
+    plan = plan_from_profile(p, budget, check=measure)
+    assert measure.sets == [first.checkpoints, raised.checkpoints] and plan.checkpoints == raised.checkpoints
+    assert plan.predicted.peak_bytes == raised.predicted.peak_bytes - tenth <= usable
+    assert plan.predicted.recompute_ms == raised.predicted.recompute_ms and plan.predicted.peak_at == CHECKED_AT
+    assert [m.checkpoints for m in plan.compile.measured] == [first.checkpoints, raised.checkpoints]
+
+
+def test_a_cheaper_plan_measured_over_the_budget_leaves_the_first():
+    p, budget, first, raised, tenth, usable = _spend_case()
+    over = usable - raised.predicted.peak_bytes + 1  # the cheaper set measures one byte over the budget
+    measure = _Measure(lambda plan: over if plan.checkpoints == raised.checkpoints else -tenth)
+    plan = plan_from_profile(p, budget, check=measure)
+    assert measure.sets == [first.checkpoints, raised.checkpoints] and plan.checkpoints == first.checkpoints
+    assert plan.predicted.peak_bytes == first.predicted.peak_bytes - tenth
+    assert {tuple(m.checkpoints): m.peak_bytes for m in plan.compile.measured}[tuple(raised.checkpoints)] == usable + 1
+
+
+def test_a_margin_under_spend_at_is_not_spent(monkeypatch):
+    from planner.act import compiled_check
+
+    p, budget, first, _raised, by, usable = _spend_case()
+    margin = usable - (first.predicted.peak_bytes - by)  # as the first test measures it: spent there
+    monkeypatch.setattr(compiled_check, "SPEND_AT", margin / first.budget_bytes + 1e-6)
+    measure = _Measure(lambda plan: -by)
+    plan = plan_from_profile(p, budget, check=measure)
+    assert measure.sets == [first.checkpoints] and plan.checkpoints == first.checkpoints
+
+
+@pytest.fixture(scope="module")
+def op_level_profile():
+    """A compiled stamp on test_selective's model, profiled eagerly, its dispatch cost set aside as that
+    file's ``prof`` fixture sets it: plans op by op that the synthetic chains cannot give."""
+    from planner.profiling import profile
+    from tests.test_selective import _inputs, _loss, _net
+
+    measured = profile(_net(), _inputs(), loss_fn=_loss, device="cpu", steps=1)
+    units = [u.model_copy(update={"forward_spread_ms": 0.0}) for u in measured.units]
+    return measured.model_copy(update={
+        "sac_recomputed_op_ms": 0.0, "sac_kept_op_ms": 0.0, "units": units, "sac_recomputed_op_spread_ms": 0.0,
+        "sac_kept_op_spread_ms": 0.0,
+        "compile": CompileInfo(backend="inductor", torch_version=torch.__version__, measured=[])})
+
+
+def test_the_lowest_whole_module_plan_is_measured_when_the_lowest_plan_measures_over(op_level_profile, monkeypatch):
+    from planner.act import compiled_check
+
+    p = op_level_profile
+    with pytest.raises(BudgetInfeasible) as e:
+        plan_from_profile(p, 1, selective=False)
+    floor = plan_from_profile(p, e.value.min_feasible_bytes, selective=False)
+    op = next(plan_from_profile(p, b) for b in range(floor.budget_bytes, 1 << 40, floor.budget_bytes // 20)
+              if plan_from_profile(p, b).selective)
+    real = compiled_check._floor_plan
+    monkeypatch.setattr(compiled_check, "_floor_plan",  # the cost model's lowest plan: op by op, as on the wide Llama
+                        lambda prof, spec, graph, budget: op if spec.selective else real(prof, spec, graph, budget))
+    measure = _Measure(lambda plan: (10 << 20) if plan.selective else -10_000)  # op by op: far over; whole: under
+    budget = floor.budget_bytes - 5000  # below the cost model's floor
+    plan = plan_from_profile(p, budget, check=measure)
+    assert measure.sets == [op.checkpoints, floor.checkpoints] and not plan.selective
+    assert plan.checkpoints == floor.checkpoints and plan.budget_bytes == budget
+    assert plan.predicted.peak_bytes == floor.predicted.peak_bytes - 10_000
+
+
 def test_an_eager_profile_is_not_checked():
     p = synthetic_profile(random_chain(random.Random(3), 6))
     measure = _Measure(lambda plan: 0)
