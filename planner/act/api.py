@@ -129,7 +129,7 @@ def solve_graph(g: nx.DiGraph, budget_bytes: int, *, solver: str = "auto",
 
 
 def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec | None = None,
-                      graph: nx.DiGraph | None = None, lowered_bytes: int = 0, check: Any = None,
+                      graph: nx.DiGraph | None = None, check: Any = None,
                       progress: Any = None, **solve_fields: Any) -> Plan:
     """Plan on a measured profile. Raises ``BudgetInfeasible`` when nothing fits ``budget``.
 
@@ -137,10 +137,10 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
     headroom, op-level regions); ``solve_fields`` replace its fields (``solver="ilp"``, ...).
     ``world_size``/``sharding`` plan per rank (see NOTE [ Per-rank memory ]). The solver plans for
     ``budget * (1 - headroom)``; headroom None: ``headroom_for(profile)`` (NOTE [ Headroom from
-    evidence ]), less ``lowered_bytes`` (Rule 3 of NOTE [ The compiled plan is checked ]). ``check``: for
-    a compiled profile, what measures a plan's compiled step (``compiled_check.compiled_peak``), so that
-    the plan returned was measured within the budget (that NOTE). ``graph``: the
-    candidate graph to plan on, when the caller has built it. ``offload``:
+    evidence ]). ``check``: for a compiled profile, what measures a plan's compiled step
+    (``compiled_check.compiled_peak``), so that the plan returned was measured within the budget (NOTE
+    [ The compiled plan is checked ]). ``graph``: the candidate graph to plan on, when the caller has
+    built it. ``offload``:
     each unit may also move its saved tensors to host memory, within ``host_memory`` (default:
     ``planner.act.offload_plan.resolve_host_budget``; NOTE [ Peak-memory model ], Rule 10).
 
@@ -160,7 +160,6 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
     host_budget = resolve_host_budget(profile, spec.offload, spec.host_memory)
     headroom = headroom_for(profile) if spec.headroom is None else spec.headroom
     usable, headroom_bytes = usable_budget(budget_bytes, headroom)
-    usable -= lowered_bytes  # what a check measured the model under-predicting (NOTE [ The compiled plan is checked ])
     g = graph if graph is not None else graph_for(profile, solve=spec)
     t0 = time.perf_counter()
     sol = solve_graph(g, usable, solver=solver, time_limit_s=spec.time_limit_s, host_budget_bytes=host_budget)

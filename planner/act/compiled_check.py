@@ -36,7 +36,7 @@ from planner.spec import SolveSpec, StepSpec, solve_spec
 #   figure is what the solver chose by. Within the usable budget (the budget less its headroom)
 #   the plan stands.
 # Rule 3. Above the usable budget: the cost model under-predicts that set by e bytes. The solver
-#   plans again for the usable budget less the largest e seen, so the next set is one the cost
+#   plans again for the usable budget less the largest e seen (the budget whose usable part that is), so the next set is one the cost
 #   model puts e lower; the set that failed cannot come back (its prediction plus e is its
 #   measurement, over). At most ``CHECKS`` compiles.
 # Rule 4. A set measured within the usable budget that needs less recompute than the plan found
@@ -79,21 +79,25 @@ def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve
                  graph: nx.DiGraph | None = None, progress: Callable[[str], None] | None = None) -> Plan:
     """The plan for ``budget`` whose compiled step was measured within it (Rules 1-5); ``measure``
     compiles and measures one plan. ``profile`` is a compiled profile (``Profile.compile``)."""
-    from planner.act.api import graph_for, plan_from_profile
+    from planner.act.api import budget_with_headroom, graph_for, plan_from_profile
 
     say = progress or (lambda _msg: None)
     spec = solve_spec(solve)
     g = graph if graph is not None else graph_for(profile, solve=spec)
     known = {_key(m): m for m in profile.compile.measured}
+    budget_bytes, usable, headroom_bytes = _usable(profile, spec, budget)
     lowered, over, found, refused, modelled = 0, [], None, None, 0
     for _ in range(CHECKS):
-        try:
-            plan = plan_from_profile(profile, budget, solve=spec, graph=g, lowered_bytes=lowered)
+        try:  # the budget whose usable part is ``lowered`` less (Rule 3)
+            asked = budget_with_headroom(max(1, usable - lowered), _headroom(profile, spec)) if lowered else budget
+            plan = plan_from_profile(profile, asked, solve=spec, graph=g)
         except (BudgetInfeasible, SolverError) as e:  # nothing predicted below the (lowered) budget
             refused = e
             break
-        modelled, plan = plan.predicted.peak_bytes, _measured(plan, known, measure, say)
-        if plan.predicted.peak_bytes <= plan.budget_bytes - plan.headroom_bytes:
+        modelled = plan.predicted.peak_bytes
+        plan = _measured(plan, known, measure, say).model_copy(update={"budget_bytes": budget_bytes,
+                                                                       "headroom_bytes": headroom_bytes})
+        if plan.predicted.peak_bytes <= usable:
             found = plan
             break
         over.append(plan)
