@@ -296,3 +296,30 @@ def test_an_op_level_plan_is_known_by_what_each_region_keeps():
     assert measured_of(plan([region(0, 1)])).peak_bytes == 100
     assert measured_of(plan([])).peak_bytes == 200
     assert measured_of(plan([region(0)])) is None  # keeps another set of outputs: another compiled step
+
+
+def test_the_registration_count_is_not_traced_by_torch_compile():
+    """NOTE [ Checkpointed twice ], Rule 2: a Hugging Face forward's layer slice registers modules inside the
+    compiled forward; dynamo guarded on the weak set of planned modules, and a model freed during a later
+    compile made the guard read past its end (the wide Llama's second check compile: "the model's forward
+    raised IndexError")."""
+    from torch import nn
+
+    from planner.act.existing import _Registrations, _count_registrations
+
+    _count_registrations()
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    others = [nn.Linear(2, 2) for _ in range(5)]
+    _Registrations.parents.update([*others, layers])
+    count = _Registrations.count
+
+    def forward(x):
+        for layer in layers[:2]:  # registers each layer into a new ModuleList, as LlamaModel's slice does
+            x = layer(x)
+        return x
+
+    explained = torch._dynamo.explain(forward)(torch.randn(2, 4))
+    assert not [g.name for g in explained.out_guards if "_Registrations" in g.name]
+    assert _Registrations.count == count
+    layers.append(nn.Linear(4, 4))  # eager, into a planned model's module: counted
+    assert _Registrations.count == count + 1

@@ -135,6 +135,12 @@ def overlap(name: str, already: dict[str, str]) -> str | None:
 #   recipe) puts a ``CheckpointWrapper`` where a planned layer was: the guard held the layers found
 #   when the plan was applied, saw no wrapper, and said nothing; a module added later (a grown
 #   layer) was never read either. The walk runs only after such a change, not every step.
+# Rule 2. The registration hook does nothing while torch.compile traces. A Hugging Face forward's
+#   layer slice runs the hook inside the compiled forward, where dynamo guarded on the set of planned
+#   modules (``list(_Registrations.parents.data)[59]``, a weak set); when a planned model was freed
+#   the guard read past its end, and the next compile in the process failed with "the model's
+#   forward raised IndexError" (the compiled check's second compile on the wide Llama). The
+#   compiled step runs no hook, and ``TwiceGuard`` does not look under compile either.
 # The fix in every order is the same: ``model.gradient_checkpointing_disable()`` and let the plan
 # choose, or ``handle.remove()`` and use the other.
 
@@ -163,6 +169,8 @@ class _Registrations:
 
     @staticmethod
     def registered(module: nn.Module, name: str, submodule: Any) -> None:
+        if torch.compiler.is_compiling():  # Rule 2: not traced, nor guarded on
+            return
         if module in _Registrations.parents:
             _Registrations.count += 1
 
