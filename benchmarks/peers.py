@@ -234,16 +234,20 @@ def _build(v: Variant, mf: Any, dev: torch.device, optimizer: str) -> tuple[Any,
     (which also compiles, under the variant's activation_memory_budget)."""
     model = mf.build_model().to(dev).train()
     batch = to_device(mf.example_inputs(), dev)
-    v.what = v.setup(model, batch)
+    before, torch._functorch.config.cse = torch._functorch.config.cse, True  # torch's default for this variant
+    v.what = v.setup(model, batch)  # apply_plan turns CSE off for a compiled plan that says so
+    cse, torch._functorch.config.cse = torch._functorch.config.cse, before  # NOTE [ CSE across checkpointed regions ]
     opt = make_optimizer(optimizer, model)
-    run = model if v.compile_budget is False else torch.compile(model, backend=_inductor_backend(v.compile_budget))
+    run = model if v.compile_budget is False else torch.compile(model, backend=_inductor_backend(v.compile_budget,
+                                                                                                 cse=cse))
     step = make_step(run, batch, loss_fn=mf.loss_fn, optimizer=opt)
     step()  # compiles; creates the optimizer state: what follows is the steady state
     return model, opt, step, batch
 
 
-def _inductor_backend(budget: float | None) -> Callable[..., Any]:
-    """Inductor, partitioning under ``activation_memory_budget`` (None: torch's default, 1.0).
+def _inductor_backend(budget: float | None, *, cse: bool = True) -> Callable[..., Any]:
+    """Inductor, partitioning under ``activation_memory_budget`` (None: torch's default, 1.0), with AOTAutograd's
+    CSE as ``cse`` says (off for a remat plan that turned it off: NOTE [ CSE across checkpointed regions ]).
 
     One backend object per variant: dynamo guards each compiled frame on its backend, so a new
     instance of the same model class compiles anew instead of reusing another variant's graph
@@ -254,7 +258,7 @@ def _inductor_backend(budget: float | None) -> Callable[..., Any]:
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget,
-                                           enable_autograd_cache=False), \
+                                           enable_autograd_cache=False, cse=cse), \
                 torch._inductor.config.patch(fx_graph_cache=False):
             return compile_fx(gm, example_inputs)
 

@@ -252,6 +252,7 @@ def test_plan_compile_measures_the_chosen_plan_within_its_budget(tmp_path):
     prof = Profile.load(tmp_path / "profile.json")
     assert [m.checkpoints for m in prof.compile.measured][0] == []  # the profile's two compiles
     assert len(prof.compile.measured) == 2
+    assert prof.compile.aot_cse is False  # its regions compiled apart (NOTE [ CSE across checkpointed regions ])
     g = build_graph(prof)
     blocks = sorted(n for n in g.nodes if n.startswith("blocks."))
     budget = planner.act.api.budget_with_headroom(simulate(g, blocks[:2]).peak_bytes)  # a set neither compile ran

@@ -45,6 +45,7 @@ from planner.errors import BadInput, PlanMismatch
 from planner.model.fingerprint import lazy_modules, model_differences
 from planner.model.schema import Plan, StepChange
 from planner.model.stages import plan_for
+from planner.profiling.aot_cse import keep_regions_apart
 from planner.profiling.rng import HostRngState, held_generators
 from planner.profiling.step_changes import Installed, find_step_changes, install
 from planner.sizes import format_bytes
@@ -425,11 +426,11 @@ def apply_plan(model: nn.Module, plan_or_path: Plan | str | Path, *, strict: boo
         fwd.owner = handle  # NOTE [ Plans carried without a handle ], Rule 1
     _report(plan, handle, already)
     if handle._forwards:
-        twice = TwiceGuard(model, modules, handle)
-        twice.reported = bool(already)  # _report has warned about it already: once
+        twice = TwiceGuard(model, modules, handle, reported=bool(already))  # _report warned about it: once
         handle._twice_hook = model.register_forward_pre_hook(twice)
     first = next((fwd.module for fwd in handle._forwards.values()), None)
-    handle._hooks += step_guard.install(plan, model, first, guard)  # NOTE [ The step as the loop runs it ]
+    handle._hooks += [*step_guard.install(plan, model, first, guard),  # NOTE [ The step as the loop runs it ]
+                      *filter(None, [keep_regions_apart(plan, first is not None)])]  # [ CSE across ... regions ]
     return handle
 
 

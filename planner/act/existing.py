@@ -185,13 +185,13 @@ class TwiceGuard:
 
     _remat_hook = True  # remat's: planner.remove_plan drops it from a copy (NOTE [ Plans carried without a handle ])
 
-    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], handle: Any):
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], handle: Any, *, reported: bool = False):
         _count_registrations()
         self.model = model
         planned = list(handle._forwards)
         self.planned = set(planned)
         self.names = {a for name in planned for a in ancestors(name)} | self.planned
-        self.reported = False
+        self.reported = reported
         self.find(modules)
 
     def __setstate__(self, state: dict[str, Any]) -> None:

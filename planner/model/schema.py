@@ -162,6 +162,9 @@ class CompileInfo(_Model):
     measured: list[CompiledPeak] = Field(default_factory=list, description=(
         "Checkpoint sets whose compiled step was measured: the profile's two compiles and, in a plan, each "
         "set remat checked before returning it (NOTE [ The compiled plan is checked ])."))
+    aot_cse: bool = Field(True, description=(
+        "False: checkpointed steps were compiled with AOTAutograd's CSE off, and apply_plan turns it off "
+        "(NOTE [ CSE across checkpointed regions ]); True: left as torch has it (plans made before)."))
 
 
 # ----------------------------------------------------------------------------- step changes

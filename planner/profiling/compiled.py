@@ -146,6 +146,7 @@ if TYPE_CHECKING:
 #   on the blocks, carried to the other candidates).
 #   docs/benchmarks.md has the probes it moved on the zoo models.
 
+from planner.profiling.aot_cse import regions_apart
 from planner.profiling.compiled_graphs import (Graphs as _Graphs, Layout as _Layout, ModuleNames, is_view,
                                                Units as _Units, capturing, layout as _layout, saved_storages,
                                                storage_owner)
@@ -478,7 +479,7 @@ def measure_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
     opt = make_optimizer(step.optimizer, model, impl=recipe.optimizer_impl)
     torch._dynamo.reset()  # compile afresh: the capture must see this step's partition
     with capturing(step.compile) as (compiler, graphs), checkpointing(model, list(checkpointed)), \
-            num_threads(step.threads):
+            regions_apart(bool(checkpointed)), num_threads(step.threads):  # NOTE [ CSE across checkpointed regions ]
         run = make_step(torch.compile(model, backend=compiler), inputs, loss_fn=step.loss_fn, optimizer=opt,
                         recipe=recipe)
         what = f"with {len(checkpointed)} modules checkpointed" if checkpointed else "as it is"
@@ -523,9 +524,11 @@ def profile_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
 
 
 def _with_measured(profile: schema.Profile, runs: list[tuple[list[str], CompiledStep]]) -> schema.Profile:
-    """``profile`` recording the peaks of the compiles it measured (NOTE [ The compiled plan is checked ])."""
+    """``profile`` recording the peaks of the compiles it measured (NOTE [ The compiled plan is checked ]), and
+    that its regions compiled without AOTAutograd's CSE (NOTE [ CSE across checkpointed regions ])."""
     peaks = [schema.CompiledPeak(checkpoints=list(fqns), peak_bytes=run.peak_bytes) for fqns, run in runs]
-    return profile.model_copy(update={"compile": profile.compile.model_copy(update={"measured": peaks})})
+    return profile.model_copy(update={"compile": profile.compile.model_copy(update={"measured": peaks,
+                                                                                     "aot_cse": False})})
 
 
 def default_candidates(profile: schema.Profile) -> list[str]:
