@@ -36,8 +36,8 @@ from planner.spec import SolveSpec, StepSpec, solve_spec
 #   figure is what the solver chose by. Within the usable budget (the budget less its headroom)
 #   the plan stands.
 # Rule 3. Above the usable budget: the cost model under-predicts that set by e bytes. The solver
-#   plans again for the usable budget less the largest e seen (the budget whose usable part that is), so the next set is one the cost
-#   model puts e lower; the set that failed cannot come back (its prediction plus e is its
+#   plans again for the usable budget less the largest e seen (asked as the budget whose usable
+#   part that is), so the next set is one the cost model puts e lower; the set that failed cannot come back (its prediction plus e is its
 #   measurement, over). At most ``CHECKS`` compiles.
 # Rule 4. A set measured within the usable budget that needs less recompute than the plan found
 #   (a set of the profile's compiles the cost model put over the budget) is the plan; when no
@@ -77,7 +77,7 @@ Measure = Callable[[Plan], int]
 
 def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve: SolveSpec | None = None,
                  graph: nx.DiGraph | None = None, progress: Callable[[str], None] | None = None) -> Plan:
-    """The plan for ``budget`` whose compiled step was measured within it (Rules 1-5); ``measure``
+    """The plan for ``budget`` whose compiled step was measured within it (Rules 1-7); ``measure``
     compiles and measures one plan. ``profile`` is a compiled profile (``Profile.compile``)."""
     from planner.act.api import budget_with_headroom, graph_for, plan_from_profile
 

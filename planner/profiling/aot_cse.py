@@ -5,7 +5,7 @@ Example::
 
     with regions_apart(True):      # the profile's compile with the repeated blocks checkpointed
         step()
-    undo = keep_regions_apart(plan)  # apply_plan of a compiled plan; undo.remove() restores the setting
+    undo = keep_regions_apart(plan, regions=True)  # apply_plan of a compiled plan; undo.remove() restores the setting
 """
 
 from __future__ import annotations
