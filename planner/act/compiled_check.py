@@ -37,8 +37,8 @@ from planner.spec import SolveSpec, StepSpec, solve_spec
 #   the plan stands.
 # Rule 3. Above the usable budget: the cost model under-predicts that set by e bytes. The solver
 #   plans again for the usable budget less the largest e seen (asked as the budget whose usable
-#   part that is), so the next set is one the cost model puts e lower; the set that failed cannot come back (its prediction plus e is its
-#   measurement, over). At most ``CHECKS`` compiles.
+#   part that is), so the next set is one the cost model puts e lower; the set that failed cannot
+#   come back (its prediction plus e is its measurement, over). At most ``CHECKS`` compiles.
 # Rule 4. A set measured within the usable budget that needs less recompute than the plan found
 #   (a set of the profile's compiles the cost model put over the budget) is the plan; when no
 #   plan is found within ``CHECKS`` compiles, the measured set within the budget with the least
