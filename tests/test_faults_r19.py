@@ -3,10 +3,130 @@ the code before its fix; docs/cli.md, "Faults handled (round 19)", lists them.""
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import invoke
-from tests.test_errors import check
+from tests.test_errors import GOOD_MODEL, check, model_file
+from tests.test_faults_r18 import _plan_cli
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+# ----------------------------------------------------------------------------- children the model leaves
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="remat finds its children in /proc")
+def test_a_process_the_model_starts_and_leaves_is_named_and_ended(tmp_path: Path):
+    """Rule 7 of NOTE [ Signals and children ]: a subprocess.Popen (here a shell and the sleep it started) the model
+    file never waited for ran on under PID 1 after remat exited 0."""
+    below = tmp_path / "sleep.pid"
+    model = model_file(tmp_path, f"import subprocess\nCHILD = subprocess.Popen('sleep 300 & echo $! > {below}; "
+                                 f"sleep 301', shell=True)\n" + GOOD_MODEL)
+    out = tmp_path / "plan.json"
+    result = _plan_cli(model, out)
+    check(result, 0, f"wrote {out}", "note: 1 process(es) the model file or a library it uses started still run "
+                                     "(pid ", ": '/bin/sh -c sleep 300 & echo $! > ",
+          "...'), and would outlive remat; remat ends them and what they started")
+    pid = int(re.search(r"\(pid (\d+): ", result.stderr).group(1))
+    assert not _runs(pid) and not _runs(int(below.read_text())), result.stderr
+
+
+# ----------------------------------------------------------------------------- models nested deep
+
+NESTED = """
+def build_model():
+    m = nn.Linear(8, 8)
+    for _ in range({depth}):
+        m = nn.Sequential(m)
+    return m
+def example_inputs():
+    return torch.randn(2, 8)
+"""
+
+
+def _plain_depth(limit: int = 400) -> int:
+    """The deepest chain of nn.Sequential a plain training step runs from here, under this process's limit."""
+    import torch
+    from torch import nn
+
+    def trains(depth: int) -> bool:
+        m = nn.Linear(8, 8)
+        for _ in range(depth):
+            m = nn.Sequential(m)
+        try:
+            m(torch.randn(2, 8)).sum().backward()
+        except RecursionError:
+            return False
+        return True
+
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if trains(mid) else (lo, mid - 1)
+    return lo
+
+
+def test_a_model_that_trains_under_the_recursion_limit_is_planned(tmp_path: Path):
+    """Rule 1 of NOTE [ Models nested deep ]: remat's hooks add a frame a level, and remat's own frames sit below the
+    model's: a chain nested as deep as a plain step runs (248 levels from a shell) was 'the model's forward raised
+    RecursionError' (remat ran out at 191)."""
+    depth = _plain_depth()
+    assert depth > 100
+    model = model_file(tmp_path, NESTED.format(depth=depth))
+    check(invoke("plan", "-b", "1GB", model, "--device", "cpu", "--steps", "1", "-q"), 0, "predicted peak")
+
+
+def test_a_recursion_error_in_forward_says_how_deep_the_modules_were(tmp_path: Path):
+    """Rule 2: 'the model's forward raised RecursionError: maximum recursion depth exceeded', no fix named."""
+    result = invoke("plan", "-b", "1GB", model_file(tmp_path, NESTED.format(depth=sys.getrecursionlimit() // 2)),
+                    "--device", "cpu", "--steps", "1", "-q")
+    check(result, 2, "error: the model's forward raised RecursionError: maximum recursion depth exceeded",
+          f" (Python's recursion limit is {sys.getrecursionlimit()}, with modules nested ",
+          " deep where it ran out: raise it in the model file (sys.setrecursionlimit) if the model is meant to nest "
+          "this deep, or nest less)")
+
+
+def test_a_model_nested_deeper_than_torch_walks_is_one_line(tmp_path: Path):
+    """Rule 3: 1,200 nested nn.Sequential was 'internal error: RecursionError' (torch's named_modules, which remat
+    calls on the built model, recursed)."""
+    result = invoke("plan", "-b", "1GB", model_file(tmp_path, NESTED.format(depth=1200)), "--device", "cpu")
+    check(result, 2, f"error: Python's recursion limit of {sys.getrecursionlimit()} ran out (RecursionError) in "
+                     "named_modules (", "torch/nn/modules/module.py), which called itself ", "raise it in the model "
+                     "file (sys.setrecursionlimit) if the model is meant to nest this deep, or nest less")
+    assert result.stderr.count("error") == 1, result.stderr
+
+
+def test_the_unit_tree_is_walked_without_recursion():
+    """Rule 4: ``_default_cut`` recursed two frames a unit level; a unit tree 3,000 deep was a RecursionError."""
+    from planner.model.graph import candidate_levels
+    from planner.model.schema import ROOT_ID, UnitRecord
+
+    def unit(uid: str, parent: str | None, kind: str = "Sequential") -> UnitRecord:
+        return UnitRecord.model_construct(id=uid, fqn="" if uid == ROOT_ID else uid, module_type=kind, parent=parent)
+
+    units, children, parent = {ROOT_ID: unit(ROOT_ID, None)}, {}, ROOT_ID
+    for level in range(3000):
+        uid = f"{parent}.0" if parent != ROOT_ID else "0"
+        units[uid], parent = unit(uid, parent), uid
+        children[units[uid].parent] = [uid]
+    blocks = [f"{parent}.b.{i}" for i in range(2)]  # two blocks of one class, each holding a layer
+    children[parent] = blocks
+    for b in blocks:
+        units[b] = unit(b, parent, "Block")
+        units[f"{b}.lin"] = unit(f"{b}.lin", b, "Linear")
+        children[b] = [f"{b}.lin"]
+    assert candidate_levels(units, children, 0) == [blocks]
 
 
 # ----------------------------------------------------------------------------- a file's kind in remat show

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from planner.crashes import recursion_room, recursion_said
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
 from planner.optimizers import build_optimizer, check_impl
 from planner.options import parse_amp, parse_optimizer
@@ -230,9 +231,11 @@ def _amp_dtype(amp: str | None) -> torch.dtype | None:
 
 @contextlib.contextmanager
 def user_code(what: str) -> Iterator[None]:
-    """Turn an exception raised in ``what`` (user code) into a ``ProfileError`` a user can act on."""
+    """Turn an exception raised in ``what`` (user code) into a ``ProfileError`` a user can act on; with room for
+    remat's frames below it (NOTE [ Models nested deep ] in ``planner/crashes.py``)."""
     try:
-        yield
+        with recursion_room():
+            yield
     except (KeyboardInterrupt, RematError):
         raise
     except SystemExit as e:
@@ -244,7 +247,7 @@ def user_code(what: str) -> Iterator[None]:
         text = "\n".join(lines[:3]) + (" ..." if len(lines) > 3 else "")
         frames = user_frames(e, limit=5)
         where = f"\n{frames}" if frames else ""
-        raise ProfileError(f"{what} raised {type(e).__name__}: {text}{_dtype_hint(e)}{where}") from e
+        raise ProfileError(f"{what} raised {type(e).__name__}: {text}{_dtype_hint(e)}{recursion_said(e)}{where}") from e
 
 
 _DTYPE_ERRORS = re.compile(r"must have the same dtype|type \(.*\) should be the same|to have one of the following "
