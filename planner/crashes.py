@@ -75,7 +75,10 @@ class CalledExit(SystemExit):
 #   "internal error: AssertionError: Torch not compiled with CUDA enabled" (round 18 probe, set in
 #   ``example_inputs``). A failure in remat's code (not a RematError) while torch's default device is meta or a
 #   device this machine cannot use is one line naming the setting and the failure, exit 2. A usable GPU as the
-#   default is left alone (an out-of-memory there is what it says; not probed on a GPU in round 18).
+#   default is left alone (an out-of-memory there is what it says). Round 19 read the path remat runs then (no GPU
+#   to run it): every profile's host-link probe made its pinned buffer on the default device, which torch refuses
+#   for a GPU ("Only dense CPU tensors can be pinned"), as did the offload store; both make host buffers on the CPU
+#   by name now (Rule 5 of NOTE [ Offloaded units ]).
 # Rule 3. ``os.umask(0o777)``: remat's new output files get the umask remat started with, the shell's, not the
 #   model's (``planner.files.UMASK_FOR_FILES``; NOTE [ Writing output files ], Rule 3); the plan was written
 #   ``----------`` (round 18 probe). The model's own files keep its umask: remat does not reset it.

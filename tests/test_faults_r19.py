@@ -145,3 +145,20 @@ def test_show_names_a_profile_it_cannot_read_a_profile_file(profile_path: Path, 
     cut.write_bytes(b"\x1f\x8b\x08")
     check(invoke("show", cut), 2, f"error: plan or profile file {cut} is not UTF-8 text (it looks like a gzip file); "
                                   "pass the JSON file `remat plan` or `remat profile` wrote (uncompressed)")
+
+
+# ----------------------------------------------------------------------------- a default device that is not the model's
+
+
+def test_the_host_link_probe_copies_from_the_host_whatever_the_default_device():
+    """Rule 5 of NOTE [ Offloaded units ]: under ``torch.set_default_device("cuda")`` the probe's source for the
+    CPU was made on the GPU, so remat timed a GPU-to-host copy as the CPU's memcpy (read; no GPU in round 19), and the
+    offload store's pinned buffer was a GPU tensor torch refuses to pin. ``torch.device("meta")`` as the default
+    stands in for the GPU: 'NotImplementedError: Cannot copy out of meta tensor; no data!'."""
+    import torch
+
+    from planner.profiling.measure import measure_host_link
+
+    with torch.device("meta"):  # a default device other than the host, as set_default_device sets it
+        rate, engine = measure_host_link(torch.device("cpu"), repeats=1)
+    assert rate > 0 and not engine

@@ -499,14 +499,15 @@ cost is noise, small enough to take milliseconds."""
 def measure_host_link(dev: torch.device, *, repeats: int = 5) -> tuple[float, bool]:
     """(bytes/s one way, copy engine) between ``dev`` and host memory, as offloading copies them
     (NOTE [ Offloaded units ] in planner/act/offload.py): on the CPU a memcpy into a numpy buffer on
-    this thread, on CUDA an asynchronous copy into pinned memory. The best of ``repeats`` copies."""
+    this thread, on CUDA an asynchronous copy into pinned memory. The best of ``repeats`` copies. Host buffers are made
+    on the host by name, whatever torch's default device (Rule 5 of NOTE [ Offloaded units ])."""
     import numpy as np
 
     if dev.type == "cuda":
         src = torch.empty(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, device=dev)
-        dst = torch.empty(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, device="cpu", pin_memory=True)
     else:
-        src = torch.ones(HOST_LINK_PROBE_BYTES, dtype=torch.uint8)
+        src = torch.ones(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, device="cpu")
         dst = torch.from_numpy(np.empty(HOST_LINK_PROBE_BYTES, dtype=np.uint8))
     best = float("inf")
     for _ in range(repeats):
