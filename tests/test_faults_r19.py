@@ -162,3 +162,22 @@ def test_the_host_link_probe_copies_from_the_host_whatever_the_default_device():
     with torch.device("meta"):  # a default device other than the host, as set_default_device sets it
         rate, engine = measure_host_link(torch.device("cpu"), repeats=1)
     assert rate > 0 and not engine
+
+
+# ----------------------------------------------------------------------------- a model compiled before remat sees it
+
+
+@pytest.mark.parametrize("build, what", [
+    ("torch.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))", "is a torch.compile'd module"),
+    ("nn.Sequential(torch.compile(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 2))", "holds a torch.compile'd module, "
+                                                                                 "'0',"),
+])
+def test_a_model_the_model_file_compiled_is_refused_naming_the_fix(tmp_path: Path, build: str, what: str):
+    """NOTE [ A model compiled before remat sees it ]: 'cannot reconcile the profiled timeline with the step as you
+    run it: ... +203.98%; the step's memory differs from one run to the next', which blamed the wrong thing."""
+    model = model_file(tmp_path, GOOD_MODEL.replace("nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))",
+                                                    build))
+    check(invoke("plan", "-b", "1GB", model, "--device", "cpu", "--steps", "1"), 2,
+          f"error: the model from build_model() in {model} {what} whose modules remat cannot profile one by one; "
+          f"return it uncompiled and pass --compile (compile='inductor' in Python), which plans the step as "
+          f"torch.compile runs it; in training, apply the plan before compiling")

@@ -176,7 +176,9 @@ def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
 
 def check_trainable(model: torch.nn.Module, which: str) -> None:
     """``ModelLoadError`` when ``model`` (``which``: how the message names it) has no parameter that trains: the
-    optimizer would raise "got an empty parameter list" mid-profile. One check for a model file and a module."""
+    optimizer would raise "got an empty parameter list" mid-profile; or when the model, or a module in it, is compiled
+    already (NOTE [ A model compiled before remat sees it ]). One check for a model file and a module."""
+    _check_uncompiled(model, which)
     if not any(True for _ in model.parameters()):
         raise ModelLoadError(f"{which} has no parameters: there is nothing to train, so nothing to plan; "
                              f"return the model you train")
@@ -418,6 +420,32 @@ def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None) -> to
     if finite:
         check_finite(loss, amp)
     return loss
+
+
+# NOTE [ A model compiled before remat sees it ]
+#
+# ``build_model()`` that returns ``torch.compile(model)``, or compiles its blocks in place (``m.layers[i] =
+# torch.compile(layer)``, as torchtitan's per-block compile does), hides the modules remat hooks: the profiler's
+# timeline and the measured step disagreed, "error: cannot reconcile the profiled timeline with the step as you run
+# it: ... +203.98%; the step's memory differs from one run to the next" (round 19 probe, both forms), which blames
+# the wrong thing. Rule 1. A model that is, or holds, a ``torch.compile`` wrapper (an ``OptimizedModule``) is refused
+# before profiling, naming the module and the fix: return it uncompiled and pass --compile (``compile=`` in
+# Python), which plans the step as compiled; ``apply_plan`` then goes before ``torch.compile`` in training, as
+# ``apply_plan`` itself says of a compiled model. Rule 2. A compiled function the forward calls is not a module:
+# it is profiled as it runs (its ops stay visible to the profiler).
+
+
+def _check_uncompiled(model: torch.nn.Module, which: str) -> None:
+    """Rule 1 of NOTE [ A model compiled before remat sees it ]."""
+    from planner.act.applier import compiled_module
+
+    found = next((name for name, m in model.named_modules() if compiled_module(m) is not None), None)
+    if found is None:
+        return
+    what = "is a torch.compile'd module" if found == "" else f"holds a torch.compile'd module, {found!r},"
+    raise ModelLoadError(f"{which} {what} whose modules remat cannot profile one by one; return it uncompiled and "
+                         f"pass --compile (compile='inductor' in Python), which plans the step as torch.compile runs it; in "
+                         f"training, apply the plan before compiling")
 
 
 # NOTE [ A loss that is not finite ]
