@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import invoke
-from tests.test_errors import GOOD_MODEL, check, model_file
+from tests.test_errors import GOOD_MODEL, ROOT, check, model_file
 from tests.test_faults_r18 import _plan_cli
 
 
@@ -181,3 +181,26 @@ def test_a_model_the_model_file_compiled_is_refused_naming_the_fix(tmp_path: Pat
           f"error: the model from build_model() in {model} {what} whose modules remat cannot profile one by one; "
           f"return it uncompiled and pass --compile (compile='inductor' in Python), which plans the step as "
           f"torch.compile runs it; in training, apply the plan before compiling")
+
+
+# ----------------------------------------------------------------------------- file names that are not UTF-8
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a file name of any bytes (macOS and Windows keep Unicode names)")
+def test_file_names_that_are_not_utf8_are_planned_and_said(tmp_path: Path):
+    """A name is bytes to the system: b'bad\xffname.py' reached the importer with a surrogate, and str.encode() made
+    'internal error: UnicodeEncodeError: ... surrogates not allowed' (exit 1); with a strict stdout
+    (PYTHONIOENCODING=utf-8) an output name did so at 'wrote ...', after the plan was written (Rule 6 of NOTE [ A
+    reader that stops early ])."""
+    import os
+    import subprocess
+
+    from tests.test_faults_r18 import PLAIN_ENV
+
+    model = model_file(tmp_path, GOOD_MODEL, name=os.fsdecode(b"bad\xffname.py"))
+    out = tmp_path / os.fsdecode(b"pl\xffan.json")
+    result = subprocess.run([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "--steps",
+                             "1", "-q", "-o", str(out)], cwd=ROOT, env={**PLAIN_ENV, "PYTHONIOENCODING": "utf-8"},
+                            capture_output=True, text=True, errors="surrogateescape", timeout=180)
+    check(result, 0, f"wrote {tmp_path}/pl\\xffan.json")
+    assert out.exists()

@@ -28,6 +28,7 @@ import inspect
 import itertools
 import math
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -119,7 +120,10 @@ def load_model_file(path: str | Path) -> ModelFile:
 
 
 def _import(path: Path) -> Any:
-    name = f"remat_model_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    # a file name is bytes to the system: one that is not UTF-8 (b'\xff') reaches here with surrogates, which
+    # str.encode() refused ("internal error: UnicodeEncodeError", round 19 probe); the module name keeps ASCII
+    stem = re.sub(r"[^0-9A-Za-z_]", "_", path.stem)
+    name = f"remat_model_{stem}_{hashlib.sha1(os.fsencode(path)).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"cannot import {path}; is it a Python source file?")
