@@ -204,3 +204,29 @@ def test_file_names_that_are_not_utf8_are_planned_and_said(tmp_path: Path):
                             capture_output=True, text=True, errors="surrogateescape", timeout=180)
     check(result, 0, f"wrote {tmp_path}/pl\\xffan.json")
     assert out.exists()
+
+
+# ----------------------------------------------------------------------------- a temporary folder that is full
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU memory cap needs Linux")
+def test_a_capped_child_that_cannot_write_its_result_names_the_folder(tmp_path: Path):
+    """NOTE [ A temporary folder that is full ]: the child's failed write was a 17-line traceback, then remat blamed
+    the model ('exited with status 1 before it wrote a profile: the model's code or a library it calls ended it').
+    A file size limit (ulimit -f, which the child inherits) stands in for a full TMPDIR: the same failed write."""
+    import resource
+    import subprocess
+
+    from tests.test_faults_r18 import PLAIN_ENV
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    result = subprocess.run([sys.executable, "cli.py", "plan", "-b", "1GB", str(model_file(tmp_path, GOOD_MODEL)),
+                             "--device", "cpu", "--device-memory", "2GB", "--steps", "1", "-q"], cwd=ROOT,
+                            env={**PLAIN_ENV, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=180,
+                            preexec_fn=small_files)
+    check(result, 2, f"error: profiling within 2147483648 bytes: the capped profiling process could not write its "
+                     f"result into remat's temporary folder {tmp_path} (", "bytes free; files are limited to 2048 "
+                     "bytes, ulimit -f): free some space there, or point TMPDIR at a folder with room")
+    assert result.stderr.count("\n") == 1, result.stderr
