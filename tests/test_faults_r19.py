@@ -230,3 +230,12 @@ def test_a_capped_child_that_cannot_write_its_result_names_the_folder(tmp_path: 
                      f"result into remat's temporary folder {tmp_path} (", "bytes free; files are limited to 2048 "
                      "bytes, ulimit -f): free some space there, or point TMPDIR at a folder with room")
     assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_nan_budget_in_python_is_said_to_be_no_number():
+    """planner.plan(prof, budget=float('nan')) (a budget computed in Python) said 'a memory budget must be positive'."""
+    from planner.errors import BadInput
+    from planner.sizes import parse_bytes
+
+    with pytest.raises(BadInput, match=r"^invalid size nan: not a number \(NaN\); use bytes or a number with a unit"):
+        parse_bytes(float("nan"))
