@@ -239,3 +239,18 @@ def test_a_nan_budget_in_python_is_said_to_be_no_number():
 
     with pytest.raises(BadInput, match=r"^invalid size nan: not a number \(NaN\); use bytes or a number with a unit"):
         parse_bytes(float("nan"))
+
+
+# ----------------------------------------------------------------------------- terminal controls in file names
+
+
+def test_terminal_controls_in_a_file_name_are_written_as_escapes(profile_path: Path, tmp_path: Path):
+    """Rule 3 of NOTE [ Text in files ]: a name holding ESC [2J cleared the screen in `remat show`'s error line, and
+    ESC ]0;...BEL set the window title in `wrote NAME`."""
+    missing = tmp_path / "y\x1b[2J.json"
+    result = invoke("show", missing)
+    check(result, 2, f"error: plan or profile file {tmp_path}/y\\x1b[2J.json does not exist; check the path")
+    out = tmp_path / "x\x1b]0;pwned\x07.json"
+    result = invoke("plan", "-b", "10MB", "--profile", profile_path, "-q", "-o", out)
+    check(result, 0, f"wrote {tmp_path}/x\\x1b]0;pwned\\x07.json")
+    assert out.exists() and "\x1b" not in result.output

@@ -232,9 +232,19 @@ def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: st
 # printed as read, exit 0). Rule 1. A string anywhere in a plan or profile file (a key too) that holds a C0
 # control character other than newline and tab, DEL, or a C1 control character is refused, naming its path and
 # the character, before the file is validated. Rule 2. Newline and tab stay: they are text, and an error
-# message remat recorded may hold them.
+# message remat recorded may hold them. Rule 3. A file's name is text remat prints too (`wrote NAME`, `error: plan
+# file NAME ...`): a name holding ESC [2J cleared the screen in `remat show`'s error, ESC ]0; set the window title
+# in `wrote` (round 19 probe, `remat show *.json` in a folder from someone else). remat's own lines (``error_line``,
+# ``plain`` in ``planner/cli/render.py``) write such characters as escapes, ``\x1b[2J``; newline and tab stay (a
+# message's hint and the user's traceback lines follow on their own lines).
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with each control character but newline and tab written as its escape (``\x1b``): Rule 3 of
+    NOTE [ Text in files ], for remat's own lines, which name files by the names the user or a folder gave."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def control_text(data: Any, where: str = "") -> tuple[str, str] | None:
@@ -267,4 +277,4 @@ def field_error(e: ValidationError) -> str:
 
 
 __all__ = ["bad_field", "Bytes", "Count", "control_text", "EITHER", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
-           "MAX_COUNT", "MAX_GRAD_ACCUM", "MAX_THREADS", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]
+           "MAX_COUNT", "MAX_GRAD_ACCUM", "MAX_THREADS", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "terminal_safe", "Threads"]
