@@ -51,7 +51,10 @@ from planner.errors import Terminated
 #   Python's own exit handlers have run (a library's pool, wandb's service, multiprocessing end theirs there),
 #   remat's live children that are not its own get ``GRACE_S``'s share left by the threads, are named in one note,
 #   and are ended with what they started (SIGTERM, then SIGKILL), as remat's own children are (Rule 3).
-#   ``left_children`` and ``end_tree``; ``planner/cli/main.py`` calls them. Linux only (it reads /proc).
+#   ``left_children`` and ``end_tree``; ``planner/cli/main.py`` calls them. Linux only (it reads /proc). A process
+#   that left its parent (a double fork, ``sh -c "server &"``: the shell exits at once) would be adopted by PID 1
+#   and escape that list: remat's command asks the kernel to adopt such orphans of its descendants instead
+#   (``adopt_orphans``, PR_SET_CHILD_SUBREAPER), so they are its children when it exits.
 #   Why: `subprocess.Popen([python, "-c", "time.sleep(300)"])` at import ran on under PID 1 after
 #   `remat plan` exited 0 (round 18 and 19 probes); `python model.py` leaves it too, but remat is not the
 #   user's program: a planning command should leave nothing behind.
@@ -190,6 +193,15 @@ def _reap(proc: Any, timeout: float | None = 0) -> bool:
     return not proc.is_alive()
 
 
+def adopt_orphans() -> None:
+    """Rule 7: orphaned descendants of this process become its children, not PID 1's (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+
+
 def left_children(skip: Collection[int] = ()) -> dict[int, str]:
     """Rule 7: this process's live children (not zombies) but ``skip``, as pid -> command line; {} off Linux."""
     return {pid: command for pid, (ppid, command) in _processes().items() if ppid == os.getpid() and pid not in skip}
@@ -251,5 +263,5 @@ def _processes() -> dict[int, tuple[int, str]]:
     return out
 
 
-__all__ = ["child_env", "die_with_parent", "end", "end_tree", "GRACE_S", "how_it_ended", "left_children",
+__all__ = ["adopt_orphans", "child_env", "die_with_parent", "end", "end_tree", "GRACE_S", "how_it_ended", "left_children",
            "PARENT_ENV", "run_child", "signals_raise", "temp_dir", "wait_children"]

@@ -28,18 +28,20 @@ def _runs(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="remat finds its children in /proc")
 def test_a_process_the_model_starts_and_leaves_is_named_and_ended(tmp_path: Path):
-    """Rule 7 of NOTE [ Signals and children ]: a subprocess.Popen (here a shell and the sleep it started) the model
-    file never waited for ran on under PID 1 after remat exited 0."""
-    below = tmp_path / "sleep.pid"
+    """Rule 7 of NOTE [ Signals and children ]: a subprocess.Popen the model file never waited for (here a shell and
+    the sleep it started), and a double fork (a shell that starts a sleep and exits), ran on under PID 1 after remat
+    exited 0."""
+    below, orphan = tmp_path / "sleep.pid", tmp_path / "orphan.pid"
     model = model_file(tmp_path, f"import subprocess\nCHILD = subprocess.Popen('sleep 300 & echo $! > {below}; "
-                                 f"sleep 301', shell=True)\n" + GOOD_MODEL)
+                                 f"sleep 301', shell=True)\nsubprocess.Popen('sleep 302 & echo $! > {orphan}', "
+                                 f"shell=True).wait()\n" + GOOD_MODEL)
     out = tmp_path / "plan.json"
     result = _plan_cli(model, out)
-    check(result, 0, f"wrote {out}", "note: 1 process(es) the model file or a library it uses started still run "
-                                     "(pid ", ": '/bin/sh -c sleep 300 & echo $! > ",
-          "...'), and would outlive remat; remat ends them and what they started")
-    pid = int(re.search(r"\(pid (\d+): ", result.stderr).group(1))
-    assert not _runs(pid) and not _runs(int(below.read_text())), result.stderr
+    check(result, 0, f"wrote {out}", "note: 2 process(es) the model file or a library it uses started still run "
+                                     "(pid ", ": '/bin/sh -c sleep 300 & echo $! > ", ": 'sleep 302'",
+          "), and would outlive remat; remat ends them and what they started")
+    pids = [int(pid) for pid in re.findall(r"pid (\d+): ", result.stderr)]
+    assert not [pid for pid in [*pids, int(below.read_text()), int(orphan.read_text())] if _runs(pid)], result.stderr
 
 
 # ----------------------------------------------------------------------------- models nested deep

@@ -39,6 +39,9 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``remat`` (``argv`` or the command line) and exit with its code (NOTE [ Usage errors in one line ])."""
+    from planner.children import adopt_orphans
+
+    adopt_orphans()  # Rule 7 of NOTE [ Signals and children ]: a double fork of the model's code stays remat's
     atexit.register(_end_children)  # first registered, so it runs last (Rule 7 of NOTE [ Signals and children ])
     if "--debug" not in (sys.argv[1:] if argv is None else argv):
         sys.unraisablehook = _unraisable_line  # NOTE [ Exceptions Python can only report ]
