@@ -54,7 +54,8 @@ from planner.errors import Terminated
 #   ``left_children`` and ``end_tree``; ``planner/cli/main.py`` calls them. Linux only (it reads /proc). A process
 #   that left its parent (a double fork, ``sh -c "server &"``: the shell exits at once) would be adopted by PID 1
 #   and escape that list: remat's command asks the kernel to adopt such orphans of its descendants instead
-#   (``adopt_orphans``, PR_SET_CHILD_SUBREAPER), so they are its children when it exits.
+#   (``adopt_orphans``, PR_SET_CHILD_SUBREAPER), so they are its children when it exits. multiprocessing's resource
+#   tracker and fork server are not the model's: they end when remat does, and are left to do so.
 #   Why: `subprocess.Popen([python, "-c", "time.sleep(300)"])` at import ran on under PID 1 after
 #   `remat plan` exited 0 (round 18 and 19 probes); `python model.py` leaves it too, but remat is not the
 #   user's program: a planning command should leave nothing behind.

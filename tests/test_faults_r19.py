@@ -44,6 +44,17 @@ def test_a_process_the_model_starts_and_leaves_is_named_and_ended(tmp_path: Path
     assert not [pid for pid in [*pids, int(below.read_text()), int(orphan.read_text())] if _runs(pid)], result.stderr
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="remat finds its children in /proc")
+def test_multiprocessing_helpers_are_not_the_models(tmp_path: Path):
+    """Rule 7 leaves multiprocessing's resource tracker alone (it ends with remat): a spawn context's Lock started
+    one, and remat named it as the model's process and killed it before it could free the semaphores it tracks."""
+    model = model_file(tmp_path, "import multiprocessing as mp\nLOCK = mp.get_context('spawn').Lock()\n" + GOOD_MODEL)
+    out = tmp_path / "plan.json"
+    result = _plan_cli(model, out)
+    check(result, 0, f"wrote {out}")
+    assert "process(es)" not in result.stderr, result.stderr
+
+
 # ----------------------------------------------------------------------------- models nested deep
 
 NESTED = """

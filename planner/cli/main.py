@@ -170,6 +170,7 @@ def _end_children() -> None:
 
     multiprocessing = sys.modules.get("multiprocessing")  # its processes are Rule 3's, or multiprocessing's
     theirs = {p.pid for p in multiprocessing.active_children()} if multiprocessing is not None else set()
+    theirs |= _multiprocessing_helpers()
     left = [pid for pid, command in left_children(theirs).items() if not is_watcher(command)]
     if left:
         wait_children(left, THREAD_GRACE_S)
@@ -183,6 +184,18 @@ def _end_children() -> None:
               f"would outlive remat; remat ends them and what they started (wait for them in the model's code, or "
               f"end them, to end them yourself)", file=sys.stderr, flush=True)
     end_tree(left)
+
+
+def _multiprocessing_helpers() -> set[int]:
+    """multiprocessing's resource tracker and fork server: they end when remat does (their pipe closes), and killed
+    first they leave the semaphores they track (a spawn context's Lock started one: named as the model's, round 19)."""
+    pids = set()
+    for module, owner, field in (("multiprocessing.resource_tracker", "_resource_tracker", "_pid"),
+                                 ("multiprocessing.forkserver", "_forkserver", "_forkserver_pid")):
+        pid = getattr(getattr(sys.modules.get(module), owner, None), field, None)
+        if isinstance(pid, int):
+            pids.add(pid)
+    return pids
 
 
 def _shortened(command: str, limit: int = 60) -> str:
