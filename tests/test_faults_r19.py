@@ -267,3 +267,19 @@ def test_terminal_controls_in_a_file_name_are_written_as_escapes(profile_path: P
     result = invoke("plan", "-b", "10MB", "--profile", profile_path, "-q", "-o", out)
     check(result, 0, f"wrote {tmp_path}/x\\x1b]0;pwned\\x07.json")
     assert out.exists() and "\x1b" not in result.output
+
+
+# ----------------------------------------------------------------------------- parameters an optimizer step spoilt
+
+
+def test_parameters_an_optimizer_step_spoilt_are_named_as_the_cause(tmp_path: Path):
+    """Rule 6 of NOTE [ A loss that is not finite ]: a pure float16 model under AdamW (eps 1e-08 is 0 in float16)
+    was 'the loss is nan in the first training step ... look for a log or square root of a number <= 0', said of
+    remat's validation step after the profiled steps' optimizer.step() had spoilt its parameters."""
+    model = model_file(tmp_path, GOOD_MODEL.replace("nn.Linear(8, 2))", "nn.Linear(8, 2)).half()")
+                       .replace("torch.randn(4, 8)", "torch.randn(4, 8).half()"))
+    check(invoke("plan", "-b", "1GB", model, "--device", "cpu", "--steps", "1", "-q"), 2,
+          "error: the loss is nan because ", " of the model's 4 trainable parameter tensors hold NaN or inf before this "
+          "step: an earlier optimizer.step() made them so, and training would do the same: float16 parameters are "
+          "updated in float16, where an eps below 6e-08 (Adam's and AdamW's 1e-08) is 0 and a zero gradient divides 0 "
+          "by 0; keep the parameters in float32 and pass --amp fp16 or bf16 for mixed precision")

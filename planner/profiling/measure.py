@@ -109,7 +109,8 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
             output = call_model(model, inputs)
         mark("loss_start", output)
         with user_code("loss_fn"), autocast():
-            loss = check_loss(compute_loss(loss_fn, output, inputs, arity=arity), finite=unchecked[0], amp=recipe.amp)
+            loss = check_loss(compute_loss(loss_fn, output, inputs, arity=arity), finite=unchecked[0], amp=recipe.amp,
+                              params=params)
         mark("forward_end", loss)
         del output
         mark("backward_start", None)

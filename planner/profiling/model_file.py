@@ -32,7 +32,7 @@ import re
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -407,9 +407,10 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
-def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None) -> torch.Tensor:
+def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None,
+               params: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """Return ``loss`` if it can be back-propagated (and with ``finite``, is not NaN or infinite: ``check_finite``
-    with the recipe's ``amp``); raise ``ProfileError`` naming the fix if not."""
+    with the recipe's ``amp`` and the trainable ``params``); raise ``ProfileError`` naming the fix if not."""
     if not isinstance(loss, torch.Tensor):
         raise ProfileError(f"loss_fn must return a scalar tensor, got a {type(loss).__name__}")
     if loss.numel() != 1:
@@ -422,7 +423,7 @@ def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None) -> to
         raise ProfileError("the loss does not require grad, so backward() would do nothing: is the "
                            "forward run under torch.no_grad(), or does loss_fn detach the output?")
     if finite:
-        check_finite(loss, amp)
+        check_finite(loss, amp, params)
     return loss
 
 
@@ -468,17 +469,31 @@ def _check_uncompiled(model: torch.nn.Module, which: str) -> None:
 # Rule 5. After the first step's backward, at least one trainable parameter must hold a gradient: a
 #   loss that no parameter reaches (``torch.tensor(1.0, requires_grad=True)``, a constant) makes an empty
 #   backward and no optimizer state, and is refused the same way (``check_grads_reached``).
+# Rule 6. A loss that is not finite because the parameters are not (an earlier step's ``optimizer.step()`` spoilt
+#   them) says so, and the usual cause: pure float16 parameters with Adam or AdamW, whose eps of 1e-08 is 0 in
+#   float16, so a parameter whose gradient is 0 gets 0/0. Round 19 probe: a ``.half()`` model was "the loss is nan
+#   in the first training step ... look for a log or square root of a number <= 0", said of remat's validation
+#   step, after the profiled steps had spoilt 20 of its tensors (their first loss was finite).
 # Why: log of a negative number, a division by zero and an fp16 overflow in the loss were profiled and
 # planned as if fine (round 17 probes: 4 of 4 models with a NaN or inf loss got a plan, exit 0), and so
 # was a loss made as a new leaf tensor, which no parameter reaches.
 
 
-def check_finite(loss: torch.Tensor, amp: str | None = None) -> None:
+def check_finite(loss: torch.Tensor, amp: str | None = None, params: Sequence[torch.Tensor] = ()) -> None:
     """``ProfileError`` if ``loss`` is NaN or infinite (NOTE [ A loss that is not finite ]); ``amp``: the
-    recipe's, for the hint."""
+    recipe's, for the hint; ``params``: the trainable parameters, which an earlier step may have spoilt (Rule 6)."""
     value = float(loss.detach().float())
     if math.isfinite(value):
         return
+    spoilt = [t for t in params if not bool(torch.isfinite(t.detach()).all())]
+    if spoilt:  # Rule 6
+        half = (": float16 parameters are updated in float16, where an eps below 6e-08 (Adam's and AdamW's 1e-08) "
+                "is 0 and a zero gradient divides 0 by 0; keep the parameters in float32 and pass --amp fp16 or bf16 "
+                "for mixed precision" if any(t.dtype == torch.float16 for t in spoilt) else
+                "; look for an optimizer setting that divides by zero or a learning-rate schedule that overflows")
+        raise ProfileError(f"the loss is {value} because {len(spoilt)} of the model's {len(params)} trainable "
+                           f"parameter tensors hold NaN or inf before this step: an earlier optimizer.step() made "
+                           f"them so, and training would do the same{half}")
     cause = ("an fp16 overflow (try --amp bf16), " if amp == "fp16" else
              "an overflow in low precision, " if loss.dtype in (torch.float16, torch.bfloat16) else "")
     raise ProfileError(f"the loss is {value} in the first training step, so every gradient and the backward remat "
