@@ -283,3 +283,35 @@ def test_parameters_an_optimizer_step_spoilt_are_named_as_the_cause(tmp_path: Pa
           "step: an earlier optimizer.step() made them so, and training would do the same: float16 parameters are "
           "updated in float16, where an eps below 6e-08 (Adam's and AdamW's 1e-08) is 0 and a zero gradient divides 0 "
           "by 0; keep the parameters in float32 and pass --amp fp16 or bf16 for mixed precision")
+
+
+# ----------------------------------------------------------------------------- async functions in the model file
+
+ASYNC_FORWARD = """
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+    async def forward(self, x):
+        return self.lin(x)
+def build_model():
+    return nn.Sequential(M())
+def example_inputs():
+    return torch.randn(4, 8)
+"""
+
+
+@pytest.mark.parametrize("body, said", [
+    (GOOD_MODEL.replace("def build_model", "async def build_model"), "{path}: build_model is an async function (async "
+     "def), so calling it gives a coroutine, not a value; define it with def"),
+    (ASYNC_FORWARD, "the model from build_model() in {path}: M ('0') has an async forward (async def), which torch "
+                    "calls as a plain function, getting a coroutine; define forward with def"),
+])
+def test_an_async_function_in_the_model_file_is_named(tmp_path: Path, body: str, said: str):
+    """Rule 3 of NOTE [ Model-file messages name the fix ]: 'build_model() ... returned a coroutine' and 'the model
+    output (coroutine) holds no floating-point tensor to use as a loss', each followed by Python's three-line
+    'coroutine ... was never awaited' warning."""
+    model = model_file(tmp_path, body)
+    result = invoke("plan", "-b", "1GB", model, "--device", "cpu", "--steps", "1", "-q")
+    check(result, 2, "error: " + said.format(path=model))
+    assert "never awaited" not in result.output

@@ -107,6 +107,10 @@ def load_model_file(path: str | Path) -> ModelFile:
     if loss_fn is not None and not callable(loss_fn):
         raise ModelLoadError(f"{path}: loss_fn is a {type(loss_fn).__name__}, not a function; "
                              f"define it as `def loss_fn(output): ...` or remove it")
+    for name in (*_REQUIRED, "loss_fn"):  # Rule 3 of NOTE [ Model-file messages name the fix ]
+        if _is_async(getattr(module, name, None)):
+            raise ModelLoadError(f"{path}: {name} is an async function (async def), so calling it gives a coroutine, "
+                                 f"not a value; define it with def (inside, asyncio.run(...) can await what it needs)")
     try:
         loss_arity(loss_fn)
     except ProfileError as e:
@@ -158,7 +162,10 @@ def _import(path: Path) -> Any:
 # symptom. Rule 1: a relative import (`from .layers import block`), whose ImportError says "no known
 # parent package", is told to import the sibling module by name. Rule 2: build_model or
 # example_inputs bound to something that is not a function (`build_model = MyModel()`) is named as
-# what it is; "does not define build_model()" was said of a file that does define it.
+# what it is; "does not define build_model()" was said of a file that does define it. Rule 3: build_model,
+# example_inputs or loss_fn defined with ``async def``, or a module's forward so, gives a coroutine when called:
+# the file is refused naming the function (``async def build_model`` was "returned a coroutine; it must return a
+# torch.nn.Module" and then Python's three-line "coroutine ... was never awaited" warning, round 19 probe).
 
 
 def _import_fix(e: BaseException, path: Path) -> str:
@@ -175,6 +182,11 @@ def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
         raise ModelLoadError(f"build_model() in {path} returned a {type(model).__name__}; it must return "
                              f"a torch.nn.Module (the model itself, not a tuple or a state_dict)")
     check_trainable(model, f"the model from build_model() in {path}")
+    found = next((name for name, m in model.named_modules() if _is_async(type(m).forward)), None)
+    if found is not None:  # Rule 3 of NOTE [ Model-file messages name the fix ]
+        raise ModelLoadError(f"the model from build_model() in {path}: {type(model.get_submodule(found)).__name__}"
+                             f"{f' ({found!r})' if found else ''} has an async forward (async def), which torch "
+                             f"calls as a plain function, getting a coroutine; define forward with def")
     return model
 
 
@@ -231,6 +243,12 @@ def check_shape_keywords(fn: Callable[..., Any], shape: dict[str, int], what: st
         raise ModelLoadError(f"{what} takes no {missing[0]} keyword, so it cannot make a batch of another shape; "
                              f"let it take {' and '.join(SHAPE_KEYWORDS)} with today's values as defaults, e.g. "
                              f"def example_inputs(seq_len=128, batch=8)")
+
+
+def _is_async(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine or an async generator (Rule 3 of NOTE [ Model-file messages name
+    the fix ])."""
+    return inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
 
 
 def _call_user(fn: Callable[[], Any], path: Path, what: str) -> Any:
