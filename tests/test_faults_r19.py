@@ -45,6 +45,36 @@ def test_a_process_the_model_starts_and_leaves_is_named_and_ended(tmp_path: Path
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="remat finds its children in /proc")
+def test_sigterm_while_the_models_processes_get_their_grace_still_ends_them(tmp_path: Path):
+    """Rule 7: SIGTERM in the 2 s the model's left processes get at exit ended remat by Python's default (exit 143, no
+    line) and they ran on; the signal now cuts the wait short and they are ended."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.test_faults_r18 import PLAIN_ENV
+
+    model = model_file(tmp_path, "import subprocess, sys\nCHILD = subprocess.Popen([sys.executable, '-c', "
+                                 "'import time; time.sleep(300)'])\n" + GOOD_MODEL)
+    out = tmp_path / "plan.json"
+    proc = subprocess.Popen([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "--steps",
+                             "1", "-q", "-o", str(out)], cwd=ROOT, env=PLAIN_ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.8)  # the plan is written last: remat now gives the model's process its 2 s
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    pid = int(re.search(r"\(pid (\d+): ", stderr).group(1))
+    assert proc.returncode == 0 and not _runs(pid), stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="remat finds its children in /proc")
 def test_multiprocessing_helpers_are_not_the_models(tmp_path: Path):
     """Rule 7 leaves multiprocessing's resource tracker alone (it ends with remat): a spawn context's Lock started
     one, and remat named it as the model's process and killed it before it could free the semaphores it tracks."""
