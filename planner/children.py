@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from planner.errors import Terminated
@@ -46,6 +46,21 @@ from planner.errors import Terminated
 # Rule 6. A process the model's code forks (a multiprocessing ``Process``, a DataLoader worker) inherits these
 #   handlers; there SIGTERM and SIGHUP do what they would without remat (the process dies of the signal), not
 #   raise remat's ``Terminated``, which printed a traceback from the child (round 18 probe).
+# Rule 7. A process the model's code starts and leaves running (a ``subprocess.Popen`` never waited for, an
+#   ``os.fork``, a server started at import), of any kind, does not outlive remat: when the command is over and
+#   Python's own exit handlers have run (a library's pool, wandb's service, multiprocessing end theirs there),
+#   remat's live children that are not its own get ``GRACE_S``'s share left by the threads, are named in one note,
+#   and are ended with what they started (SIGTERM, then SIGKILL), as remat's own children are (Rule 3).
+#   ``left_children`` and ``end_tree``; ``planner/cli/main.py`` calls them. Linux only (it reads /proc). A process
+#   that left its parent (a double fork, ``sh -c "server &"``: the shell exits at once) would be adopted by PID 1
+#   and escape that list: remat's command asks the kernel to adopt such orphans of its descendants instead
+#   (``adopt_orphans``, PR_SET_CHILD_SUBREAPER), so they are its children when it exits. multiprocessing's resource
+#   tracker and fork server are not the model's: they end when remat does, and are left to do so.
+#   SIGINT, SIGTERM or SIGHUP during their grace cuts it short (``wait_children``): by Python's default it ended remat
+#   and they ran on (round 19 probe, exit 143, no line).
+#   Why: `subprocess.Popen([python, "-c", "time.sleep(300)"])` at import ran on under PID 1 after
+#   `remat plan` exited 0 (round 18 and 19 probes); `python model.py` leaves it too, but remat is not the
+#   user's program: a planning command should leave nothing behind.
 # Why: SIGTERM during ``remat plan --device-memory`` used to kill remat at once, leaving the capped
 # child running for 90 s under PID 1 and its temporary profile on disk; SIGHUP still did so after
 # SIGTERM was caught (exit 129, no line, /tmp/remat-capped-* left behind).
@@ -181,5 +196,85 @@ def _reap(proc: Any, timeout: float | None = 0) -> bool:
     return not proc.is_alive()
 
 
-__all__ = ["child_env", "die_with_parent", "end", "GRACE_S", "how_it_ended", "PARENT_ENV", "run_child",
-           "signals_raise", "temp_dir"]
+def adopt_orphans() -> None:
+    """Rule 7: orphaned descendants of this process become its children, not PID 1's (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+
+
+def left_children(skip: Collection[int] = ()) -> dict[int, str]:
+    """Rule 7: this process's live children (not zombies) but ``skip``, as pid -> command line; {} off Linux."""
+    return {pid: command for pid, (ppid, command) in _processes().items() if ppid == os.getpid() and pid not in skip}
+
+
+def end_tree(pids: Collection[int], grace_s: float = GRACE_S) -> None:
+    """Rule 7: end ``pids`` (this process's children) and every process below them: SIGTERM, then SIGKILL after
+    ``grace_s``; the children are reaped."""
+    table = _processes()
+    tree = list(pids)
+    for pid in tree:  # grows as it goes: a breadth-first walk, no recursion
+        tree.extend(p for p, (ppid, _) in table.items() if ppid == pid and p not in tree)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in tree:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        if _gone(tree, pids, grace_s):
+            return
+
+
+def wait_children(pids: Collection[int], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for this process's children ``pids`` to exit on their own; reap those that do. A
+    SIGINT, SIGTERM or SIGHUP meanwhile ends the wait at once (Rule 7): it ended remat, and they ran on."""
+    hurried: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    caught = [s for s in (signal.SIGINT, signal.SIGTERM, *HANGUP) if main and signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, lambda signum, _frame: hurried.append(signum)) for sig in caught}
+    try:
+        _gone(list(pids), pids, timeout_s, stop=lambda: bool(hurried))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _gone(tree: list[int], children: Collection[int], timeout_s: float, stop: Any = lambda: False) -> bool:
+    """Reap ``children`` and wait up to ``timeout_s`` (or until ``stop()``) until no process in ``tree`` runs;
+    whether none does."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for pid in children:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+        running = set(_processes())
+        if not any(pid in running for pid in tree):
+            return True
+        if time.monotonic() >= deadline or stop():
+            return False
+        time.sleep(0.02)
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """Every live process (zombies left out) as pid -> (parent pid, command line), from /proc; {} without it."""
+    out: dict[int, tuple[int, str]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()  # after the name, which may hold spaces
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            except OSError:  # it ended while read
+                continue
+            if fields[0] not in (b"Z", b"X"):
+                out[int(entry.name)] = (int(fields[1]), command)
+    return out
+
+
+__all__ = ["adopt_orphans", "child_env", "die_with_parent", "end", "end_tree", "GRACE_S", "how_it_ended", "left_children",
+           "PARENT_ENV", "run_child", "signals_raise", "temp_dir", "wait_children"]

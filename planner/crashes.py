@@ -75,7 +75,10 @@ class CalledExit(SystemExit):
 #   "internal error: AssertionError: Torch not compiled with CUDA enabled" (round 18 probe, set in
 #   ``example_inputs``). A failure in remat's code (not a RematError) while torch's default device is meta or a
 #   device this machine cannot use is one line naming the setting and the failure, exit 2. A usable GPU as the
-#   default is left alone (an out-of-memory there is what it says; not probed on a GPU in round 18).
+#   default is left alone (an out-of-memory there is what it says). Round 19 read the path remat runs then (no GPU
+#   to run it): every profile's host-link probe made its pinned buffer on the default device, which torch refuses
+#   for a GPU ("Only dense CPU tensors can be pinned"), as did the offload store; both make host buffers on the CPU
+#   by name now (Rule 5 of NOTE [ Offloaded units ]).
 # Rule 3. ``os.umask(0o777)``: remat's new output files get the umask remat started with, the shell's, not the
 #   model's (``planner.files.UMASK_FOR_FILES``; NOTE [ Writing output files ], Rule 3); the plan was written
 #   ``----------`` (round 18 probe). The model's own files keep its umask: remat does not reset it.
@@ -115,6 +118,8 @@ def _changed_setting(e: Exception, limit: int) -> str | None:
                 f"remove the call")
     from planner.errors import RematError
 
+    if (deep := _deep(e)) is not None:
+        return deep
     device = _default_device()
     if device is None or isinstance(e, RematError):
         return None
@@ -122,6 +127,74 @@ def _changed_setting(e: Exception, limit: int) -> str | None:
     return (f"the model's code set torch's default device to {device} (torch.set_default_device), and "
             f"remat's own tensors follow it: {type(e).__name__}: {text}; remove the call (build the model and the "
             f"batch with device=... instead; remat moves them to --device)")
+
+
+# NOTE [ Models nested deep ]
+#
+# Each level of nested modules costs Python frames: 4 counted against the recursion limit a level in a plain
+# training step (``_wrapped_call_impl``, ``_call_impl``, ``forward`` and the C call between), 5 when the module has
+# hooks (torch adds ``inner``), and torch's ``named_modules`` recurses once a level. A chain of ``nn.Sequential``
+# trains in plain Python under the default limit of 1000 up to 248 levels (round 19 probe).
+# Rule 1. While remat runs the model's code (``user_code`` in ``planner/profiling/measure.py``), the recursion limit
+#   is raised by a quarter, for the frame its hooks add a level, and by ``ROOM_FRAMES`` for its own frames below the
+#   model's; it is put back afterwards unless the model's code set another meanwhile. Before, `remat plan` ran out
+#   at 191 levels where the plain step ran 248: "the model's forward raised RecursionError" for a model that trains.
+# Rule 2. A RecursionError the model's code raised says how deep its modules were nested where it ran out (the
+#   module calls in its traceback) and the fix: raise the limit in the model file, or nest less.
+# Rule 3. A RecursionError elsewhere while the limit is not lowered (torch's ``named_modules`` on the built model,
+#   1,200 nested ``nn.Sequential``: "internal error: RecursionError") is one line naming the function that recursed
+#   and how often, and the same fix, exit 2. A model nested that deep fails in ``python model.py`` too.
+# Rule 4. remat's own walk over the unit tree (``_default_cut`` in ``planner/model/graph.py``, recursive, two frames
+#   a level, before round 19) is a loop; the ILP's nested candidates are as deep as --granularity allows (256).
+
+ROOM_FRAMES = 200
+"""Frames the recursion limit is raised by for remat's own, below the model's code (Rule 1); the CLI and the profiler
+hold about 40 under the model's forward, the hooks about 15 more at its deepest call."""
+
+
+@contextlib.contextmanager
+def recursion_room() -> Iterator[None]:
+    """Rule 1 of NOTE [ Models nested deep ] for the duration of a call into the model's code."""
+    limit = sys.getrecursionlimit()
+    roomy = limit + limit // 4 + ROOM_FRAMES
+    sys.setrecursionlimit(roomy)
+    try:
+        yield
+    finally:
+        if sys.getrecursionlimit() == roomy:  # the model's code set none of its own meanwhile
+            sys.setrecursionlimit(limit)
+
+
+def recursion_said(e: BaseException) -> str:
+    """Rule 2 of NOTE [ Models nested deep ]: '' unless ``e`` is a RecursionError; then what to do about it."""
+    if not isinstance(e, RecursionError):
+        return ""
+    import traceback
+
+    calls = sum(f.name == "_call_impl" for f in traceback.extract_tb(e.__traceback__))
+    nested = f", with modules nested {calls} deep where it ran out" if calls > 1 else ""
+    return (f" (Python's recursion limit is {sys.getrecursionlimit()}{nested}: raise it in the model file "
+            f"(sys.setrecursionlimit) if the model is meant to nest this deep, or nest less)")
+
+
+def _deep(e: Exception) -> str | None:
+    """Rule 3 of NOTE [ Models nested deep ]: the line for a RecursionError outside the model's code, or None."""
+    from planner.errors import RematError
+
+    if isinstance(e, RematError) or not _recursion_in(e):
+        return None
+    import collections
+    import traceback
+
+    while not isinstance(e, RecursionError):
+        e = e.__cause__ or e.__context__
+    frames = traceback.extract_tb(e.__traceback__)
+    counts = collections.Counter((f.filename, f.name) for f in frames)
+    (filename, name), times = counts.most_common(1)[0] if counts else (("an unknown place", "?"), 0)
+    return (f"Python's recursion limit of {sys.getrecursionlimit()} ran out (RecursionError) in {name} "
+            f"({filename}), which called itself {times} times: the model nests its modules deeper than this limit "
+            f"lets torch walk and run them; raise it in the model file (sys.setrecursionlimit) if the model is meant "
+            f"to nest this deep, or nest less")
 
 
 def _default_device() -> str | None:
@@ -202,6 +275,11 @@ def _crash_watch() -> Iterator[None]:
             watcher.wait(WATCHER_WAIT_S)
 
 
+def is_watcher(command: str) -> bool:
+    """Whether a process's command line is remat's crash watcher (Rule 2), a child of remat's own."""
+    return os.path.abspath(__file__) in command
+
+
 def _library() -> dict[str, list[str]]:
     """Folders whose frames are not the model's: Python's own (less site-packages), torch's, remat's, the CLI's."""
     paths = sysconfig.get_paths()
@@ -262,7 +340,8 @@ def _watch(library: dict[str, list[str]]) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-__all__ = ["CalledExit", "crash_line", "DONE", "exits_said", "WATCHER_WAIT_S"]
+__all__ = ["CalledExit", "crash_line", "DONE", "exits_said", "is_watcher", "recursion_room", "recursion_said", "ROOM_FRAMES",
+           "WATCHER_WAIT_S"]
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ _HINT = "use bytes or a number with a unit, e.g. 12GB, 12GiB, 800MiB, 1.5e9"
 #   accepted forms: a decimal comma (``1,5GB``), digit separators (``1_000MB``, ``1,000MB``), a share
 #   (``80%``: remat reads no device's size from a budget; ``--target NAME`` gives its usable memory).
 # Rule 3. ``Ki``, ``Mi``, ``Gi``, ``Ti`` (Kubernetes' spelling of the binary units) are read as KiB, MiB, GiB, TiB.
+# Rule 4. A float NaN given in Python (``budget=float("nan")``, a budget computed from a failed measurement) is said
+#   to be no number; it was "a memory budget must be positive" (round 19 probe).
 # Every message still ends with the accepted forms.
 # Why: round 17 probes: ``-b 8Gb`` planned for 8 GiB; ``1,5GB``, ``1_000MB`` and ``80%`` got only the
 # generic line.
@@ -86,6 +88,8 @@ def parse_bytes(text: str | int | float) -> int:
         value, unit = float(m.group(1)), m.group(2).lower()
         if unit not in _MULTIPLIERS:
             raise BadInput(f"invalid size {raw!r}: unknown unit {m.group(2)!r}; {_HINT}")
+    if math.isnan(value):  # Rule 4 of NOTE [ Budgets that read as something else ]
+        raise BadInput(f"invalid size {text!r}: not a number (NaN); {_HINT}")
     if math.isinf(value):  # 1e400 reads as infinity: a size, only far too large
         raise BadInput(f"invalid size {text!r}: more than 1 EiB, above any device's memory; {_HINT}")
     if not math.isfinite(value) or value <= 0:

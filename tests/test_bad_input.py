@@ -191,8 +191,8 @@ def test_input_that_is_a_device_is_refused(profile_path: Path, tmp_path: Path):
     in for them."""
     model = tmp_path / "null.py"
     model.symlink_to("/dev/null")
-    for cmd, line in ((["show", "/dev/null"], "error: /dev/null is a character device, not a plan file; pass the file "
-                                             "`remat plan` wrote"),
+    for cmd, line in ((["show", "/dev/null"], "error: /dev/null is a character device, not a plan or profile file; pass "
+                                             "the file `remat plan` or `remat profile` wrote"),
                       (["plan", "--budget", "1GB", "--profile", "/dev/null", "-q"], "error: /dev/null is a character "
                        "device, not a profile file; pass the file `remat profile` wrote"),
                       (["plan", "--budget", "1GB", model, "-q"], f"error: model file {model} is a character device; "

@@ -138,13 +138,24 @@ def test_a_recursion_limit_the_model_file_lowered_is_named(tmp_path: Path):
 
 def test_a_default_device_the_model_code_set_is_named(tmp_path: Path):
     """Rule 2 of NOTE [ Settings the model file changes ]: 'internal error: NotImplementedError: Cannot copy out of
-    meta tensor' (remat's own tensors were made on the model file's default device)."""
+    meta tensor' (remat's own tensors were made on the model file's default device). The tensors that failed, the
+    host-link probe's, are made on the CPU by name since round 19 (Rule 5 of NOTE [ Offloaded units ]): the model is
+    planned; a failure of remat's code under such a default is still named as the setting's."""
+    import torch
+
+    from planner.crashes import _changed_setting
+
     model = model_file(tmp_path, GOOD_MODEL.replace("    return torch.randn(4, 8)", "    x = torch.randn(4, 8)\n"
                                                     "    torch.set_default_device('meta')\n    return x"))
-    result = _plan_cli(model, tmp_path / "plan.json")
-    check(result, 2, "error: the model's code set torch's default device to 'meta' (torch.set_default_device), and "
-                     "remat's own tensors follow it: NotImplementedError: ", "remove the call")
-    assert result.stderr.count("\n") == 1, result.stderr
+    check(_plan_cli(model, tmp_path / "plan.json"), 0, f"wrote {tmp_path / 'plan.json'}")
+    torch.set_default_device("meta")
+    try:
+        line = _changed_setting(NotImplementedError("Cannot copy out of meta tensor; no data!"), sys.getrecursionlimit())
+    finally:
+        torch.set_default_device(None)
+    assert line == ("the model's code set torch's default device to 'meta' (torch.set_default_device), and remat's own "
+                    "tensors follow it: NotImplementedError: Cannot copy out of meta tensor; no data!; remove the call "
+                    "(build the model and the batch with device=... instead; remat moves them to --device)")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the default device must be one torch lacks")

@@ -46,6 +46,13 @@ Example::
 # outputs) this unit's storages are prefetched on the other side stream; the first unpack waits
 # for that copy. With no ``sync_fqn`` (the last leaf) both happen at the end of forward and on
 # the first unpack.
+# Rule 5. Host buffers are made on the host by name (``device="cpu"``), not on torch's default device: a training
+# script or model file that calls ``torch.set_default_device("cuda")`` (many LLM scripts do) made the pinned buffer,
+# allocated in the pack hook during forward where the default applies, a GPU tensor, which torch refuses ("Only dense
+# CPU tensors can be pinned", its ``empty_cuda``): an offload plan failed in the user's first forward. Round 19 had no
+# GPU: this path was read, not run. (The default does not reach the unpack hook: autograd's engine runs it without
+# the default-device mode.) ``measure_host_link`` (``planner/profiling/measure.py``) makes its host buffers the same
+# way; there ``torch.device("meta")`` as the default stands in for a GPU in the test.
 
 from __future__ import annotations
 
@@ -104,7 +111,7 @@ class HostStore:
 
     def allocate(self, nbytes: int, pinned: bool) -> Any:
         try:
-            buf = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinned
+            buf = (torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) if pinned  # Rule 5
                    else np.empty(nbytes, dtype=np.uint8))
         except (MemoryError, RuntimeError) as e:
             if isinstance(e, RuntimeError) and "memory" not in str(e).lower():

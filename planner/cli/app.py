@@ -342,11 +342,11 @@ def compare_cmd(o: CompareOptions) -> None:
 def show_cmd(o: ShowOptions) -> None:
     """Show a plan file (or a profile file) as tables."""
     from planner.act.api import graph_for
-    from planner.model.fields import read_document
+    from planner.model.fields import EITHER, read_document
     from planner.model.schema import Plan, Profile
 
     out, log = render.consoles(quiet=o.quiet)
-    document = read_document(o.path, "plan")  # read once: a pipe (<(cat plan.json)) cannot be read again
+    document = read_document(o.path, EITHER)  # read once: a pipe (<(cat plan.json)) cannot be read again
     if isinstance(document, dict) and document.get("kind") == "remat-profile":
         if o.why:
             raise BadInput("--why explains a plan: remat show plan.json --why --profile profile.json")

@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import sys
 import threading
@@ -38,6 +39,10 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``remat`` (``argv`` or the command line) and exit with its code (NOTE [ Usage errors in one line ])."""
+    from planner.children import adopt_orphans
+
+    adopt_orphans()  # Rule 7 of NOTE [ Signals and children ]: a double fork of the model's code stays remat's
+    atexit.register(_end_children)  # first registered, so it runs last (Rule 7 of NOTE [ Signals and children ])
     if "--debug" not in (sys.argv[1:] if argv is None else argv):
         sys.unraisablehook = _unraisable_line  # NOTE [ Exceptions Python can only report ]
     try:
@@ -133,6 +138,7 @@ def _leave_threads(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    _end_children()  # os._exit skips the atexit handlers
     os._exit(code)
 
 
@@ -155,6 +161,45 @@ def _end_processes(deadline: float) -> None:
           f"them, to end them yourself)", file=sys.stderr, flush=True)
     for process in left:
         end(process)
+
+
+def _end_children() -> None:
+    """Rule 7 of NOTE [ Signals and children ]: name and end the processes the model's code leaves running."""
+    from planner.children import end_tree, left_children, wait_children
+    from planner.crashes import is_watcher
+
+    multiprocessing = sys.modules.get("multiprocessing")  # its processes are Rule 3's, or multiprocessing's
+    theirs = {p.pid for p in multiprocessing.active_children()} if multiprocessing is not None else set()
+    theirs |= _multiprocessing_helpers()
+    left = [pid for pid, command in left_children(theirs).items() if not is_watcher(command)]
+    if left:
+        wait_children(left, THREAD_GRACE_S)
+    running = left_children(theirs)
+    left = [pid for pid in left if pid in running]
+    if not left:
+        return
+    names = listed([f"pid {pid}: {_shortened(running[pid])!r}" for pid in left], 3)
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(f"note: {len(left)} process(es) the model file or a library it uses started still run ({names}), and "
+              f"would outlive remat; remat ends them and what they started (wait for them in the model's code, or "
+              f"end them, to end them yourself)", file=sys.stderr, flush=True)
+    end_tree(left)
+
+
+def _multiprocessing_helpers() -> set[int]:
+    """multiprocessing's resource tracker and fork server: they end when remat does (their pipe closes), and killed
+    first they leave the semaphores they track (a spawn context's Lock started one: named as the model's, round 19)."""
+    pids = set()
+    for module, owner, field in (("multiprocessing.resource_tracker", "_resource_tracker", "_pid"),
+                                 ("multiprocessing.forkserver", "_forkserver", "_forkserver_pid")):
+        pid = getattr(getattr(sys.modules.get(module), owner, None), field, None)
+        if isinstance(pid, int):
+            pids.add(pid)
+    return pids
+
+
+def _shortened(command: str, limit: int = 60) -> str:
+    return command if len(command) <= limit else command[:limit - 3] + "..."
 
 
 def _running() -> list[threading.Thread]:

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from planner.model.fields import terminal_safe
 from planner.model.schema import Plan, Predicted, Profile, Recipe, SolverInfo
 from planner.sizes import format_bytes
 
@@ -40,12 +41,12 @@ def consoles(*, quiet: bool = False) -> tuple[Console, Console]:
 
 def plain(console: Console, text: str) -> None:
     """Print ``text`` verbatim: no markup, no highlighting, no wrapping."""
-    console.print(Text(text), soft_wrap=True)
+    console.print(Text(terminal_safe(text)), soft_wrap=True)  # Rule 3 of NOTE [ Text in files ]
 
 
 def error_line(message: str, *, prefix: str = "error") -> None:
     """``error: ...`` on stderr, written directly so that nothing (rich, quiet) can swallow it."""
-    sys.stderr.write(f"{prefix}: {message.rstrip()}\n")
+    sys.stderr.write(f"{prefix}: {terminal_safe(message.rstrip())}\n")  # Rule 3 of NOTE [ Text in files ]
     sys.stderr.flush()
 
 

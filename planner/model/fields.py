@@ -74,7 +74,9 @@ def now_iso() -> str:
 
 def read_document(path: str | Path, what: str) -> Any:
     """The JSON in the file ``path``, read once, or ``PlanFileError`` naming what is wrong (``what``: 'profile'
-    or 'plan', the command that writes it): missing, a folder or a device, empty, or not JSON."""
+    or 'plan', the command that writes it, or ``EITHER`` where both are read: missing, a folder or a device, empty,
+    or not JSON. Under ``EITHER`` a message names the kind the file's text begins with (Rule 6 of NOTE [ Files
+    that are not remat's JSON ])."""
     path = as_path(path, f"the path of a {what} file")
     try:
         if not path.exists():
@@ -82,32 +84,50 @@ def read_document(path: str | Path, what: str) -> Any:
         if path.is_dir():
             raise PlanFileError(f"{path} is a directory, not a {what} file")
         if device := device_kind(path):
-            raise PlanFileError(f"{path} is {device}, not a {what} file; pass the file `remat {what}` wrote")
+            raise PlanFileError(f"{path} is {device}, not a {what} file; pass the file {_by(what)} wrote")
         data = path.read_bytes()
     except OSError as e:  # unreadable, a name too long (JSON text given as a path), an I/O error
         raise _unreadable(path, what, e) from None
     text = _text_of(data, path, what)
+    what = _kind_begun(text) if what == EITHER else what
     if not text.strip():
-        raise PlanFileError(f"{what} file {path} is empty; re-create it with `remat {what} ...`")
+        raise PlanFileError(f"{what} file {path} is empty; re-create it with {_by(what, ' ...')}")
     try:
         return json.loads(text, object_pairs_hook=_unique_keys)
     except _KeyTwice as e:  # Rule 5 of NOTE [ Files that are not remat's JSON ]
         raise PlanFileError(f"{what} file {path} has the key {e.args[0]!r} twice in one object, and JSON readers "
                             f"disagree on which counts (Python's takes the last); keep one, or re-create the file "
-                            f"with `remat {what} ...`") from None
+                            f"with {_by(what, ' ...')}") from None
     except json.JSONDecodeError as e:
         if e.pos == len(text) - len(text.lstrip()):  # Rule 3 of NOTE [ Files that are not remat's JSON ]
             begins = text.lstrip().splitlines()[0][:30]
             raise PlanFileError(f"{what} file {path} is not valid JSON: it begins {begins!r}, not with '{{'; pass "
-                                f"a file written by `remat {what}`") from None
+                                f"a file written by {_by(what)}") from None
         raise PlanFileError(
             f"{what} file {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
-            f"it may be truncated: re-create it with `remat {what} ...`"
+            f"it may be truncated: re-create it with {_by(what, ' ...')}"
         ) from None
     except (RecursionError, ValueError) as e:  # Rule 2 of NOTE [ Files that are not remat's JSON ]
         why = "nested too deep" if isinstance(e, RecursionError) else "a number with too many digits"
         raise PlanFileError(f"{what} file {path} is JSON that no remat writes ({why}); pass the file "
-                            f"`remat {what}` wrote, or re-create it") from None
+                            f"{_by(what)} wrote, or re-create it") from None
+
+
+EITHER = "plan or profile"
+"""``read_document``'s ``what`` where a plan and a profile are both read (``remat show``)."""
+
+_KIND_FIRST = re.compile(r'\A\s*\{\s*"kind"\s*:\s*"remat-(plan|profile)"')
+
+
+def _kind_begun(text: str) -> str:
+    """'plan' or 'profile' when ``text`` begins as remat writes that kind (its first key), else ``EITHER``."""
+    found = _KIND_FIRST.match(text)
+    return found.group(1) if found else EITHER
+
+
+def _by(what: str, tail: str = "") -> str:
+    """The command that writes a ``what`` file, quoted: '`remat plan`', or both under ``EITHER``."""
+    return " or ".join(f"`remat {w}{tail}`" for w in what.split(" or "))
 
 
 class _KeyTwice(Exception):
@@ -137,6 +157,10 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 # Rule 5. An object with a key twice (``"budget_bytes": 5, "budget_bytes": 1073741824``, as a hand edit or a
 #   merge leaves one) is refused naming the key: JSON readers disagree on which one counts, and Python's took the
 #   last in silence (round 18 probe: `remat show` printed the second budget, exit 0).
+# Rule 6. Where a plan and a profile are both read (``remat show``), the kind is not known before the file is read:
+#   a message names the kind the file's text begins with (remat writes ``"kind"`` first), or "plan or profile"
+#   when it cannot be told (unreadable, not text, a folder). `remat show` called a truncated profile a "plan file"
+#   whose fix was `remat plan ...` (round 18 probe).
 # Why: `remat plan --profile profile.json.gz` and `remat verify model.py model.py` said the file
 # "may be truncated", a profile saved from Notepad with a BOM was refused, and a 100,000-deep
 # array ended as "internal error: RecursionError".
@@ -150,7 +174,7 @@ def _unreadable(path: Path, what: str, e: OSError) -> PlanFileError:
                              f"{what.capitalize()}.model_validate_json(text)")
     shown = given if len(given) <= 80 else given[:60] + "..."
     return PlanFileError(f"cannot read {what} file {shown}: {e.strerror or e}; pass the path of the file "
-                         f"`remat {what}` wrote")
+                         f"{_by(what)} wrote")
 
 
 def _text_of(data: bytes, path: Path, what: str) -> str:
@@ -164,7 +188,7 @@ def _text_of(data: bytes, path: Path, what: str) -> str:
         kind = ("a gzip file" if head == b"\x1f\x8b" else "UTF-16 text" if head in (b"\xff\xfe", b"\xfe\xff")
                 else "a binary file")
         raise PlanFileError(f"{what} file {path} is not UTF-8 text (it looks like {kind}); pass the JSON file "
-                            f"`remat {what}` wrote (uncompressed)")
+                            f"{_by(what)} wrote (uncompressed)")
     return text
 
 
@@ -208,9 +232,19 @@ def load_versioned(cls: Any, path: str | Path, kind: str, version: int, what: st
 # printed as read, exit 0). Rule 1. A string anywhere in a plan or profile file (a key too) that holds a C0
 # control character other than newline and tab, DEL, or a C1 control character is refused, naming its path and
 # the character, before the file is validated. Rule 2. Newline and tab stay: they are text, and an error
-# message remat recorded may hold them.
+# message remat recorded may hold them. Rule 3. A file's name is text remat prints too (`wrote NAME`, `error: plan
+# file NAME ...`): a name holding ESC [2J cleared the screen in `remat show`'s error, ESC ]0; set the window title
+# in `wrote` (round 19 probe, `remat show *.json` in a folder from someone else). remat's own lines (``error_line``,
+# ``plain`` in ``planner/cli/render.py``) write such characters as escapes, ``\x1b[2J``; newline and tab stay (a
+# message's hint and the user's traceback lines follow on their own lines).
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with each control character but newline and tab written as its escape (``\x1b``): Rule 3 of
+    NOTE [ Text in files ], for remat's own lines, which name files by the names the user or a folder gave."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def control_text(data: Any, where: str = "") -> tuple[str, str] | None:
@@ -242,5 +276,5 @@ def field_error(e: ValidationError) -> str:
     return f"{loc or '<top>'}: {first['msg'][:1].lower()}{first['msg'][1:]}{shown}"
 
 
-__all__ = ["bad_field", "Bytes", "Count", "control_text", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
-           "MAX_COUNT", "MAX_GRAD_ACCUM", "MAX_THREADS", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "Threads"]
+__all__ = ["bad_field", "Bytes", "Count", "control_text", "EITHER", "field_error", "FileModel", "load_versioned", "MAX_BYTES",
+           "MAX_COUNT", "MAX_GRAD_ACCUM", "MAX_THREADS", "MAX_WORLD_SIZE", "Ms", "NonNegFloat", "now_iso", "read_document", "Seq", "terminal_safe", "Threads"]

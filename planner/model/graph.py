@@ -186,28 +186,38 @@ def _ancestors(units: dict[str, UnitRecord], uid: str) -> list[str]:
 
 
 def _default_cut(units: dict[str, UnitRecord], children: dict[str, list[str]]) -> list[str]:
+    """The top-level units to plan: repeated blocks and the units beside them. Loops, not recursion: a model
+    nested 1,200 deep is a unit tree as deep (Rule 4 of NOTE [ Models nested deep ] in ``planner/crashes.py``)."""
     blocks = repeated_blocks(units, children)
-    holds_block: dict[str, bool] = {}
-
-    def contains_block(uid: str) -> bool:
-        if uid not in holds_block:
-            holds_block[uid] = uid in blocks or any(contains_block(c) for c in children.get(uid, []))
-        return holds_block[uid]
-
-    def cut(uid: str) -> list[str]:
-        if uid in blocks or not contains_block(uid):
-            return [uid]
-        return [x for c in children.get(uid, []) for x in cut(c)]
-
     top = [c for c in children.get(ROOT_ID, [])]
     if not top:
         return []
     if blocks:
-        return [x for c in top for x in cut(c)]
+        holds = _holding(children, blocks)
+        out, stack = [], list(reversed(top))
+        while stack:  # pre-order: a unit, or its children where a block lies below it
+            uid = stack.pop()
+            if uid in blocks or uid not in holds:
+                out.append(uid)
+            else:
+                stack.extend(reversed(children.get(uid, [])))
+        return out
     # no repeated blocks: descend through single-child wrappers, then take the children
     while len(top) == 1 and children.get(top[0]):
         top = children[top[0]]
     return top
+
+
+def _holding(children: dict[str, list[str]], blocks: set[str]) -> set[str]:
+    """Units that are a block or hold one below them."""
+    order = [ROOT_ID]
+    for uid in order:  # breadth-first; grows as it goes
+        order.extend(children.get(uid, []))
+    holds: set[str] = set()
+    for uid in reversed(order):  # children before their parents
+        if uid in blocks or any(c in holds for c in children.get(uid, [])):
+            holds.add(uid)
+    return holds
 
 
 def candidate_levels(units: dict[str, UnitRecord], children: dict[str, list[str]],

@@ -83,6 +83,10 @@ def profile_capped(model_path: str | Path, *, step: StepSpec, quiet: bool = Fals
         env = {**os.environ, **MALLOC_ENV,
                "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         rc = run_child(cmd, env=env)  # ended with remat, NOTE [ Signals and children ]
+        if rc == NOT_WRITTEN:
+            raise ProfileError(f"profiling within {device_memory_bytes} bytes: the capped profiling process could not "
+                               f"write its result into remat's temporary folder {Path(tmp).parent} ({_free(tmp)}): "
+                               f"free some space there, or point TMPDIR at a folder with room")
         data = json.loads(out.read_text()) if out.exists() else None
         if rc != 0 or data is None or "error" in data:
             why = (", as the kernel's out-of-memory killer does: free memory on this machine, or profile without "
@@ -94,6 +98,31 @@ def profile_capped(model_path: str | Path, *, step: StepSpec, quiet: bool = Fals
             raise ProfileError(f"profiling within {device_memory_bytes} bytes: {message}",
                                options=tuple(data.get("options", ())) if data else ("device_memory_bytes",))
         return Profile.model_validate(data)
+
+
+# NOTE [ A temporary folder that is full ]
+#
+# The capped child hands its profile (or its error) to remat through a file in remat's temporary folder (TMPDIR, else
+# /tmp). When that folder is full (or a file size limit, ``ulimit -f``, stops the write), the child's write failed with a 17-line traceback and remat blamed the model:
+# "the capped profiling process exited with status 1 before it wrote a profile: the model's code or a library it
+# calls ended it (os._exit, a crash)" (round 19 probe, TMPDIR on an 8 KiB tmpfs). The child exits ``NOT_WRITTEN``
+# instead, saying nothing, and remat says one line naming the folder, its free bytes, the file size limit when there
+# is one, and the fix (exit 2).
+
+NOT_WRITTEN = 75
+"""The capped child's status when it cannot write its result (EX_TEMPFAIL of sysexits.h)."""
+
+
+def _free(folder: str) -> str:
+    """The free bytes of ``folder``'s file system and this process's file size limit, which the child inherits."""
+    import shutil
+
+    try:
+        free = f"{shutil.disk_usage(folder).free} bytes free"
+    except OSError as e:
+        free = e.strerror or str(e)
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return free if soft == resource.RLIM_INFINITY else f"{free}; files are limited to {soft} bytes, ulimit -f"
 
 
 def cap_address_space(device_memory_bytes: int, existing_bytes: int, *,
@@ -148,14 +177,22 @@ def _child(argv: list[str]) -> int:
     try:
         prof = _profile_child(args)
     except RematError as e:
-        atomic_write_text(out, json.dumps({"error": e.template, "options": e.options}))  # worded by the caller
-        return e.exit_code
+        return _written(out, json.dumps({"error": e.template, "options": e.options}), e.exit_code)  # worded by the caller
     except MemoryError:
-        atomic_write_text(out, json.dumps({"error": "out of memory outside the step (Python's own allocations); "
-                                            "raise {device_memory_bytes}", "options": ["device_memory_bytes"]}))
-        return ProfileError.exit_code
-    atomic_write_text(out, prof.model_dump_json())  # the parent never reads half a profile
-    return 0
+        return _written(out, json.dumps({"error": "out of memory outside the step (Python's own allocations); raise "
+                                               "{device_memory_bytes}", "options": ["device_memory_bytes"]}),
+                        ProfileError.exit_code)
+    return _written(out, prof.model_dump_json(), 0)  # the parent never reads half a profile
+
+
+def _written(out: Path, text: str, status: int) -> int:
+    """``status`` once ``text`` is in ``out``; ``NOT_WRITTEN`` when it cannot be written (NOTE [ A temporary folder
+    that is full ])."""
+    try:
+        atomic_write_text(out, text)
+    except OSError:  # WriteFailed: the folder is full, or gone
+        return NOT_WRITTEN
+    return status
 
 
 def _profile_child(args: argparse.Namespace) -> Any:
@@ -185,5 +222,5 @@ if __name__ == "__main__":
     sys.exit(_child(sys.argv[1:]))
 
 
-__all__ = ["cap_address_space", "MALLOC_ENV", "OVERHEAD_ALLOWANCE_BYTES", "prepare", "profile_capped",
+__all__ = ["cap_address_space", "MALLOC_ENV", "NOT_WRITTEN", "OVERHEAD_ALLOWANCE_BYTES", "prepare", "profile_capped",
            "vm_size_bytes"]

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from planner.crashes import recursion_room, recursion_said
 from planner.errors import OOM_HINT, BadInput, ProfileError, RematError
 from planner.optimizers import build_optimizer, check_impl
 from planner.options import parse_amp, parse_optimizer
@@ -108,7 +109,8 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
             output = call_model(model, inputs)
         mark("loss_start", output)
         with user_code("loss_fn"), autocast():
-            loss = check_loss(compute_loss(loss_fn, output, inputs, arity=arity), finite=unchecked[0], amp=recipe.amp)
+            loss = check_loss(compute_loss(loss_fn, output, inputs, arity=arity), finite=unchecked[0], amp=recipe.amp,
+                              params=params)
         mark("forward_end", loss)
         del output
         mark("backward_start", None)
@@ -230,9 +232,11 @@ def _amp_dtype(amp: str | None) -> torch.dtype | None:
 
 @contextlib.contextmanager
 def user_code(what: str) -> Iterator[None]:
-    """Turn an exception raised in ``what`` (user code) into a ``ProfileError`` a user can act on."""
+    """Turn an exception raised in ``what`` (user code) into a ``ProfileError`` a user can act on; with room for
+    remat's frames below it (NOTE [ Models nested deep ] in ``planner/crashes.py``)."""
     try:
-        yield
+        with recursion_room():
+            yield
     except (KeyboardInterrupt, RematError):
         raise
     except SystemExit as e:
@@ -244,7 +248,7 @@ def user_code(what: str) -> Iterator[None]:
         text = "\n".join(lines[:3]) + (" ..." if len(lines) > 3 else "")
         frames = user_frames(e, limit=5)
         where = f"\n{frames}" if frames else ""
-        raise ProfileError(f"{what} raised {type(e).__name__}: {text}{_dtype_hint(e)}{where}") from e
+        raise ProfileError(f"{what} raised {type(e).__name__}: {text}{_dtype_hint(e)}{recursion_said(e)}{where}") from e
 
 
 _DTYPE_ERRORS = re.compile(r"must have the same dtype|type \(.*\) should be the same|to have one of the following "
@@ -496,14 +500,15 @@ cost is noise, small enough to take milliseconds."""
 def measure_host_link(dev: torch.device, *, repeats: int = 5) -> tuple[float, bool]:
     """(bytes/s one way, copy engine) between ``dev`` and host memory, as offloading copies them
     (NOTE [ Offloaded units ] in planner/act/offload.py): on the CPU a memcpy into a numpy buffer on
-    this thread, on CUDA an asynchronous copy into pinned memory. The best of ``repeats`` copies."""
+    this thread, on CUDA an asynchronous copy into pinned memory. The best of ``repeats`` copies. Host buffers are made
+    on the host by name, whatever torch's default device (Rule 5 of NOTE [ Offloaded units ])."""
     import numpy as np
 
     if dev.type == "cuda":
         src = torch.empty(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, device=dev)
-        dst = torch.empty(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, device="cpu", pin_memory=True)
     else:
-        src = torch.ones(HOST_LINK_PROBE_BYTES, dtype=torch.uint8)
+        src = torch.ones(HOST_LINK_PROBE_BYTES, dtype=torch.uint8, device="cpu")
         dst = torch.from_numpy(np.empty(HOST_LINK_PROBE_BYTES, dtype=np.uint8))
     best = float("inf")
     for _ in range(repeats):

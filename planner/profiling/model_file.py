@@ -28,10 +28,11 @@ import inspect
 import itertools
 import math
 import os
+import re
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,10 @@ def load_model_file(path: str | Path) -> ModelFile:
     if loss_fn is not None and not callable(loss_fn):
         raise ModelLoadError(f"{path}: loss_fn is a {type(loss_fn).__name__}, not a function; "
                              f"define it as `def loss_fn(output): ...` or remove it")
+    for name in (*_REQUIRED, "loss_fn"):  # Rule 3 of NOTE [ Model-file messages name the fix ]
+        if _is_async(getattr(module, name, None)):
+            raise ModelLoadError(f"{path}: {name} is an async function (async def), so calling it gives a coroutine, "
+                                 f"not a value; define it with def (inside, asyncio.run(...) can await what it needs)")
     try:
         loss_arity(loss_fn)
     except ProfileError as e:
@@ -119,7 +124,10 @@ def load_model_file(path: str | Path) -> ModelFile:
 
 
 def _import(path: Path) -> Any:
-    name = f"remat_model_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    # a file name is bytes to the system: one that is not UTF-8 (b'\xff') reaches here with surrogates, which
+    # str.encode() refused ("internal error: UnicodeEncodeError", round 19 probe); the module name keeps ASCII
+    stem = re.sub(r"[^0-9A-Za-z_]", "_", path.stem)
+    name = f"remat_model_{stem}_{hashlib.sha1(os.fsencode(path)).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"cannot import {path}; is it a Python source file?")
@@ -154,7 +162,10 @@ def _import(path: Path) -> Any:
 # symptom. Rule 1: a relative import (`from .layers import block`), whose ImportError says "no known
 # parent package", is told to import the sibling module by name. Rule 2: build_model or
 # example_inputs bound to something that is not a function (`build_model = MyModel()`) is named as
-# what it is; "does not define build_model()" was said of a file that does define it.
+# what it is; "does not define build_model()" was said of a file that does define it. Rule 3: build_model,
+# example_inputs or loss_fn defined with ``async def``, or a module's forward so, gives a coroutine when called:
+# the file is refused naming the function (``async def build_model`` was "returned a coroutine; it must return a
+# torch.nn.Module" and then Python's three-line "coroutine ... was never awaited" warning, round 19 probe).
 
 
 def _import_fix(e: BaseException, path: Path) -> str:
@@ -171,12 +182,19 @@ def _build(fn: Callable[[], Any], path: Path) -> torch.nn.Module:
         raise ModelLoadError(f"build_model() in {path} returned a {type(model).__name__}; it must return "
                              f"a torch.nn.Module (the model itself, not a tuple or a state_dict)")
     check_trainable(model, f"the model from build_model() in {path}")
+    found = next((name for name, m in model.named_modules() if _is_async(type(m).forward)), None)
+    if found is not None:  # Rule 3 of NOTE [ Model-file messages name the fix ]
+        raise ModelLoadError(f"the model from build_model() in {path}: {type(model.get_submodule(found)).__name__}"
+                             f"{f' ({found!r})' if found else ''} has an async forward (async def), which torch "
+                             f"calls as a plain function, getting a coroutine; define forward with def")
     return model
 
 
 def check_trainable(model: torch.nn.Module, which: str) -> None:
     """``ModelLoadError`` when ``model`` (``which``: how the message names it) has no parameter that trains: the
-    optimizer would raise "got an empty parameter list" mid-profile. One check for a model file and a module."""
+    optimizer would raise "got an empty parameter list" mid-profile; or when the model, or a module in it, is compiled
+    already (NOTE [ A model compiled before remat sees it ]). One check for a model file and a module."""
+    _check_uncompiled(model, which)
     if not any(True for _ in model.parameters()):
         raise ModelLoadError(f"{which} has no parameters: there is nothing to train, so nothing to plan; "
                              f"return the model you train")
@@ -225,6 +243,12 @@ def check_shape_keywords(fn: Callable[..., Any], shape: dict[str, int], what: st
         raise ModelLoadError(f"{what} takes no {missing[0]} keyword, so it cannot make a batch of another shape; "
                              f"let it take {' and '.join(SHAPE_KEYWORDS)} with today's values as defaults, e.g. "
                              f"def example_inputs(seq_len=128, batch=8)")
+
+
+def _is_async(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine or an async generator (Rule 3 of NOTE [ Model-file messages name
+    the fix ])."""
+    return inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
 
 
 def _call_user(fn: Callable[[], Any], path: Path, what: str) -> Any:
@@ -401,9 +425,10 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
-def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None) -> torch.Tensor:
+def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None,
+               params: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """Return ``loss`` if it can be back-propagated (and with ``finite``, is not NaN or infinite: ``check_finite``
-    with the recipe's ``amp``); raise ``ProfileError`` naming the fix if not."""
+    with the recipe's ``amp`` and the trainable ``params``); raise ``ProfileError`` naming the fix if not."""
     if not isinstance(loss, torch.Tensor):
         raise ProfileError(f"loss_fn must return a scalar tensor, got a {type(loss).__name__}")
     if loss.numel() != 1:
@@ -416,8 +441,34 @@ def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None) -> to
         raise ProfileError("the loss does not require grad, so backward() would do nothing: is the "
                            "forward run under torch.no_grad(), or does loss_fn detach the output?")
     if finite:
-        check_finite(loss, amp)
+        check_finite(loss, amp, params)
     return loss
+
+
+# NOTE [ A model compiled before remat sees it ]
+#
+# ``build_model()`` that returns ``torch.compile(model)``, or compiles its blocks in place (``m.layers[i] =
+# torch.compile(layer)``, as torchtitan's per-block compile does), hides the modules remat hooks: the profiler's
+# timeline and the measured step disagreed, "error: cannot reconcile the profiled timeline with the step as you run
+# it: ... +203.98%; the step's memory differs from one run to the next" (round 19 probe, both forms), which blames
+# the wrong thing. Rule 1. A model that is, or holds, a ``torch.compile`` wrapper (an ``OptimizedModule``) is refused
+# before profiling, naming the module and the fix: return it uncompiled and pass --compile (``compile=`` in
+# Python), which plans the step as compiled; ``apply_plan`` then goes before ``torch.compile`` in training, as
+# ``apply_plan`` itself says of a compiled model. Rule 2. A compiled function the forward calls is not a module:
+# it is profiled as it runs (its ops stay visible to the profiler).
+
+
+def _check_uncompiled(model: torch.nn.Module, which: str) -> None:
+    """Rule 1 of NOTE [ A model compiled before remat sees it ]."""
+    from planner.act.applier import compiled_module
+
+    found = next((name for name, m in model.named_modules() if compiled_module(m) is not None), None)
+    if found is None:
+        return
+    what = "is a torch.compile'd module" if found == "" else f"holds a torch.compile'd module, {found!r},"
+    raise ModelLoadError(f"{which} {what} whose modules remat cannot profile one by one; return it uncompiled and "
+                         f"pass --compile (compile='inductor' in Python), which plans the step as torch.compile runs it; in "
+                         f"training, apply the plan before compiling")
 
 
 # NOTE [ A loss that is not finite ]
@@ -436,17 +487,31 @@ def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None) -> to
 # Rule 5. After the first step's backward, at least one trainable parameter must hold a gradient: a
 #   loss that no parameter reaches (``torch.tensor(1.0, requires_grad=True)``, a constant) makes an empty
 #   backward and no optimizer state, and is refused the same way (``check_grads_reached``).
+# Rule 6. A loss that is not finite because the parameters are not (an earlier step's ``optimizer.step()`` spoilt
+#   them) says so, and the usual cause: pure float16 parameters with Adam or AdamW, whose eps of 1e-08 is 0 in
+#   float16, so a parameter whose gradient is 0 gets 0/0. Round 19 probe: a ``.half()`` model was "the loss is nan
+#   in the first training step ... look for a log or square root of a number <= 0", said of remat's validation
+#   step, after the profiled steps had spoilt 20 of its tensors (their first loss was finite).
 # Why: log of a negative number, a division by zero and an fp16 overflow in the loss were profiled and
 # planned as if fine (round 17 probes: 4 of 4 models with a NaN or inf loss got a plan, exit 0), and so
 # was a loss made as a new leaf tensor, which no parameter reaches.
 
 
-def check_finite(loss: torch.Tensor, amp: str | None = None) -> None:
+def check_finite(loss: torch.Tensor, amp: str | None = None, params: Sequence[torch.Tensor] = ()) -> None:
     """``ProfileError`` if ``loss`` is NaN or infinite (NOTE [ A loss that is not finite ]); ``amp``: the
-    recipe's, for the hint."""
+    recipe's, for the hint; ``params``: the trainable parameters, which an earlier step may have spoilt (Rule 6)."""
     value = float(loss.detach().float())
     if math.isfinite(value):
         return
+    spoilt = [t for t in params if not bool(torch.isfinite(t.detach()).all())]
+    if spoilt:  # Rule 6
+        half = (": float16 parameters are updated in float16, where an eps below 6e-08 (Adam's and AdamW's 1e-08) "
+                "is 0 and a zero gradient divides 0 by 0; keep the parameters in float32 and pass --amp fp16 or bf16 "
+                "for mixed precision" if any(t.dtype == torch.float16 for t in spoilt) else
+                "; look for an optimizer setting that divides by zero or a learning-rate schedule that overflows")
+        raise ProfileError(f"the loss is {value} because {len(spoilt)} of the model's {len(params)} trainable "
+                           f"parameter tensors hold NaN or inf before this step: an earlier optimizer.step() made "
+                           f"them so, and training would do the same{half}")
     cause = ("an fp16 overflow (try --amp bf16), " if amp == "fp16" else
              "an overflow in low precision, " if loss.dtype in (torch.float16, torch.bfloat16) else "")
     raise ProfileError(f"the loss is {value} in the first training step, so every gradient and the backward remat "
