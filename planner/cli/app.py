@@ -42,7 +42,8 @@ from planner.options import compile_backend
 from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, Terminated, VerificationFailed
 from planner.cli.options import (COMPARE, DEVICES_CMD, FLAGS, FRONTIER, PLAN, PROFILE_CMD, SHOW, VERIFY,
                                  CompareOptions, FrontierOptions, HfSource, Options, PlanOptions, ProfileOptions,
-                                 ShowOptions, StepOptions, VerifyOptions, check_profile_options)
+                                 ShowOptions, StepOptions, VerifyOptions)
+from planner.cli.saved_profile import check_profile_options
 
 app = typer.Typer(
     name="remat",
