@@ -552,7 +552,7 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
     step = o.step_spec(device_memory_bytes=_device_memory(o.device_memory, meta, "device_memory" in o.given))
     if step.device_memory_bytes is not None and not is_plain(step.recipe):
         raise BadInput("--device-memory measures the plain training step (with --amp) for now; drop it, or drop "
-                       "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach")
+                       "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach/--keep-output")
     how = profiling_path(step, check_step(step).type)
     if how == "capped":
         if mf.path.suffix != ".py":  # the child process imports a model file

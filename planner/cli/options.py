@@ -168,6 +168,9 @@ RECIPE = [
     _param("clip_grad_norm", Annotated[float | None, typer.Option(
         "--clip-grad-norm", show_default=False,
         help="clip_grad_norm_(max_norm) before the optimizer step; its temporaries count at the step.")], None),
+    _param("keep_output", Annotated[bool, typer.Option(
+        "--keep-output", help="The loop holds the model's output (the logits) through backward: outputs = "
+                              "model(**batch); outputs.loss.backward(), Hugging Face's loop.")], False),
     _param("fused", Annotated[bool, typer.Option("--fused", help="The optimizer with fused=True.")], False),
     _param("foreach", Annotated[bool, typer.Option("--foreach", help="The optimizer with foreach=True.")], False),
 ]
@@ -288,6 +291,7 @@ class StepOptions(Options, HfSource):
     clip_grad_norm: float | None = None
     fused: bool = False
     foreach: bool = False
+    keep_output: bool = False
 
     @field_validator("amp", mode="before")
     @classmethod
@@ -323,7 +327,7 @@ class StepOptions(Options, HfSource):
         """The training step the options describe."""
         impl = "fused" if self.fused else "foreach" if self.foreach else "default"
         return Recipe(grad_accum=self.grad_accum, zero_grad_set_to_none=self.zero_grad_set_to_none, amp=self.amp,
-                      clip_grad_norm=self.clip_grad_norm, optimizer_impl=impl)
+                      clip_grad_norm=self.clip_grad_norm, optimizer_impl=impl, keep_output=self.keep_output)
 
     def step_spec(self, *, device_memory_bytes: int | None = None) -> StepSpec:
         """The ``planner.spec.StepSpec`` the options describe (the model file gives the loss): its
