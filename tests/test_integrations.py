@@ -368,6 +368,83 @@ def test_trainer_compute_loss_func_reports_a_plan_of_the_models_loss_and_runs_on
     assert len(recorder.losses) == 2 and recorder.losses == plain_recorder.losses and same_weights(model, plain)
 
 
+def add_fused_head(model):
+    """A stand-in for trl 1.16's ``add_fused_lm_head`` (trl is no test dependency): the model's forward, patched on the
+    instance, takes ``fused_lm_head`` and then returns per-token log-probabilities of the next token and their loss."""
+    import functools
+    import types
+
+    from transformers.utils import ModelOutput
+
+    original = model.forward
+
+    @functools.wraps(type(model).forward)
+    def _fused_forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
+        if not fused_lm_head:
+            return original(*args, labels=labels, **kwargs)
+        hidden = self.transformer(*args, **kwargs).last_hidden_state[:, :-1]
+        log_probs = torch.log_softmax(self.lm_head(hidden).float(), -1).gather(-1, labels[:, 1:, None])[..., 0]
+        return ModelOutput(loss=-log_probs.mean(), log_probs=log_probs)
+
+    model.forward = types.MethodType(_fused_forward, model)
+
+
+def fused_trainer_class():
+    """A Trainer as TRL's SFTTrainer runs one: the head patched after ``Trainer.__init__``, the loss from the fused
+    forward's log-probabilities."""
+    from transformers import Trainer
+
+    class FusedTrainer(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            add_fused_head(self.model)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs, fused_lm_head=True)
+            loss = -outputs.log_probs.sum() / outputs.log_probs.numel()
+            return (loss, outputs) if return_outputs else loss
+
+    return FusedTrainer
+
+
+@needs_trainer
+@one_thread_few_rounds
+def test_a_trainer_calling_a_fused_lm_head_refuses_a_plan_of_the_models_loss_and_runs_one_of_its_own(hf_example,
+                                                                                                      tmp_path):
+    """NOTE [ The Trainer's loss ], Rule 4: TRL's SFTTrainer patches a fused LM head after Trainer.__init__ and calls
+    model(**batch, fused_lm_head=True); a plan of the model's own loss was taken with no word (trl 1.16's SFT step on
+    the docs' GPT-2: 29,775,504 bytes measured against 10,832,120 predicted). It is refused, naming
+    trainer_step_inputs; planned with it on the patched model, the measured peak is the predicted one and the losses
+    and weights are the plain run's (bf16: read through accelerate's autocast wrapper)."""
+    import planner
+    from planner.integrations.hf import RematCallback, trainer_optimizer, trainer_step_inputs, training_recipe
+
+    example, trainer_class = hf_example[0], fused_trainer_class()
+    args = example.training_args(str(tmp_path), steps=2, bf16=True)
+    recipe, optimizer = training_recipe(args), trainer_optimizer(args)
+    own_loss_plan = planner.plan(example.build_model(), "12MB", inputs=example.example_inputs(), device="cpu",
+                                 steps=1, recipe=recipe, optimizer=optimizer)
+    trainer = trainer_class(model=example.build_model(), args=args, train_dataset=example.dataset(),
+                            callbacks=[RematCallback(own_loss_plan)])
+    with pytest.raises(PlanMismatch, match=re.escape("calls the model with fused_lm_head=True") + ".*"
+                       + re.escape("trainer_step_inputs(args, batch, trainer.model)")):
+        trainer.train()
+    model = example.build_model()
+    trainer = trainer_class(model=model, args=args, train_dataset=example.dataset())
+    inputs, loss_fn = trainer_step_inputs(args, example.example_inputs(), trainer.model)
+    assert inputs["fused_lm_head"] is True and loss_fn is None
+    plan = planner.plan(trainer.model, "12MB", inputs=inputs, device="cpu", steps=1, recipe=recipe, optimizer=optimizer)
+    assert plan.fingerprint.flags == {"fused_lm_head": True}
+    peak, recorder = step_peaks(), example.LossRecorder()
+    for callback in (recorder, peak, RematCallback(plan)):
+        trainer.add_callback(callback)
+    trainer.train()
+    assert plan.checkpoints and abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    plain, plain_recorder = example.build_model(), example.LossRecorder()
+    trainer_class(model=plain, args=args, train_dataset=example.dataset(), callbacks=[plain_recorder]).train()
+    assert len(recorder.losses) == 2 and recorder.losses == plain_recorder.losses and same_weights(model, plain)
+
+
 # ----------------------------------------------------------------------------- Lightning
 
 
