@@ -116,8 +116,7 @@ def check_training_arguments(plan: Plan, args: Any, *, optimizer: Any = None, mo
 
 _SETTINGS = {"grad_accum": "gradient_accumulation_steps", "amp": "bf16/fp16",
              "clip_grad_norm": "max_grad_norm; the Trainer clips at 1.0 unless max_grad_norm=0",
-             "optimizer_impl": "optim", "zero_grad_set_to_none": "the Trainer calls model.zero_grad()",
-             "keep_output": "the Trainer drops the model's output before backward"}
+             "optimizer_impl": "optim", "zero_grad_set_to_none": "the Trainer calls model.zero_grad()"}
 """The TrainingArguments behind each ``Recipe`` field, named in refusals."""
 
 

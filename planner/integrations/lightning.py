@@ -155,8 +155,7 @@ _AMP = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 _SETTINGS = {"grad_accum": "accumulate_grad_batches", "amp": "precision",
              "clip_grad_norm": "gradient_clip_val with gradient_clip_algorithm='norm'",
-             "optimizer_impl": "the optimizer's foreach/fused", "zero_grad_set_to_none": "optimizer.zero_grad()",
-             "keep_output": "training_step returns the loss alone"}
+             "optimizer_impl": "the optimizer's foreach/fused", "zero_grad_set_to_none": "optimizer.zero_grad()"}
 """The Trainer settings behind each ``Recipe`` field, named in refusals."""
 
 
