@@ -60,6 +60,11 @@ from planner.sizes import format_bytes
 #   each input, the plan applied to it): 11,286,044 predicted, 11,255,516 measured (-0.27%). (A
 #   forward with grad whose output no backward reaches is counted with the next: rare, and it holds
 #   memory while its output lives.)
+# Rule 5. A pipeline stage's plan, on its stage module (``pp_stage``), is run by its schedule:
+#   several micro-batches' forwards before their backward, and the stage's gradients alive at the
+#   later ones' forwards (1F1B), both counted in the stage's prediction (NOTE [ Pipeline stages ]).
+#   Rules 1 and 4 are not read there: stage 0 of 2 under 1F1B with 4 micro-batches was reported by
+#   both (Rule 1 since round 18).
 # Each is reported once per ``apply_plan`` as a warning, or raises ``PlanMismatch`` on every such
 # step under ``guard="error"``; ``guard="off"`` installs none. Forwards without grad (evaluation)
 # and forwards traced by ``torch.compile`` are not checked.
@@ -80,7 +85,8 @@ class StepGuard:
         self.mode = mode
         self.plan = plan
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-        self.params = [] if plan.recipe.grads_alive or not trainable else [
+        self.staged = isinstance(getattr(model, "pp_stage", None), int)  # Rule 5: a stage module (``plan_for``)
+        self.params = [] if plan.recipe.grads_alive or self.staged or not trainable else [
             _owner(model, name) for name in dict.fromkeys((trainable[0], trainable[-1]))]
         """(module, name) of the two parameters read: not the parameters, which FSDP2's ``fully_shard`` replaces
         by their shards after the plan is applied (held, the full ones stayed alive: +0.41 MiB on a pipeline
@@ -97,7 +103,7 @@ class StepGuard:
     def before(self, module: nn.Module, args: tuple) -> None:
         if not _checked():
             return
-        self.forwards += 1  # Rule 4
+        self.forwards += not self.staged  # Rule 4
         if any(getattr(owner._parameters.get(name), "grad", None) is not None for owner, name in self.params):
             self.report("grads", f"gradients are alive at a training forward, and the plan's step frees them "
                                  f"before it ({self.plan.recipe.describe()}): the loop calls "
@@ -107,7 +113,7 @@ class StepGuard:
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Rule 3: at the start of the backward of the model's own loss, its other outputs should be gone (an input
         handed back in the output lives with the batch: not counted)."""
-        if self.forwards_read < OUTPUT_CHECKS and _checked():  # Rule 4
+        if self.forwards_read < OUTPUT_CHECKS and not self.staged and _checked():  # Rules 4 and 5
             first = next((t for _, t in input_tensors(output) if t.requires_grad), None)
             if first is not None:
                 first.register_hook(self.at_output_grad)
