@@ -169,6 +169,21 @@ def test_several_forwards_alive_at_one_backward_are_reported_and_a_plan_of_their
     assert not [w for w in caught if "remat: the training step" in str(w.message)]
 
 
+def evaluating_without_no_grad(model, optimizer, batch):
+    planned_step(model, optimizer, batch)
+    model.eval()  # an evaluation written without torch.no_grad(), as jobs do
+    model(**batch).loss.item()
+    model.train()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_evaluation_forward_with_grad_is_not_counted_as_a_second_training_forward(default_plan):
+    """Rule 4: a forward in eval() mode with grad enabled, its output dropped, was counted with the next step's forward
+    and reported as two training forwards before their backward; only training-mode forwards count."""
+    _, said = train(default_plan, evaluating_without_no_grad)
+    assert said == []
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_autocast_other_than_the_plans_is_reported():
     """Rule 2: a bf16 plan run without autocast peaked at 13,479,128 bytes against 10,830,072 (+24.5%)."""
