@@ -556,6 +556,57 @@ def test_lightning_callback_naming_a_compiled_model_plans_what_it_compiles(light
 
 
 @needs_lightning
+@one_thread_few_rounds
+def test_lightning_callback_plans_the_module_of_the_plans_class_that_is_the_plans_model():
+    """NOTE [ Several modules of the plan's class ]: a GAN's generator and discriminator are both nn.Sequential; the
+    discriminator's plan went to the generator, the first found, and was refused with what differs. The callback now
+    plans the discriminator, and the fit's losses and weights are the plain fit's."""
+    import lightning.pytorch as pl
+
+    import planner
+    from planner.integrations.lightning import RematCallback
+
+    def generator():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+
+    def discriminator():
+        torch.manual_seed(1)
+        block = lambda i, o: torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.Tanh())  # noqa: E731
+        return torch.nn.Sequential(block(16, 64), block(64, 64), block(64, 64), torch.nn.Linear(64, 1))
+
+    class GAN(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.G, self.D, self.losses = generator(), discriminator(), []
+
+        def training_step(self, z, i):
+            loss = self.D(self.G(z)).square().mean()
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    noise = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    plan = planner.plan(discriminator(), "1GB", inputs=generator()(noise).detach(), device="cpu", steps=1,
+                        solver="all", loss_fn=lambda out: out.square().mean())
+
+    def fit(callbacks):
+        module = GAN()
+        pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=callbacks).fit(
+            module, torch.utils.data.DataLoader([noise] * 3, batch_size=None))
+        return module
+
+    callback = RematCallback(plan)
+    planned, plain = fit([callback]), fit([])
+    assert plan.checkpoints and callback.handle.checkpointed == plan.checkpoints
+    assert callback.handle.recompute_count == 3 * len(plan.checkpoints)  # the discriminator recomputes, 3 steps
+    assert planned.losses == plain.losses and same_weights(planned, plain)
+
+
+@needs_lightning
 def test_lightning_clipping_by_value_is_the_step_without_clipping():
     """gradient_clip_algorithm='value' clamps the gradients in place: nothing allocated."""
     import lightning.pytorch as pl
