@@ -368,6 +368,83 @@ def test_trainer_compute_loss_func_reports_a_plan_of_the_models_loss_and_runs_on
     assert len(recorder.losses) == 2 and recorder.losses == plain_recorder.losses and same_weights(model, plain)
 
 
+def add_fused_head(model):
+    """A stand-in for trl 1.16's ``add_fused_lm_head`` (trl is no test dependency): the model's forward, patched on the
+    instance, takes ``fused_lm_head`` and then returns per-token log-probabilities of the next token and their loss."""
+    import functools
+    import types
+
+    from transformers.utils import ModelOutput
+
+    original = model.forward
+
+    @functools.wraps(type(model).forward)
+    def _fused_forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
+        if not fused_lm_head:
+            return original(*args, labels=labels, **kwargs)
+        hidden = self.transformer(*args, **kwargs).last_hidden_state[:, :-1]
+        log_probs = torch.log_softmax(self.lm_head(hidden).float(), -1).gather(-1, labels[:, 1:, None])[..., 0]
+        return ModelOutput(loss=-log_probs.mean(), log_probs=log_probs)
+
+    model.forward = types.MethodType(_fused_forward, model)
+
+
+def fused_trainer_class():
+    """A Trainer as TRL's SFTTrainer runs one: the head patched after ``Trainer.__init__``, the loss from the fused
+    forward's log-probabilities."""
+    from transformers import Trainer
+
+    class FusedTrainer(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            add_fused_head(self.model)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs, fused_lm_head=True)
+            loss = -outputs.log_probs.sum() / outputs.log_probs.numel()
+            return (loss, outputs) if return_outputs else loss
+
+    return FusedTrainer
+
+
+@needs_trainer
+@one_thread_few_rounds
+def test_a_trainer_calling_a_fused_lm_head_refuses_a_plan_of_the_models_loss_and_runs_one_of_its_own(hf_example,
+                                                                                                      tmp_path):
+    """NOTE [ The Trainer's loss ], Rule 4: TRL's SFTTrainer patches a fused LM head after Trainer.__init__ and calls
+    model(**batch, fused_lm_head=True); a plan of the model's own loss was taken with no word (trl 1.16's SFT step on
+    the docs' GPT-2: 29,775,504 bytes measured against 10,832,120 predicted). It is refused, naming
+    trainer_step_inputs; planned with it on the patched model, the measured peak is the predicted one and the losses
+    and weights are the plain run's (bf16: read through accelerate's autocast wrapper)."""
+    import planner
+    from planner.integrations.hf import RematCallback, trainer_optimizer, trainer_step_inputs, training_recipe
+
+    example, trainer_class = hf_example[0], fused_trainer_class()
+    args = example.training_args(str(tmp_path), steps=2, bf16=True)
+    recipe, optimizer = training_recipe(args), trainer_optimizer(args)
+    own_loss_plan = planner.plan(example.build_model(), "12MB", inputs=example.example_inputs(), device="cpu",
+                                 steps=1, recipe=recipe, optimizer=optimizer)
+    trainer = trainer_class(model=example.build_model(), args=args, train_dataset=example.dataset(),
+                            callbacks=[RematCallback(own_loss_plan)])
+    with pytest.raises(PlanMismatch, match=re.escape("calls the model with fused_lm_head=True") + ".*"
+                       + re.escape("trainer_step_inputs(args, batch, trainer.model)")):
+        trainer.train()
+    model = example.build_model()
+    trainer = trainer_class(model=model, args=args, train_dataset=example.dataset())
+    inputs, loss_fn = trainer_step_inputs(args, example.example_inputs(), trainer.model)
+    assert inputs["fused_lm_head"] is True and loss_fn is None
+    plan = planner.plan(trainer.model, "12MB", inputs=inputs, device="cpu", steps=1, recipe=recipe, optimizer=optimizer)
+    assert plan.fingerprint.flags == {"fused_lm_head": True}
+    peak, recorder = step_peaks(), example.LossRecorder()
+    for callback in (recorder, peak, RematCallback(plan)):
+        trainer.add_callback(callback)
+    trainer.train()
+    assert plan.checkpoints and abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    plain, plain_recorder = example.build_model(), example.LossRecorder()
+    trainer_class(model=plain, args=args, train_dataset=example.dataset(), callbacks=[plain_recorder]).train()
+    assert len(recorder.losses) == 2 and recorder.losses == plain_recorder.losses and same_weights(model, plain)
+
+
 # ----------------------------------------------------------------------------- Lightning
 
 
@@ -476,6 +553,57 @@ def test_lightning_callback_naming_a_compiled_model_plans_what_it_compiles(light
             planned, torch.utils.data.DataLoader(batches, batch_size=None))
     assert sorted(planned_modules(planned.eager)) == sorted(plan.checkpoints)
     assert planned.losses == plain.losses and same_weights(planned.eager, plain.model)
+
+
+@needs_lightning
+@one_thread_few_rounds
+def test_lightning_callback_plans_the_module_of_the_plans_class_that_is_the_plans_model():
+    """NOTE [ Several modules of the plan's class ]: a GAN's generator and discriminator are both nn.Sequential; the
+    discriminator's plan went to the generator, the first found, and was refused with what differs. The callback now
+    plans the discriminator, and the fit's losses and weights are the plain fit's."""
+    import lightning.pytorch as pl
+
+    import planner
+    from planner.integrations.lightning import RematCallback
+
+    def generator():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+
+    def discriminator():
+        torch.manual_seed(1)
+        block = lambda i, o: torch.nn.Sequential(torch.nn.Linear(i, o), torch.nn.Tanh())  # noqa: E731
+        return torch.nn.Sequential(block(16, 64), block(64, 64), block(64, 64), torch.nn.Linear(64, 1))
+
+    class GAN(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.G, self.D, self.losses = generator(), discriminator(), []
+
+        def training_step(self, z, i):
+            loss = self.D(self.G(z)).square().mean()
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    noise = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    plan = planner.plan(discriminator(), "1GB", inputs=generator()(noise).detach(), device="cpu", steps=1,
+                        solver="all", loss_fn=lambda out: out.square().mean())
+
+    def fit(callbacks):
+        module = GAN()
+        pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=callbacks).fit(
+            module, torch.utils.data.DataLoader([noise] * 3, batch_size=None))
+        return module
+
+    callback = RematCallback(plan)
+    planned, plain = fit([callback]), fit([])
+    assert plan.checkpoints and callback.handle.checkpointed == plan.checkpoints
+    assert callback.handle.recompute_count == 3 * len(plan.checkpoints)  # the discriminator recomputes, 3 steps
+    assert planned.losses == plain.losses and same_weights(planned, plain)
 
 
 @needs_lightning
@@ -603,38 +731,31 @@ def test_lightning_callback_reused_for_a_second_module_plans_that_module(lightni
     assert second.losses == plain.losses and same_weights(second.model, plain.model)
 
 
-@needs_lightning
-@needs_trainer
-@one_thread_few_rounds
-def test_lightning_step_frees_the_gradients_before_the_forward_as_planned(hf_example):
-    """NOTE [ Lightning zeroes gradients after the forward ]: Lightning runs training_step, then zero_grad, then
-    backward, so the last step's gradients were alive through the forward: the docs' GPT-2 at 12 MB peaked at
-    10,691,320 bytes against 10,273,976 predicted (+4.1%). The callback now frees them when the batch starts: the
-    planned peak, and the losses and weights of the plain fit."""
+def fit_gpt2(example, callbacks, *, returns_logits: bool = False):
+    """Fit the docs' GPT-2 in a LightningModule for 3 steps on its example batch: the module (``.losses``), each
+    step's peak (everything alive when it starts counted) and remat's warnings about the step. ``returns_logits``:
+    ``training_step`` returns ``{"loss": ..., "logits": ...}``, as a module feeding metrics does."""
     import lightning.pytorch as pl
 
-    import planner
-    from planner.integrations.lightning import RematCallback
     from planner.profiling.tracker import LiveBytesTracker
 
-    example = hf_example[0]
     batch = example.example_inputs()
-    plan = planner.plan(example.build_model(), "12MB", inputs=batch, device="cpu", steps=1, optimizer="adamw")
 
     class GPT2Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.model = example.build_model()
+            self.losses: list[float] = []
 
         def training_step(self, b, i):
-            loss = self.model(**b).loss
-            self.losses.append(loss.item())
-            return loss
+            out = self.model(**b)
+            self.losses.append(out.loss.item())
+            return {"loss": out.loss, "logits": out.logits} if returns_logits else out.loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    class Peak(pl.Callback):  # each step's peak, everything alive when it starts counted
+    class Peak(pl.Callback):
         def __init__(self):
             self.peaks: list[int] = []
 
@@ -650,18 +771,56 @@ def test_lightning_step_frees_the_gradients_before_the_forward_as_planned(hf_exa
             self.tracker.__exit__(None, None, None)
             self.peaks.append(self.tracker.peak_bytes)
 
-    def fit(callbacks):
-        module, peak = GPT2Module(), Peak()
-        module.losses = []
-        rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))] * 3
-        trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[peak, *callbacks])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message="remat: the training step")
-            trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=len(batch["input_ids"])))
-        return module, peak.peaks
+    module, peak = GPT2Module(), Peak()
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))] * 3
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[peak, *callbacks])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=len(batch["input_ids"])))
+    return module, peak.peaks, [str(w.message) for w in caught if "remat: the training step" in str(w.message)]
 
-    planned, peaks = fit([RematCallback(plan)])
-    plain, _ = fit([])
-    assert plan.checkpoints and abs(max(peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+
+@needs_lightning
+@needs_trainer
+@one_thread_few_rounds
+def test_lightning_step_frees_the_gradients_before_the_forward_as_planned(hf_example):
+    """NOTE [ Lightning zeroes gradients after the forward ]: Lightning runs training_step, then zero_grad, then
+    backward, so the last step's gradients were alive through the forward: the docs' GPT-2 at 12 MB peaked at
+    10,691,320 bytes against 10,273,976 predicted (+4.1%). The callback now frees them when the batch starts: the
+    planned peak, and the losses and weights of the plain fit."""
+    import planner
+    from planner.integrations.lightning import RematCallback
+
+    example = hf_example[0]
+    plan = planner.plan(example.build_model(), "12MB", inputs=example.example_inputs(), device="cpu", steps=1,
+                        optimizer="adamw")
+    planned, peaks, said = fit_gpt2(example, [RematCallback(plan)])
+    plain, _, _ = fit_gpt2(example, [])
+    assert said == [] and plan.checkpoints and abs(max(peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    assert len(planned.losses) == 3 and planned.losses == plain.losses and same_weights(planned, plain)
+
+
+@needs_lightning
+@needs_trainer
+@one_thread_few_rounds
+def test_lightning_training_step_returning_its_logits_runs_a_plan_that_keeps_them(hf_example):
+    """NOTE [ The output kept through backward ], Rule 4: a training_step returning {"loss": ..., "logits": ...} keeps
+    the logits through backward (+5.0% over a plan of remat's step: 10,788,060 bytes against 10,273,976, reported).
+    A plan made for that step (Recipe(keep_output=True)) was refused by the callback, 'keep_output: plan has True,
+    training uses False'; it now runs, at its prediction, with no report and the plain fit's losses and weights."""
+    import planner
+    from planner.integrations.lightning import RematCallback
+    from planner.model.schema import Recipe
+
+    example = hf_example[0]
+    drops, keeps = (planner.plan(example.build_model(), "12MB", inputs=example.example_inputs(), device="cpu", steps=1,
+                                 optimizer="adamw", recipe=Recipe(keep_output=keep)) for keep in (False, True))
+    _, peaks, said = fit_gpt2(example, [RematCallback(drops)], returns_logits=True)
+    assert max(peaks) > 1.02 * drops.predicted.peak_bytes
+    assert len(said) == 1 and "remat plan --keep-output" in said[0]
+    plan = keeps
+    planned, peaks, said = fit_gpt2(example, [RematCallback(plan)], returns_logits=True)
+    plain, _, _ = fit_gpt2(example, [], returns_logits=True)
+    assert said == [] and plan.checkpoints and abs(max(peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
     assert len(planned.losses) == 3 and planned.losses == plain.losses and same_weights(planned, plain)

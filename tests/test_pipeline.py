@@ -286,6 +286,30 @@ def test_the_applier_applies_the_stage_plan_on_a_stage(pipeline_plan: Path):
         assert handle.checkpointed == plan.stages[s].checkpoints
 
 
+def test_a_stage_run_as_its_schedule_runs_it_is_not_reported_by_the_step_guard():
+    """NOTE [ The step as the loop runs it ], Rule 5: stage 0 of 2 under 1F1B with 4 micro-batches runs two forwards
+    before the first backward, and its gradients are alive at the later forwards; the stage's plan counts both, and
+    the guard reported both (gradients alive, 2 forwards before their backward). guard="error" now runs it."""
+    import torch
+
+    from planner.act.applier import apply_plan
+    from planner.act.pipeline import pipeline_layout, split_batch, stage_module
+    from planner.profiling.model_file import load_model_file
+
+    plan, _ = _halfway_stages(pipeline_layout(2, "1f1b", 4))
+    mf = load_model_file(LLAMA)
+    stage = stage_module(mf.build_model(), 0, 2)
+    handle = apply_plan(stage, plan, guard="error")
+    micro_batches = split_batch(mf.example_inputs())[0].chunk(4)
+    outputs = [stage(micro_batches[0]), stage(micro_batches[1])]  # the warm-up forwards
+    for k in range(4):
+        out = outputs.pop(0)
+        out.backward(torch.ones_like(out))
+        if k + 2 < 4:
+            outputs.append(stage(micro_batches[k + 2]))
+    assert handle.checkpointed == plan.stages[0].checkpoints and handle.recompute_count > 0
+
+
 def test_verify_runs_each_stage_on_its_rank(four_rank_reports: dict):
     """Four gloo ranks on the CPU (2 pipeline positions x 2 tp ranks), two stages each: each rank's measured peak
     within 2% of its prediction and within the budget, the gradients those of one process (tests the whole path:

@@ -42,7 +42,8 @@ from planner.options import compile_backend
 from planner.errors import OOM_HINT, BadInput, PlanMismatch, ProfileError, RematError, Terminated, VerificationFailed
 from planner.cli.options import (COMPARE, DEVICES_CMD, FLAGS, FRONTIER, PLAN, PROFILE_CMD, SHOW, VERIFY,
                                  CompareOptions, FrontierOptions, HfSource, Options, PlanOptions, ProfileOptions,
-                                 ShowOptions, StepOptions, VerifyOptions, check_profile_options)
+                                 ShowOptions, StepOptions, VerifyOptions)
+from planner.cli.saved_profile import check_profile_options
 
 app = typer.Typer(
     name="remat",
@@ -551,7 +552,7 @@ def _run_profiler(mf: Any, o: StepOptions, log: Any) -> Any:
     step = o.step_spec(device_memory_bytes=_device_memory(o.device_memory, meta, "device_memory" in o.given))
     if step.device_memory_bytes is not None and not is_plain(step.recipe):
         raise BadInput("--device-memory measures the plain training step (with --amp) for now; drop it, or drop "
-                       "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach")
+                       "--grad-accum/--no-zero-grad-set-to-none/--clip-grad-norm/--fused/--foreach/--keep-output")
     how = profiling_path(step, check_step(step).type)
     if how == "capped":
         if mf.path.suffix != ".py":  # the child process imports a model file

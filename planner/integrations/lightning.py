@@ -34,6 +34,7 @@ from torch import nn
 from planner.act.applier import AppliedPlan, apply_plan, compiled_module
 from planner.act.carried import replace_carried
 from planner.errors import BadInput
+from planner.model.fingerprint import model_differences
 from planner.integrations.recipe import optimizer_difference, refuse_other_recipe
 from planner.model.schema import Plan, Recipe
 from planner.optimizers import impl_of, spec_of
@@ -132,6 +133,15 @@ class RematCallback(pl.Callback):
         self.handle = apply_plan(target, self.plan, strict=self.strict, guard=self.guard)
         self._fitted = pl_module
 
+    # NOTE [ Several modules of the plan's class ]
+    #
+    # Without ``module=``, the callback finds the planned model by the plan's model class. A GAN's
+    # generator and discriminator are both ``nn.Sequential`` (and so are blocks inside them): the
+    # discriminator's plan went to the generator, the first in ``named_modules()``, and was refused
+    # with twelve differences of modules and parameter shapes.
+    # Rule 1. Of the modules of the plan's class, outermost first, the first whose modules and
+    #         parameters are the plan's (``model_differences``, input shapes aside) is planned.
+    # Rule 2. None is: the outermost, refused as before, listing what differs.
     def _target(self, pl_module: pl.LightningModule) -> nn.Module:
         if self.module is not None:
             try:
@@ -143,9 +153,9 @@ class RematCallback(pl.Callback):
                 raise BadInput(f"RematCallback(module={self.module!r}): the LightningModule has no such "
                                f"submodule; name the attribute holding the planned model, e.g. 'model'") from None
         wanted = self.plan.fingerprint.model_class
-        for _, m in pl_module.named_modules():  # pre-order: the outermost match first
-            if type(m).__name__ == wanted:
-                return m
+        found = [m for _, m in pl_module.named_modules() if type(m).__name__ == wanted]  # pre-order: outermost first
+        if found:  # NOTE [ Several modules of the plan's class ]
+            return next((m for m in found if not model_differences(self.plan.fingerprint, m, None)), found[0])
         raise BadInput(f"the plan was made for a {wanted}, and the LightningModule ({type(pl_module).__name__}) "
                        f"holds none; pass RematCallback(plan, module='<attribute>') or re-plan for this model")
 

@@ -32,6 +32,7 @@ def refuse_other_recipe(plan: Plan, job: Recipe, *, framework: str, settings: Ma
         python_call: how to make the job's recipe in Python, e.g. "training_recipe(args)".
         other: further differences (ranks, optimizer), one phrase each.
     """
+    job = job.model_copy(update={"keep_output": plan.recipe.keep_output})  # NOTE [ The output kept through backward ]
     diffs = [f"{d} ({settings[d.split(':')[0]]})" if d.split(":")[0] in settings else d
              for d in plan.recipe.differences(job)] + list(other)
     if not diffs:

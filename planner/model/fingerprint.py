@@ -48,13 +48,17 @@ def fingerprint(model: torch.nn.Module, inputs: Any) -> Fingerprint:
             and every parameter from ``named_parameters()`` is recorded.
         inputs: what ``example_inputs()`` returned. Tensors are named by their path: a lone
             tensor is '0', positional args '0', '1', ..., keyword args by key; nested
-            tuples/lists/dicts add dotted parts ('1.0', 'past.key'). Non-tensors are ignored.
+            tuples/lists/dicts add dotted parts ('1.0', 'past.key'). Keyword inputs that are
+            numbers, strings or booleans are ``flags``; other non-tensors are ignored.
     """
+    flags = {str(k): v for k, v in inputs.items() if isinstance(v, (bool, int, float, str))} \
+        if isinstance(inputs, Mapping) else {}
     return Fingerprint(
         model_class=type(model).__name__,
         modules=module_fqns(model),
         params=[_sig(name, p) for name, p in model.named_parameters()],
         inputs=[_sig(name, t) for name, t in input_tensors(inputs)],
+        flags=flags or None,
     )
 
 

@@ -38,12 +38,16 @@ class Fingerprint(FileModel):
     built_modules: list[str] | None = Field(None, description=(
         "FQNs of the submodules as the model was built, when its first training step changed them (NOTE "
         "[ Modules made by the first step ]); None: the same as ``modules``. Written only when set."))
+    flags: dict[str, bool | int | float | str] | None = Field(None, description=(
+        "The keyword inputs that are not tensors, e.g. ``fused_lm_head=True`` (NOTE [ The Trainer's loss ], Rule 4); "
+        "None: none. Not compared with a model's; written only when set."))
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
-        data = handler(self)  # a fingerprint without built modules is written (and digested) as before
-        if data.get("built_modules", 0) is None:
-            del data["built_modules"]
+        data = handler(self)  # a fingerprint without built modules or flags is written (and digested) as before
+        for name in ("built_modules", "flags"):
+            if data.get(name, 0) is None:
+                del data[name]
         return data
 
     def digest(self) -> str:

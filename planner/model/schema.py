@@ -81,6 +81,10 @@ class Recipe(_Model):
     optimizer_impl: Literal["default", "foreach", "fused"] = Field(
         "default", description="The optimizer's implementation: torch's default for the device, or "
                                "foreach=True, or fused=True.")
+    keep_output: bool = Field(False, description="The loop holds the model's output (the logits) through backward, "
+                                                 "as Hugging Face's loop does (outputs = model(**batch); "
+                                                 "outputs.loss.backward()); False: dropped once the loss is made "
+                                                 "(NOTE [ The output kept through backward ]).")
 
     @property
     def grads_alive(self) -> bool:
@@ -91,8 +95,9 @@ class Recipe(_Model):
         """One line, e.g. 'grad_accum 4, zero_grad(set_to_none=True), amp bf16, no clipping, default optimizer'."""
         amp = {None: "no amp", "bf16": "amp bf16", "fp16": "amp fp16 + GradScaler"}[self.amp]
         clip = "no clipping" if self.clip_grad_norm is None else f"clip_grad_norm {self.clip_grad_norm:g}"
+        kept = ", the output kept through backward" if self.keep_output else ""
         return (f"grad_accum {self.grad_accum}, zero_grad(set_to_none={self.zero_grad_set_to_none}), {amp}, "
-                f"{clip}, {self.optimizer_impl} optimizer")
+                f"{clip}, {self.optimizer_impl} optimizer{kept}")
 
     def differences(self, other: "Recipe") -> list[str]:
         """What differs between ``self`` (a plan's recipe) and ``other`` (the job's), one phrase each,
@@ -120,6 +125,7 @@ class Recipe(_Model):
         out += [] if self.zero_grad_set_to_none else ["--no-zero-grad-set-to-none"]
         out += [f"--amp {self.amp}"] if self.amp else []
         out += [f"--clip-grad-norm {self.clip_grad_norm:g}"] if self.clip_grad_norm is not None else []
+        out += ["--keep-output"] if self.keep_output else []
         return out + ([f"--{self.optimizer_impl}"] if self.optimizer_impl != "default" else [])
 
 

@@ -174,7 +174,7 @@ def as_run_timeline(model: torch.nn.Module, step: Callable, dev: torch.device, m
                       for mine, theirs in zip(events, rec.events)), default=(0, ""), key=lambda x: x[0])
     for mine, theirs in zip(events, rec.events):
         mine.live_bytes, mine.peak_bytes = theirs.live_bytes, theirs.peak_bytes
-    mem.optimizer_transient_bytes = optimizer_transient_bytes(events)  # Rule 4
+    mem.optimizer_transient_bytes = optimizer_transient_bytes(events, mem.recorder.kept_output_bytes)  # Rule 4
     return AsRun(ids, True, tracked, excess, at)
 
 

@@ -168,6 +168,9 @@ def counted_op(func: Any) -> bool:
 class MemoryRecorder(Recorder):
     """Sequence numbers, tensors, saves, parameter uses and the timeline of one step."""
 
+    kept_output_bytes = 0
+    """The model's output the step holds through the optimizer step (NOTE [ The output kept through backward ])."""
+
     def __init__(self, model: torch.nn.Module, tracker: LiveBytesTracker):
         self.tracker = tracker
         self.seq = 0
@@ -436,6 +439,9 @@ class MemoryRecorder(Recorder):
         super().mark(name, value)
         if name == "backward_start":
             self.releases.stop()
+        if name == "backward_end" and value is not None:  # NOTE [ The output kept through backward ], Rule 2
+            held = (self.tracker.entry(t) for t in io_tensors(value))
+            self.kept_output_bytes = sum({id(e): e.nbytes for e in held if e is not None and not e.static}.values())
         if name == "forward_end" and isinstance(value, torch.Tensor) and value.requires_grad:
             entries = (self.tracker.entry(t) for t in ctx_tensors(value))
             self.ctx_held = {self._tensor_id(e) for e in entries if e is not None and not e.static}
@@ -521,17 +527,18 @@ def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
         last = rec.param_last_use.get(serials.get(name, -1), -1)
         records.append(schema.ParamRecord(name=name, nbytes=tracker.round_bytes(p.numel() * p.element_size()),
                                           grad_seq=last if last >= 0 else forward_end))
-    transient = optimizer_transient_bytes(rec.events)
+    transient = optimizer_transient_bytes(rec.events, rec.kept_output_bytes)
     static = params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + kept_grads_bytes + tracker.found_bytes
     return MemoryRecord(rec, params_bytes, buffers_bytes, batch_bytes, optimizer_bytes, grads_bytes, tracker.found_bytes,
                    transient, static, records, unused)
 
 
-def optimizer_transient_bytes(events: list[Event]) -> int:
+def optimizer_transient_bytes(events: list[Event], kept_output_bytes: int = 0) -> int:
     """What ``optimizer.step()`` (with clipping and unscaling) allocates above the end of backward, on
-    ``events``' timeline: the memory step's, or the as-run step's once it has its bytes (NOTE [ Step as run ])."""
+    ``events``' timeline: the memory step's, or the as-run step's once it has its bytes (NOTE [ Step as run ]);
+    with the model's output the step still holds (NOTE [ The output kept through backward ], Rule 2)."""
     ends = {e.kind: e for e in events if e.unit is None}
-    return max(ends["optimizer_end"].peak_bytes - ends["backward_end"].live_bytes, 0)
+    return max(ends["optimizer_end"].peak_bytes - ends["backward_end"].live_bytes + kept_output_bytes, 0)
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
