@@ -73,6 +73,12 @@ class NodeAttrs(TypedDict):
                                                         "less the code before it; absent when not measured")]]
     unit_fwd_transient_bytes: NotRequired[Annotated[int, Doc("(leaves) calibrated temporaries of the leaf's own "
                                                              "forward, what its replay runs beside (Rule 6)")]]
+    replay_rise_bytes: NotRequired[Annotated[int, Doc(
+        "the most its forward had alive above its start, up to its last pack, measured: what its replay "
+        "allocates (NOTE [ What a replay allocates ]); absent when not measured")]]
+    bwd_before_replay_bytes: NotRequired[Annotated[int, Doc(
+        "what its backward allocated before its first unpack, alive beside its replay "
+        "(NOTE [ What a replay allocates ], Rule 4); absent when not measured")]]
     fwd_transient_bytes: Annotated[int, Doc("(leaves) calibrated forward temporaries T "
                                             "(NOTE [ Peak-memory model ], Rule 6)")]
     bwd_transient_bytes: Annotated[int, Doc("(leaves) calibrated backward temporaries T")]

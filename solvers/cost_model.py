@@ -28,7 +28,7 @@ from solvers.errors import SolverError
 from solvers.offload_cost import OffloadTerms
 from solvers.rank_memory import RankMemory, rank_memory
 from solvers.kept import ever_kept, kept_at  # NOTE [ Outputs the caller drops ]
-from solvers.replay import replay_stop_seq  # NOTE [ The replay stops at the last save ]
+from solvers.replay import replay_in_flight, replay_temporaries  # NOTE [ The replay stops at the last save ]
 from solvers.ties import close_ties, enclosing, is_tied, tie_groups  # NOTE [ Tied calls ]
 
 if TYPE_CHECKING:
@@ -217,7 +217,8 @@ used there, and a tensor never held is held from there."""
 #   forward of window i:   static + |held with p <= end(l_i)  U  out_i  U  kept_i| + T_fwd(i)
 #   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
 #   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
-#                          + G_c + max T over the leaves' own forwards in c
+#                          + G_c + max T over the leaves' own forwards in c (or what c's forward
+#                          allocated up to its last pack: NOTE [ What a replay allocates ])
 #   tail forward/backward: static + |all held| + T_tail   (forward: U kept_tail)
 #   optimizer step:        static + all grads + the optimizer's measured temporaries
 # where out_i are tensors created in window i that later code still uses (in flight, alive
@@ -461,13 +462,9 @@ class CostModel(OffloadTerms):
         return self.backward_static(end, end)[0]
 
     def recompute_transient_bytes(self, c: str) -> int:
-        """The temporaries T of ``c``'s recompute: the largest T of its leaves' own forwards (NOTE [ A replay's
-        temporaries ]), with Rule 11's offset, never below 0; and the replay's copy of the RNG state (Rule 7)."""
-        leaf_t = [self.graph.nodes[self.leaves[i]].get("unit_fwd_transient_bytes", self.forward_base_bytes[i]
-                                                       - self.rank.fwd_static_bytes) if self.calibrated else 0
-                  for i in self.node_leaves[c]]
-        return max(0, max(leaf_t, default=0) + self.graph.graph.get("replay_transient_bytes", 0)) \
-            + self.graph.graph.get("replay_rng_copy_bytes", 0)
+        """The temporaries T of ``c``'s recompute (NOTE [ A replay's temporaries ], NOTE [ What a replay
+        allocates ]) and the replay's copy of the RNG state (Rule 7): ``solvers.replay.replay_temporaries``."""
+        return replay_temporaries(self, c)
 
     def recomputed_bytes(self, c: str, upto_seq: int, kept: frozenset[int] = frozenset()) -> int:
         """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the
@@ -487,17 +484,9 @@ class CostModel(OffloadTerms):
         return sum(self.tensor_bytes[t] for t in seen)
 
     def replay_in_flight(self, c: str) -> int:
-        """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradients
-        of c's outputs that code after c differentiates through (backward has reached c; NOTE [ Outputs
-        without a gradient ]) and c's outputs the replay re-creates: not those c saves, nor those made after
-        its last save (NOTE [ The replay stops at the last save ])."""
-        a, tb = self.graph.nodes[c], self.graph.graph["tensor_bytes"]
-        outs, created = a.get("output_ids", ()), self.graph.graph["tensor_created_seq"]
-        lo, hi, stop = a["fwd_start_seq"], a["fwd_end_seq"], replay_stop_seq(self, c)
-        ctx = [t for t in self.graph.graph.get("ctx_held", ()) if lo <= created[t] <= hi]
-        return (sum(tb.get(t, 0) for t in a.get("grad_output_ids", outs))
-                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"] and created.get(t, -1) <= stop)
-                + sum(tb[t] for t in ctx))  # NOTE [ Tensors on ctx ], Rule 3: the replay's node keeps a copy
+        """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradients of its
+        outputs and the outputs its replay re-makes (``solvers.replay.replay_in_flight``)."""
+        return replay_in_flight(self, c)
 
     def cached_casts(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:
         """Bytes of autocast's cached casts made by ``seq`` and not held by then (``pos``: holding

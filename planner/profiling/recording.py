@@ -210,6 +210,8 @@ class MemoryRecorder(Recorder):
         super().reset()
         self.output_edges: list[tuple[UnitCall, int, list[tuple[int, int | None, int]]]] = []
         """Per call of ``units`` (a reset empties both): its latest output node, its outputs' gradient edges."""
+        self.packed_by: dict[int, UnitCall] = {}  # id of a packed tensor -> the call that packed it
+        self.calls: dict[str, UnitCall] = {}
 
     def _next(self) -> int:
         self.seq += 1
@@ -219,6 +221,11 @@ class MemoryRecorder(Recorder):
         seq = self._next()
         live = self.tracker.live_bytes
         peak = max(self.tracker.mark(), live)
+        for u in self.stack:  # each running call's most live bytes so far (NOTE [ What a replay allocates ])
+            u.fwd_high = (live, live) if u is unit and kind == "fwd_start" else u.fwd_high and (
+                u.fwd_high[0], max(u.fwd_high[1], peak))
+        if kind == "bwd_start" and unit is not None and unit.bwd_start_live is None:
+            unit.bwd_start_live = live
         if kind == "bwd_end" and unit is not None:
             if unit.bwd_end_event is not None:
                 self.events[unit.bwd_end_event].superseded = True
@@ -350,6 +357,11 @@ class MemoryRecorder(Recorder):
         packed = self._pack(t, watch)
         if self.stack:  # every pack counts where a replay stops (NOTE [ The replay stops at the last save ], Rule 3)
             self.stack[-1].last_pack_seq = self.seq
+            now = max(self.tracker.peak_bytes, self.tracker.live_bytes)
+            for u in self.stack:  # NOTE [ What a replay allocates ] in solvers/replay.py
+                u.last_pack_high = None if u.fwd_high is None else max(u.fwd_high[1], now)
+            if packed is not t:
+                self.packed_by[id(packed)] = self.stack[-1]
         return packed
 
     def _pack(self, t: torch.Tensor, watch: bool) -> torch.Tensor:
@@ -369,8 +381,14 @@ class MemoryRecorder(Recorder):
             self.releases.watch_save(packed, (tid, unit))  # NOTE [ Outputs the caller drops ], Rule 4
         return packed
 
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks`` unpack hook: the first unpack of each call and its callers notes what their
+        backward allocated before it (NOTE [ What a replay allocates ], Rule 4)."""
+        u = self.packed_by.get(id(t))
+        while u is not None:
+            if u.bwd_before_replay is None and u.bwd_start_live is not None:
+                u.bwd_before_replay = max(0, self.tracker.live_bytes - u.bwd_start_live)
+            u = self.calls.get(u.parent)
         return t
 
     def _tensor_id(self, e: StorageEntry) -> int:
@@ -398,6 +416,7 @@ class MemoryRecorder(Recorder):
 
     def _on_inputs(self, unit: UnitCall, args: tuple, kwargs: dict) -> None:
         self.op_start[unit.id] = (len(self.ops), describe(io_tensors(args, kwargs)))
+        self.calls[unit.id] = unit
         unit.input_ids, unit.input_bytes = self._io(args, kwargs)
         if unit.key is not None:
             if unit.key not in self.param_bytes_cache:

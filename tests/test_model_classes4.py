@@ -1,0 +1,75 @@
+"""Model classes as their users build them, round 19 (docs/zoo.md): each profiled, planned, applied and verified
+with ``tolerance=0``, predicted against measured bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import planner
+from planner.act.api import graph_for, min_feasible_bytes, plan_of
+from planner.act.verify import verify
+from planner.model.schema import SolverInfo
+from solvers.cost_model import simulate
+from tests.test_model_classes3 import WideGates, _batch, _by_hand
+
+pytestmark = pytest.mark.usefixtures("one_thread", "bytes_only")
+
+
+def _vitdet():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.VitDetModel(transformers.VitDetConfig(
+        image_size=32, pretrain_image_size=32, patch_size=4, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        mlp_ratio=2, use_relative_position_embeddings=True, window_size=4, window_block_indices=[0, 2]))
+    return model, {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+
+
+def _mean_out(out) -> torch.Tensor:
+    return out.last_hidden_state.square().mean()
+
+
+def _verify(model, plan, batch, loss_fn=None):
+    report = verify(model, plan, inputs=batch, loss_fn=loss_fn, device="cpu", steps=1, tolerance=0.0)
+    assert report.ok, report.problems
+    assert report.predicted_no_plan_peak_bytes == report.measured_no_plan_peak_bytes
+    return report
+
+
+def test_a_replay_runs_beside_what_its_forward_allocated_up_to_its_last_pack():
+    # NOTE [ What a replay allocates ], Rules 1-2: VitDet's global-attention layer replays to two 131,072-byte
+    # broadcast adds (its decomposed relative position bias) before the saves the probe counted in their place:
+    # 1,876,696 predicted, 1,929,376 measured (-2.73%); Rule 4, a 32,768-byte gradient its backward made before
+    # the replay began: 1,896,576 with Rule 2 alone
+    model, batch = _vitdet()
+    prof = planner.profile(model, batch, loss_fn=_mean_out, device="cpu", optimizer="none", steps=1, threads=1)
+    g = graph_for(prof)
+    layer = g.nodes["encoder.layer.1"]
+    assert layer["replay_rise_bytes"] > layer["saved_bytes"] and layer["bwd_before_replay_bytes"] > 0
+    plan = plan_of(prof, g, simulate(g, ["encoder.layer.1"]), 2 * simulate(g, []).peak_bytes,
+                   solver=SolverInfo(name="by hand", status="optimal"))
+    report = _verify(_vitdet()[0], plan, batch, _mean_out)
+    assert 0 <= report.measured_peak_bytes - report.predicted_peak_bytes <= 64, (
+        report.predicted_peak_bytes, report.measured_peak_bytes)
+
+
+def test_the_lowest_plan_of_a_model_whose_replay_peaks_mid_block_fits_its_budget():
+    # NOTE [ What a replay allocates ]: VitDet's lowest plan (layers 0 and 1) was predicted 1,418,648 and
+    # measured 1,471,328 (-3.58%), over its budget
+    model, batch = _vitdet()
+    prof = planner.profile(model, batch, loss_fn=_mean_out, device="cpu", optimizer="none", steps=1, threads=1)
+    budget = int(min_feasible_bytes(graph_for(prof)) * 1.01)
+    plan = planner.plan(prof, budget)
+    report = _verify(_vitdet()[0], plan, batch, _mean_out)
+    assert report.measured_peak_bytes <= budget
+    assert 0 <= report.measured_peak_bytes - report.predicted_peak_bytes <= 64, (
+        report.predicted_peak_bytes, report.measured_peak_bytes)
+
+
+def test_a_temporary_before_the_last_pack_is_counted_whole_in_the_replay():
+    # NOTE [ What a replay allocates ], Rule 2: WideGate's cat (32,768 bytes), alive while repeat makes the wide
+    # output, was counted less the product made after the last pack: 871,912 predicted, 888,304 measured
+    prof, plan = _by_hand(WideGates(), _batch(), ["blocks.2"])
+    report = _verify(WideGates(), plan, _batch())
+    assert 0 <= report.measured_peak_bytes - report.predicted_peak_bytes <= 128, (
+        report.predicted_peak_bytes, report.measured_peak_bytes)
