@@ -79,6 +79,11 @@ class NodeAttrs(TypedDict):
     bwd_before_replay_bytes: NotRequired[Annotated[int, Doc(
         "what its backward allocated before its first unpack, alive beside its replay "
         "(NOTE [ What a replay allocates ], Rule 4); absent when not measured")]]
+    ckpt_fwd_window_peak_bytes: NotRequired[Annotated[int, Doc(
+        "(leaves) measured peak of the forward window with the top-level candidates checkpointed "
+        "(NOTE [ Checkpointed forward windows ]); absent when not measured")]]
+    ckpt_fwd_transient_bytes: NotRequired[Annotated[int, Doc(
+        "(leaves) calibrated forward temporaries T of the window inside a checkpointed region")]]
     fwd_transient_bytes: Annotated[int, Doc("(leaves) calibrated forward temporaries T "
                                             "(NOTE [ Peak-memory model ], Rule 6)")]
     bwd_transient_bytes: Annotated[int, Doc("(leaves) calibrated backward temporaries T")]

@@ -28,7 +28,8 @@ from solvers.errors import SolverError
 from solvers.offload_cost import OffloadTerms
 from solvers.rank_memory import RankMemory, rank_memory
 from solvers.kept import ever_kept, kept_at  # NOTE [ Outputs the caller drops ]
-from solvers.replay import replay_in_flight, replay_temporaries  # NOTE [ The replay stops at the last save ]
+from solvers.checkpointed import calibrate_checkpointed_windows
+from solvers.replay import replay_in_flight, replay_temporaries
 from solvers.ties import close_ties, enclosing, is_tied, tie_groups  # NOTE [ Tied calls ]
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ def calibrate(g: nx.DiGraph) -> None:
                 a[key] = max(0, measured - probes[f"{kind} of {leaf}"])
         if a.get("fwd_unit_peak_bytes") is not None:  # NOTE [ A replay's temporaries ] in planner/model/graph.py
             a["unit_fwd_transient_bytes"] = max(0, a["fwd_unit_peak_bytes"] - probes[f"forward of {leaf}"])
+    calibrate_checkpointed_windows(g, raw)  # NOTE [ Checkpointed forward windows ]
     for key, peak_key, probe in (("tail_fwd_transient_bytes", "tail_fwd_peak_bytes", "end of forward"),
                                  ("tail_bwd_transient_bytes", "tail_bwd_peak_bytes", "start of backward")):
         measured = g.graph.get(peak_key)
@@ -344,6 +346,7 @@ class CostModel(OffloadTerms):
     dropped_ids: frozenset[int]
     # Probe bases (static + gradients + temporaries T), per window and for the tail:
     forward_base_bytes: tuple[int, ...]
+    checkpointed_forward_base_bytes: tuple[int | None, ...]  # NOTE [ Checkpointed forward windows ]
     backward_base_bytes: tuple[int, ...]
     tail_forward_base_bytes: int
     tail_backward_base_bytes: int
@@ -402,13 +405,15 @@ class CostModel(OffloadTerms):
             dropped=dropped, dropped_ids=frozenset(t for _, t, _ in dropped),
         )
         # The bases need backward_static, which reads the fields above: a model without them first.
-        partial = CostModel(**fields, forward_base_bytes=(), backward_base_bytes=(), tail_forward_base_bytes=0,
-                            tail_backward_base_bytes=0)
+        partial = CostModel(**fields, forward_base_bytes=(), checkpointed_forward_base_bytes=(), backward_base_bytes=(),
+                            tail_forward_base_bytes=0, tail_backward_base_bytes=0)
         fwd_base = tuple(rk.fwd_static_bytes + tr(g.nodes[leaf], "fwd_transient_bytes") for leaf in leaves)
         bwd_base = tuple(partial.backward_static(end, end)[0] + tr(g.nodes[leaf], "bwd_transient_bytes")
                          for leaf, end in zip(leaves, leaf_end))
+        fwd_ckpt = tuple(rk.fwd_static_bytes + g.nodes[leaf]["ckpt_fwd_transient_bytes"]
+                         if calibrated and "ckpt_fwd_transient_bytes" in g.nodes[leaf] else None for leaf in leaves)
         return CostModel(
-            **fields, forward_base_bytes=fwd_base, backward_base_bytes=bwd_base,
+            **fields, forward_base_bytes=fwd_base, checkpointed_forward_base_bytes=fwd_ckpt, backward_base_bytes=bwd_base,
             tail_forward_base_bytes=rk.fwd_static_bytes + tr(g.graph, "tail_fwd_transient_bytes"),
             tail_backward_base_bytes=(partial.backward_static(partial.tail_seq, ALIVE_SEQ)[0]
                                       + tr(g.graph, "tail_bwd_transient_bytes")),
@@ -419,6 +424,11 @@ class CostModel(OffloadTerms):
         """Where the tail's gradients are counted from: after every forward use, so the tail's own
         gradients are in its measured temporaries (NOTE [ Peak-memory model ], Rule 5)."""
         return max(self.leaf_end_seq[-1] if self.leaf_end_seq else -1, self.graph.graph["forward_end_seq"])
+
+    def forward_base(self, i: int, checkpointed: bool) -> int:
+        """Window i's forward base, its leaf in a fully checkpointed region or not (NOTE [ Checkpointed forward windows ])."""
+        ckpt = self.checkpointed_forward_base_bytes[i] if checkpointed else None
+        return self.forward_base_bytes[i] if ckpt is None else ckpt
 
     def grads_after(self, seq: int) -> int:
         """Bytes of parameter gradients (one process) whose last forward use is after ``seq``."""
@@ -553,9 +563,10 @@ class CostModel(OffloadTerms):
             out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, ALIVE_SEQ) > end)
             out_extra += self.cached_casts(pos, end, in_flight_ids) + fwd_copy.get(i, 0)
             out_extra += self.dropped_bytes(pos, end, in_flight_ids)
-            yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
-            _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
             c = owner.get(i)
+            full = c is not None and c not in policies and c not in offloaded
+            yield f"forward of {leaf}", self.forward_base(i, full) + h + out_extra, fwd_g, fwd_p
+            _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
             rec = (0 if c is None else self.restored_bytes(c, end) if c in offloaded
                    else self.recomputed_bytes(c, end, kept.get(c, frozenset())))
             yield f"backward of {leaf}", self.backward_base_bytes[i] + h + rec + bwd_copy.get(i, 0), grads, extra

@@ -1,6 +1,6 @@
 """Where a checkpointed region's replay in backward stops, so which of its outputs it re-makes
-(NOTE [ The replay stops at the last save ]; NOTE [ Peak-memory model ], Rule 4, G_c). Torch-free, like
-every solver module.
+(NOTE [ The replay stops at the last save ]; NOTE [ Peak-memory model ], Rule 4, G_c), and what else it has
+alive (NOTE [ What a replay allocates ]). Torch-free, like every solver module.
 
 Example::
 

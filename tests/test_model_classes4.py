@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import planner
 from planner.act.api import graph_for, min_feasible_bytes, plan_of
@@ -73,3 +74,45 @@ def test_a_temporary_before_the_last_pack_is_counted_whole_in_the_replay():
     report = _verify(WideGates(), plan, _batch())
     assert 0 <= report.measured_peak_bytes - report.predicted_peak_bytes <= 128, (
         report.predicted_peak_bytes, report.measured_peak_bytes)
+
+
+class Gate(nn.Module):
+    """Two gates of the input, returned as their sum and product: what they save is alive as locals until the
+    block returns, checkpointed or not."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = torch.tanh(self.fc1(x)), torch.sigmoid(self.fc2(x))
+        return a + b, a * b
+
+
+class Gates(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Gate(128) for _ in range(4))
+        self.head = nn.Linear(128, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h, g = block(x)
+            x = h + g
+        return self.head(x).square().mean()
+
+
+def _wide_rows():
+    return {"x": torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(0))}
+
+
+def test_a_checkpointed_blocks_own_forward_window_is_counted_as_it_runs_checkpointed():
+    # NOTE [ Checkpointed forward windows ]: the last block checkpointed by hand, its own forward the step's peak,
+    # was predicted 1,522,568 and measured 1,582,532 (-3.79%): the window's temporaries came from the step
+    # without checkpointing, whose window end held the block's saves
+    prof, plan = _by_hand(Gates(), _wide_rows(), ["blocks.3"])
+    assert prof.checkpointed_windows
+    assert simulate(graph_for(prof), ["blocks.3"]).peak_at == "forward of blocks.3"
+    report = _verify(Gates(), plan, _wide_rows())
+    assert report.predicted_peak_bytes == report.measured_peak_bytes

@@ -70,6 +70,7 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     g.graph["leaves"] = leaves
     _add_windows(g, profile, leaves, units)
     _cap_replay_terms(g, profile.timeline)
+    _add_checkpointed_windows(g, profile, leaves)
     if selective:
         _add_menus(g, profile, chosen, units)
     calibrate(g)
@@ -485,6 +486,24 @@ def _cap_replay_terms(g: nx.DiGraph, tl: list) -> None:
             lo, hi = index.get((start, n)), index.get((end, n))
             if key in a and lo is not None and hi is not None and hi > lo:
                 a[key] = min(a[key], max(0, max(e.peak_bytes for e in tl[lo + 1: hi + 1]) - tl[lo].live_bytes))
+
+
+def _add_checkpointed_windows(g: nx.DiGraph, p: Profile, leaves: list[str]) -> None:
+    """Each leaf's forward window peak with the top-level candidates checkpointed, its rise at most the rise of
+    the same window in the step as run (NOTE [ Checkpointed forward windows ] in solvers/checkpointed.py)."""
+    wins, tl = p.checkpointed_windows, p.timeline
+    index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
+    starts = [next((i for i, e in enumerate(tl) if e.kind == "step_start"), None)]
+    starts += [index.get(("fwd_end", n)) for n in leaves[:-1]]
+    for n, lo in zip(leaves, starts):
+        hi = index.get(("fwd_end", n))
+        if n in wins and lo is not None and hi is not None and hi > lo:
+            start, peak = wins[n]
+            rise = max(e.peak_bytes for e in tl[lo + 1: hi + 1]) - tl[lo].live_bytes
+            end = g.nodes[n]["fwd_end_seq"]  # the regions' RNG states, which the tracker does not see (Rule 3)
+            regions = sum(1 for _, a in g.nodes(data=True) if a["parent"] is None and a["fwd_start_seq"] <= end)
+            g.nodes[n]["ckpt_fwd_window_peak_bytes"] = (start + max(0, min(peak - start, rise))
+                                                        + regions * p.region_state_bytes)
 
 
 def unit_forward_peaks(tl: list, leaves: list[str]) -> dict[str, int | None]:
