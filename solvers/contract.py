@@ -76,6 +76,10 @@ class NodeAttrs(TypedDict):
     replay_rise_bytes: NotRequired[Annotated[int, Doc(
         "the most its forward had alive above its start, up to its last pack, measured: what its replay "
         "allocates (NOTE [ What a replay allocates ]); absent when not measured")]]
+    bwd_start_live_bytes: NotRequired[Annotated[int, Doc(
+        "live bytes when its backward started, measured (NOTE [ What a replay allocates ], Rule 6)")]]
+    bwd_start_extra_bytes: NotRequired[Annotated[int, Doc(
+        "what backward had alive then beyond the model's bytes there, calibrated (Rule 6)")]]
     bwd_before_replay_bytes: NotRequired[Annotated[int, Doc(
         "what its backward allocated before its first unpack, alive beside its replay "
         "(NOTE [ What a replay allocates ], Rule 4); absent when not measured")]]

@@ -29,7 +29,7 @@ from solvers.offload_cost import OffloadTerms
 from solvers.rank_memory import RankMemory, rank_memory
 from solvers.kept import ever_kept, kept_at  # NOTE [ Outputs the caller drops ]
 from solvers.checkpointed import calibrate_checkpointed_windows
-from solvers.replay import replay_in_flight, replay_temporaries
+from solvers.replay import calibrate_replay_starts, replay_in_flight, replay_temporaries
 from solvers.ties import close_ties, enclosing, is_tied, tie_groups  # NOTE [ Tied calls ]
 
 if TYPE_CHECKING:
@@ -114,10 +114,8 @@ def policies_of(g: nx.DiGraph, selective: Mapping[str, int] | None) -> dict[str,
 
 
 def calibrate(g: nx.DiGraph) -> None:
-    """Set the temporaries T (NOTE [ Peak-memory model ], Rule 6) from the measured window peaks, then
-    attach the graph's ``CostModel`` (``g.graph["cost_model"]``).
-
-    Called once by ``build_graph``. Windows without a measurement keep T = 0.
+    """Set the temporaries T (NOTE [ Peak-memory model ], Rule 6) from the measured window peaks, then attach the
+    graph's ``CostModel`` (``g.graph["cost_model"]``). Called once by ``build_graph``; unmeasured windows keep T = 0.
     """
     raw = CostModel.build(g, calibrated=False, per_rank=False)
     probes = {p[0]: p[1] for p in raw.probes(frozenset())}
@@ -131,6 +129,7 @@ def calibrate(g: nx.DiGraph) -> None:
         if a.get("fwd_unit_peak_bytes") is not None:  # NOTE [ A replay's temporaries ] in planner/model/graph.py
             a["unit_fwd_transient_bytes"] = max(0, a["fwd_unit_peak_bytes"] - probes[f"forward of {leaf}"])
     calibrate_checkpointed_windows(g, raw)  # NOTE [ Checkpointed forward windows ]
+    calibrate_replay_starts(g, raw)  # NOTE [ What a replay allocates ], Rule 6
     for key, peak_key, probe in (("tail_fwd_transient_bytes", "tail_fwd_peak_bytes", "end of forward"),
                                  ("tail_bwd_transient_bytes", "tail_bwd_peak_bytes", "start of backward")):
         measured = g.graph.get(peak_key)

@@ -29,7 +29,7 @@ def _by_hand(model: nn.Module, batch: dict, units: list[str]):
 
 
 REPLAY_TEMPORARY_BYTES = 96
-"""What ``WideGate``'s replay is still under by (104 bytes measured, round 19; not traced): ``cat``'s result, alive
+"""What ``WideGate``'s replay is still under by (96 bytes measured, round 19; not traced): ``cat``'s result, alive
 while ``repeat`` makes the wide output, is now counted whole (NOTE [ What a replay allocates ]; 16,384 under
 before). (8 more: the loss and its gradient, NOTE [ Peak-memory model ], Rule 7.)"""
 

@@ -478,7 +478,8 @@ def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, 
 
 def _cap_replay_terms(g: nx.DiGraph, tl: list) -> None:
     """Each region's replay terms, measured under the tracker, at most what its forward and its backward had
-    alive above their starts as the step ran (NOTE [ What a replay allocates ], Rule 5)."""
+    alive above their starts as the step ran; and the live bytes when its backward started (NOTE [ What a replay
+    allocates ], Rules 5 and 6)."""
     index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
     for n, a in g.nodes(data=True):
         for key, start, end in (("replay_rise_bytes", "fwd_start", "fwd_end"),
@@ -486,6 +487,8 @@ def _cap_replay_terms(g: nx.DiGraph, tl: list) -> None:
             lo, hi = index.get((start, n)), index.get((end, n))
             if key in a and lo is not None and hi is not None and hi > lo:
                 a[key] = min(a[key], max(0, max(e.peak_bytes for e in tl[lo + 1: hi + 1]) - tl[lo].live_bytes))
+        if "replay_rise_bytes" in a and ("bwd_start", n) in index:  # Rule 6
+            a["bwd_start_live_bytes"] = tl[index[("bwd_start", n)]].live_bytes
 
 
 def _add_checkpointed_windows(g: nx.DiGraph, p: Profile, leaves: list[str]) -> None:
