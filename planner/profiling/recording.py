@@ -221,9 +221,7 @@ class MemoryRecorder(Recorder):
         seq = self._next()
         live = self.tracker.live_bytes
         peak = max(self.tracker.mark(), live)
-        for u in self.stack:  # each running call's most live bytes so far (NOTE [ What a replay allocates ])
-            u.fwd_high = (live, live) if u is unit and kind == "fwd_start" else u.fwd_high and (
-                u.fwd_high[0], max(u.fwd_high[1], peak))
+        self._fold_highs(kind, unit, live, peak)
         if kind == "bwd_start" and unit is not None and unit.bwd_start_live is None:
             unit.bwd_start_live = live
         if kind == "bwd_end" and unit is not None:
@@ -234,6 +232,15 @@ class MemoryRecorder(Recorder):
         if self.on_event is not None:
             self.on_event(seq)
         return seq
+
+    def _fold_highs(self, kind: str, unit: UnitCall | None, live: int, peak: int) -> None:
+        """Each running call's (live bytes at its forward's start, most live since), the peak before this event
+        folded in (NOTE [ What a replay allocates ] in solvers/replay.py)."""
+        for u in self.stack:
+            if u is unit and kind == "fwd_start":
+                u.fwd_high = (live, live)
+            elif u.fwd_high is not None:
+                u.fwd_high = (u.fwd_high[0], max(u.fwd_high[1], peak))
 
     def _on_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry]) -> None:
         ms, flops = self._op_cost()
