@@ -181,7 +181,7 @@ def _chain_peaks(model: CostModel, hold: dict[int, list[_Holding]],
         for cur, rec in enumerate(recs):
             out_extra = sum(model.tensor_bytes[t] for t in in_flight
                             if not any(h[0] <= i and _in_force(h, cur) for h in hold.get(t, ())))
-            fwd = model.forward_base_bytes[i] + out_extra + kept
+            fwd = model.forward_base(i, cur == 1) + out_extra + kept  # NOTE [ Checkpointed forward windows ]
             bwd = model.backward_base_bytes[i] + rec
             rcp = (model.recompute_static_bytes(x) + rec + model.replay_in_flight(x)
                    + model.recompute_transient_bytes(x)) if cur else 0

@@ -73,6 +73,21 @@ class NodeAttrs(TypedDict):
                                                         "less the code before it; absent when not measured")]]
     unit_fwd_transient_bytes: NotRequired[Annotated[int, Doc("(leaves) calibrated temporaries of the leaf's own "
                                                              "forward, what its replay runs beside (Rule 6)")]]
+    replay_rise_bytes: NotRequired[Annotated[int, Doc(
+        "the most its forward had alive above its start, up to its last pack, measured: what its replay "
+        "allocates (NOTE [ What a replay allocates ]); absent when not measured")]]
+    bwd_start_live_bytes: NotRequired[Annotated[int, Doc(
+        "live bytes when its backward started, measured (NOTE [ What a replay allocates ], Rule 6)")]]
+    bwd_start_extra_bytes: NotRequired[Annotated[int, Doc(
+        "what backward had alive then beyond the model's bytes there, calibrated (Rule 6)")]]
+    bwd_before_replay_bytes: NotRequired[Annotated[int, Doc(
+        "what its backward allocated before its first unpack, alive beside its replay "
+        "(NOTE [ What a replay allocates ], Rule 4); absent when not measured")]]
+    ckpt_fwd_window_peak_bytes: NotRequired[Annotated[int, Doc(
+        "(leaves) measured peak of the forward window with the top-level candidates checkpointed "
+        "(NOTE [ Checkpointed forward windows ]); absent when not measured")]]
+    ckpt_fwd_transient_bytes: NotRequired[Annotated[int, Doc(
+        "(leaves) calibrated forward temporaries T of the window inside a checkpointed region")]]
     fwd_transient_bytes: Annotated[int, Doc("(leaves) calibrated forward temporaries T "
                                             "(NOTE [ Peak-memory model ], Rule 6)")]
     bwd_transient_bytes: Annotated[int, Doc("(leaves) calibrated backward temporaries T")]

@@ -28,7 +28,8 @@ from solvers.errors import SolverError
 from solvers.offload_cost import OffloadTerms
 from solvers.rank_memory import RankMemory, rank_memory
 from solvers.kept import ever_kept, kept_at  # NOTE [ Outputs the caller drops ]
-from solvers.replay import replay_stop_seq  # NOTE [ The replay stops at the last save ]
+from solvers.checkpointed import calibrate_checkpointed_windows
+from solvers.replay import calibrate_replay_starts, replay_in_flight, replay_temporaries
 from solvers.ties import close_ties, enclosing, is_tied, tie_groups  # NOTE [ Tied calls ]
 
 if TYPE_CHECKING:
@@ -113,10 +114,8 @@ def policies_of(g: nx.DiGraph, selective: Mapping[str, int] | None) -> dict[str,
 
 
 def calibrate(g: nx.DiGraph) -> None:
-    """Set the temporaries T (NOTE [ Peak-memory model ], Rule 6) from the measured window peaks, then
-    attach the graph's ``CostModel`` (``g.graph["cost_model"]``).
-
-    Called once by ``build_graph``. Windows without a measurement keep T = 0.
+    """Set the temporaries T (NOTE [ Peak-memory model ], Rule 6) from the measured window peaks, then attach the
+    graph's ``CostModel`` (``g.graph["cost_model"]``). Called once by ``build_graph``; unmeasured windows keep T = 0.
     """
     raw = CostModel.build(g, calibrated=False, per_rank=False)
     probes = {p[0]: p[1] for p in raw.probes(frozenset())}
@@ -129,6 +128,8 @@ def calibrate(g: nx.DiGraph) -> None:
                 a[key] = max(0, measured - probes[f"{kind} of {leaf}"])
         if a.get("fwd_unit_peak_bytes") is not None:  # NOTE [ A replay's temporaries ] in planner/model/graph.py
             a["unit_fwd_transient_bytes"] = max(0, a["fwd_unit_peak_bytes"] - probes[f"forward of {leaf}"])
+    calibrate_checkpointed_windows(g, raw)  # NOTE [ Checkpointed forward windows ]
+    calibrate_replay_starts(g, raw)  # NOTE [ What a replay allocates ], Rule 6
     for key, peak_key, probe in (("tail_fwd_transient_bytes", "tail_fwd_peak_bytes", "end of forward"),
                                  ("tail_bwd_transient_bytes", "tail_bwd_peak_bytes", "start of backward")):
         measured = g.graph.get(peak_key)
@@ -217,7 +218,8 @@ used there, and a tensor never held is held from there."""
 #   forward of window i:   static + |held with p <= end(l_i)  U  out_i  U  kept_i| + T_fwd(i)
 #   backward of window i:  static + grads(i) + |held with p <= end(l_i)| + R_i + T_bwd(i)
 #   recompute of c in C:   static + grads after c + |held with p <= end(c)| + |recomputed(c)|
-#                          + G_c + max T over the leaves' own forwards in c
+#                          + G_c + max T over the leaves' own forwards in c (or what c's forward
+#                          allocated up to its last pack: NOTE [ What a replay allocates ])
 #   tail forward/backward: static + |all held| + T_tail   (forward: U kept_tail)
 #   optimizer step:        static + all grads + the optimizer's measured temporaries
 # where out_i are tensors created in window i that later code still uses (in flight, alive
@@ -343,6 +345,7 @@ class CostModel(OffloadTerms):
     dropped_ids: frozenset[int]
     # Probe bases (static + gradients + temporaries T), per window and for the tail:
     forward_base_bytes: tuple[int, ...]
+    checkpointed_forward_base_bytes: tuple[int | None, ...]  # NOTE [ Checkpointed forward windows ]
     backward_base_bytes: tuple[int, ...]
     tail_forward_base_bytes: int
     tail_backward_base_bytes: int
@@ -401,13 +404,15 @@ class CostModel(OffloadTerms):
             dropped=dropped, dropped_ids=frozenset(t for _, t, _ in dropped),
         )
         # The bases need backward_static, which reads the fields above: a model without them first.
-        partial = CostModel(**fields, forward_base_bytes=(), backward_base_bytes=(), tail_forward_base_bytes=0,
-                            tail_backward_base_bytes=0)
+        partial = CostModel(**fields, forward_base_bytes=(), checkpointed_forward_base_bytes=(), backward_base_bytes=(),
+                            tail_forward_base_bytes=0, tail_backward_base_bytes=0)
         fwd_base = tuple(rk.fwd_static_bytes + tr(g.nodes[leaf], "fwd_transient_bytes") for leaf in leaves)
         bwd_base = tuple(partial.backward_static(end, end)[0] + tr(g.nodes[leaf], "bwd_transient_bytes")
                          for leaf, end in zip(leaves, leaf_end))
+        fwd_ckpt = tuple(rk.fwd_static_bytes + g.nodes[leaf]["ckpt_fwd_transient_bytes"]
+                         if calibrated and "ckpt_fwd_transient_bytes" in g.nodes[leaf] else None for leaf in leaves)
         return CostModel(
-            **fields, forward_base_bytes=fwd_base, backward_base_bytes=bwd_base,
+            **fields, forward_base_bytes=fwd_base, checkpointed_forward_base_bytes=fwd_ckpt, backward_base_bytes=bwd_base,
             tail_forward_base_bytes=rk.fwd_static_bytes + tr(g.graph, "tail_fwd_transient_bytes"),
             tail_backward_base_bytes=(partial.backward_static(partial.tail_seq, ALIVE_SEQ)[0]
                                       + tr(g.graph, "tail_bwd_transient_bytes")),
@@ -418,6 +423,11 @@ class CostModel(OffloadTerms):
         """Where the tail's gradients are counted from: after every forward use, so the tail's own
         gradients are in its measured temporaries (NOTE [ Peak-memory model ], Rule 5)."""
         return max(self.leaf_end_seq[-1] if self.leaf_end_seq else -1, self.graph.graph["forward_end_seq"])
+
+    def forward_base(self, i: int, checkpointed: bool) -> int:
+        """Window i's forward base, its leaf in a fully checkpointed region or not (NOTE [ Checkpointed forward windows ])."""
+        ckpt = self.checkpointed_forward_base_bytes[i] if checkpointed else None
+        return self.forward_base_bytes[i] if ckpt is None else ckpt
 
     def grads_after(self, seq: int) -> int:
         """Bytes of parameter gradients (one process) whose last forward use is after ``seq``."""
@@ -461,13 +471,9 @@ class CostModel(OffloadTerms):
         return self.backward_static(end, end)[0]
 
     def recompute_transient_bytes(self, c: str) -> int:
-        """The temporaries T of ``c``'s recompute: the largest T of its leaves' own forwards (NOTE [ A replay's
-        temporaries ]), with Rule 11's offset, never below 0; and the replay's copy of the RNG state (Rule 7)."""
-        leaf_t = [self.graph.nodes[self.leaves[i]].get("unit_fwd_transient_bytes", self.forward_base_bytes[i]
-                                                       - self.rank.fwd_static_bytes) if self.calibrated else 0
-                  for i in self.node_leaves[c]]
-        return max(0, max(leaf_t, default=0) + self.graph.graph.get("replay_transient_bytes", 0)) \
-            + self.graph.graph.get("replay_rng_copy_bytes", 0)
+        """The temporaries T of ``c``'s recompute (NOTE [ A replay's temporaries ], NOTE [ What a replay
+        allocates ]) and the replay's copy of the RNG state (Rule 7): ``solvers.replay.replay_temporaries``."""
+        return replay_temporaries(self, c)
 
     def recomputed_bytes(self, c: str, upto_seq: int, kept: frozenset[int] = frozenset()) -> int:
         """Bytes the recompute of ``c`` re-creates that backward has not passed by ``upto_seq``: the
@@ -487,17 +493,9 @@ class CostModel(OffloadTerms):
         return sum(self.tensor_bytes[t] for t in seen)
 
     def replay_in_flight(self, c: str) -> int:
-        """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradients
-        of c's outputs that code after c differentiates through (backward has reached c; NOTE [ Outputs
-        without a gradient ]) and c's outputs the replay re-creates: not those c saves, nor those made after
-        its last save (NOTE [ The replay stops at the last save ])."""
-        a, tb = self.graph.nodes[c], self.graph.graph["tensor_bytes"]
-        outs, created = a.get("output_ids", ()), self.graph.graph["tensor_created_seq"]
-        lo, hi, stop = a["fwd_start_seq"], a["fwd_end_seq"], replay_stop_seq(self, c)
-        ctx = [t for t in self.graph.graph.get("ctx_held", ()) if lo <= created[t] <= hi]
-        return (sum(tb.get(t, 0) for t in a.get("grad_output_ids", outs))
-                + sum(tb.get(t, 0) for t in outs if t not in a["saved_ids"] and created.get(t, -1) <= stop)
-                + sum(tb[t] for t in ctx))  # NOTE [ Tensors on ctx ], Rule 3: the replay's node keeps a copy
+        """Bytes alive while ``c`` is recomputed that ``recomputed_bytes`` does not count: the gradients of its
+        outputs and the outputs its replay re-makes (``solvers.replay.replay_in_flight``)."""
+        return replay_in_flight(self, c)
 
     def cached_casts(self, pos: Mapping[int, int], seq: int, counted: frozenset[int] = frozenset()) -> int:
         """Bytes of autocast's cached casts made by ``seq`` and not held by then (``pos``: holding
@@ -564,9 +562,10 @@ class CostModel(OffloadTerms):
             out_extra = sum(tb[t] for t in in_flight_ids if pos.get(t, ALIVE_SEQ) > end)
             out_extra += self.cached_casts(pos, end, in_flight_ids) + fwd_copy.get(i, 0)
             out_extra += self.dropped_bytes(pos, end, in_flight_ids)
-            yield f"forward of {leaf}", self.forward_base_bytes[i] + h + out_extra, fwd_g, fwd_p
-            _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
             c = owner.get(i)
+            full = c is not None and c not in policies and c not in offloaded
+            yield f"forward of {leaf}", self.forward_base(i, full) + h + out_extra, fwd_g, fwd_p
+            _, grads, extra = self.backward_static(end, end)  # the NOTE's grads(i): used after window i
             rec = (0 if c is None else self.restored_bytes(c, end) if c in offloaded
                    else self.recomputed_bytes(c, end, kept.get(c, frozenset())))
             yield f"backward of {leaf}", self.backward_base_bytes[i] + h + rec + bwd_copy.get(i, 0), grads, extra

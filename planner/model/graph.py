@@ -62,13 +62,15 @@ def build_graph(profile: Profile, *, granularity: int = 0, nested: bool = False,
     saves_by_seq = sorted(held_saves(profile))
     tensor_bytes = g.graph["tensor_bytes"]
     for order, uid in enumerate(chosen):
-        g.add_node(uid, **_node_attrs(units[uid], order, saves_by_seq, tensor_bytes))
+        g.add_node(uid, **_node_attrs(units[uid], order, saves_by_seq, tensor_bytes, eager=profile.compile is None))
     _add_retained(g, profile)
     _link_tree(g, chosen, units)
     _add_edges(g, profile, chosen, units)
     leaves = [n for n in chosen if g.nodes[n]["leaf"]]
     g.graph["leaves"] = leaves
     _add_windows(g, profile, leaves, units)
+    _cap_replay_terms(g, profile.timeline)
+    _add_checkpointed_windows(g, profile, leaves)
     if selective:
         _add_menus(g, profile, chosen, units)
     calibrate(g)
@@ -310,14 +312,14 @@ def _fsdp_units(units: dict[str, UnitRecord], children: dict[str, list[str]], p:
 
 
 def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
-                tensor_bytes: dict[int, int]) -> NodeAttrs:
+                tensor_bytes: dict[int, int], *, eager: bool = True) -> NodeAttrs:
     import bisect
 
     lo = bisect.bisect_left(saves_by_seq, (u.fwd_start_seq, -1))
     hi = bisect.bisect_right(saves_by_seq, (u.fwd_end_seq, math.inf))  # after every tensor id at that seq
     saved = frozenset(t for _, t in saves_by_seq[lo:hi])
     inputs = frozenset(u.input_ids)
-    return NodeAttrs(
+    attrs = NodeAttrs(
         order=order, fqn=u.fqn, call_index=u.call_index, module_type=u.module_type, depth=u.depth,
         parent=None, leaf=True, fwd_start_seq=u.fwd_start_seq, fwd_end_seq=u.fwd_end_seq,
         forward_ms=u.forward_ms, backward_ms=u.backward_ms, flops=u.flops, param_bytes=u.param_bytes,
@@ -331,6 +333,10 @@ def _node_attrs(u: UnitRecord, order: int, saves_by_seq: list[tuple[int, int]],
         fwd_window_peak_bytes=None, bwd_window_peak_bytes=None,
         fwd_transient_bytes=0, bwd_transient_bytes=0, menu=(),
     )
+    if u.replay_rise_bytes is not None and eager:  # NOTE [ What a replay allocates ] in solvers/replay.py
+        attrs["replay_rise_bytes"] = u.replay_rise_bytes
+        attrs["bwd_before_replay_bytes"] = u.bwd_before_replay_bytes or 0
+    return attrs
 
 
 def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, UnitRecord]) -> None:
@@ -478,6 +484,39 @@ def _add_windows(g: nx.DiGraph, p: Profile, leaves: list[str], units: dict[str, 
 # window's modelled bytes), never more than the window's T, and ``CostModel.recompute_transient_bytes``
 # takes it; without a timeline (older profiles, synthetic graphs) the window's T, as before. The forward
 # and backward windows themselves keep the window's T: their peaks are what is measured.
+
+
+def _cap_replay_terms(g: nx.DiGraph, tl: list) -> None:
+    """Each region's replay terms, measured under the tracker, at most what its forward and its backward had
+    alive above their starts as the step ran; and the live bytes when its backward started (NOTE [ What a replay
+    allocates ], Rules 5 and 6)."""
+    index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
+    for n, a in g.nodes(data=True):
+        for key, start, end in (("replay_rise_bytes", "fwd_start", "fwd_end"),
+                                ("bwd_before_replay_bytes", "bwd_start", "bwd_end")):
+            lo, hi = index.get((start, n)), index.get((end, n))
+            if key in a and lo is not None and hi is not None and hi > lo:
+                a[key] = min(a[key], max(0, max(e.peak_bytes for e in tl[lo + 1: hi + 1]) - tl[lo].live_bytes))
+        if "replay_rise_bytes" in a and ("bwd_start", n) in index:  # Rule 6
+            a["bwd_start_live_bytes"] = tl[index[("bwd_start", n)]].live_bytes
+
+
+def _add_checkpointed_windows(g: nx.DiGraph, p: Profile, leaves: list[str]) -> None:
+    """Each leaf's forward window peak with the top-level candidates checkpointed, its rise at most the rise of
+    the same window in the step as run (NOTE [ Checkpointed forward windows ] in solvers/checkpointed.py)."""
+    wins, tl = p.checkpointed_windows, p.timeline
+    index = {(e.kind, e.unit): i for i, e in enumerate(tl)}
+    starts = [next((i for i, e in enumerate(tl) if e.kind == "step_start"), None)]
+    starts += [index.get(("fwd_end", n)) for n in leaves[:-1]]
+    for n, lo in zip(leaves, starts):
+        hi = index.get(("fwd_end", n))
+        if n in wins and lo is not None and hi is not None and hi > lo:
+            start, peak = wins[n]
+            rise = max(e.peak_bytes for e in tl[lo + 1: hi + 1]) - tl[lo].live_bytes
+            end = g.nodes[n]["fwd_end_seq"]  # the regions' RNG states, which the tracker does not see (Rule 3)
+            regions = sum(1 for _, a in g.nodes(data=True) if a["parent"] is None and a["fwd_start_seq"] <= end)
+            g.nodes[n]["ckpt_fwd_window_peak_bytes"] = (start + max(0, min(peak - start, rise))
+                                                        + regions * p.region_state_bytes)
 
 
 def unit_forward_peaks(tl: list, leaves: list[str]) -> dict[str, int | None]:

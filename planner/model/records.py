@@ -134,6 +134,13 @@ class UnitRecord(FileModel):
         "Seq of the call's last pack in the forward while it was the innermost unit, of any tensor (a parameter, "
         "one saved before): where a replay may stop (NOTE [ The replay stops at the last save ], Rule 3); None: "
         "it packed nothing itself, or not recorded (older profiles)."))
+    replay_rise_bytes: Bytes | None = Field(None, description=(
+        "The most its forward had alive above what was alive when it started, up to its last pack or a nested "
+        "call's: what its replay allocates (NOTE [ What a replay allocates ] in solvers/replay.py); None: it "
+        "packed nothing, or not recorded (older profiles, compiled steps)."))
+    bwd_before_replay_bytes: Bytes | None = Field(None, description=(
+        "What its backward had allocated above what was alive when it started, when it first unpacked a save: "
+        "alive beside its replay (NOTE [ What a replay allocates ], Rule 4); None: not recorded."))
 
 
 class TensorRecord(FileModel):

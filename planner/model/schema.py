@@ -264,6 +264,10 @@ class Profile(_Model):
     region_state_bytes: Bytes = Field(0, description="Device bytes every checkpointed region keeps until its "
                                                    "backward for its replay (the CPU RNG state on a CPU run), "
                                                    "measured by the validation step; 0 when not measured.")
+    checkpointed_windows: dict[str, list[Bytes]] = Field(default_factory=dict, description=(
+        "Leaf unit id -> [live bytes when its forward window began, the window's peak] in the validation step, "
+        "every top-level candidate checkpointed (NOTE [ Checkpointed forward windows ] in solvers/checkpointed.py); "
+        "empty when not measured."))
     sac_recomputed_op_ms: Ms = Field(0.0, description="Milliseconds torch's selective checkpointing adds per "
                                                           "op call a region recomputes, beyond its kernel (NOTE "
                                                           "[ Selective dispatch cost ] in "

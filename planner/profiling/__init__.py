@@ -274,7 +274,7 @@ def _validated(model: torch.nn.Module, inputs: Inputs, result: schema.Profile, s
     say("validation step: what checkpointing frees")
     amp = step.recipe.amp
     found = validate(model, to_device(inputs, dev), result, loss_fn=step.loss_fn, amp=amp, dev=dev)
-    result.retained, result.excluded, result.region_state_bytes = found
+    result.retained, result.excluded, result.region_state_bytes, result.checkpointed_windows = found
     if not result.ops or step.compile is not None:  # op-level policies are eager only (NOTE [ Compiled profile ])
         return result
     on_dev = to_device(inputs, dev)

@@ -192,6 +192,8 @@ def _unit_record(u: UnitCall, cost: UnitCost, group: str, remap: dict[int, int])
         grad_output_ids=None if u.grad_output_ids is None else [remap[i] for i in u.grad_output_ids],
         input_bytes=u.input_bytes, output_bytes=u.output_bytes, param_bytes=u.param_bytes,
         last_pack_seq=u.last_pack_seq,
+        replay_rise_bytes=None if u.last_pack_high is None else u.last_pack_high - u.fwd_high[0],
+        bwd_before_replay_bytes=u.bwd_before_replay,
     )
 
 

@@ -213,6 +213,8 @@ class MemoryRecorder(Recorder):
         super().reset()
         self.output_edges: list[tuple[UnitCall, int, list[tuple[int, int | None, int]]]] = []
         """Per call of ``units`` (a reset empties both): its latest output node, its outputs' gradient edges."""
+        self.packed_by: dict[int, UnitCall] = {}  # id of a packed tensor -> the call that packed it
+        self.calls: dict[str, UnitCall] = {}
 
     def _next(self) -> int:
         self.seq += 1
@@ -222,6 +224,9 @@ class MemoryRecorder(Recorder):
         seq = self._next()
         live = self.tracker.live_bytes
         peak = max(self.tracker.mark(), live)
+        self._fold_highs(kind, unit, live, peak)
+        if kind == "bwd_start" and unit is not None and unit.bwd_start_live is None:
+            unit.bwd_start_live = live
         if kind == "bwd_end" and unit is not None:
             if unit.bwd_end_event is not None:
                 self.events[unit.bwd_end_event].superseded = True
@@ -230,6 +235,15 @@ class MemoryRecorder(Recorder):
         if self.on_event is not None:
             self.on_event(seq)
         return seq
+
+    def _fold_highs(self, kind: str, unit: UnitCall | None, live: int, peak: int) -> None:
+        """Each running call's (live bytes at its forward's start, most live since), the peak before this event
+        folded in (NOTE [ What a replay allocates ] in solvers/replay.py)."""
+        for u in self.stack:
+            if u is unit and kind == "fwd_start":
+                u.fwd_high = (live, live)
+            elif u.fwd_high is not None:
+                u.fwd_high = (u.fwd_high[0], max(u.fwd_high[1], peak))
 
     def _on_op(self, func: Any, inputs: list[StorageEntry], new: list[StorageEntry]) -> None:
         ms, flops = self._op_cost()
@@ -353,6 +367,11 @@ class MemoryRecorder(Recorder):
         packed = self._pack(t, watch)
         if self.stack:  # every pack counts where a replay stops (NOTE [ The replay stops at the last save ], Rule 3)
             self.stack[-1].last_pack_seq = self.seq
+            now = max(self.tracker.peak_bytes, self.tracker.live_bytes)
+            for u in self.stack:  # NOTE [ What a replay allocates ] in solvers/replay.py
+                u.last_pack_high = None if u.fwd_high is None else max(u.fwd_high[1], now)
+            if packed is not t:
+                self.packed_by[id(packed)] = self.stack[-1]
         return packed
 
     def _pack(self, t: torch.Tensor, watch: bool) -> torch.Tensor:
@@ -372,8 +391,14 @@ class MemoryRecorder(Recorder):
             self.releases.watch_save(packed, (tid, unit))  # NOTE [ Outputs the caller drops ], Rule 4
         return packed
 
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks`` unpack hook: the first unpack of each call and its callers notes what their
+        backward allocated before it (NOTE [ What a replay allocates ], Rule 4)."""
+        u = self.packed_by.get(id(t))
+        while u is not None:
+            if u.bwd_before_replay is None and u.bwd_start_live is not None:
+                u.bwd_before_replay = max(0, self.tracker.live_bytes - u.bwd_start_live)
+            u = self.calls.get(u.parent)
         return t
 
     def _tensor_id(self, e: StorageEntry) -> int:
@@ -401,6 +426,7 @@ class MemoryRecorder(Recorder):
 
     def _on_inputs(self, unit: UnitCall, args: tuple, kwargs: dict) -> None:
         self.op_start[unit.id] = (len(self.ops), describe(io_tensors(args, kwargs)))
+        self.calls[unit.id] = unit
         unit.input_ids, unit.input_bytes = self._io(args, kwargs)
         if unit.key is not None:
             if unit.key not in self.param_bytes_cache:

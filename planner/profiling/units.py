@@ -47,13 +47,16 @@ class UnitCall:
     """One module call while a step runs. ``fwd_*``/``bwd_*`` hold clock stamps or seqs."""
 
     __slots__ = (
+        "bwd_before_replay",
         "bwd_end",
         "bwd_end_event",
         "bwd_start",
+        "bwd_start_live",
         "call_index",
         "depth",
         "fqn",
         "fwd_end",
+        "fwd_high",
         "fwd_start",
         "grad_output_ids",
         "has_input_grads",
@@ -62,6 +65,7 @@ class UnitCall:
         "input_bytes",
         "input_ids",
         "key",
+        "last_pack_high",
         "last_pack_seq",
         "module_type",
         "output_bytes",
@@ -85,6 +89,13 @@ class UnitCall:
         self.input_bytes = self.output_bytes = self.param_bytes = 0
         self.last_pack_seq: int | None = None
         """Seq of the call's last pack as the innermost unit (NOTE [ The replay stops at the last save ], Rule 3)."""
+        self.fwd_high: tuple[int, int] | None = None
+        self.last_pack_high: int | None = None
+        self.bwd_start_live: int | None = None
+        self.bwd_before_replay: int | None = None
+        """(live at its forward's start, most live since) and that most at its last pack, its own or a nested
+        call's; live when its backward started, and above that when it first unpacked (NOTE [ What a replay
+        allocates ] in solvers/replay.py)."""
 
 
 @dataclass

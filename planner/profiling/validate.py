@@ -38,6 +38,8 @@ class Validation(NamedTuple):
     excluded: list[ExcludedUnit]
     region_state_bytes: int
     """Device bytes every checkpointed region keeps for its replay (the RNG state), whatever the unit."""
+    checkpointed_windows: dict[str, list[int]]
+    """Leaf unit id -> [live bytes at its forward window's start, its peak], every candidate checkpointed."""
 
 
 # NOTE [ Validation step ]
@@ -78,7 +80,8 @@ def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[
     excluded: dict[str, str] = {}
     for _ in range(len(fqns) + 1):
         chosen = [f for f in fqns if f not in excluded]
-        run = _checkpointed_step(model, inputs, set(cands), chosen, loss_fn=loss_fn, amp=amp, dev=dev)
+        run = _checkpointed_step(model, inputs, set(cands), chosen, loss_fn=loss_fn, amp=amp, dev=dev,
+                                 leaves=_window_leaves(g, model))
         excluded.update(run.writes_inputs)
         if run.failed is None:
             excluded.update(run.mutated)
@@ -91,7 +94,16 @@ def validate(model: nn.Module, inputs: Any, prof: Profile, *, loss_fn: Callable[
                 if g.nodes[n]["fqn"] in chosen and g.nodes[n]["fqn"] not in excluded
                 and run.retained.get(n, 0) > RETAINED_MIN_BYTES]
     return Validation(retained, [ExcludedUnit(module=f, reason=r) for f, r in excluded.items()],
-                      _rng_state_bytes(dev))
+                      _rng_state_bytes(dev), run.windows if not excluded else {})
+
+
+def _window_leaves(g: Any, model: nn.Module) -> set[str]:
+    """The leaves whose forward windows the checkpointed step records: none when a module already has a
+    forward of its own (another wrapper), which the step does not checkpoint (NOTE [ Checkpointed forward
+    windows ] in solvers/checkpointed.py)."""
+    if any("forward" in m.__dict__ for m in model.modules()):
+        return set()
+    return {g.nodes[n]["fqn"] for n in g.graph["leaves"]}
 
 
 def _rng_state_bytes(dev: torch.device) -> int:
@@ -119,6 +131,9 @@ class _Run:
     """Module FQN -> why: its forward wrote one of its inputs in place."""
     phase: str = "forward"
     replaying: str | None = None
+    windows: dict[str, list[int]] = field(default_factory=dict)
+    """Leaf unit id -> [live bytes at its forward window's start, its peak] (NOTE [ Checkpointed forward
+    windows ] in solvers/checkpointed.py)."""
 
 
 class _Watch:
@@ -150,7 +165,7 @@ class _Watch:
 
 
 def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpointed: list[str], *,
-                       loss_fn: Any, amp: str | None, dev: torch.device) -> _Run:
+                       loss_fn: Any, amp: str | None, dev: torch.device, leaves: set[str] = frozenset()) -> _Run:
     from planner.profiling.measure import make_step
     from planner.profiling.profiler import restoring_model
     from planner.profiling.tracker import LiveBytesTracker, iter_tensors
@@ -172,9 +187,7 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
 
     def started(module: nn.Module, _args: Any, name: str) -> None:
         if run.phase == "forward" and id(module) in wanted and not running:
-            k = calls.get(id(module), 0)
-            calls[id(module)] = k + 1
-            uid = (name or "<root>") + (f"#{k}" if k else "")
+            uid = _call_id(calls, module, name)
             running.append(uid if uid in units else "")
 
     def ended(module: nn.Module, _args: Any, out: Any) -> None:
@@ -183,6 +196,7 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
             outputs.update(e.serial for e in map(tracker.entry, io_tensors(out)) if e is not None)
 
     def mark(name: str, _value: Any = None) -> None:
+        window.mark(name)
         if name == "backward_start":
             run.phase = "backward"
             for e in tracker.live_entries():
@@ -193,6 +207,7 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
             run.phase = "done"
 
     with restoring_model(model, dev), _checkpointed(modules, checkpointed, run), contextlib.ExitStack() as hooks:
+        window = _Windows(run, tracker, leaves, modules, hooks)
         for name, m in modules.items():
             if id(m) in wanted:
                 hooks.callback(m.register_forward_pre_hook(lambda mod, a, name=name: started(mod, a, name)).remove)
@@ -208,6 +223,39 @@ def _checkpointed_step(model: nn.Module, inputs: Any, units: set[str], checkpoin
         except ProfileError as e:
             _failed(run, e)
     return run
+
+
+class _Windows:
+    """Each leaf's forward window in the checkpointed step: live bytes at its start and its peak (NOTE [
+    Checkpointed forward windows ] in solvers/checkpointed.py). ``leaves``: their module FQNs."""
+
+    def __init__(self, run: _Run, tracker: Any, leaves: Any, modules: dict[str, nn.Module],
+                 hooks: contextlib.ExitStack):
+        self.run, self.tracker = run, tracker
+        self.calls: dict[int, int] = {}
+        self.start = 0
+        for name, m in modules.items():
+            if name in leaves:
+                hooks.callback(m.register_forward_hook(lambda mod, a, o, name=name: self.end(mod, name)).remove)
+
+    def mark(self, name: str) -> None:
+        if name == "step_start":  # the first window starts with the step
+            self.tracker.mark()
+            self.start = self.tracker.live_bytes
+
+    def end(self, module: nn.Module, name: str) -> None:
+        if self.run.phase != "forward":
+            return
+        live = self.tracker.live_bytes
+        self.run.windows[_call_id(self.calls, module, name)] = [self.start, max(self.tracker.mark(), live)]
+        self.start = live
+
+
+def _call_id(calls: dict[int, int], module: nn.Module, name: str) -> str:
+    """The unit id of this call of ``module`` (NOTE [ Units ]), counting its calls in ``calls``."""
+    k = calls.get(id(module), 0)
+    calls[id(module)] = k + 1
+    return (name or "<root>") + (f"#{k}" if k else "")
 
 
 def _failed(run: _Run, e: ProfileError) -> None:

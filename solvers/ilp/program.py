@@ -499,6 +499,8 @@ def _probe_rows(g: nx.DiGraph, model: CostModel, var: _Vars, bucket: _Buckets,
         cast_form, cast_bytes = casts(e, in_flight_ids)
         fwd_extra = dict(in_flight.get(i, {}))
         _lin_add(fwd_extra, cast_form)
+        ckpt = model.forward_base(i, True) - model.forward_base_bytes[i]  # NOTE [ Checkpointed forward windows ]
+        _lin_add(fwd_extra, {c: ckpt / scale for c in contains[i] if c == base[c] and ckpt})
         out_bytes = sum(model.tensor_bytes[t] for t in in_flight_ids)
         probes.append(Probe(f"forward of {leaf}", bucket.leaf[i], fwd_extra,
                             model.forward_base_bytes[i] + out_bytes + cast_bytes))
