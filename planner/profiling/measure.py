@@ -123,9 +123,7 @@ def make_step(model: torch.nn.Module, inputs: Inputs, *, loss_fn: Callable[[Any]
     unchecked = [finite_loss and not _fake()]  # NOTE [ A loss that is not finite ]: the first step's losses are read, once
 
     def autocast() -> contextlib.AbstractContextManager:
-        if amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device_type, dtype=amp_dtype)
+        return contextlib.nullcontext() if amp_dtype is None else torch.autocast(device_type, dtype=amp_dtype)
 
     def micro_batch(mark: Mark, last: bool) -> Any:
         for t in fresh:
