@@ -39,7 +39,7 @@ from benchmarks.peers import Variant, _applier, _measure_peak, _time_round_robin
 from planner.act.api import plan_from_profile
 from planner.act.compiled_check import compiled_peak
 from planner.errors import BudgetInfeasible
-from planner.model.schema import Plan
+from planner.model.schema import Plan, Profile
 from planner.profiling import profile
 from planner.profiling.model_file import load_model_file
 from planner.profiling.profiler import resolve_device
@@ -60,9 +60,12 @@ def main() -> None:
         args.model = f"the zoo's {args.zoo}"
     print(f"profiling {args.model} under torch.compile on {dev} ...", file=sys.stderr)
     t0 = time.perf_counter()
-    prof = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=dev, steps=args.profile_steps,
-                   threads=args.threads or None, compile="inductor")
-    profile_s = time.perf_counter() - t0
+    if args.profile:  # a saved `remat profile --compile` of this model: its own time is not this run's
+        prof, profile_s = Profile.load(args.profile), None
+    else:
+        prof = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=dev,
+                       steps=args.profile_steps, threads=args.threads or None, compile="inductor")
+        profile_s = time.perf_counter() - t0
     variants = [Variant("torch.compile", _same_step, None, compile_budget=None)]
     if find_step_changes(mf.build_model()):  # what the step changes are worth to compile alone
         variants.append(Variant("torch.compile, as built (no step changes)", lambda m, b: "-", None,
@@ -106,6 +109,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--budgets", type=lambda t: [float(x) for x in t.split(",") if x.strip()],
                    default=[0.7, 0.5, 0.3, 0.2], metavar="B1,B2,...", help="activation_memory_budget values")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (one step per variant each)")
+    p.add_argument("--profile", default="", metavar="PATH",
+                   help="a saved `remat profile --compile` of the same model and step, instead of profiling it")
     p.add_argument("--profile-steps", type=int, default=2, help="timing steps of the profile")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     p.add_argument("--spread", type=int, default=0, metavar="N",
@@ -165,29 +170,45 @@ def _timed_peak(v: Variant, mf: Any, dev: torch.device) -> Any:
     return kept
 
 
-def _print(args: argparse.Namespace, dev: torch.device, prof: Any, profile_s: float, variants: list[Variant],
-           plans: dict[str, Plan | None], costs: dict[str, str]) -> None:
+def _paired_ms(v: Variant, base: Variant) -> float:
+    """The median over rounds of ``v``'s CPU ms less ``base``'s in the same round (both run once per round)."""
+    return statistics.median(a - b for a, b in zip(v.cpu_ms, base.cpu_ms))
+
+
+def _paired_wins(v: Variant, base: Variant) -> str:
+    """In how many rounds ``v`` took no more CPU time than ``base``."""
+    wins = sum(a <= b for a, b in zip(v.cpu_ms, base.cpu_ms))
+    return f"not slower in {wins} of {min(len(v.cpu_ms), len(base.cpu_ms))} rounds"
+
+
+def _print(args: argparse.Namespace, dev: torch.device, prof: Any, profile_s: float | None,
+           variants: list[Variant], plans: dict[str, Plan | None], costs: dict[str, str]) -> None:
     threads = f", {torch.get_num_threads()} thread(s)" if dev.type == "cpu" else ""
     print(f"`python benchmarks/compiled.py {' '.join(sys.argv[1:])}` on {dev}{threads}, torch {torch.__version__}; "
           f"step times: median of {args.repeats} round-robin rounds\n")
     first_s = prof.compile.first_compile_s
-    print(f"remat profile --compile: {profile_s:.1f} s; the model's first compiled step in it (the first compile "
-          f"of this process): {first_s:.1f} s; ratio {profile_s / max(first_s, 1e-9):.2f}; replay temporaries "
-          f"{prof.compile.replay_transient_bytes} B. First steps below are later compiles of this process (inductor "
-          f"reuses compiled kernels it has seen)\n")
+    took = (f"{profile_s:.1f} s; the model's first compiled step in it (the first compile of this process): "
+            f"{first_s:.1f} s; ratio {profile_s / max(first_s, 1e-9):.2f}" if profile_s is not None else
+            f"read from {args.profile} (its first compiled step took {first_s:.1f} s when it was made)")
+    print(f"remat profile --compile: {took}; replay temporaries {prof.compile.replay_transient_bytes} B. First steps "
+          f"below are later compiles of this process (inductor reuses compiled kernels it has seen)\n")
     print("| variant | checkpointed | peak bytes (measured) | predicted | error | cost model | plan s | step ms | CPU ms "
-          "| first step s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| recompute CPU ms, measured (predicted) | first step s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    plain = variants[0]  # torch.compile, the step remat's plans run, nothing recomputed
     for v in variants:
         if v.error:
-            print(f"| {v.name} | {v.error} | | | | | | | | |")
+            print(f"| {v.name} | {v.error} | | | | | | | | | |")
             continue
         pred = v.predicted_peak_bytes
         err = f"{(pred - v.peak_bytes) / v.peak_bytes:+.2%}" if pred and v.peak_bytes else ""
         model, plan_s = (costs[v.name], f"{v.solve_s:.1f}") if v.name in plans else ("", "")  # type: ignore
+        extra = f"{_paired_ms(v, plain):+.1f}" if v is not plain else ""
+        if v.predicted_recompute_ms is not None and v is not plain:
+            extra += f" ({v.predicted_recompute_ms:.1f})"
         print(f"| {v.name} | {v.what} | {v.peak_bytes} ({v.peak_bytes / MIB:.2f} MiB) | {pred or ''} | {err} "
               f"| {model} | {plan_s} | {statistics.median(v.times_ms):.1f} | {statistics.median(v.cpu_ms):.1f} "
-              f"| {getattr(v, 'first_s', 0.0):.1f} |")
+              f"| {extra} | {getattr(v, 'first_s', 0.0):.1f} |")
     print()
     budgets = [v for v in variants if isinstance(v.compile_budget, float)]
     for b in budgets:
@@ -198,7 +219,8 @@ def _print(args: argparse.Namespace, dev: torch.device, prof: Any, profile_s: fl
         lower = mine.peak_bytes <= b.peak_bytes
         print(f"budget {b.compile_budget:g}: remat {statistics.median(mine.cpu_ms):.1f} CPU ms at "
               f"{mine.peak_bytes / MIB:.2f} MiB, compile {statistics.median(b.cpu_ms):.1f} CPU ms at "
-              f"{b.peak_bytes / MIB:.2f} MiB: {'not slower' if faster else 'SLOWER'}, "
+              f"{b.peak_bytes / MIB:.2f} MiB (paired rounds: remat {_paired_ms(mine, b):+.1f} ms, "
+              f"{_paired_wins(mine, b)}): {'not slower' if faster else 'SLOWER'}, "
               f"{'peak no higher' if lower else 'HIGHER peak'}; within its budget: {mine.peak_bytes <= b.peak_bytes}")
     peaks = [v.peak_bytes for v in budgets]
     print(f"compile: peaks in falling activation_memory_budget order {[round(p / MIB, 2) for p in peaks]} MiB: "
