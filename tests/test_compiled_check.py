@@ -199,6 +199,22 @@ def test_a_margin_under_spend_at_is_not_spent(monkeypatch):
     assert measure.sets == [first.checkpoints] and plan.checkpoints == first.checkpoints
 
 
+def test_a_cheaper_plan_saving_under_spend_gain_is_not_compiled(monkeypatch):
+    """Rule 7 spends a compile only on a plan predicted to save ``SPEND_GAIN`` of the found plan's recompute."""
+    from planner.act import compiled_check
+
+    p, budget, first, raised, by, _usable = _spend_case()
+    gain = (first.predicted.recompute_ms - raised.predicted.recompute_ms) / first.predicted.recompute_ms
+    monkeypatch.setattr(compiled_check, "SPEND_GAIN", gain + 1e-6)
+    measure = _Measure(lambda plan: -by)
+    plan = plan_from_profile(p, budget, check=measure)
+    assert measure.sets == [first.checkpoints] and plan.checkpoints == first.checkpoints
+    monkeypatch.setattr(compiled_check, "SPEND_GAIN", gain - 1e-6)  # just within it: spent
+    measure = _Measure(lambda plan: -by)
+    assert plan_from_profile(p, budget, check=measure).checkpoints == raised.checkpoints
+    assert measure.sets == [first.checkpoints, raised.checkpoints]
+
+
 @pytest.fixture(scope="module")
 def op_level_profile():
     """A compiled stamp on test_selective's model, profiled eagerly, its dispatch cost set aside as that
