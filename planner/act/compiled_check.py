@@ -63,13 +63,13 @@ from planner.spec import SolveSpec, StepSpec, solve_spec
 #   examples/llama.py 18.5 s of the 69.7 s ``remat plan --compile`` takes; at 85MB that plan's
 #   margin is 1.1%, and compile's budget 0.7 left remat's plans 2.0 to 5.0% under, round 18).
 #   And only for a plan worth that compile: one whose predicted recompute is ``SPEND_GAIN`` of the
-#   found plan's or more below it. Why 10%: compiled recompute is priced 1.4 to 17 times what it
-#   measures (round 20, docs/benchmarks.md), so a smaller predicted saving is no saving the
-#   cost model can tell; measured on examples/llama.py at 85MB (margin 4.0%), the cheaper plan
-#   kept one more matmul in one layer (34.19 ms against 37.69 predicted, 9.3%; measured
-#   recompute there is about a tenth of the prediction, some 0.3 ms a step), and its compile
-#   took ``remat plan --compile`` from 73.9 to 86.1 s, 3.5 times the model's first compiled
-#   step (24.7 s).
+#   found plan's or more below it. Why 10%: compiled recompute measured 5 to 24% of its price on
+#   examples/gpt2.py and examples/llama.py (round 20, docs/benchmarks.md), so a smaller predicted
+#   saving is no saving the cost model can tell. Measured on examples/llama.py at 85MB (margin
+#   4.0%): the cheaper plan kept one more matmul in one layer (34.19 ms against 37.69 predicted,
+#   9.3%; measured recompute there is about a tenth of the prediction, some 0.3 ms a step), and
+#   its compile took ``remat plan --compile`` from 73.9 to 86.1 s, 3.5 times the model's first
+#   compiled step (24.7 s).
 
 CHECKS = 3
 """Compiles the check may run for one plan (Rule 3): each is one compile and three steps."""
