@@ -16,10 +16,14 @@
    and then compiled, measured the same way; its prediction next to the measurement, and the cost
    model's own figure for the set it chose before the check ("cost model").
 4. ``--repeats`` round-robin rounds of one step per variant (drift hits all alike); the table
-   gives the median wall and CPU ms per step (with --threads 1, CPU time is robust to other jobs).
+   gives the median wall and CPU ms per step (with --threads 1, CPU time is robust to other jobs),
+   and each variant's recompute as measured: the median over rounds of its CPU ms less plain
+   torch.compile's in the same round, beside remat's predicted recompute.
 
 Prints a Markdown table and one line per budget: remat's plan at compile's peak, no slower at a
-peak no higher? Then whether peaks fall as the budget falls (monotone), for both.
+peak no higher (the medians, and the paired median of remat less compile with the rounds remat
+was not slower in)? Then whether peaks fall as the budget falls (monotone), for both.
+``--profile PATH`` reads a saved ``remat profile --compile`` of the model instead of profiling it.
 """
 
 from __future__ import annotations
