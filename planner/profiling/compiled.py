@@ -108,9 +108,15 @@ if TYPE_CHECKING:
 #   saves the kept ops' outputs and the region's inputs and recomputes the rest inside the fused
 #   backward: what remat gets of compile's cheap recompute of pointwise ops, inside the units it
 #   chooses. Figures: a kept output's bytes are the eager op's; a policy's recompute is the
-#   unit's compiled forward times the eager kernel share of the recomputed ops (NOTE [ Selective
-#   menus ]: it over-prices fused pointwise ops, on the safe side), with no dispatch cost (the
-#   policy runs once, at trace time: ``sac_*_op_ms`` are 0). Outputs written in place later (the
+#   unit's compiled forward times the share of its replayed kernels it recomputes: only matmuls,
+#   attention and softmax count (``graph.REPLAYED``, by their eager times), since inductor fuses
+#   the pointwise ops, norms and dropout into the backward's own kernels, and no Python reruns
+#   (no thread factor's Python share), with no dispatch cost (the policy runs once, at trace
+#   time: ``sac_*_op_ms`` are 0). Why not the eager share (rounds 18-20): it priced GPT-2's
+#   policy that keeps every matmul and the softmax at 21.2 of a block's 31.4 ms, so remat took
+#   whole blocks (measured +9.9 ms over the plain compiled step for all four) where that policy
+#   on all four blocks measured 19.2 ms faster than the plain step at 125.85 MiB against its
+#   165.25 (`benchmarks/compiled_policies.py examples/gpt2.py`, docs/benchmarks.md). Outputs written in place later (the
 #   CPU's dropout mask) are not kept: torch asks for no in-place ops in a compiled selective
 #   region. Measured at commit 6cd6f05, these peaks were over by 1.8 to 10.2% (a kept eager
 #   output is not what the partitioner keeps; the replay temporaries are calibrated on whole
