@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from benchmarks.compiled import _paired_ms, _paired_wins
 from benchmarks.peers import MIB, Variant, _measure_peak, _time_round_robin
 from planner.model.graph import repeated_blocks, unit_children
 from planner.profiling import profile
@@ -63,15 +64,14 @@ def main() -> None:
     print(f"`python benchmarks/compiled_policies.py {' '.join(sys.argv[1:])}` on {dev}, "
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; {len(blocks)} blocks "
           f"({', '.join(blocks)}); median of {args.repeats} shuffled rounds\n")
-    print("| variant | peak bytes (measured) | CPU ms | recompute CPU ms (paired median) | not slower than plain |")
+    print("| variant | peak bytes (measured) | CPU ms | recompute CPU ms (paired median) | against plain |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for v in variants:
         if v.error:
             print(f"| {v.name} | {v.error} | | | |")
             continue
-        paired = [a - b for a, b in zip(v.cpu_ms, plain.cpu_ms)]
-        extra = f"{statistics.median(paired):+.1f}" if v is not plain else ""
-        wins = f"{sum(d <= 0 for d in paired)} of {len(paired)}" if v is not plain else ""
+        extra = f"{_paired_ms(v, plain):+.1f}" if v is not plain else ""
+        wins = _paired_wins(v, plain) if v is not plain else ""
         print(f"| {v.name} | {v.peak_bytes} ({v.peak_bytes / MIB:.2f} MiB) | {statistics.median(v.cpu_ms):.1f} "
               f"| {extra} | {wins} |")
 

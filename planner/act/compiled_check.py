@@ -64,8 +64,10 @@ from planner.spec import SolveSpec, StepSpec, solve_spec
 #   margin is 1.1%, and compile's budget 0.7 left remat's plans 2.0 to 5.0% under, round 18).
 #   And only for a plan worth that compile: one whose predicted recompute is ``SPEND_GAIN`` of the
 #   found plan's or more below it. Why 10%: compiled recompute measured 5 to 24% of its price on
-#   examples/gpt2.py and examples/llama.py (round 20, docs/benchmarks.md), so a smaller predicted
-#   saving is no saving the cost model can tell. Measured on examples/llama.py at 85MB (margin
+#   examples/gpt2.py and examples/llama.py under the eager shares (round 20, runs A and C in
+#   docs/benchmarks.md) and still below it under the replayed kernels' (run D: GPT-2 -19.7 to
+#   -1.3 ms against 7.6 to 84.9 predicted), so a smaller predicted saving is no saving the cost
+#   model can tell. Measured on examples/llama.py at 85MB (margin
 #   4.0%): the cheaper plan kept one more matmul in one layer (34.19 ms against 37.69 predicted,
 #   9.3%; measured recompute there is about a tenth of the prediction, some 0.3 ms a step), and
 #   its compile took ``remat plan --compile`` from 73.9 to 86.1 s, 3.5 times the model's first

@@ -29,7 +29,7 @@ import networkx as nx
 
 from planner.errors import BadInput
 from planner.options import parse_sharding
-from planner.model.schema import LOSS_ID, ROOT_ID, Profile, UnitRecord
+from planner.model.schema import LOSS_ID, ROOT_ID, OpRecord, Profile, UnitRecord
 from solvers.contract import EdgeAttrs, NodeAttrs, contract_violations
 from solvers.cost_model import calibrate
 from solvers.selective import OpCall, UnitOps, build_menu, category, spread_of_median
@@ -357,6 +357,7 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
     saves = sorted(held_saves(p))
     tb = g.graph["tensor_bytes"]
     writers = Counter(o.writes for o in ops if o.writes is not None)
+    compiled = p.compile is not None  # NOTE [ Compiled profile ], Rule 7: replayed kernels, no Python
     for n in chosen:
         a = g.nodes[n]
         if calls[a["fqn"]] > 1 or n in (ROOT_ID, LOSS_ID):
@@ -374,13 +375,13 @@ def _add_menus(g: nx.DiGraph, p: Profile, chosen: list[str], units: dict[str, Un
                 first_inside.setdefault(t, seq)
             else:
                 outside.add(t)
-        ms = op_ms if p.compile is None else _replayed_ms(inside, op_ms, a["forward_ms"])
+        ms = _replayed_ms(inside, op_ms, a["forward_ms"]) if compiled else op_ms
         unit = UnitOps(
             [OpCall(o.seq, o.name, tuple(o.output_ids), ms[o.seq], o.random, o.inplace, o.view, o.mutated,
                     o.writes, o.read_between_writes) for o in inside],
             forward_ms=a["forward_ms"], end_seq=hi, saved_bytes=a["saved_bytes"], first_save_inside=first_inside,
             saved_outside=frozenset(outside), forward_spread_ms=a["forward_spread_ms"],
-            **(_thread_factor(p, units.get(n)) if p.compile is None else {}))
+            **({} if compiled else _thread_factor(p, units.get(n))))
         a["menu"] = build_menu(unit, tensor_bytes=tb, writers=writers,
                                op_cost_ms=(p.sac_recomputed_op_ms, p.sac_kept_op_ms),
                                op_cost_spread_ms=(spread_of_median(p.sac_recomputed_op_spread_ms, p.sac_rounds),
@@ -392,14 +393,12 @@ REPLAYED = ("matmul", "attention", "softmax")
 backward's kernels (NOTE [ Compiled profile ], Rule 7)."""
 
 
-def _replayed_ms(inside: list[Any], op_ms: dict[int, float], forward_ms: float) -> dict[int, float]:
+def _replayed_ms(inside: list[OpRecord], op_ms: dict[int, float], forward_ms: float) -> dict[int, float]:
     """A unit's op times as a compiled replay costs them (NOTE [ Compiled profile ], Rule 7): the ops of
     ``REPLAYED`` categories share the unit's compiled forward by their eager times, the fused ones 0."""
-    heavy = [o.seq for o in inside if category(o.name, random=o.random) in REPLAYED]
-    kernels_ms = sum(op_ms[s] for s in heavy)
-    out = {o.seq: 0.0 for o in inside}
-    out.update({s: op_ms[s] * forward_ms / kernels_ms for s in heavy} if kernels_ms > 0 else {})
-    return out
+    heavy = {o.seq for o in inside if category(o.name, random=o.random) in REPLAYED}
+    scale = forward_ms / kernels_ms if (kernels_ms := sum(op_ms[s] for s in heavy)) > 0 else 0.0
+    return {o.seq: op_ms[o.seq] * scale if o.seq in heavy else 0.0 for o in inside}
 
 
 def _thread_factor(p: Profile, u: UnitRecord | None) -> dict[str, Any]:

@@ -116,12 +116,13 @@ if TYPE_CHECKING:
 #   policy that keeps every matmul and the softmax at 21.2 of a block's 31.4 ms, so remat took
 #   whole blocks (measured +9.9 ms over the plain compiled step for all four) where that policy
 #   on all four blocks measured 19.2 ms faster than the plain step at 125.85 MiB against its
-#   165.25 (`benchmarks/compiled_policies.py examples/gpt2.py`, docs/benchmarks.md). Outputs written in place later (the
-#   CPU's dropout mask) are not kept: torch asks for no in-place ops in a compiled selective
-#   region. Measured at commit 6cd6f05, these peaks were over by 1.8 to 10.2% (a kept eager
-#   output is not what the partitioner keeps; the replay temporaries are calibrated on whole
-#   blocks): the solver chooses by them (the safe side) and the chosen plan is then compiled and
-#   measured, which predicts it at its measurement (NOTE [ The compiled plan is checked ]).
+#   165.25 (`benchmarks/compiled_policies.py examples/gpt2.py`, docs/benchmarks.md). Outputs
+#   written in place later (the CPU's dropout mask) are not kept: torch asks for no in-place ops
+#   in a compiled selective region. Measured at commit 6cd6f05, these peaks were over by 1.8 to
+#   10.2% (a kept eager output is not what the partitioner keeps; the replay temporaries are
+#   calibrated on whole blocks): the solver chooses by them (the safe side) and the chosen plan
+#   is then compiled and measured, which predicts it at its measurement (NOTE [ The compiled
+#   plan is checked ]).
 # Rule 8. Replay. A checkpointed region's replay runs inside the fused backward graph: inductor
 #   recomputes a region where its first reader's backward needs it (a region's output read by
 #   the next module's backward is recomputed there, not saved), and its temporaries overlap with
