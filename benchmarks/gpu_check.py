@@ -150,14 +150,25 @@ def check_model(name: str, *, device: str, target: str, pairs: list[tuple[Profil
         "max_grad_diff": report.max_grad_diff, "profile_peak_bytes": measured.step.measured_peak_bytes,
         "meta": {},
     }
-    out["memory_safe"] = memory_safe_check(path, mf, measured, plan, device=device)
-    fakes = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
-    for fake in fakes:
-        modelled = profile_meta_for(mf, target, fake)
-        out["meta"][f"fake-{fake}"] = calibration(measured, modelled)
-        pairs.append((measured, modelled))
+    # each later stage on its own: one that fails keeps the figures above and the stages after it
+    out["memory_safe"] = _stage(lambda: memory_safe_check(path, mf, measured, plan, device=device))
+    for fake in ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",):
+        def meta_stage(fake: str = fake) -> dict[str, Any]:
+            modelled = profile_meta_for(mf, target, fake)
+            pairs.append((measured, modelled))
+            return calibration(measured, modelled)
+        out["meta"][f"fake-{fake}"] = _stage(meta_stage)
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def _stage(run: Any) -> dict[str, Any]:
+    """``run()``, or ``{"error": ..., "traceback": ...}`` (printed to stderr) when it raised."""
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 -- report it and go on with the next stage
+        print(traceback.format_exc(), file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
 def overlap_check(nbytes: int = 256 << 20, matmuls: int = 40) -> dict[str, Any]:
@@ -295,6 +306,9 @@ def print_tables(results: dict[str, Any], target: str) -> None:
           f"{'peak':>9}  worst unit saved bytes")
     for name, r in results.items():
         for fake, c in r.get("meta", {}).items():
+            if "error" in c:
+                print(f"{name:<7}{fake[5:]:<6} FAILED: {c['error']}")
+                continue
             units = f"{_x(c['unit_fwd_ratio_median'])} [{_x(c['unit_fwd_ratio_min'])}, {_x(c['unit_fwd_ratio_max'])}]"
             print(f"{name:<7}{fake[5:]:<6}{_x(c['step_ratio']):>7}{_x(c['forward_ratio']):>7}"
                   f"{_x(c['backward_ratio']):>7}{_x(c['optimizer_ratio']):>7}{units:>31}"
@@ -357,6 +371,8 @@ def main() -> int:
         path.write_text(json.dumps(doc, indent=1, default=str))
         print(f"wrote {path}")
     failed = [r for k, r in results.items() if k != "offload" and "error" in r]
+    failed += [s for k, r in results.items() if k != "offload" and "error" not in r
+               for s in (r["memory_safe"], *r["meta"].values()) if "error" in s]
     failed += [r for k, r in results["offload"].items() if k != "overlap" and "error" in r]
     return 1 if failed else 0
 

@@ -113,7 +113,7 @@ def _profile_within(model: torch.nn.Module, inputs: Inputs, step: StepSpec,
         raise BadInput("device 'meta' runs nothing, so there is nothing to keep within a device's memory; "
                        "use planner.profile(..., device='meta', target=...)")
     say = progress or (lambda _msg: None)
-    check_devices(model, inputs)
+    check_devices(model, inputs, dev)
     with _cuda_cap(dev, device_memory_bytes):
         estimate = None
         why = ""
@@ -187,7 +187,7 @@ def _profile_checkpointed(model: torch.nn.Module, inputs: Inputs, checkpointed: 
         for b in fqns:
             if a != b and (a == "" or b.startswith(a + ".")):
                 raise BadInput(f"checkpointed modules must not nest: {a or '<root>'!r} contains {b!r}")
-    check_devices(model, inputs)
+    check_devices(model, inputs, dev)
     say = progress or (lambda _msg: None)
     ckpt = Checkpointing([modules[f] for f in fqns])
     timing: list[CheckpointedTiming] = []

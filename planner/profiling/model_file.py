@@ -536,8 +536,13 @@ def check_materialized(model: torch.nn.Module) -> None:
                              "the CPU, or materialise it with model.to_empty(device=...) and initialise it")
 
 
-def check_devices(model: torch.nn.Module, inputs: Inputs) -> torch.device:
-    """The one device holding the model's parameters and the input tensors, or ``ModelLoadError``."""
+def check_devices(model: torch.nn.Module, inputs: Inputs, dev: torch.device | None = None) -> torch.device:
+    """The one device holding the model's parameters and the input tensors, or ``ModelLoadError``.
+
+    With ``dev`` (where remat will run the step), CPU inputs beside a model already on ``dev`` are
+    fine: an earlier pass of remat moved the model there (a profile leaves it on its device), and
+    remat moves CPU inputs itself. A second profile of the same model on CUDA, and the memory-safe
+    profile's retry after an out-of-memory step, are that case."""
     check_materialized(model)
     param_devices = {p.device for p in model.parameters()}
     if len(param_devices) > 1:
@@ -546,7 +551,7 @@ def check_devices(model: torch.nn.Module, inputs: Inputs) -> torch.device:
                              f"a model on one device: build it on the CPU and let remat move it")
     (device,) = param_devices
     for t in _tensors(inputs):
-        if t.device != device:
+        if t.device != device and not (device == dev and t.device.type == "cpu"):
             raise ModelLoadError(f"example_inputs() returns a tensor on {t.device} but the model is on {device}; "
                                  f"return CPU tensors (remat moves the model and the inputs to the device)")
     return device

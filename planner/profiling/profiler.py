@@ -58,7 +58,7 @@ def profile_real(model: torch.nn.Module, inputs: Inputs, dev: torch.device, *, s
                  progress: Progress | None = None) -> schema.Profile:
     """Profile one training step of ``step`` on ``dev`` (resolved by ``resolve_device``, not meta); the
     step is checked by ``planner.profiling.check_step`` and documented by ``planner.spec.StepSpec``."""
-    check_devices(model, inputs)  # before moving: inputs on another device than the model are a user error
+    check_devices(model, inputs, dev)  # before moving: inputs on another device than the model are a user error
     with restoring_model(model, dev), num_threads(step.threads):
         clock = profile_clock(dev, torch.get_num_threads())
         return measure_profile(model, inputs, dev, step=step, clock=clock, say=progress or (lambda _msg: None))
