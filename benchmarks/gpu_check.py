@@ -61,6 +61,7 @@ from solvers.cost_model import simulate
 from planner.profiling.meta import build_on_meta
 from planner.profiling.model_file import load_model_file
 from planner.profiling import profile
+from planner.profiling.profiler import resolve_device
 from planner.model.schema import Profile
 from planner.sizes import format_bytes
 from planner.act.verify import verify
@@ -237,7 +238,8 @@ def memory_safe_check(path: Path, mf: Any, measured: Profile, plan: Any, *, devi
     from planner.profiling.memsafe import profile_within
 
     cap = int(0.7 * measured.step.measured_peak_bytes)
-    dev = torch.device(device)
+    dev = resolve_device(device)  # with its index: set_per_process_memory_fraction refuses a bare 'cuda'
+
     total = torch.cuda.get_device_properties(dev).total_memory
     out: dict[str, Any] = {"cap_bytes": cap}
     for how in ("predicted", "out-of-memory"):

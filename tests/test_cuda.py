@@ -11,6 +11,7 @@ import torch
 from planner.profiling import profile
 from planner.profiling.memsafe import profile_within
 from planner.profiling.model_file import load_model_file
+from planner.profiling.workspaces import cublaslt_workspace_bytes
 from tests.model_files import TINY_SEQ_MODEL
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -30,7 +31,10 @@ def test_a_model_profiled_on_cuda_can_be_profiled_again():
     first = profile(model, m["example_inputs"](), device="cuda", steps=1)
     assert next(model.parameters()).device.type == "cuda"
     second = profile(model, m["example_inputs"](), device="cuda", steps=1)
-    assert abs(second.step.measured_peak_bytes - first.step.measured_peak_bytes) <= 0.01 * first.step.measured_peak_bytes
+    # On an H200 the second peak was 1 MiB (1,048,576 bytes) higher: the first profile's checkpointed validation
+    # step recomputed an addmm with a bias on autograd's thread, whose cuBLASLt workspace stays (NOTE [ cuBLAS
+    # workspaces ], Rule 3)
+    assert 0 <= second.step.measured_peak_bytes - first.step.measured_peak_bytes <= cublaslt_workspace_bytes("9.0")
 
 
 @pytest.mark.parametrize("how", ["predicted", "out-of-memory"])

@@ -54,6 +54,9 @@ class DeviceSpec(BaseModel):
     aliases: list[str] = Field(default_factory=list, description="Other accepted names, lower-case.")
     memory_bytes: int = Field(description="Nominal device memory in bytes.")
     memory_bandwidth_bytes_per_s: float
+    compute_capability: str | None = Field(
+        None, pattern=r"^[0-9]+\.[0-9]+$", description="CUDA compute capability, e.g. '9.0': the size of cuBLAS's "
+                                                       "workspaces (NOTE [ cuBLAS workspaces ]). None: not Hopper's.")
     host_link_bytes_per_s: float | None = Field(
         None, gt=0, description="Bytes/s one way between device and host memory (PCIe, NVLink-C2C), nominal; "
                                 "the copy time of offloaded activations (NOTE [ Peak-memory model ], offload). "

@@ -226,6 +226,8 @@ def _fake_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, ste
     from planner.profiling.meta import profile_meta
 
     spec = load_devices()[0]
+    if dev.type == "cuda":  # this GPU's cuBLAS workspaces (NOTE [ cuBLAS workspaces ])
+        spec = spec.model_copy(update={"compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(dev))})
     return profile_meta(model, inputs, step=_fake_step(step, spec), device_type=dev.type,
                         fake_device="cpu" if dev.type == "cpu" else None)
 

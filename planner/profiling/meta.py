@@ -34,6 +34,7 @@ from planner.profiling.model_file import Inputs
 from planner.profiling.assemble import assemble_profile
 from planner.profiling.recording import memory_step, MemoryRecorder
 from planner.profiling.units import StepTimes
+from planner.profiling.workspaces import BlasUse
 from planner.profiling.tracker import LiveBytesTracker
 from planner.profiling.roofline import Roofline
 from planner.spec import StepSpec, step_spec
@@ -89,8 +90,9 @@ def build_on_meta(build_model: Callable[[], nn.Module]) -> nn.Module:
 # timeline, gradients and the optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` created by
 # the optimizer's own first ``step()`` in the warm-up, under the fake mode) are the bytes a
 # real step would allocate, byte for byte, as far as the dispatcher sees them. Not seen: a
-# kernel's internal workspace (cuBLAS, flash-attention backward scratch), allocator
-# fragmentation and the CUDA context (see ``planner.profiling.devices.usable_bytes``).
+# kernel's internal scratch (flash-attention backward), allocator fragmentation and the CUDA
+# context (see ``planner.profiling.devices.usable_bytes``). cuBLAS's workspaces are not seen
+# either but are counted, by the threads that ran cuBLAS (NOTE [ cuBLAS workspaces ]).
 #
 # Whose rules. The step follows the *target's* rules: a GPU target gets 512-byte allocation
 # blocks, the foreach optimizer (torch's default on CUDA) and CUDA's choice of
@@ -160,7 +162,8 @@ def profile_meta(
     dev = torch.device(rules.fake_device)
     calibration = load_calibration(spec) if calibrated else None
     roofline = Roofline(spec, calibration)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _RealKernelOutputs(rules), _fake_state(model, dev), \
+    kernels = _RealKernelOutputs(rules)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, kernels, _fake_state(model, dev), \
             _sdpa(rules), _hf_unpacked(inputs), _explaining_fake_errors():
         fake_inputs = _fake_inputs(fake, inputs, dev)
         opt = make_optimizer(step.optimizer, model, impl=recipe.optimizer_impl)
@@ -177,6 +180,10 @@ def profile_meta(
                 model, run, fake_inputs, opt, dev, recipe=recipe, round_to=rules.round_to,
                 recorder=lambda m, tracker: _RooflineRecorder(m, tracker, roofline, stamps))
         times, flops = _times(mem.recorder, stamps)
+        workspace_bytes = kernels.blas.workspace_bytes(spec.compute_capability) if kernels.cuda else 0
+        for e in mem.recorder.events:  # NOTE [ cuBLAS workspaces ]: held from the warm-up on, as a GPU reports them
+            e.live_bytes += workspace_bytes
+            e.peak_bytes += workspace_bytes
         peak = max((e.peak_bytes for e in mem.recorder.events), default=0)
         measured = Measured(peak_bytes=peak, step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
                             source="tracker")
@@ -186,9 +193,18 @@ def profile_meta(
     return prof.model_copy(update={
         "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units,
         "host_link_bytes_per_s": spec.host_link_bytes_per_s, "copy_engine": spec.name != "cpu",
-        "notes": [*prof.notes, *_notes(spec, rules, roofline, source)], "time_source": "roofline",
+        "notes": [*prof.notes, *_notes(spec, rules, roofline, source), *_workspace_note(kernels.blas, workspace_bytes)],
+        "time_source": "roofline",
         "time_calibration": source,
     })
+
+
+def _workspace_note(blas: BlasUse, workspace_bytes: int) -> list[str]:
+    if not workspace_bytes:
+        return []
+    threads = " and ".join(t for t, ran in (("the forward's", blas.forward), ("the backward's", blas.backward)) if ran)
+    return [f"cuBLAS workspaces of {threads} thread counted in every event: {workspace_bytes} bytes "
+            f"(NOTE [ cuBLAS workspaces ]; CUBLAS_WORKSPACE_CONFIG sets their size)"]
 
 
 def _notes(spec: DeviceSpec, rules: Rules, roofline: "Roofline", calibration: str | None) -> list[str]:
@@ -315,10 +331,13 @@ class _RealKernelOutputs(TorchDispatchMode):
     def __init__(self, rules: Rules):
         super().__init__()
         self.cuda = rules.device_type == "cuda"
+        self.blas = BlasUse()  # which threads ran cuBLAS (NOTE [ cuBLAS workspaces ])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.cuda:
+            self.blas.note(func, args)
         aten = torch.ops.aten
         if func is aten.native_layer_norm.default and self._fp32_stats(*args):
             y, mean, rstd = out
