@@ -17,7 +17,9 @@ reports the other):
    profiles get). Printed: modelled / measured time for the step and per candidate unit (the
    roofline's calibration), and the worst per-unit gap in saved bytes against the CUDA profile.
 3. fit the roofline's efficiencies to the measured unit times (``planner.profiling.roofline.fit_calibration``,
-   on the uncalibrated meta profiles of step 2) and write them to
+   on the uncalibrated meta profiles of step 2 and of benchmarks/models/llama_calibration.py, profiled for
+   this alone: only units modelled at ``FIT_MIN_UNIT_MS`` or more count, and the examples' are smaller on an
+   H100 or H200) and write them to
    ``user_calibration_dir()/<target>.json`` (~/.config/remat/calibration, and $OUT): from then on ``--device meta
    --target <target>`` uses them and says "calibrated" (NOTE [ Roofline ]).
 
@@ -62,11 +64,13 @@ from planner.profiling.meta import build_on_meta
 from planner.profiling.model_file import load_model_file
 from planner.profiling import profile
 from planner.profiling.profiler import resolve_device
+from planner.errors import BadInput
 from planner.model.schema import Profile
 from planner.sizes import format_bytes
 from planner.act.verify import verify
 
 MODELS = ("gpt2", "llama")
+CALIBRATION_MODEL = ROOT / "benchmarks" / "models" / "llama_calibration.py"
 STEPS = 3
 
 CUDA_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"), ("L40S", "l40s"), ("L4", "l4"),
@@ -170,6 +174,21 @@ def _stage(run: Any) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 -- report it and go on with the next stage
         print(traceback.format_exc(), file=sys.stderr)
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+def calibration_model(*, device: str, target: str, pairs: list[tuple[Profile, Profile]]) -> dict[str, Any]:
+    """Step 3's fit needs units the roofline times (``FIT_MIN_UNIT_MS``): CALIBRATION_MODEL profiled on CUDA and
+    on fake CUDA tensors, its peaks and unit times side by side (the examples' blocks are too small to fit on)."""
+    mf = load_model_file(CALIBRATION_MODEL)
+    measured = profile(mf.build_model(), mf.example_inputs(), loss_fn=mf.loss_fn, device=device, steps=STEPS)
+    modelled = profile_meta_for(mf, target, "cuda" if torch.cuda.is_available() else "cpu")
+    pairs.append((measured, modelled))
+    c = calibration(measured, modelled)
+    print(f"calibration model {CALIBRATION_MODEL.name}: peak modelled {format_bytes(c['modelled_peak_bytes'])}, "
+          f"measured {format_bytes(c['measured_peak_bytes'])} "
+          f"({_pct(c['modelled_peak_bytes'], c['measured_peak_bytes'])}); units fwd modelled / measured "
+          f"{_x(c['unit_fwd_ratio_median'])} [{_x(c['unit_fwd_ratio_min'])}, {_x(c['unit_fwd_ratio_max'])}]", flush=True)
+    return c
 
 
 def overlap_check(nbytes: int = 256 << 20, matmuls: int = 40) -> dict[str, Any]:
@@ -355,6 +374,8 @@ def main() -> int:
             print(results[name]["traceback"], file=sys.stderr)
         torch.cuda.empty_cache()
     print_tables(results, target)
+    results["calibration_model"] = _stage(lambda: calibration_model(device="cuda", target=target, pairs=pairs))
+    torch.cuda.empty_cache()
     results["offload"] = {"overlap": overlap_check()}
     for name in MODELS:
         try:
@@ -366,14 +387,19 @@ def main() -> int:
     print("offload:", json.dumps(results["offload"], indent=1, default=str))
     out = os.environ.get("OUT")
     if pairs:
-        write_calibration(pairs, gpu, [n for n in MODELS if "error" not in results.get(n, {"error": 1})], out)
+        fitted = [n for n in MODELS if "error" not in results.get(n, {"error": 1})]
+        fitted += [CALIBRATION_MODEL.stem] if "error" not in results["calibration_model"] else []
+        try:
+            write_calibration(pairs, gpu, fitted, out)
+        except BadInput as e:  # units too small for the roofline (FIT_MIN_UNIT_MS): nothing written, and why
+            print(f"calibration: not fitted: {e}")
     if out:
         doc = {"gpu": gpu, "target": target, "torch": torch.__version__, "host": platform.node(), "models": results}
         path = Path(out) / "gpu_check.json"
         path.write_text(json.dumps(doc, indent=1, default=str))
         print(f"wrote {path}")
     failed = [r for k, r in results.items() if k != "offload" and "error" in r]
-    failed += [s for k, r in results.items() if k != "offload" and "error" not in r
+    failed += [s for k, r in results.items() if k in MODELS and "error" not in r
                for s in (r["memory_safe"], *r["meta"].values()) if "error" in s]
     failed += [r for k, r in results["offload"].items() if k != "overlap" and "error" in r]
     return 1 if failed else 0

@@ -16,6 +16,7 @@ import planner.profiling.devices
 from planner.act.api import graph_for, plan_from_profile
 from planner.profiling.devices import get_device, load_calibration
 from planner.profiling.meta import profile_meta
+from planner.errors import BadInput
 from planner.profiling.roofline import fit_calibration
 from planner.profiling import profile
 from planner.cli.render import time_line
@@ -70,7 +71,9 @@ def test_calibration_refits_the_roofline_to_the_measured_units(tmp_path, monkeyp
     assert any("UNCALIBRATED" in n for n in fake.notes)
     assert "UNCALIBRATED" in time_line(fake.time_source, fake.threads, fake.time_calibration)
 
-    cal = fit_calibration([(real, fake)], measured_on="cpu stand-in", models=["stack"])
+    with pytest.raises(BadInput, match=r"no candidate unit is modelled at 2.0 ms or more \(the longest: 0.0"):
+        fit_calibration([(real, fake)], measured_on="cpu stand-in", models=["stack"])  # an H100 runs it in us
+    cal = fit_calibration([(real, fake)], measured_on="cpu stand-in", models=["stack"], min_unit_ms=0.0)
     (tmp_path / f"{spec.name}.json").write_text(cal.model_dump_json())
     assert load_calibration(spec) == cal
     refit = profile_meta(_stack(), x, loss_fn=_sum, target=spec, device_type="cpu")

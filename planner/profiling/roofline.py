@@ -172,8 +172,15 @@ def _tf32_enabled() -> bool:
         return False
 
 
+FIT_MIN_UNIT_MS = 2.0
+"""A candidate unit enters the calibration fit when the roofline models its forward and backward at this
+many ms or more. On an H200 (round 21) examples/gpt2.py's blocks were modelled at 0.13 ms and measured at
+5.4: their time was kernel launches, hooks and Python, which the roofline does not model (NOTE [ Roofline ]),
+and a fit on them set the efficiencies to 0.0137 and 0.0183, which would time a large model 44 times too slow."""
+
+
 def fit_calibration(pairs: list[tuple[schema.Profile, schema.Profile]], *, measured_on: str,
-                    models: list[str]) -> Calibration:
+                    models: list[str], min_unit_ms: float = FIT_MIN_UNIT_MS) -> Calibration:
     """Efficiencies that make the roofline's time of the candidate units equal the measured one.
 
     ``pairs``: (profile measured on the GPU, ``profile_meta(..., calibrated=False)`` of the same
@@ -182,10 +189,12 @@ def fit_calibration(pairs: list[tuple[schema.Profile, schema.Profile]], *, measu
     homogeneous in both), so both efficiencies are multiplied by modelled / measured, summed
     over the forward and backward ms of every candidate unit of every model; their ratio stays
     as assumed (a single ratio cannot tell compute-bound from memory-bound error apart).
+    Only units the roofline models at ``min_unit_ms`` or more count (``FIT_MIN_UNIT_MS``); ``BadInput``
+    when none does.
     """
     from planner.model.graph import build_graph
 
-    modelled = measured = 0.0
+    modelled = measured = longest = 0.0
     target = None
     for real, fake in pairs:
         if fake.time_calibration is not None:
@@ -196,8 +205,15 @@ def fit_calibration(pairs: list[tuple[schema.Profile, schema.Profile]], *, measu
                 u, v = real.unit(node), fake.unit(node)
             except KeyError:
                 continue
-            measured += u.forward_ms + u.backward_ms
-            modelled += v.forward_ms + v.backward_ms
+            longest = max(longest, v.forward_ms + v.backward_ms)
+            if v.forward_ms + v.backward_ms >= min_unit_ms:
+                measured += u.forward_ms + u.backward_ms
+                modelled += v.forward_ms + v.backward_ms
+    if target is not None and longest < min_unit_ms:
+        raise BadInput(f"no candidate unit is modelled at {min_unit_ms} ms or more (the longest: {longest:.3f} ms): "
+                       f"units that small are timed by kernel launches and Python, not by the roofline's FLOPs and "
+                       f"bytes; calibrate on a model whose layers take milliseconds (a larger batch, width or "
+                       f"sequence)")
     if target is None or measured <= 0 or modelled <= 0:
         raise BadInput("calibration needs at least one measured and modelled profile with timed candidate units")
     ratio = modelled / measured
@@ -210,4 +226,4 @@ def fit_calibration(pairs: list[tuple[schema.Profile, schema.Profile]], *, measu
         modelled_over_measured_before=ratio)
 
 
-__all__ = ["op_work", "BANDWIDTH_EFFICIENCY", "fit_calibration", "MATMUL_EFFICIENCY", "Roofline"]
+__all__ = ["op_work", "BANDWIDTH_EFFICIENCY", "fit_calibration", "FIT_MIN_UNIT_MS", "MATMUL_EFFICIENCY", "Roofline"]
