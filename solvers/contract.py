@@ -148,6 +148,8 @@ class GraphAttrs(TypedDict):
     optimizer_bytes: Annotated[int, Doc("optimizer state")]
     grads_bytes: Annotated[int, Doc("every parameter gradient")]
     optimizer_step_transient_bytes: Annotated[int, Doc("measured temporaries of the optimizer step")]
+    workspace_bytes: NotRequired[Annotated[int, Doc("cuBLAS's workspaces a fake-tensor profile counts, held "
+                                                    "through the step (NOTE [ cuBLAS workspaces ])")]]
     # the step
     forward_ms: Annotated[float, Doc("the step's forward time")]
     backward_ms: Annotated[float, Doc("the step's backward time")]

@@ -69,7 +69,8 @@ Chosen = tuple[list[str], dict[str, int]]
 def _static(g: nx.DiGraph, backwards: int) -> int:
     """Rule 4: a stage's parameters, optimizer state and (after a backward) gradients."""
     gg = g.graph
-    return gg["params_bytes"] + gg["optimizer_bytes"] + (gg["grads_bytes"] if backwards else 0)
+    return (gg["params_bytes"] + gg["optimizer_bytes"] + gg.get("workspace_bytes", 0)
+            + (gg["grads_bytes"] if backwards else 0))
 
 
 def _sends(g: nx.DiGraph, backwards: int) -> int:

@@ -71,7 +71,7 @@ class RankMemory:
     bwd_extra: tuple[int, int]  # the same in backward, at most (FSDP unsharded buffers, DDP buckets)
     grad_divisor: int  # gradients are split this many ways (FSDP)
     fsdp: bool = False  # backward extras depend on the point: see CostModel.backward_static
-    base_bytes: int = 0  # this rank's parameters, optimizer state and batch
+    base_bytes: int = 0  # this rank's parameters, optimizer state, batch and cuBLAS workspaces
 
 
 def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> RankMemory:
@@ -83,6 +83,7 @@ def rank_memory(g: nx.DiGraph, *, per_rank: bool = True) -> RankMemory:
     params, buffers, opt = gg["params_bytes"], gg["buffers_bytes"], gg["optimizer_bytes"]
     grads, batch, opt_tr = gg["grads_bytes"], gg["batch_bytes"], gg["optimizer_step_transient_bytes"]
     alive = gg.get("grads_alive", False)  # NOTE [ Peak-memory model ], "Recipe": in forward too
+    batch += gg.get("workspace_bytes", 0)  # held by every rank through the whole step (NOTE [ cuBLAS workspaces ])
     if sharding == "fsdp":
         shard = lambda b: -(-b // n)  # noqa: E731
         root, block = gg.get("fsdp_root_param_bytes", 0), gg.get("fsdp_max_block_param_bytes", 0)

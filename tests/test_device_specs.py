@@ -17,6 +17,7 @@ KEYS = {
     "aliases",
     "memory_bytes",
     "memory_bandwidth_bytes_per_s",
+    "compute_capability",
     "host_link_bytes_per_s",
     "host_link_source",
     "peak_flops",
@@ -69,6 +70,9 @@ def test_spec_is_well_formed(path: Path):
     bandwidth = spec["memory_bandwidth_bytes_per_s"]
     assert _positive_number(bandwidth)
     assert 1e11 <= bandwidth <= 1e14, "bandwidth must be in bytes/s"
+
+    major, minor = spec["compute_capability"].split(".")  # the cuBLAS workspace's size (NOTE [ cuBLAS workspaces ])
+    assert 7 <= int(major) <= 12 and minor.isdigit()
 
     link = spec["host_link_bytes_per_s"]
     assert _positive_number(link)

@@ -61,7 +61,7 @@ def test_solver_plan_fits_a_mid_budget(path: Path, solver: str):
     budget = _mid_budget(g)
     sol = solve_graph(g, budget, solver=solver, time_limit_s=30)
     assert sol.status in ("optimal", "feasible"), f"{solver} on {path.stem}: {sol.status} {sol.detail}"
-    est = simulate(g, sol.checkpointed)
+    est = simulate(g, sol.checkpointed, sol.selective)  # op-level policies too: schema 3 profiles have op records
     assert est.peak_bytes <= budget, f"{solver} on {path.stem}: {est.peak_bytes} > {budget}"
     assert est.peak_bytes == sol.peak_bytes, f"{solver} on {path.stem} misreports its peak"
 
@@ -89,7 +89,7 @@ for path in PROFILES:
         g = graph_for(prof, solver=solver)
         budget = _mid_budget(g)
         sol = solve_graph(g, budget, solver=solver, time_limit_s=30)
-        out[f"{{path.stem}}/{{solver}}"] = simulate(g, sol.checkpointed).peak_bytes <= budget
+        out[f"{{path.stem}}/{{solver}}"] = simulate(g, sol.checkpointed, sol.selective).peak_bytes <= budget
 print(json.dumps({{"fits": out, "torch": "torch" in sys.modules}}))
 """
 

@@ -252,7 +252,7 @@ def _set_graph_attrs(g: nx.DiGraph, p: Profile, granularity: int, nested: bool) 
         pack_seqs=_pack_seqs(p),
         param_grads=sorted((pr.grad_seq, pr.nbytes) for pr in p.params),
         params_bytes=s.params_bytes, buffers_bytes=s.buffers_bytes, batch_bytes=s.batch_bytes,
-        optimizer_bytes=s.optimizer_bytes, grads_bytes=s.grads_bytes,
+        optimizer_bytes=s.optimizer_bytes, grads_bytes=s.grads_bytes, workspace_bytes=s.workspace_bytes,
         optimizer_step_transient_bytes=s.optimizer_step_transient_bytes,
         forward_ms=s.forward_ms, backward_ms=s.backward_ms, optimizer_ms=s.optimizer_ms, step_ms=s.step_ms,
         forward_end_seq=s.forward_end_seq, backward_start_seq=s.backward_start_seq,

@@ -189,9 +189,10 @@ def profile_meta(
                             source="tracker")
         prof = assemble_profile(model, inputs, dev, step.replace(warmup_steps=1, steps=1), times, mem, measured)
     units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
+    step_record = prof.step.model_copy(update={"workspace_bytes": workspace_bytes})
     source = calibration_source(calibration_path(spec)) if calibration else None
     return prof.model_copy(update={
-        "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units,
+        "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units, "step": step_record,
         "host_link_bytes_per_s": spec.host_link_bytes_per_s, "copy_engine": spec.name != "cpu",
         "notes": [*prof.notes, *_notes(spec, rules, roofline, source), *_workspace_note(kernels.blas, workspace_bytes)],
         "time_source": "roofline",

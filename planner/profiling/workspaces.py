@@ -32,8 +32,12 @@ import torch
 # The tiny model (nn.Linear with biases) is Rules 1-3 exactly: 2 x 32 MiB + 1 MiB and its own
 # 0.96 MB. They stay from the warm-up on, so in a measured step they are in every event's live
 # bytes, as the CUDA allocator reports them (planner/profiling/as_run.py): ``profile_meta`` adds
-# them the same way, and the cost model carries them as it carries a measured profile's.
-# A real CUDA profile measures them; the CPU has no such workspaces.
+# them the same way, so the temporaries calibrated against the events (NOTE [ Peak-memory model ],
+# Rule 6) stay as they were, and records them as ``StepRecord.workspace_bytes``, which the cost
+# model holds with the batch through the whole step (``solvers.rank_memory``): the optimizer
+# step's peak, which no event calibrates, has them too. A real CUDA profile has them in its
+# allocator's figures (``workspace_bytes`` 0: not yet separated from the events, so an
+# optimizer-step peak there lacks them); the CPU has no such workspaces.
 
 HOPPER_WORKSPACE_BYTES = 32 * 1024 * 1024
 OTHER_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
