@@ -223,9 +223,10 @@ class StepRecord(FileModel):
     grads_bytes: Bytes
     optimizer_bytes: Bytes = Field(description="Optimizer state (e.g. AdamW exp_avg + exp_avg_sq) in steady state.")
     optimizer_step_transient_bytes: Bytes = Field(0, description="Temporaries of optimizer.step(), measured.")
-    workspace_bytes: Bytes = Field(0, description="cuBLAS's workspaces, held through the whole step, counted by a "
-                                                  "fake-tensor profile with CUDA's rules (NOTE [ cuBLAS workspaces ]); "
-                                                  "0 where they are measured among the events or absent.")
+    workspace_bytes: Bytes = Field(0, description="Device memory held through the whole step that no tensor of it "
+                                                  "accounts for: cuBLAS's workspaces, counted by a fake-tensor profile "
+                                                  "with CUDA's rules; on CUDA the allocator's bytes at the step's start "
+                                                  "beyond the tracked ones (NOTE [ cuBLAS workspaces ]); 0 on the CPU.")
     forward_ms: Ms = Field(description="Forward and loss, median over the measured steps.")
     backward_ms: Ms = Field(description="Backward, median over the measured steps.")
     optimizer_ms: Ms = Field(0.0, description="optimizer.step(), median over the measured steps.")

@@ -60,6 +60,11 @@ class _TrackerView:
         """Set the events' live and peak bytes from the allocator; False when it could not."""
         return False
 
+    def untracked_bytes(self, static_bytes: int) -> int:
+        """Device memory alive at the step's start beyond the tracked ``static_bytes``; 0 where the view's bytes
+        are relative to the step (NOTE [ cuBLAS workspaces ])."""
+        return 0
+
 
 class _CudaAllocatorView(_TrackerView):
     """Live and peak bytes of every event from the CUDA caching allocator itself.
@@ -72,6 +77,10 @@ class _CudaAllocatorView(_TrackerView):
     def __init__(self, dev: torch.device):
         self.dev, self.points = dev, {}
         torch.cuda.reset_peak_memory_stats(dev)
+        self.start_bytes = torch.cuda.memory_allocated(dev)
+
+    def untracked_bytes(self, static_bytes: int) -> int:
+        return max(0, self.start_bytes - static_bytes)
 
     def note(self, seq: int) -> None:
         self.points[seq] = (torch.cuda.memory_allocated(self.dev), torch.cuda.max_memory_allocated(self.dev))

@@ -120,6 +120,7 @@ def _step_record(mem: MemoryRecord, times: StepTimes, measured: Measured, step: 
         grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes,
         optimizer_step_transient_bytes=mem.optimizer_transient_bytes,
+        workspace_bytes=mem.untracked_bytes,
         forward_ms=times.forward_ms,
         backward_ms=times.backward_ms,
         optimizer_ms=times.optimizer_ms,

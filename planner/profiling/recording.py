@@ -504,6 +504,9 @@ class MemoryRecord:
     """What was live before the step: parameters, buffers, optimizer state, batch, found tensors."""
     param_records: list[schema.ParamRecord]
     unused_params: int
+    untracked_bytes: int = 0
+    """On CUDA, the allocator's bytes at the step's start beyond ``static_bytes``: cuBLAS's workspaces and
+    whatever else the process holds there (NOTE [ cuBLAS workspaces ])."""
 
 
 def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
@@ -556,7 +559,7 @@ def memory_step(model: torch.nn.Module, step: Callable, inputs: Inputs,
     transient = optimizer_transient_bytes(rec.events, rec.kept_output_bytes)
     static = params_bytes + buffers_bytes + optimizer_bytes + batch_bytes + kept_grads_bytes + tracker.found_bytes
     return MemoryRecord(rec, params_bytes, buffers_bytes, batch_bytes, optimizer_bytes, grads_bytes, tracker.found_bytes,
-                   transient, static, records, unused)
+                        transient, static, records, unused, view.untracked_bytes(static))
 
 
 def optimizer_transient_bytes(events: list[Event], kept_output_bytes: int = 0) -> int:

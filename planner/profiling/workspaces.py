@@ -35,9 +35,11 @@ import torch
 # them the same way, so the temporaries calibrated against the events (NOTE [ Peak-memory model ],
 # Rule 6) stay as they were, and records them as ``StepRecord.workspace_bytes``, which the cost
 # model holds with the batch through the whole step (``solvers.rank_memory``): the optimizer
-# step's peak, which no event calibrates, has them too. A real CUDA profile has them in its
-# allocator's figures (``workspace_bytes`` 0: not yet separated from the events, so an
-# optimizer-step peak there lacks them); the CPU has no such workspaces.
+# step's peak, which no event calibrates (its temporaries are relative to the end of backward),
+# has them too. A real CUDA profile measures them: the allocator's bytes at the memory step's
+# start beyond the tracked static bytes (``planner.profiling.as_run``, ``untracked_bytes``), which
+# also takes in whatever else the process holds on the device then. Not yet run on a GPU (the
+# H200 run predates it: there the optimizer-step peak lacked them). The CPU has none.
 
 HOPPER_WORKSPACE_BYTES = 32 * 1024 * 1024
 OTHER_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
