@@ -1,6 +1,10 @@
 #!/bin/bash
 # One lent-GPU session as one prepared script (the device tool's `run`, timeout_s 600):
 #   bash benchmarks/gpu_session.sh        # from the repository root, carrying .whl (pydantic, PuLP, highspy)
+# The GPU machine's python3 (3.12) has torch, transformers, networkx, typer and rich but not pydantic, PuLP or
+# highspy; fetch them here first (git ignores .whl): python3 -m pip download --no-deps --only-binary=:all:
+#   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64
+#   -d .whl pydantic pydantic-core annotated-types typing-inspection typing-extensions pulp==3.3.2 highspy
 # 1. benchmarks/gpu_check.py (predicted vs measured peak and time, roofline calibration, memory-safe, offload);
 # 2. the tests that take a CUDA path;  3. benchmarks/compiled.py on CUDA (issue #24), in the time left.
 # Every log lands in $OUT; each stage has its own timeout so one hang still leaves the others' figures

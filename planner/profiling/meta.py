@@ -180,24 +180,31 @@ def profile_meta(
                 model, run, fake_inputs, opt, dev, recipe=recipe, round_to=rules.round_to,
                 recorder=lambda m, tracker: _RooflineRecorder(m, tracker, roofline, stamps))
         times, flops = _times(mem.recorder, stamps)
-        workspace_bytes = kernels.blas.workspace_bytes(spec.compute_capability) if kernels.cuda else 0
-        for e in mem.recorder.events:  # NOTE [ cuBLAS workspaces ]: held from the warm-up on, as a GPU reports them
-            e.live_bytes += workspace_bytes
-            e.peak_bytes += workspace_bytes
+        workspace_bytes = _with_workspaces(mem.recorder.events, kernels, spec)
         peak = max((e.peak_bytes for e in mem.recorder.events), default=0)
         measured = Measured(peak_bytes=peak, step_ms=times.forward_ms + times.backward_ms + times.optimizer_ms,
                             source="tracker")
         prof = assemble_profile(model, inputs, dev, step.replace(warmup_steps=1, steps=1), times, mem, measured)
     units = [u.model_copy(update={"flops": flops.get(u.id, 0.0)}) for u in prof.units]
-    step_record = prof.step.model_copy(update={"workspace_bytes": workspace_bytes})
     source = calibration_source(calibration_path(spec)) if calibration else None
     return prof.model_copy(update={
-        "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units, "step": step_record,
+        "device": "meta", "device_name": spec.display_name, "target": spec.name, "units": units,
+        "step": prof.step.model_copy(update={"workspace_bytes": workspace_bytes}),
         "host_link_bytes_per_s": spec.host_link_bytes_per_s, "copy_engine": spec.name != "cpu",
         "notes": [*prof.notes, *_notes(spec, rules, roofline, source), *_workspace_note(kernels.blas, workspace_bytes)],
         "time_source": "roofline",
         "time_calibration": source,
     })
+
+
+def _with_workspaces(events: list[Any], kernels: "_RealKernelOutputs", spec: DeviceSpec) -> int:
+    """cuBLAS's workspaces the step's threads held, added to every event's bytes: held from the warm-up on, as a
+    GPU's allocator reports them (NOTE [ cuBLAS workspaces ]); 0 under the CPU's rules."""
+    workspace_bytes = kernels.blas.workspace_bytes(spec.compute_capability) if kernels.cuda else 0
+    for e in events:
+        e.live_bytes += workspace_bytes
+        e.peak_bytes += workspace_bytes
+    return workspace_bytes
 
 
 def _workspace_note(blas: BlasUse, workspace_bytes: int) -> list[str]:

@@ -2,6 +2,12 @@
 
 Fake tensors (``planner.profiling.meta``) see every tensor a step allocates but not the workspaces
 cuBLAS takes from the caching allocator; this module counts them (NOTE [ cuBLAS workspaces ]).
+
+Example::
+
+    blas = BlasUse()                             # planner/profiling/meta.py notes every aten call
+    blas.note(torch.ops.aten.mm.default, (a, b))
+    blas.workspace_bytes("9.0")                  # 33554432: one Hopper-sized workspace, the forward's thread
 """
 
 from __future__ import annotations
