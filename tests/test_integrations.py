@@ -294,7 +294,8 @@ def test_trainer_smoothing_labels_refuses_a_plan_of_the_models_loss_and_runs_one
 
     peak, recorder, model = step_peaks(), example.LossRecorder(), example.build_model()
     Trainer(model=model, args=args, train_dataset=example.dataset(), callbacks=[recorder, peak, RematCallback(plan)]).train()
-    assert plan.checkpoints and abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    assert plan.checkpoints or plan.selective  # whole blocks or op-level policies, as the measured times choose
+    assert abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
     plain_losses, plain_model = example.train(steps=2, label_smoothing_factor=0.1)
     assert len(recorder.losses) == 2 and recorder.losses == plain_losses and same_weights(model, plain_model)
 
@@ -361,7 +362,8 @@ def test_trainer_compute_loss_func_reports_a_plan_of_the_models_loss_and_runs_on
         warnings.filterwarnings("error", message="remat: a batch")
         Trainer(model=model, args=args, train_dataset=example.dataset(), compute_loss_func=z_loss,
                 callbacks=[recorder, peak, RematCallback(plan)]).train()
-    assert plan.checkpoints and abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    assert plan.checkpoints or plan.selective  # whole blocks or op-level policies, as the measured times choose
+    assert abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
     plain, plain_recorder = example.build_model(), example.LossRecorder()
     Trainer(model=plain, args=args, train_dataset=example.dataset(), compute_loss_func=z_loss,
             callbacks=[plain_recorder]).train()
@@ -439,7 +441,9 @@ def test_a_trainer_calling_a_fused_lm_head_refuses_a_plan_of_the_models_loss_and
     for callback in (recorder, peak, RematCallback(plan)):
         trainer.add_callback(callback)
     trainer.train()
-    assert plan.checkpoints and abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    # whole blocks or op-level policies: which is cheaper follows the measured times (op-level on a loaded machine)
+    assert plan.checkpoints or plan.selective
+    assert abs(max(peak.peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
     plain, plain_recorder = example.build_model(), example.LossRecorder()
     trainer_class(model=plain, args=args, train_dataset=example.dataset(), callbacks=[plain_recorder]).train()
     assert len(recorder.losses) == 2 and recorder.losses == plain_recorder.losses and same_weights(model, plain)
@@ -797,7 +801,8 @@ def test_lightning_step_frees_the_gradients_before_the_forward_as_planned(hf_exa
                         optimizer="adamw")
     planned, peaks, said = fit_gpt2(example, [RematCallback(plan)])
     plain, _, _ = fit_gpt2(example, [])
-    assert said == [] and plan.checkpoints and abs(max(peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    assert said == [] and (plan.checkpoints or plan.selective)  # whole blocks or op-level, as the times choose
+    assert abs(max(peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
     assert len(planned.losses) == 3 and planned.losses == plain.losses and same_weights(planned, plain)
 
 
@@ -822,5 +827,6 @@ def test_lightning_training_step_returning_its_logits_runs_a_plan_that_keeps_the
     plan = keeps
     planned, peaks, said = fit_gpt2(example, [RematCallback(plan)], returns_logits=True)
     plain, _, _ = fit_gpt2(example, [], returns_logits=True)
-    assert said == [] and plan.checkpoints and abs(max(peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
+    assert said == [] and (plan.checkpoints or plan.selective)  # whole blocks or op-level, as the times choose
+    assert abs(max(peaks) - plan.predicted.peak_bytes) <= 0.02 * plan.predicted.peak_bytes
     assert len(planned.losses) == 3 and planned.losses == plain.losses and same_weights(planned, plain)
