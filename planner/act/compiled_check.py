@@ -31,6 +31,7 @@ from planner.spec import SolveSpec, StepSpec, solve_spec
 # Rule 1. The chosen set's compiled step is measured as ``remat verify --compile`` measures it
 #   (``apply_plan`` on a copy, ``torch.compile`` afresh, the peak of one step), unless the profile
 #   or an earlier check measured that set (``CompileInfo.measured``: the profile's two compiles).
+#   On the CPU its kernels are not built: only its memory is measured (NOTE [ Memory-only compiles ]).
 # Rule 2. A measured set is predicted at its measurement: ``peak_bytes`` and ``activations_bytes``
 #   move by the difference, ``peak_at`` names the check (``CHECKED_AT``); the cost model's own
 #   figure is what the solver chose by. Within the usable budget (the budget less its headroom)
@@ -305,6 +306,7 @@ def compiled_peak(source: Any, *, step: StepSpec | None = None, inputs: Any = No
     from planner.profiling import rng, step_changes
     from planner.profiling.profiler import resolve_device
     from planner.profiling.timing import num_threads, pick_clock
+    from planner.profiling.unbuilt import peak_only
 
     run_as = step or StepSpec(device="cpu")
 
@@ -316,7 +318,8 @@ def compiled_peak(source: Any, *, step: StepSpec | None = None, inputs: Any = No
             # the profile said the step changes already; torch's advice on op-level policies is the applier's
             # (NOTE [ Compiled profile ], Rule 7: no in-place op is kept), not the user's
             clock = pick_clock(dev, torch.get_num_threads())
-            run = _run(master, batches[0], fn, plan, dev, 1, clock, planned=True, compile=plan.compile.backend)
+            run = peak_only(lambda: _run(master, batches[0], fn, plan, dev, 1, clock, planned=True,  # memory only
+                                         compile=plan.compile.backend), dev)  # NOTE [ Memory-only compiles ]
         return run.peak.peak_bytes
 
     return measure

@@ -127,7 +127,8 @@ if TYPE_CHECKING:
 #   recomputes a region where its first reader's backward needs it (a region's output read by
 #   the next module's backward is recomputed there, not saved), and its temporaries overlap with
 #   that backward's. A second compile with the repeated blocks checkpointed (the candidates plans
-#   checkpoint first; a model without repeated blocks: every default candidate) is measured, and
+#   checkpoint first; a model without repeated blocks: every default candidate) is measured (its
+#   memory only: NOTE [ Memory-only compiles ], its CPU kernels not built), and
 #   the bytes by which its backward peak exceeds the highest recompute probe of the cost model for
 #   that set become ``replay_transient_bytes`` (NOTE [ Peak-memory model ], Rule 11); negative
 #   where the probe lies above the measurement (the fused replay's temporaries are smaller than
@@ -521,8 +522,12 @@ def profile_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
     candidates = default_candidates(result)
     if not candidates:
         return _with_measured(result, [([], measured)])
-    replayed, regions = measure_compiled(model, inputs, eager, step=step, progress=say, checkpointed=candidates,
-                                         timed=False)
+    from planner.profiling.profiler import resolve_device
+    from planner.profiling.unbuilt import peak_only
+
+    replayed, regions = peak_only(lambda: measure_compiled(model, inputs, eager, step=step, progress=say,  # memory only
+                                                           checkpointed=candidates, timed=False),
+                                  resolve_device(step.device), model)  # NOTE [ Memory-only compiles ]
     from planner.profiling.compiled_calibration import with_backward_bounds, with_region_saves, with_replay_calibration
 
     result = with_region_saves(result, eager, regions, model, candidates, graphs)
