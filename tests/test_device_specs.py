@@ -101,3 +101,17 @@ def test_names_and_aliases_unique():
 def test_display_names_unique():
     names = [_load(p)["display_name"] for p in SPEC_FILES]
     assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize(("reported", "spec"), [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ("NVIDIA A100-PCIE-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA A100 80GB PCIe", "a100-80gb"), ("Tesla T4", "t4"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+    ("Tesla V100-SXM2-32GB", "v100"), ("NVIDIA L4", "l4"), ("NVIDIA L40S", "l40s"),
+    ("AMD Instinct MI300X", None), ("", None),
+])
+def test_a_gpu_is_matched_by_the_name_it_reports(reported: str, spec: str | None):
+    from planner.profiling.devices import match_device
+
+    found = match_device(reported)
+    assert (found.name if found else None) == spec  # a 40 GB A100 is not the 80 GB one its bare 'a100' names

@@ -188,3 +188,21 @@ def test_the_cpu_cap_is_enforced_by_the_allocator():
     assert out.returncode == 0, out.stderr[-2000:]
     reached = int(out.stdout.split()[-1])
     assert cap <= reached <= cap + OVERHEAD_ALLOWANCE_BYTES, reached
+
+
+@pytest.mark.parametrize(("reported", "capability", "spec"), [
+    ("NVIDIA A100-SXM4-40GB", (8, 0), "a100-40gb"), ("NVIDIA B200", (10, 0), "fallback"), ("NVIDIA B200", (10, 0), None),
+])
+def test_both_fake_routes_take_this_gpus_spec_and_capability(monkeypatch, reported, capability, spec):
+    from planner.profiling.devices import get_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _dev=None: reported)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _dev=None: capability)
+    fallback = get_device("t4") if spec == "fallback" else None
+    found = memsafe.this_gpu(torch.device("cuda", 0), fallback)
+    if spec is None:
+        assert found is None  # _meta_fallback then says to plan with --device meta --target
+        return
+    assert found.name == (fallback.name if fallback else spec)
+    assert found.compute_capability == "{}.{}".format(*capability)  # its cuBLAS workspaces are this GPU's
+    assert memsafe.this_gpu(torch.device("cpu"), fallback) is fallback

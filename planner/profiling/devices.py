@@ -1,7 +1,8 @@
 """Device specs: the accelerators in ``profiles/devices/*.json``, as typed records.
 
 One JSON file per device, its file name the device's ``name``. ``remat devices`` lists them;
-``get_device`` resolves a name or alias (case-insensitive); ``usable_bytes`` is the default
+``get_device`` resolves a name or alias (case-insensitive), ``match_device`` the name a GPU
+reports; ``usable_bytes`` is the default
 budget on a device. Data only, no torch import.
 
 Example::
@@ -188,6 +189,20 @@ def get_device(name: str, *, directory: str | Path | None = None) -> DeviceSpec:
     raise BadInput(f"unknown device {name!r}; choose one of: {valid} (or an alias, see `remat devices`)")
 
 
+def match_device(gpu_name: str, *, directory: str | Path | None = None) -> DeviceSpec | None:
+    """The spec for a GPU as ``torch.cuda.get_device_name`` names it, or None: the spec one of whose
+    names (its name or an alias, split at '-') has every word in ``gpu_name``, the most words matched
+    winning ("NVIDIA A100-SXM4-40GB" is a100-40gb by its alias a100-sxm4-40gb, not a100-80gb by 'a100')."""
+    words = set(gpu_name.lower().replace("-", " ").split())
+
+    def matched(spec: DeviceSpec) -> int:
+        return max((len(w) for w in (set(n.split("-")) for n in (spec.name, *spec.aliases)) if w <= words),
+                   default=0)
+
+    best = max(load_devices(directory), key=matched, default=None)
+    return best if best is not None and matched(best) else None
+
+
 def _load_one(path: Path) -> DeviceSpec:
     try:
         return DeviceSpec.model_validate(json.loads(path.read_text(encoding="utf-8")))
@@ -203,5 +218,5 @@ def _load_one(path: Path) -> DeviceSpec:
 
 __all__ = ["CALIBRATION_DIR", "CALIBRATION_ENV", "CONTEXT_RESERVE_BYTES", "Calibration", "DEVICES_DIR",
            "DeviceSpec", "FRAGMENTATION_FRACTION", "PeakFlops", "calibration_path", "calibration_source",
-           "get_device", "load_calibration", "load_devices", "reserve_bytes", "usable_bytes",
+           "get_device", "load_calibration", "load_devices", "match_device", "reserve_bytes", "usable_bytes",
            "user_calibration_dir"]

@@ -225,9 +225,7 @@ def _fake_profile(model: torch.nn.Module, inputs: Inputs, dev: torch.device, ste
     from planner.profiling.devices import load_devices
     from planner.profiling.meta import profile_meta
 
-    spec = load_devices()[0]
-    if dev.type == "cuda":  # this GPU's cuBLAS workspaces (NOTE [ cuBLAS workspaces ])
-        spec = spec.model_copy(update={"compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(dev))})
+    spec = this_gpu(dev, load_devices()[0])
     return profile_meta(model, inputs, step=_fake_step(step, spec), device_type=dev.type,
                         fake_device="cpu" if dev.type == "cpu" else None)
 
@@ -240,20 +238,28 @@ def _fake_step(step: StepSpec, spec: Any) -> StepSpec:
 def _meta_fallback(model: torch.nn.Module, inputs: Inputs, dev: torch.device, why: str,
                    step: StepSpec) -> schema.Profile:
     """Neither the step nor its checkpointed versions fit: fake tensors, with this GPU's spec."""
-    from planner.profiling.devices import load_devices
     from planner.profiling.meta import profile_meta
 
-    name = torch.cuda.get_device_name(dev).lower() if dev.type == "cuda" else ""
-    # "NVIDIA H100 80GB HBM3" -> the spec whose name or an alias, as a word, is in it (longest first)
-    words = set(name.replace("-", " ").split())
-    specs = sorted(load_devices(), key=lambda sp: -len(sp.name))
-    spec = next((sp for sp in specs if name and ({sp.name, *sp.aliases} & words or sp.name in name)), None)
+    spec = this_gpu(dev)
     if spec is None:
         raise ProfileError(f"the step does not fit this device even with its candidates checkpointed ({why}); "
                            f"plan without running it: {{device}} meta {{target}} NAME (remat devices lists them)",
                            options=("device", "target"))
     prof = profile_meta(model, inputs, step=_fake_step(step, spec), device_type=dev.type)
     return prof.model_copy(update={"notes": [*prof.notes, f"memory-safe profile fell back to fake tensors: {why}"]})
+
+
+def this_gpu(dev: torch.device, fallback: Any = None) -> Any:
+    """The device spec of the GPU ``dev`` (``match_device`` on the name it reports), else ``fallback``,
+    with this GPU's compute capability (its cuBLAS workspaces: NOTE [ cuBLAS workspaces ]); on the
+    CPU ``fallback`` as it is."""
+    from planner.profiling.devices import match_device
+
+    if dev.type != "cuda":
+        return fallback
+    spec = match_device(torch.cuda.get_device_name(dev)) or fallback
+    capability = "{}.{}".format(*torch.cuda.get_device_capability(dev))
+    return None if spec is None else spec.model_copy(update={"compute_capability": capability})
 
 
 @contextlib.contextmanager
@@ -291,4 +297,4 @@ def _free(model: torch.nn.Module, dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["candidate_modules", "profile_checkpointed", "profile_within", "Progress"]
+__all__ = ["candidate_modules", "profile_checkpointed", "profile_within", "Progress", "this_gpu"]
