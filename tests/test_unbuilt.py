@@ -113,3 +113,11 @@ def test_values_in_shapes_inside_a_graph_are_never_unbuilt():
     assert runs == [False]
     peak_only(measure, CPU)
     assert runs == [False, True]
+
+
+def test_why_it_is_measured_again_is_said():
+    said: list[str] = []
+    measure, runs = _counted(lambda x: torch.linalg.cholesky(x @ x.T * 0.5 + torch.eye(8)))
+    peak_only(measure, CPU, say=said.append)
+    assert runs == [True, False] and said == ["measuring again with inductor's kernels built: it raised "
+                                              "LinAlgError on the stand-ins' zeros"]

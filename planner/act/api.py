@@ -454,7 +454,7 @@ def plan(model_or_profile: Any, budget: int | str | None = None, *, inputs: Any 
             from planner.act.compiled_check import compiled_peak
 
             return plan_from_profile(profiles[0], budget, solve=solving, progress=progress,
-                                     check=compiled_peak(model_or_profile, step=run, inputs=inputs))
+                                     check=compiled_peak(model_or_profile, step=run, inputs=inputs, progress=progress))
     return plan_buckets(profiles, budget, solve=solving)
 
 

@@ -295,10 +295,12 @@ def _named(fqns: list[str]) -> str:
     return f"{', '.join(fqns)} checkpointed" if fqns else "nothing checkpointed"
 
 
-def compiled_peak(source: Any, *, step: StepSpec | None = None, inputs: Any = None) -> Measure:
+def compiled_peak(source: Any, *, step: StepSpec | None = None, inputs: Any = None,
+                  progress: Callable[[str], None] | None = None) -> Measure:
     """``Measure`` for the model file or ``nn.Module`` ``source`` (with ``inputs``), trained as ``step``
     says (device, threads, loss): each plan applied to a copy, compiled with the plan's backend and
-    measured as ``verify`` measures it (Rule 1)."""
+    measured as ``verify`` measures it (Rule 1), its kernels unbuilt where ``peak_only`` may (what it
+    measures again is said to ``progress``)."""
     import torch
 
     from planner.act.verify import _load
@@ -319,7 +321,8 @@ def compiled_peak(source: Any, *, step: StepSpec | None = None, inputs: Any = No
             # (NOTE [ Compiled profile ], Rule 7: no in-place op is kept), not the user's
             clock = pick_clock(dev, torch.get_num_threads())
             run = peak_only(lambda: _run(master, batches[0], fn, plan, dev, 1, clock, planned=True,  # memory only
-                                         compile=plan.compile.backend), dev)  # NOTE [ Memory-only compiles ]
+                                         compile=plan.compile.backend),
+                            dev, say=progress)  # NOTE [ Memory-only compiles ]
         return run.peak.peak_bytes
 
     return measure

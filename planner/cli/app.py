@@ -175,7 +175,7 @@ def plan_cmd(o: PlanOptions) -> None:
         prof = _profile_source(o, log, source)
         graph = graph_for(prof, solve=o.solve_spec)
         render.plain(log, f"solving with {o.solver} over {graph.number_of_nodes()} candidates ...")
-        check = compiled_peak(source, step=o.step_spec()) if prof.compile and source else None
+        check = compiled_peak(source, step=o.step_spec(), progress=_progress(log)) if prof.compile and source else None
         plan = plan_from_profile(prof, budget_bytes, solve=o.solve_spec, graph=graph, check=check, progress=_progress(log))
     if o.output is not None:
         plan.save(o.output)

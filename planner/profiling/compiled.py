@@ -527,7 +527,7 @@ def profile_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
 
     replayed, regions = peak_only(lambda: measure_compiled(model, inputs, eager, step=step, progress=say,  # memory only
                                                            checkpointed=candidates, timed=False),
-                                  resolve_device(step.device), model)  # NOTE [ Memory-only compiles ]
+                                  resolve_device(step.device), model, say)  # NOTE [ Memory-only compiles ]
     from planner.profiling.compiled_calibration import with_backward_bounds, with_region_saves, with_replay_calibration
 
     result = with_region_saves(result, eager, regions, model, candidates, graphs)

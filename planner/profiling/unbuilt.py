@@ -52,20 +52,26 @@ import torch
 T = TypeVar("T")
 
 
-def peak_only(measure: Callable[[], T], device: torch.device, model: torch.nn.Module | None = None) -> T:
+def peak_only(measure: Callable[[], T], device: torch.device, model: torch.nn.Module | None = None,
+              say: Callable[[str], None] | None = None) -> T:
     """``measure()`` (one compile and its measured steps) with inductor's CPU kernels unbuilt, or run again
-    with them built where the stand-ins could have changed an allocation (Rule 1); ``model``'s buffers
-    are put back after the unbuilt run (Rule 3)."""
+    with them built where the stand-ins could have changed an allocation (Rule 1), saying why to ``say``;
+    ``model``'s buffers are put back after the unbuilt run (Rule 3)."""
     if device.type != "cpu" or _values_make_shapes():  # Rules 1 and 4
         return measure()
     before = _graph_breaks()
     try:
         with _buffers_kept(model), unbuilt_kernels():
             result = measure()
-    except Exception:  # noqa: BLE001 -- Rule 1: the step with its kernels built says what is wrong, if anything
-        return measure()
-    new = [why for why, n in _graph_breaks().items() if n > before.get(why, 0)]
-    return result if all(HOP_SIDE_EFFECT in why for why in new) else measure()
+    except Exception as e:  # noqa: BLE001 -- Rule 1: the step with its kernels built says what is wrong, if anything
+        why = f"it raised {type(e).__name__.lstrip('_')} on the stand-ins' zeros"
+    else:
+        new = [why for why, n in _graph_breaks().items() if n > before.get(why, 0)]
+        if all(HOP_SIDE_EFFECT in why for why in new):
+            return result
+        why = "a graph break lets the values it computes decide what runs"
+    (say or (lambda _m: None))(f"measuring again with inductor's kernels built: {why}")
+    return measure()
 
 
 @contextlib.contextmanager
