@@ -66,10 +66,11 @@ def peak_only(measure: Callable[[], T], device: torch.device, model: torch.nn.Mo
     except Exception as e:  # noqa: BLE001 -- Rule 1: the step with its kernels built says what is wrong, if anything
         why = f"it raised {type(e).__name__.lstrip('_')} on the stand-ins' zeros"
     else:
-        new = [why for why, n in _graph_breaks().items() if n > before.get(why, 0)]
-        if all(HOP_SIDE_EFFECT in why for why in new):
+        after = _graph_breaks()
+        new = [why for why, n in after.items() if n > before.get(why, 0)]
+        if all(HOP_SIDE_EFFECT in why for why in new) and all(after.get(w, 0) >= n for w, n in before.items()):
             return result
-        why = "a graph break lets the values it computes decide what runs"
+        why = "a graph break lets the values it computes decide what runs"  # or its count was cleared: unknown
     (say or (lambda _m: None))(f"measuring again with inductor's kernels built: {why}")
     return measure()
 
