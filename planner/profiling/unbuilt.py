@@ -34,9 +34,12 @@ import torch
 #   ``capture_dynamic_output_shape_ops`` on, is measured again with its kernels built. One kind
 #   of break is let through: a side effect inside a higher-order op (``HOP: Unsafe side effect``:
 #   Hugging Face's layers under ``apply_plan``'s checkpoint mutate a context variable, 5 breaks a
-#   step on examples/llama.py), where dynamo runs the checkpoint eagerly and compiles its body as
-#   frames of their own, so a value-dependent op inside breaks again under its own reason. So is
-#   a run that raised (an extern op that refuses zeros: a Cholesky factor, a multinomial draw).
+#   step on examples/llama.py), where dynamo runs the checkpoint eagerly. KNOWN HOLE: the eager
+#   body reads values the stand-ins made, and a value-dependent op inside it records no break of
+#   its own (a checkpointed block that appends to a list and indexes ``y[y > 0]``: one break, the
+#   HOP's), so a mixture of experts routed inside such a region would be measured on zeros'
+#   routing; to be closed before CPU plans of such models are trusted. A run that raised (an
+#   extern op that refuses zeros: a Cholesky factor, a multinomial draw) is measured again too.
 # Rule 2. Zeros, not garbage. The stand-ins write zeros, so every value is finite and the same
 #   each run: an index a kernel computes is in range, a ``GradScaler`` finds no inf and steps (the
 #   optimizer's state is allocated as in the real step).
@@ -115,7 +118,7 @@ def _values_make_shapes() -> bool:
 
 
 HOP_SIDE_EFFECT = "HOP: Unsafe side effect"
-"""The start of the one graph-break reason that cannot carry a value into a shape (Rule 1)."""
+"""The one graph-break reason let through (Rule 1, and its known hole)."""
 
 
 def _graph_breaks() -> dict[str, int]:
