@@ -121,3 +121,49 @@ def test_why_it_is_measured_again_is_said():
     peak_only(measure, CPU, say=said.append)
     assert runs == [True, False] and said == ["measuring again with inductor's kernels built: it raised "
                                               "LinAlgError on the stand-ins' zeros"]
+
+
+class _Sided(nn.Module):
+    """A block whose forward mutates a list outside it (as transformers' output capture does), so dynamo
+    runs its checkpoint eagerly ("HOP: Unsafe side effect"); ``routed`` picks rows by their values."""
+
+    def __init__(self, routed: bool) -> None:
+        super().__init__()
+        self.lin, self.routed, self.calls = nn.Linear(8, 8), routed, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(1)
+        y = torch.relu(self.lin(x))
+        return y[y > 0].sum() if self.routed else y.sum()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "dense"])
+def test_a_checkpoint_run_eagerly_is_watched_for_values(routed, use_reentrant):
+    inner = _Sided(routed)
+    outer = nn.Linear(8, 8)
+
+    def step(x):
+        return torch.utils.checkpoint.checkpoint(inner, torch.relu(outer(x)), use_reentrant=use_reentrant)
+
+    runs: list[bool] = []
+
+    def measure():
+        runs.append(AsyncCompile.cpp_pybinding is not _BUILT)
+        try:
+            out = torch.compile(step)(torch.ones(4, 8, requires_grad=True))
+            out.backward()
+            return out.detach()
+        finally:
+            torch._dynamo.reset()
+
+    said: list[str] = []
+    peak_only(measure, CPU, say=said.append)
+    assert len(inner.calls) >= 2 * len(runs)  # forward and recompute ran eagerly each time
+    if routed:  # the stand-ins' zeros would route no row: measured again built, and said why
+        assert runs == [True, False]
+        assert said == ["measuring again with inductor's kernels built: a checkpoint run eagerly read values the "
+                        "stand-ins made (index)"]
+    else:  # the side effect alone reads no value: the memory-only run stands
+        assert runs == [True] and said == []
+    assert torch.utils.checkpoint.CheckpointFunction.__name__ == "CheckpointFunction"  # put back

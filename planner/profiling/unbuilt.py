@@ -8,10 +8,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # NOTE [ Memory-only compiles ]
 #
@@ -34,12 +37,20 @@ import torch
 #   ``capture_dynamic_output_shape_ops`` on, is measured again with its kernels built. One kind
 #   of break is let through: a side effect inside a higher-order op (``HOP: Unsafe side effect``:
 #   Hugging Face's layers under ``apply_plan``'s checkpoint mutate a context variable, 5 breaks a
-#   step on examples/llama.py), where dynamo runs the checkpoint eagerly. KNOWN HOLE: the eager
-#   body reads values the stand-ins made, and a value-dependent op inside it records no break of
-#   its own (a checkpointed block that appends to a list and indexes ``y[y > 0]``: one break, the
-#   HOP's), so a mixture of experts routed inside such a region would be measured on zeros'
-#   routing; to be closed before CPU plans of such models are trusted. A run that raised (an
-#   extern op that refuses zeros: a Cholesky factor, a multinomial draw) is measured again too.
+#   step on examples/llama.py), where dynamo runs the checkpoint eagerly, its body reading the
+#   values the stand-ins made without a break of its own (a checkpointed block that appends to a
+#   list and indexes ``y[y > 0]`` records one break, the HOP's). So every checkpoint body run
+#   eagerly inside is watched (``_bodies_watched``: a dispatch mode over its forward and its
+#   recompute, not over its backward, where a mode would change how gradients accumulate, NOTE
+#   [ Step as run ]): an op whose output shape or Python value depends on values (``nonzero``,
+#   a boolean index, ``.item()``, ``one_hot`` without its class count; torch's
+#   ``dynamic_output_shape`` and ``data_dependent_output`` tags) there means the run is measured
+#   again built, and so does a HOP break where no checkpoint body ran eagerly (another
+#   higher-order op) or where this torch's checkpoint cannot be watched. What the watch cannot
+#   see: a read that bypasses the dispatcher (``.tolist()``, ``.numpy()``) inside such a body,
+#   and another higher-order op's side-effect break in a step whose checkpoints broke too.
+#   A run that raised (an extern op that refuses zeros: a Cholesky factor, a multinomial draw)
+#   is measured again too.
 # Rule 2. Zeros, not garbage. The stand-ins write zeros, so every value is finite and the same
 #   each run: an index a kernel computes is in range, a ``GradScaler`` finds no inf and steps (the
 #   optimizer's state is allocated as in the real step).
@@ -62,20 +73,32 @@ def peak_only(measure: Callable[[], T], device: torch.device, model: torch.nn.Mo
     ``model``'s buffers are put back after the unbuilt run (Rule 3)."""
     if device.type != "cpu" or _values_make_shapes():  # Rules 1 and 4
         return measure()
-    before = _graph_breaks()
+    before, reads = _graph_breaks(), _Reads()
     try:
-        with _buffers_kept(model), unbuilt_kernels():
+        with _buffers_kept(model), unbuilt_kernels(), _bodies_watched(reads):
             result = measure()
     except Exception as e:  # noqa: BLE001 -- Rule 1: the step with its kernels built says what is wrong, if anything
         why = f"it raised {type(e).__name__.lstrip('_')} on the stand-ins' zeros"
     else:
-        after = _graph_breaks()
-        new = [why for why, n in after.items() if n > before.get(why, 0)]
-        if all(HOP_SIDE_EFFECT in why for why in new) and all(after.get(w, 0) >= n for w, n in before.items()):
+        why = _why_built(before, _graph_breaks(), reads)
+        if why is None:
             return result
-        why = "a graph break lets the values it computes decide what runs"  # or its count was cleared: unknown
     (say or (lambda _m: None))(f"measuring again with inductor's kernels built: {why}")
     return measure()
+
+
+def _why_built(before: dict[str, int], after: dict[str, int], reads: _Reads) -> str | None:
+    """Why a run on the stand-ins may not have allocated as the built step (Rule 1), or None."""
+    if reads.ops:
+        return f"a checkpoint run eagerly read values the stand-ins made ({', '.join(sorted(reads.ops))})"
+    new = [why for why, n in after.items() if n > before.get(why, 0)]
+    if any(HOP_SIDE_EFFECT not in why for why in new) or any(after.get(w, 0) < n for w, n in before.items()):
+        return "a graph break lets the values it computes decide what runs"  # or its count was cleared: unknown
+    if new and not reads.watched:
+        return "a higher-order op broke the graph where this torch's checkpoints cannot be watched"
+    if new and not reads.bodies:
+        return "a higher-order op other than a checkpoint broke the graph"
+    return None
 
 
 @contextlib.contextmanager
@@ -138,6 +161,118 @@ def _buffers_kept(model: torch.nn.Module | None) -> Iterator[None]:
         with torch.no_grad():
             for b, copy in kept:
                 b.copy_(copy)
+
+
+class _Reads:
+    """What the watched checkpoint bodies did (Rule 1): ``ops`` read values, ``bodies`` ran, ``watched`` could be."""
+
+    def __init__(self) -> None:
+        self.ops: set[str] = set()
+        self.bodies, self.watched = 0, False
+
+
+class _ValueReads(TorchDispatchMode):
+    """Records, into ``reads``, each op whose output shape or Python value depends on its inputs' values."""
+
+    def __init__(self, reads: _Reads) -> None:
+        super().__init__()
+        self.reads = reads
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # a compiled call inside runs compiled (never under a stand-in)
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _reads_values(func, args):
+            self.reads.ops.add(str(func.overloadpacket).removeprefix("aten."))
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_values(func: Any, args: tuple) -> bool:
+    """Whether ``func`` on ``args`` gives a shape or a Python value from values (torch's op tags, Rule 1)."""
+    tags = func.tags
+    if torch.Tag.data_dependent_output in tags:
+        return True
+    if torch.Tag.dynamic_output_shape not in tags:
+        return False
+    name = func.overloadpacket.__name__
+    if name == "index":  # an integer index's shape is its own; a boolean mask's is its count of trues
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    if name == "one_hot":
+        return (args[1] if len(args) > 1 else -1) < 0  # no class count: the largest value decides
+    return True
+
+
+@contextlib.contextmanager
+def _bodies_watched(reads: _Reads) -> Iterator[None]:
+    """Inside: each ``torch.utils.checkpoint`` body run eagerly (both variants) runs, forward and recompute,
+    under ``_ValueReads`` (Rule 1); ``reads.watched`` says whether this torch's checkpoint could be."""
+    from torch.utils import checkpoint as cp
+
+    generator = getattr(cp, "_checkpoint_without_reentrant_generator", None)
+    function = getattr(cp, "CheckpointFunction", None)
+    names = list(inspect.signature(generator).parameters)[:5] if generator is not None else []
+    if function is None or names != ["fn", "preserve_rng_state", "context_fn", "determinism_check", "debug"]:
+        yield
+        return
+
+    def watched_generator(fn: Any, preserve: bool = True, context_fn: Any = cp.noop_context_fn, *rest: Any,
+                          **kwargs: Any) -> Any:
+        if _tracing():  # a compile tracing the checkpoint (AOTAutograd), not a body run eagerly
+            return generator(fn, preserve, context_fn, *rest, **kwargs)
+        if len(rest) > 1 and rest[1]:  # debug=True (checkpoint passes it positionally) takes no context
+            reads.watched = False
+            return generator(fn, preserve, context_fn, *rest, **kwargs)
+        reads.bodies += 1
+        return generator(fn, preserve, _with_watch(context_fn, reads), *rest, **kwargs)
+
+    class WatchedFunction:
+        @staticmethod
+        def apply(run: Callable[..., Any], preserve: bool, *args: Any) -> Any:
+            if _tracing():
+                return function.apply(run, preserve, *args)
+            reads.bodies += 1
+            return function.apply(_watched_call(run, reads), preserve, *args)
+
+    reads.watched = True
+    cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = watched_generator, WatchedFunction
+    try:
+        yield
+    finally:
+        cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = generator, function
+
+
+def _tracing() -> bool:
+    """Whether a compile is tracing what runs now (dynamo, or AOTAutograd's proxy or fake tensors)."""
+    key = torch._C._TorchDispatchModeKey
+    return torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(k) is not None
+                                                for k in (key.PROXY, key.FAKE))
+
+
+def _with_watch(context_fn: Callable[[], tuple[Any, Any]], reads: _Reads) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` whose forward and recompute contexts also watch (``_bodies_watched``)."""
+
+    @contextlib.contextmanager
+    def and_watched(context: Any) -> Iterator[None]:
+        with context, _ValueReads(reads):
+            yield
+
+    def contexts() -> tuple[Any, Any]:
+        forward, recompute = context_fn()
+        return and_watched(forward), and_watched(recompute)
+
+    return contexts
+
+
+def _watched_call(run: Callable[..., T], reads: _Reads) -> Callable[..., T]:
+    """``run`` under ``_ValueReads`` (a reentrant checkpoint's forward and recompute, not its backward)."""
+
+    @functools.wraps(run)
+    def watched(*args: Any, **kwargs: Any) -> T:
+        with _ValueReads(reads):
+            return run(*args, **kwargs)
+
+    return watched
 
 
 __all__ = ["HOP_SIDE_EFFECT", "peak_only", "unbuilt_kernels"]
