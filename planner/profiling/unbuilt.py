@@ -36,8 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #   reason in dynamo's ``graph_break`` counter), or that ran with ``capture_scalar_outputs`` or
 #   ``capture_dynamic_output_shape_ops`` on, is measured again with its kernels built. One kind
 #   of break is let through: a side effect inside a higher-order op (``HOP: Unsafe side effect``:
-#   Hugging Face's layers under ``apply_plan``'s checkpoint mutate a context variable, 5 breaks a
-#   step on examples/llama.py), where dynamo runs the checkpoint eagerly, its body reading the
+#   Hugging Face's layers under a checkpoint mutate a context variable, 5 breaks a step on
+#   examples/llama.py where remat's compiles cannot run it once, NOTE [ Side effects in a
+#   checkpointed region ], Rule 3), where dynamo runs the checkpoint eagerly, its body reading the
 #   values the stand-ins made without a break of its own (a checkpointed block that appends to a
 #   list and indexes ``y[y > 0]`` records one break, the HOP's). So every checkpoint body run
 #   eagerly inside is watched (``_bodies_watched``: a dispatch mode over its forward and its
@@ -59,7 +60,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #   afterwards and dynamo is reset, so no later compile in the process (the user's, ``remat
 #   verify --compile``) can run a stand-in. The model's buffers are put back as they were (a
 #   stand-in zeroes a BatchNorm's running statistics where its kernel would update them).
-# Rule 4. CPU only. On CUDA the kernels are Triton's, built as before, and the device's peak is
+# Rule 4. Scalar kernels. Inside, inductor writes each C++ kernel without its vectorized variant
+#   (``cpp.simdlen`` 0): code the stand-ins never run. Inductor reads the vector ISA only when it
+#   writes a kernel's C++; it fuses, plans and removes buffers before (the buffers a kernel keeps
+#   local come from its scalar variant), so the wrapper allocates the same. Measured (a scratch
+#   script, one process, one thread, the blocks checkpointed with their side effects once, NOTE
+#   [ Side effects in a checkpointed region ]), the profile's second compile: examples/llama.py
+#   40.2 s (the process's first) and 30.4 s scalar, 51.4 s vectorized; examples/gpt2.py 29.6 and
+#   26.1 s scalar, 48.1 (the first) and 33.6 s vectorized; every phase peak equal to the byte.
+#   Most of what is left is inductor's Python (sympy) over one graph of every layer's forward and
+#   replay.
+# Rule 5. CPU only. On CUDA the kernels are Triton's, built as before, and the device's peak is
 #   measured as it runs. Under ``cpp_wrapper`` the wrapper is C++ and binds no stand-in: the
 #   kernels are built (the same figure, at the old cost).
 
@@ -71,7 +82,7 @@ def peak_only(measure: Callable[[], T], device: torch.device, model: torch.nn.Mo
     """``measure()`` (one compile and its measured steps) with inductor's CPU kernels unbuilt, or run again
     with them built where the stand-ins could have changed an allocation (Rule 1), saying why to ``say``;
     ``model``'s buffers are put back after the unbuilt run (Rule 3)."""
-    if device.type != "cpu" or _values_make_shapes():  # Rules 1 and 4
+    if device.type != "cpu" or _values_make_shapes():  # Rules 1 and 5
         return measure()
     before, reads = _graph_breaks(), _Reads()
     try:
@@ -103,7 +114,8 @@ def _why_built(before: dict[str, int], after: dict[str, int], reads: _Reads) -> 
 
 @contextlib.contextmanager
 def unbuilt_kernels() -> Iterator[None]:
-    """Inside: every C++ kernel inductor binds is a stand-in that zeroes what it would write (Rules 2-3)."""
+    """Inside: every C++ kernel inductor binds is a stand-in that zeroes what it would write, written scalar
+    (Rules 2-4)."""
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codecache import PyCodeCache
 
@@ -112,7 +124,7 @@ def unbuilt_kernels() -> Iterator[None]:
     bind = AsyncCompile.cpp_pybinding
     AsyncCompile.cpp_pybinding = _stand_in_binding  # type: ignore[method-assign]
     try:
-        with torch._inductor.config.patch(fx_graph_cache=False), \
+        with torch._inductor.config.patch({"fx_graph_cache": False, "cpp.simdlen": 0}), \
                 torch._functorch.config.patch(enable_autograd_cache=False):
             yield
     finally:
