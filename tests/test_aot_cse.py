@@ -1,5 +1,6 @@
-"""AOTAutograd's CSE off where remat's checkpointed regions compile (NOTE [ CSE across checkpointed regions ],
-planner/profiling/aot_cse.py): the premise on a small model, and apply_plan's setting and its undo."""
+"""How remat's checkpointed regions compile (planner/profiling/aot_cse.py): AOTAutograd's CSE off (NOTE [ CSE
+across checkpointed regions ]) and a region's forward side effects run once (NOTE [ Side effects in a
+checkpointed region ]): each premise on a small model, and apply_plan's settings and their undo."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from planner.act.applier import apply_plan
 from planner.model.schema import CompileInfo
-from planner.profiling.aot_cse import regions_apart
+from planner.profiling.aot_cse import SIDE_EFFECT_SETTING, regions_apart
 from planner.profiling.compiled import checkpointing
 from planner.profiling.compiled_graphs import ModuleNames, capturing, saved_storages
 
@@ -76,3 +77,48 @@ def test_apply_plan_turns_cse_off_for_a_compiled_plan_that_says_so_and_remove_re
         handle.remove()
         assert torch._functorch.config.cse
     assert "torch._functorch.config.cse=False" in caplog.text
+
+
+class Capturing(Block):
+    """Writes a list outside itself in its forward, as transformers' output capture writes its context variable."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape)
+        return torch.relu(self.fc(x)) + x
+
+
+def _breaks_and_calls(apart: bool) -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    seen: list = []
+    model = Net()
+    model.blocks = nn.ModuleList(Capturing(seen) for _ in range(3))
+    torch._dynamo.reset()
+    before = sum(counters["graph_break"].values())
+    with checkpointing(model, ["blocks.0", "blocks.1", "blocks.2"]), regions_apart(apart):
+        torch.compile(model)(torch.randn(8, 64, 64, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    return sum(counters["graph_break"].values()) - before, len(seen)
+
+
+def test_a_region_with_a_forward_side_effect_compiles_in_the_graph_and_runs_it_once():
+    breaks, calls = _breaks_and_calls(False)
+    assert breaks >= 1 and calls == 6  # "HOP: Unsafe side effect": run eagerly, the side effect replayed
+    assert _breaks_and_calls(True) == (0, 3)  # traced: no break, the side effect once
+
+
+def test_apply_plan_runs_side_effects_once_for_a_plan_that_says_so_and_remove_restores_it(eager_plan, caplog):
+    assert getattr(torch._dynamo.config, SIDE_EFFECT_SETTING) is False and eager_plan.checkpoints
+    info = CompileInfo(backend="inductor", torch_version=torch.__version__)
+    for compile_info, during in ((info.model_copy(update={"fwd_side_effects_replayed": False}), True),
+                                 (info, False), (None, False)):
+        handle = apply_plan(Net(), eager_plan.model_copy(update={"compile": compile_info}))
+        assert handle.checkpointed and getattr(torch._dynamo.config, SIDE_EFFECT_SETTING) is during
+        assert torch._functorch.config.cse  # the other setting is the plan's own
+        handle.remove()
+        assert getattr(torch._dynamo.config, SIDE_EFFECT_SETTING) is False
+    assert f"torch._dynamo.config.{SIDE_EFFECT_SETTING}=True" in caplog.text

@@ -269,6 +269,7 @@ def test_plan_compile_measures_the_chosen_plan_within_its_budget(tmp_path):
     assert [m.checkpoints for m in prof.compile.measured][0] == []  # the profile's two compiles
     assert len(prof.compile.measured) == 2
     assert prof.compile.aot_cse is False  # its regions compiled apart (NOTE [ CSE across checkpointed regions ])
+    assert prof.compile.fwd_side_effects_replayed is False  # NOTE [ Side effects in a checkpointed region ]
     g = build_graph(prof)
     blocks = sorted(n for n in g.nodes if n.startswith("blocks."))
     budget = planner.act.api.budget_with_headroom(simulate(g, blocks[:2]).peak_bytes)  # a set neither compile ran

@@ -171,6 +171,12 @@ class CompileInfo(_Model):
     aot_cse: bool = Field(True, description=(
         "False: checkpointed steps were compiled with AOTAutograd's CSE off, and apply_plan turns it off "
         "(NOTE [ CSE across checkpointed regions ]); True: left as torch has it (plans made before)."))
+    fwd_side_effects_replayed: bool = Field(True, description=(
+        "False: checkpointed steps were compiled with dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint "
+        "on (a region's forward side effects run once, so dynamo compiles a Hugging Face layer's checkpoint "
+        "instead of running it eagerly), and apply_plan turns it on "
+        "(NOTE [ Side effects in a checkpointed region ]); True: left as torch has it (plans made before, "
+        "or a torch without the setting)."))
 
 
 # ----------------------------------------------------------------------------- step changes

@@ -1,11 +1,12 @@
-"""AOTAutograd's common-subexpression pass, off where remat's checkpointed regions are compiled (NOTE [ CSE
-across checkpointed regions ]).
+"""How remat's checkpointed regions are compiled: AOTAutograd's common-subexpression pass off (NOTE [ CSE
+across checkpointed regions ]), a region's forward side effects run once (NOTE [ Side effects in a
+checkpointed region ]).
 
 Example::
 
     with regions_apart(True):      # the profile's compile with the repeated blocks checkpointed
         step()
-    undo = keep_regions_apart(plan, regions=True)  # apply_plan of a compiled plan; undo.remove() restores the setting
+    undo = keep_regions_apart(plan, regions=True)  # apply_plan of a compiled plan; undo.remove() restores the settings
 """
 
 from __future__ import annotations
@@ -39,40 +40,89 @@ from planner.profiling.step_changes import logger
 #   (``aot_cse`` True) leave it alone: they were measured with the pass on.
 
 
+# NOTE [ Side effects in a checkpointed region ]
+#
+# A Hugging Face layer's forward writes transformers' output-capturing context variable. Under a
+# checkpoint, dynamo cannot trace a region with such a side effect (eager checkpointing replays it
+# in the recompute, which a compiled backward cannot), so by default it breaks the graph ("HOP:
+# Unsafe side effect", once per layer per step) and runs the checkpoint eagerly between compiled
+# frames: the region's forward and replay are eager kernels, its saves the eager ones. Dynamo's
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` traces it instead, the side effect running in
+# the forward only, as Hugging Face's capture wants it (its replay would capture the layer twice).
+# Measured, every block checkpointed whole, one CPU thread, kernels built (docs/benchmarks.md,
+# "Round 22"): examples/llama.py peaked 12.4% lower and stepped 636-645 ms against 705-707 ms;
+# examples/gpt2.py 4.7% lower, 1,028-1,050 ms against 1,074-1,164 ms; a cold compile of the
+# checkpointed step took 4-5x longer (60.3 s against 14.6 s on llama).
+# Rule 1. remat compiles its regions with it on, where CSE is off (NOTE [ CSE across checkpointed
+#   regions ], Rule 1), and a plan that records it (``CompileInfo.fwd_side_effects_replayed``
+#   False) turns it on in ``apply_plan`` for the user's ``torch.compile``, says so once, and
+#   ``handle.remove()`` puts it back. Plans made before (True) leave it alone.
+# Rule 2. The setting changes what a step does only where a checkpointed region's forward has a
+#   side effect: it then runs once a step, where an eager checkpoint runs it twice.
+# Rule 3. A torch without the setting compiles as before, and its plans record True.
+
+SIDE_EFFECT_SETTING = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+"""Dynamo's setting that traces a checkpointed region with a forward side effect (NOTE [ Side effects in a
+checkpointed region ])."""
+
+
+def side_effects_once_available() -> bool:
+    """Whether this torch can run a checkpointed region's forward side effects once (Rule 3)."""
+    return hasattr(torch._dynamo.config, SIDE_EFFECT_SETTING)
+
+
 @contextlib.contextmanager
 def regions_apart(apart: bool) -> Iterator[None]:
-    """AOTAutograd's CSE off for the duration when ``apart`` (a compile with checkpointed regions, Rule 1)."""
+    """For the duration when ``apart`` (a compile with checkpointed regions): AOTAutograd's CSE off (NOTE [ CSE
+    across checkpointed regions ], Rule 1) and the regions' side effects run once (NOTE [ Side effects in a
+    checkpointed region ], Rule 1)."""
     if not apart:
         yield
         return
-    with torch._functorch.config.patch(cse=False):
+    once = {SIDE_EFFECT_SETTING: True} if side_effects_once_available() else {}
+    with torch._functorch.config.patch(cse=False), torch._dynamo.config.patch(**once):
         yield
 
 
 class _Restore:
-    """Puts AOTAutograd's CSE setting back (Rule 2); a hook-like ``remove()`` for the plan's handle."""
+    """Puts the settings back (Rule 2 of each NOTE); a hook-like ``remove()`` for the plan's handle."""
 
-    def __init__(self, before: bool):
-        self.before, self.done = before, False
+    def __init__(self, cse: bool | None, once: bool | None):
+        self.cse, self.once, self.done = cse, once, False
 
     def remove(self) -> None:
         if not self.done:
             self.done = True
-            torch._functorch.config.cse = self.before
+            if self.cse is not None:
+                torch._functorch.config.cse = self.cse
+            if self.once is not None:
+                setattr(torch._dynamo.config, SIDE_EFFECT_SETTING, self.once)
 
 
 def keep_regions_apart(plan: Any, regions: bool) -> _Restore | None:
-    """For a compiled ``plan`` that records CSE off and has ``regions``: the setting made (Rule 2), and how to
-    undo it; None otherwise."""
-    if plan.compile is None or plan.compile.aot_cse or not regions:
+    """For a compiled ``plan`` with ``regions`` that records either setting: the settings made, and how to
+    undo them; None otherwise."""
+    info = plan.compile
+    cse_off = info is not None and regions and not info.aot_cse
+    once = info is not None and regions and not info.fwd_side_effects_replayed and side_effects_once_available()
+    if not (cse_off or once):
         return None
-    before = torch._functorch.config.cse
-    if before:
+    restore = _Restore(torch._functorch.config.cse if cse_off else None,
+                       getattr(torch._dynamo.config, SIDE_EFFECT_SETTING) if once else None)
+    if cse_off and restore.cse:
         logger.warning("remat: torch.compile runs with torch._functorch.config.cse=False while this plan is applied "
                        "(the plan was measured so): AOTAutograd's CSE merges identical ops of different checkpointed "
                        "regions into the first, which must then save them; handle.remove() restores it")
-    torch._functorch.config.cse = False
-    return _Restore(before)
+    if once and not restore.once:
+        logger.warning(f"remat: torch.compile runs with torch._dynamo.config.{SIDE_EFFECT_SETTING}=True while this "
+                       f"plan is applied (the plan was measured so): a checkpointed region's forward side effects run "
+                       f"once, not again in its recompute, so dynamo compiles it instead of running it eagerly; "
+                       f"handle.remove() restores it")
+    if cse_off:
+        torch._functorch.config.cse = False
+    if once:
+        setattr(torch._dynamo.config, SIDE_EFFECT_SETTING, True)
+    return restore
 
 
-__all__ = ["keep_regions_apart", "regions_apart"]
+__all__ = ["SIDE_EFFECT_SETTING", "keep_regions_apart", "regions_apart", "side_effects_once_available"]

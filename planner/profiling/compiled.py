@@ -154,7 +154,7 @@ if TYPE_CHECKING:
 #   on the blocks, carried to the other candidates).
 #   docs/benchmarks.md has the probes it moved on the zoo models.
 
-from planner.profiling.aot_cse import regions_apart
+from planner.profiling.aot_cse import regions_apart, side_effects_once_available
 from planner.profiling.compiled_graphs import (Graphs as _Graphs, Layout as _Layout, ModuleNames, is_view,
                                                Units as _Units, capturing, layout as _layout, saved_storages,
                                                storage_owner)
@@ -487,7 +487,7 @@ def measure_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
     opt = make_optimizer(step.optimizer, model, impl=recipe.optimizer_impl)
     torch._dynamo.reset()  # compile afresh: the capture must see this step's partition
     with capturing(step.compile) as (compiler, graphs), checkpointing(model, list(checkpointed)), \
-            regions_apart(bool(checkpointed)), num_threads(step.threads):  # NOTE [ CSE across checkpointed regions ]
+            regions_apart(bool(checkpointed)), num_threads(step.threads):  # NOTE [ Side effects in a checkpointed region ]
         run = make_step(torch.compile(model, backend=compiler), inputs, loss_fn=step.loss_fn, optimizer=opt,
                         recipe=recipe)
         what = f"with {len(checkpointed)} modules checkpointed" if checkpointed else "as it is"
@@ -537,10 +537,10 @@ def profile_compiled(model: torch.nn.Module, inputs: Any, eager: schema.Profile,
 
 def _with_measured(profile: schema.Profile, runs: list[tuple[list[str], CompiledStep]]) -> schema.Profile:
     """``profile`` recording the peaks of the compiles it measured (NOTE [ The compiled plan is checked ]), and
-    that its regions compiled without AOTAutograd's CSE (NOTE [ CSE across checkpointed regions ])."""
+    how its regions compiled: without AOTAutograd's CSE, their side effects once (``regions_apart``)."""
     peaks = [schema.CompiledPeak(checkpoints=list(fqns), peak_bytes=run.peak_bytes) for fqns, run in runs]
-    return profile.model_copy(update={"compile": profile.compile.model_copy(update={"measured": peaks,
-                                                                                     "aot_cse": False})})
+    how = {"measured": peaks, "aot_cse": False, "fwd_side_effects_replayed": not side_effects_once_available()}
+    return profile.model_copy(update={"compile": profile.compile.model_copy(update=how)})
 
 
 def default_candidates(profile: schema.Profile) -> list[str]:
