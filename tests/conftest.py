@@ -2,7 +2,8 @@
 the synthetic chain most CLI tests plan on (``profile_path``) with its lowest feasible peak, a
 small model profiled under bf16 with two micro-batches whose blocks have op-level menus
 (``menu_profile``), and for tests that check bytes the fewest dispatch-timing rounds (``bytes_only``)
-and one intra-op thread (``one_thread``)."""
+and one intra-op thread (``one_thread``); torch's compile settings a kept plan changes are put back after
+each test."""
 
 from __future__ import annotations
 
@@ -42,6 +43,23 @@ save it, so its replay stops before re-making it (NOTE [ The replay stops at the
 the peak was 7,197,536."""
 
 _runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def compile_settings_of_a_fresh_process() -> Iterator[None]:
+    """torch's process-wide compile settings that ``apply_plan`` of a compiled plan changes until its handle is
+    removed (NOTE [ CSE across checkpointed regions ], NOTE [ Side effects in a checkpointed region ]) are put
+    back after each test: a test that applies a plan and keeps it, as a training job does, is its own job."""
+    import torch
+
+    from planner.profiling.aot_cse import SIDE_EFFECT_SETTING, side_effects_once_available
+
+    cse = torch._functorch.config.cse
+    once = getattr(torch._dynamo.config, SIDE_EFFECT_SETTING) if side_effects_once_available() else None
+    yield
+    torch._functorch.config.cse = cse
+    if once is not None:
+        setattr(torch._dynamo.config, SIDE_EFFECT_SETTING, once)
 
 
 def invoke(*args: str | Path):
