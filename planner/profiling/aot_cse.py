@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch._functorch.config  # noqa: F401 -- read and set below; torch imports it lazily
 
 from planner.profiling.step_changes import logger
 
