@@ -86,7 +86,8 @@ def regions_apart(apart: bool) -> Iterator[None]:
 
 
 class _Restore:
-    """Puts the settings back (Rule 2 of each NOTE); a hook-like ``remove()`` for the plan's handle."""
+    """Puts the settings back (NOTE [ CSE across checkpointed regions ], Rule 2; NOTE [ Side effects in a
+    checkpointed region ], Rule 1); a hook-like ``remove()`` for the plan's handle."""
 
     def __init__(self, cse: bool | None, once: bool | None):
         self.cse, self.once, self.done = cse, once, False
