@@ -153,7 +153,7 @@ def _values_make_shapes() -> bool:
 
 
 HOP_SIDE_EFFECT = "HOP: Unsafe side effect"
-"""The one graph-break reason let through (Rule 1, and its known hole)."""
+"""The one graph-break reason let through, its eagerly run checkpoints watched (Rule 1)."""
 
 
 def _graph_breaks() -> dict[str, int]:
