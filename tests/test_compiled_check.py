@@ -149,14 +149,19 @@ def test_the_cost_models_lowest_plan_is_measured_when_nothing_is_predicted_withi
     assert e.value.min_feasible_bytes == refused.value.min_feasible_bytes
 
 
+def _plans_across(p: Profile) -> list[Plan]:
+    """The cost model's plans at 40 budgets from its lowest (every block checkpointed) to nothing checkpointed."""
+    g = build_graph(p)
+    lo = planner.act.api.budget_with_headroom(simulate(g, [n for n in g.nodes if n.startswith("h.")]).peak_bytes)
+    hi = simulate(g, []).peak_bytes
+    return [plan_from_profile(p, lo + (hi - lo) * k // 40) for k in range(40)]
+
+
 def _spend_case():
     """A budget with a margin: the profile, the budget, the cost model's plan there, the cheaper plan the
     solver finds when the usable budget is raised by ``raise_bytes``, ``raise_bytes`` and the usable budget."""
     p = _compiled()
-    g = build_graph(p)
-    lo = planner.act.api.budget_with_headroom(simulate(g, [n for n in g.nodes if n.startswith("h.")]).peak_bytes)
-    hi = simulate(g, []).peak_bytes
-    plans = [plan_from_profile(p, lo + (hi - lo) * k // 40) for k in range(40)]
+    plans = _plans_across(p)
     for first, next_ in zip(plans, plans[1:]):
         usable = first.budget_bytes - first.headroom_bytes
         raise_bytes = next_.predicted.peak_bytes - usable
@@ -186,6 +191,36 @@ def test_a_cheaper_plan_measured_over_the_budget_leaves_the_first():
     assert measure.sets == [first.checkpoints, raised.checkpoints] and plan.checkpoints == first.checkpoints
     assert plan.predicted.peak_bytes == first.predicted.peak_bytes - tenth
     assert {tuple(m.checkpoints): m.peak_bytes for m in plan.compile.measured}[tuple(raised.checkpoints)] == usable + 1
+
+
+def test_a_cheaper_plan_measured_over_the_budget_is_followed_by_the_secant(monkeypatch):
+    """Rule 7's second try: the cost model's error differs from set to set, so after a cheaper set measured over,
+    the check plans for the secant between the two measured sets and keeps the set between them that fits."""
+    from planner.act import compiled_check
+
+    monkeypatch.setattr(compiled_check, "SPEND_AT", 0.0)
+    monkeypatch.setattr(compiled_check, "SPEND_GAIN", 0.0)
+    p = _compiled()
+    plans = _plans_across(p)
+    case = None
+    for first, far in ((a, b) for i, a in enumerate(plans) for b in plans[i + 1:]):
+        if far.predicted.peak_bytes <= first.predicted.peak_bytes:
+            continue
+        between = plan_from_profile(p, planner.act.api.budget_with_headroom(far.predicted.peak_bytes - 1))
+        if len({tuple(first.checkpoints), tuple(far.checkpoints), tuple(between.checkpoints)}) == 3:
+            case = first, far, between
+            break
+    assert case is not None, "no three plans apart"
+    first, far, between = case
+    usable = first.budget_bytes - first.headroom_bytes
+    by = far.predicted.peak_bytes - usable  # the first set's error: the first try plans for ``far``
+    errors = {tuple(first.checkpoints): -by, tuple(far.checkpoints): usable + 1 - far.predicted.peak_bytes,
+              tuple(between.checkpoints): -by}
+    measure = _Measure(lambda plan: errors[tuple(plan.checkpoints)])
+    plan = plan_from_profile(p, first.budget_bytes, check=measure)
+    assert measure.sets == [first.checkpoints, far.checkpoints, between.checkpoints]
+    assert plan.checkpoints == between.checkpoints and plan.predicted.peak_bytes == between.predicted.peak_bytes - by
+    assert between.predicted.recompute_ms < first.predicted.recompute_ms
 
 
 def test_a_margin_under_spend_at_is_not_spent(monkeypatch):
