@@ -120,8 +120,7 @@ def checked_plan(profile: Profile, budget: int | str, measure: Measure, *, solve
             refused = e
             break
         modelled = plan.predicted.peak_bytes
-        plan = _measured(plan, known, measure, say).model_copy(update={"budget_bytes": budget_bytes,
-                                                                       "headroom_bytes": headroom_bytes})
+        plan = _for_budget(_measured(plan, known, measure, say), budget_bytes, headroom_bytes)
         if plan.predicted.peak_bytes <= usable:
             found = plan
             break
@@ -165,7 +164,7 @@ def _at_the_floor(profile: Profile, budget: int | str, spec: SolveSpec, g: nx.Di
             continue
         plan = _measured(plan, known, measure, say)
         if plan.predicted.peak_bytes <= usable:
-            return plan.model_copy(update={"budget_bytes": budget_bytes, "headroom_bytes": headroom_bytes})
+            return _for_budget(plan, budget_bytes, headroom_bytes)
         if not spec.selective:
             break
     return None
@@ -214,8 +213,7 @@ def _spent(profile: Profile, found: Plan, modelled: int, budget: int | str, spec
         if cheaper.predicted.peak_bytes > usable:
             over = (at, cheaper.predicted.peak_bytes)
             continue
-        found, fits = cheaper.model_copy(update={"budget_bytes": budget_bytes, "headroom_bytes": headroom_bytes}), \
-            (at, cheaper.predicted.peak_bytes)
+        found, fits = _for_budget(cheaper, budget_bytes, headroom_bytes), (at, cheaper.predicted.peak_bytes)
     return with_check(found, list(known.values()))
 
 
@@ -241,6 +239,11 @@ def _with_floor(refused: Exception, measured: list[CompiledPeak], profile: Profi
     return BudgetInfeasible(f"{refused.template}; the cost model's lowest plan ({what}) was compiled and measured "
                             f"at {floor[0].peak_bytes} bytes", budget_bytes=refused.budget_bytes,
                             min_feasible_bytes=refused.min_feasible_bytes, options=refused.options)
+
+
+def _for_budget(plan: Plan, budget_bytes: int, headroom_bytes: int) -> Plan:
+    """``plan`` as the plan for the budget asked (the solver may have planned it for a lowered or raised one)."""
+    return plan.model_copy(update={"budget_bytes": budget_bytes, "headroom_bytes": headroom_bytes})
 
 
 def _usable(profile: Profile, spec: SolveSpec, budget: int | str) -> tuple[int, int, int]:
