@@ -176,8 +176,10 @@ def test_a_plan_measured_well_under_the_budget_spends_the_margin_on_a_cheaper_pl
     p, budget, first, raised, tenth, usable = _spend_case()
     assert raised.predicted.recompute_ms < first.predicted.recompute_ms and raised.checkpoints != first.checkpoints
     measure = _Measure(lambda plan: -tenth)  # every set that far below the cost model (Rule 7)
-    plan = plan_from_profile(p, budget, check=measure)
+    said: list[str] = []
+    plan = plan_from_profile(p, budget, check=measure, progress=said.append)
     assert measure.sets == [first.checkpoints, raised.checkpoints] and plan.checkpoints == raised.checkpoints
+    assert any(m.startswith("the plan measured ") and " under the budget: a plan recomputing " in m for m in said)
     assert plan.predicted.peak_bytes == raised.predicted.peak_bytes - tenth <= usable
     assert plan.predicted.recompute_ms == raised.predicted.recompute_ms and plan.predicted.peak_at == CHECKED_AT
     assert [m.checkpoints for m in plan.compile.measured] == [first.checkpoints, raised.checkpoints]

@@ -209,6 +209,8 @@ def _spent(profile: Profile, found: Plan, modelled: int, budget: int | str, spec
         if _key(cheaper) == _key(found) or saved_ms <= 0 or saved_ms < SPEND_GAIN * found.predicted.recompute_ms:
             break
         at = cheaper.predicted.peak_bytes
+        say(f"the plan measured {format_bytes(usable - found.predicted.peak_bytes)} under the budget: a plan "
+            f"recomputing {cheaper.predicted.recompute_ms:.1f} ms, not {found.predicted.recompute_ms:.1f}, may fit")
         cheaper = _measured(cheaper, known, measure, say)
         if cheaper.predicted.peak_bytes > usable:
             over = (at, cheaper.predicted.peak_bytes)
