@@ -50,16 +50,11 @@ def compile_settings_of_a_fresh_process() -> Iterator[None]:
     """torch's process-wide compile settings that ``apply_plan`` of a compiled plan changes until its handle is
     removed (NOTE [ CSE across checkpointed regions ], NOTE [ Side effects in a checkpointed region ]) are put
     back after each test: a test that applies a plan and keeps it, as a training job does, is its own job."""
-    import torch
+    from planner.profiling.aot_cse import settings_now
 
-    from planner.profiling.aot_cse import SIDE_EFFECT_SETTING, side_effects_once_available
-
-    cse = torch._functorch.config.cse
-    once = getattr(torch._dynamo.config, SIDE_EFFECT_SETTING) if side_effects_once_available() else None
+    restore = settings_now()
     yield
-    torch._functorch.config.cse = cse
-    if once is not None:
-        setattr(torch._dynamo.config, SIDE_EFFECT_SETTING, once)
+    restore.remove()
 
 
 def invoke(*args: str | Path):

@@ -101,6 +101,13 @@ class _Restore:
                 setattr(torch._dynamo.config, SIDE_EFFECT_SETTING, self.once)
 
 
+def settings_now() -> _Restore:
+    """How to put both settings back as they are now (a test's fixture; ``keep_regions_apart`` keeps only what
+    it changes, so that a change the user makes meanwhile to the other stays)."""
+    return _Restore(torch._functorch.config.cse,
+                    getattr(torch._dynamo.config, SIDE_EFFECT_SETTING) if side_effects_once_available() else None)
+
+
 def keep_regions_apart(plan: Any, regions: bool) -> _Restore | None:
     """For a compiled ``plan`` with ``regions`` that records either setting: the settings made, and how to
     undo them; None otherwise."""
@@ -127,4 +134,4 @@ def keep_regions_apart(plan: Any, regions: bool) -> _Restore | None:
     return restore
 
 
-__all__ = ["SIDE_EFFECT_SETTING", "keep_regions_apart", "regions_apart", "side_effects_once_available"]
+__all__ = ["SIDE_EFFECT_SETTING", "keep_regions_apart", "regions_apart", "settings_now", "side_effects_once_available"]
