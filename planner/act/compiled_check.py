@@ -195,9 +195,9 @@ def _spent(profile: Profile, found: Plan, modelled: int, budget: int | str, spec
     from planner.act.api import budget_with_headroom, plan_from_profile
 
     budget_bytes, usable, headroom_bytes = _usable(profile, spec, budget)
-    fits, over = (modelled, found.predicted.peak_bytes), None  # (modelled, measured) either side of the budget
+    found_at, over = modelled, None  # the cost model's peak of ``found``; (modelled, measured) of a set over
     for _ in range(SPENDS):
-        ask = _spend_ask(usable, fits, over)
+        ask = _spend_ask(usable, (found_at, found.predicted.peak_bytes), over)
         if ask is None or usable - found.predicted.peak_bytes < SPEND_AT * budget_bytes:
             break
         try:  # the budget whose usable part is ``ask``
@@ -215,7 +215,7 @@ def _spent(profile: Profile, found: Plan, modelled: int, budget: int | str, spec
         if cheaper.predicted.peak_bytes > usable:
             over = (at, cheaper.predicted.peak_bytes)
             continue
-        found, fits = _for_budget(cheaper, budget_bytes, headroom_bytes), (at, cheaper.predicted.peak_bytes)
+        found, found_at = _for_budget(cheaper, budget_bytes, headroom_bytes), at
     return with_check(found, list(known.values()))
 
 
