@@ -248,20 +248,29 @@ def restoring_model(model: torch.nn.Module, dev: torch.device) -> Iterator[None]
     from planner.profiling import rng
 
     modes = [(m, m.training) for m in model.modules()]
-    buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers()}
-    with rng.kept(dev):
+    with rng.kept(dev), buffers_kept(model):
         try:
             yield
         finally:
             model.zero_grad(set_to_none=True)
             for m, training in modes:
                 m.training = training
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    saved = buffers.get(name)
-                    if saved is not None and saved.shape == b.shape:
-                        b.copy_(saved)
 
 
-__all__ = ["measure_profile", "profile_real", "reconcile", "RECONCILE_TOLERANCE", "resolve_device",
+@contextlib.contextmanager
+def buffers_kept(model: torch.nn.Module | None) -> Iterator[None]:
+    """``model``'s buffers (BatchNorm's running statistics, counters) as they were, afterwards; by name, a copy
+    on the host, so a buffer the step replaced or moved is written back too. ``None``: nothing to keep."""
+    buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers()} if model is not None else {}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers() if model is not None else ():
+                saved = buffers.get(name)
+                if saved is not None and saved.shape == b.shape:
+                    b.copy_(saved)
+
+
+__all__ = ["buffers_kept", "measure_profile", "profile_real", "reconcile", "RECONCILE_TOLERANCE", "resolve_device",
            "restoring_model", "TimingRecorder"]

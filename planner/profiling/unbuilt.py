@@ -84,9 +84,11 @@ def peak_only(measure: Callable[[], T], device: torch.device, model: torch.nn.Mo
     ``model``'s buffers are put back after the unbuilt run (Rule 3)."""
     if device.type != "cpu" or _values_make_shapes():  # Rules 1 and 5
         return measure()
+    from planner.profiling.profiler import buffers_kept
+
     before, reads = _graph_breaks(), _Reads()
     try:
-        with _buffers_kept(model), unbuilt_kernels(), _bodies_watched(reads):
+        with buffers_kept(model), unbuilt_kernels(), _bodies_watched(reads):
             result = measure()
     except Exception as e:  # noqa: BLE001 -- Rule 1: the step with its kernels built says what is wrong, if anything
         why = f"it raised {type(e).__name__.lstrip('_')} on the stand-ins' zeros"
@@ -161,18 +163,6 @@ def _graph_breaks() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return dict(counters["graph_break"])
-
-
-@contextlib.contextmanager
-def _buffers_kept(model: torch.nn.Module | None) -> Iterator[None]:
-    """``model``'s buffers as they were, afterwards (Rule 3)."""
-    kept = [(b, b.detach().clone()) for b in model.buffers()] if model is not None else []
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, copy in kept:
-                b.copy_(copy)
 
 
 class _Reads:
