@@ -127,18 +127,24 @@ class _Sided(nn.Module):
     """A block whose forward mutates a list outside it (as transformers' output capture does), so dynamo
     runs its checkpoint eagerly ("HOP: Unsafe side effect"); ``routed`` picks rows by their values."""
 
-    def __init__(self, routed: bool) -> None:
+    def __init__(self, routed: str | None) -> None:
         super().__init__()
         self.lin, self.routed, self.calls = nn.Linear(8, 8), routed, []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(1)
         y = torch.relu(self.lin(x))
-        return y[y > 0].sum() if self.routed else y.sum()
+        if self.routed == "index":
+            return y[y > 0].sum()
+        if self.routed == "tolist":  # the rows to keep counted in Python
+            return y[:max(1, sum(v > 0 for v in y.detach().flatten().tolist()) // 8)].sum()
+        if self.routed == "numpy":
+            return y[:max(1, int((y.detach().numpy() > 0).sum()) // 8)].sum()
+        return y.sum()
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-@pytest.mark.parametrize("routed", [True, False], ids=["routed", "dense"])
+@pytest.mark.parametrize("routed", ["index", "tolist", "numpy", None], ids=["index", "tolist", "numpy", "dense"])
 def test_a_checkpoint_run_eagerly_is_watched_for_values(routed, use_reentrant):
     inner = _Sided(routed)
     outer = nn.Linear(8, 8)
@@ -163,7 +169,8 @@ def test_a_checkpoint_run_eagerly_is_watched_for_values(routed, use_reentrant):
     if routed:  # the stand-ins' zeros would route no row: measured again built, and said why
         assert runs == [True, False]
         assert said == ["measuring again with inductor's kernels built: a checkpoint run eagerly read values the "
-                        "stand-ins made (index)"]
+                        f"stand-ins made ({routed})"]
     else:  # the side effect alone reads no value: the memory-only run stands
         assert runs == [True] and said == []
     assert torch.utils.checkpoint.CheckpointFunction.__name__ == "CheckpointFunction"  # put back
+    assert all(n not in torch.Tensor.__dict__ for n in ("tolist", "numpy"))  # the methods put back too

@@ -47,9 +47,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #   a boolean index, ``.item()``, ``one_hot`` without its class count; torch's
 #   ``dynamic_output_shape`` and ``data_dependent_output`` tags) there means the run is measured
 #   again built, and so does a HOP break where no checkpoint body ran eagerly (another
-#   higher-order op) or where this torch's checkpoint cannot be watched. What the watch cannot
-#   see: a read that bypasses the dispatcher (``.tolist()``, ``.numpy()``) inside such a body,
-#   and another higher-order op's side-effect break in a step whose checkpoints broke too.
+#   higher-order op) or where this torch's checkpoint cannot be watched. The two reads that
+#   bypass the dispatcher, ``.tolist()`` and ``.numpy()`` (and ``np.asarray``, through it), are
+#   watched by wrapping those methods of ``torch.Tensor`` while a body runs (``_host_reads``).
+#   What the watch cannot see: a read through the storage's memory (``data_ptr``, DLPack) inside
+#   such a body, and another higher-order op's side-effect break in a step whose checkpoints
+#   broke too.
 #   A run that raised (an extern op that refuses zeros: a Cholesky factor, a multinomial draw)
 #   is measured again too.
 # Rule 2. Zeros, not garbage. The stand-ins write zeros, so every value is finite and the same
@@ -256,7 +259,7 @@ def _with_watch(context_fn: Callable[[], tuple[Any, Any]], reads: _Reads) -> Cal
 
     @contextlib.contextmanager
     def and_watched(context: Any) -> Iterator[None]:
-        with context, _ValueReads(reads):
+        with context, _ValueReads(reads), _host_reads(reads):
             yield
 
     def contexts() -> tuple[Any, Any]:
@@ -271,10 +274,41 @@ def _watched_call(run: Callable[..., T], reads: _Reads) -> Callable[..., T]:
 
     @functools.wraps(run)
     def watched(*args: Any, **kwargs: Any) -> T:
-        with _ValueReads(reads):
+        with _ValueReads(reads), _host_reads(reads):
             return run(*args, **kwargs)
 
     return watched
+
+
+HOST_READS = ("tolist", "numpy")
+"""The methods of ``torch.Tensor`` that hand its values to Python without a dispatched op (Rule 1)."""
+
+
+@contextlib.contextmanager
+def _host_reads(reads: _Reads) -> Iterator[None]:
+    """Inside: each of ``HOST_READS`` called on a tensor is recorded into ``reads`` (Rule 1)."""
+    before = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+
+    def recorded(name: str) -> Callable[..., Any]:
+        method = getattr(torch.Tensor, name)
+
+        @functools.wraps(method)
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            reads.ops.add(name)
+            return method(self, *args, **kwargs)
+
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, recorded(name))
+    try:
+        yield
+    finally:
+        for name, was in before.items():
+            if was is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, was)
 
 
 __all__ = ["HOP_SIDE_EFFECT", "peak_only", "unbuilt_kernels"]
