@@ -633,13 +633,24 @@ def test_unit_spreads_are_priced_as_the_spread_of_their_median(prof):
         return graph_for(prof.model_copy(update={"units": [u.model_copy(update={
             "forward_spread_ms": spread_ms, "timing_samples": samples}) for u in prof.units]}))
 
+    def menu(spread_ms: float, samples: int) -> tuple:
+        return noisy(spread_ms, samples).nodes["blocks.1"]["menu"]
+
     block = graph_for(prof).nodes["blocks.1"]
     assert block["menu"]  # the fixture's figures carry no spread
     f = block["forward_ms"]
     assert noisy(f, 1).nodes["blocks.1"]["forward_spread_ms"] == f
-    assert noisy(f, 1).nodes["blocks.1"]["menu"] == ()  # a spread of the whole forward keeps every policy out
-    g = noisy(f, 64)
-    assert g.nodes["blocks.1"]["forward_spread_ms"] == pytest.approx(f * math.sqrt(math.pi / 2) / 8)
+    # The least forward spread that keeps every policy out, found on this profile: a spread of the whole forward
+    # did, but with 5% to spare under load (the fixture's times are measured, so its policies' shares move with load)
+    lo, hi = 0.0, f
+    while menu(hi, 1):
+        lo, hi = hi, 2 * hi
+        assert hi < 1e3 * f, "a spread a thousand times the forward keeps every policy out"
+    for _ in range(16):
+        lo, hi = (lo, (lo + hi) / 2) if menu((lo + hi) / 2, 1) == () else ((lo + hi) / 2, hi)
+    assert menu(hi, 1) == ()  # that spread as recorded keeps every policy out
+    g = noisy(hi, 64)
+    assert g.nodes["blocks.1"]["forward_spread_ms"] == pytest.approx(hi * math.sqrt(math.pi / 2) / 8)
     assert g.nodes["blocks.1"]["menu"]  # its median's, an eighth at 64 samples: some policy saves more
 
 
