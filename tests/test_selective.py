@@ -165,14 +165,18 @@ def test_dispatch_figures_pair_the_runs_of_each_round(measured):
 def test_dispatch_cost_is_not_scaled_by_the_thread_factor(measured):
     """NOTE [ Selective dispatch cost ], Rule 5: above one thread the dispatch figures are the thread's CPU
     time at one thread, not scaled by the forward's thread factor (Python does not run faster on more
-    threads): a factor of 1000 leaves them at their one-thread size, well under a millisecond per call."""
+    threads): a factor of 1000 leaves them at their one-thread size, the fixture's figures (measured on the
+    same unscaled clock) within a factor of 30, not a thousand times them. A fixed bound (2 ms) read
+    the machine's speed: this model's figures are half a millisecond a call on a quiet machine."""
     from planner.profiling.sac_cost import measure_sac_cost
     from planner.profiling.timing import ScaledCpuClock, num_threads
 
     with num_threads(1):
         cost = measure_sac_cost(_net(), _inputs(), measured, loss_fn=_loss, amp=None, dev=torch.device("cpu"),
                                 clock=ScaledCpuClock(2, scale=1000.0), rounds=2)
-    assert 0 < cost.recomputed_op_ms + cost.kept_op_ms < 2.0
+    one_thread = measured.sac_recomputed_op_ms + measured.sac_kept_op_ms
+    assert one_thread > 0
+    assert 0 < cost.recomputed_op_ms + cost.kept_op_ms < 30 * one_thread, (cost, one_thread)
 
 
 def test_a_region_with_a_pre_hook_is_timed_alone_on_the_inputs_its_caller_gave(monkeypatch):
