@@ -165,14 +165,18 @@ def test_dispatch_figures_pair_the_runs_of_each_round(measured):
 def test_dispatch_cost_is_not_scaled_by_the_thread_factor(measured):
     """NOTE [ Selective dispatch cost ], Rule 5: above one thread the dispatch figures are the thread's CPU
     time at one thread, not scaled by the forward's thread factor (Python does not run faster on more
-    threads): a factor of 1000 leaves them at their one-thread size, well under a millisecond per call."""
+    threads): a factor of 1000 leaves them at their one-thread size, the fixture's figures (measured on the
+    same unscaled clock) within a factor of 30, not a thousand times them. A fixed bound (2 ms) read
+    the machine's speed: this model's figures are half a millisecond a call on a quiet machine."""
     from planner.profiling.sac_cost import measure_sac_cost
     from planner.profiling.timing import ScaledCpuClock, num_threads
 
     with num_threads(1):
         cost = measure_sac_cost(_net(), _inputs(), measured, loss_fn=_loss, amp=None, dev=torch.device("cpu"),
                                 clock=ScaledCpuClock(2, scale=1000.0), rounds=2)
-    assert 0 < cost.recomputed_op_ms + cost.kept_op_ms < 2.0
+    one_thread = measured.sac_recomputed_op_ms + measured.sac_kept_op_ms
+    assert one_thread > 0
+    assert 0 < cost.recomputed_op_ms + cost.kept_op_ms < 30 * one_thread, (cost, one_thread)
 
 
 def test_a_region_with_a_pre_hook_is_timed_alone_on_the_inputs_its_caller_gave(monkeypatch):
@@ -633,13 +637,24 @@ def test_unit_spreads_are_priced_as_the_spread_of_their_median(prof):
         return graph_for(prof.model_copy(update={"units": [u.model_copy(update={
             "forward_spread_ms": spread_ms, "timing_samples": samples}) for u in prof.units]}))
 
+    def menu(spread_ms: float, samples: int) -> tuple:
+        return noisy(spread_ms, samples).nodes["blocks.1"]["menu"]
+
     block = graph_for(prof).nodes["blocks.1"]
     assert block["menu"]  # the fixture's figures carry no spread
     f = block["forward_ms"]
     assert noisy(f, 1).nodes["blocks.1"]["forward_spread_ms"] == f
-    assert noisy(f, 1).nodes["blocks.1"]["menu"] == ()  # a spread of the whole forward keeps every policy out
-    g = noisy(f, 64)
-    assert g.nodes["blocks.1"]["forward_spread_ms"] == pytest.approx(f * math.sqrt(math.pi / 2) / 8)
+    # The least forward spread that keeps every policy out, found on this profile: a spread of the whole forward
+    # did, but with 5% to spare under load (the fixture's times are measured, so its policies' shares move with load)
+    lo, hi = 0.0, f
+    while menu(hi, 1):
+        lo, hi = hi, 2 * hi
+        assert hi < 1e3 * f, "a spread a thousand times the forward keeps every policy out"
+    for _ in range(16):
+        lo, hi = (lo, (lo + hi) / 2) if menu((lo + hi) / 2, 1) == () else ((lo + hi) / 2, hi)
+    assert menu(hi, 1) == ()  # that spread as recorded keeps every policy out
+    g = noisy(hi, 64)
+    assert g.nodes["blocks.1"]["forward_spread_ms"] == pytest.approx(hi * math.sqrt(math.pi / 2) / 8)
     assert g.nodes["blocks.1"]["menu"]  # its median's, an eighth at 64 samples: some policy saves more
 
 
