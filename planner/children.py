@@ -61,6 +61,12 @@ from planner.errors import Terminated
 #   Why: `subprocess.Popen([python, "-c", "time.sleep(300)"])` at import ran on under PID 1 after
 #   `remat plan` exited 0 (round 18 and 19 probes); `python model.py` leaves it too, but remat is not the
 #   user's program: a planning command should leave nothing behind.
+# Rule 8. Ctrl-C at a terminal signals the whole foreground process group, remat's children with it. A child remat
+#   started (the capped profiling child) dies of SIGINT without a word (``quiet_on_ctrl_c``: the signal's default
+#   action, not Python's KeyboardInterrupt), and remat, which got it too, says the one line (Rule 2); what the child
+#   wrote is in remat's temporary folder, which remat removes. A SIGINT ignored when the child started (remat run
+#   in the background) stays ignored. Why: the capped child printed a 110-line KeyboardInterrupt traceback from
+#   wherever it was (importing torch) above remat's "interrupted: nothing was written" (round 25 probe).
 # Why: SIGTERM during ``remat plan --device-memory`` used to kill remat at once, leaving the capped
 # child running for 90 s under PID 1 and its temporary profile on disk; SIGHUP still did so after
 # SIGTERM was caught (exit 129, no line, /tmp/remat-capped-* left behind).
@@ -147,6 +153,13 @@ def die_with_parent() -> None:
     expected = os.environ.get(PARENT_ENV)
     if expected and expected.isdigit() and os.getppid() != int(expected):
         os._exit(1)  # the parent died before the request above: nobody waits for this child
+
+
+def quiet_on_ctrl_c() -> None:
+    """In a child remat started: SIGINT ends it by the signal's default action, with no traceback (Rule 8); an
+    ignored SIGINT stays ignored."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_child(cmd: Sequence[str], *, env: dict[str, str] | None = None) -> int:
@@ -277,4 +290,4 @@ def _processes() -> dict[int, tuple[int, str]]:
 
 
 __all__ = ["adopt_orphans", "child_env", "die_with_parent", "end", "end_tree", "GRACE_S", "how_it_ended", "left_children",
-           "PARENT_ENV", "run_child", "signals_raise", "temp_dir", "wait_children"]
+           "PARENT_ENV", "quiet_on_ctrl_c", "run_child", "signals_raise", "temp_dir", "wait_children"]

@@ -97,16 +97,21 @@ def test_a_forked_childs_crash_is_not_remats(tmp_path: Path):
     assert "crashed" not in result.stderr and out.exists(), result.stderr
 
 
-def test_ctrl_c_at_the_terminal_is_one_line(tmp_path: Path):
+@pytest.mark.parametrize("capped", [False, True], ids=["plain", "capped-child"])
+def test_ctrl_c_at_the_terminal_is_one_line(tmp_path: Path, capped: bool):
     """Rule 4: Ctrl-C at a terminal signals the whole process group; the crash watcher printed a KeyboardInterrupt
-    traceback under remat's 'interrupted' line (test_errors.py signals remat's pid alone)."""
+    traceback under remat's 'interrupted' line (test_errors.py signals remat's pid alone). Capped: the signal
+    reaches the capped profiling child too (``--device-memory``, NOTE [ Signals and children ], Rule 8), which
+    printed a 110-line traceback of its own above that line (round 25 probe)."""
     import signal
     import time
 
     marker = tmp_path / "imported"
-    model = model_file(tmp_path, f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)\n"
-                                 + GOOD_MODEL)
-    proc = subprocess.Popen([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "-q"],
+    where = "sys.argv[0].endswith('capped.py')" if capped else "True"  # the import that waits: the child's
+    model = model_file(tmp_path, f"import pathlib, sys, time\nif {where}:\n    pathlib.Path({str(marker)!r}).touch()\n"
+                                 f"    time.sleep(60)\n" + GOOD_MODEL)
+    cap = ["--device-memory", "4GB"] if capped else []
+    proc = subprocess.Popen([sys.executable, "cli.py", "plan", "-b", "1GB", str(model), "--device", "cpu", "-q", *cap],
                             cwd=ROOT, env=PLAIN_ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)  # a group of its own, as a shell's foreground job
     try:

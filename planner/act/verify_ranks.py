@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from planner.children import PARENT_ENV, die_with_parent, end, temp_dir
+from planner.children import PARENT_ENV, die_with_parent, end, quiet_on_ctrl_c, temp_dir
 from planner.errors import BadInput, ProfileError
 from planner.files import atomic_write_text
 from planner.model.schema import Plan
@@ -243,6 +243,7 @@ def _child(rank: int, world_size: int, port: int, runs: list[_Args], out_dir: st
     from planner.profiling.measure import count_cpu_allocations
 
     die_with_parent()
+    quiet_on_ctrl_c()  # NOTE [ Signals and children ], Rule 8
     # gathering a 2D (FSDP2 x tp) gradient to full size logs "2 sequential all_gather operations" per rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if runs[0].device_type == "cpu":

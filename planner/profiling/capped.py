@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from planner.children import die_with_parent, how_it_ended, run_child, temp_dir
+from planner.children import die_with_parent, how_it_ended, quiet_on_ctrl_c, run_child, temp_dir
 from planner.errors import ProfileError, RematError
 from planner.files import atomic_write_text
 from planner.spec import StepSpec
@@ -219,6 +219,7 @@ def _profile_child(args: argparse.Namespace) -> Any:
 
 if __name__ == "__main__":
     die_with_parent()
+    quiet_on_ctrl_c()  # NOTE [ Signals and children ], Rule 8
     sys.exit(_child(sys.argv[1:]))
 
 
