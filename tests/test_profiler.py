@@ -14,6 +14,8 @@ and a ReLU saves its output (8192 bytes); the loss ``out.sum()`` saves nothing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import textwrap
 from pathlib import Path
@@ -432,6 +434,14 @@ def test_default_loss_rules():
     assert default_loss((t, [t.half()], {"x": t}, torch.arange(3))).item() == 18.0
     with pytest.raises(ProfileError, match="define loss_fn"):
         default_loss(torch.arange(3))
+
+    @dataclasses.dataclass
+    class Out:  # a plain dataclass with no loss field: its fields are summed, as a tuple's (round 25 probe: refused)
+        pred: torch.Tensor
+        aux: tuple
+        steps: int = 3
+
+    assert default_loss(Out(t, (t * 2, torch.arange(3)))).item() == 18.0
 
 
 def test_fingerprint_names():

@@ -41,6 +41,7 @@ import torch
 
 from planner.crashes import CalledExit
 from planner.errors import ModelLoadError, ProfileError
+from planner.profiling.units import io_tensors
 from planner.files import as_path, device_kind
 
 Inputs = torch.Tensor | tuple | dict
@@ -386,13 +387,14 @@ def default_loss(output: Any) -> torch.Tensor:
 
     ``output.loss`` (attribute or key) when it is a tensor, as Hugging Face models return when
     given labels; otherwise the sum of every floating-point tensor in the output, looking
-    through tuples, lists, dicts and ``ModelOutput``. Low-precision tensors are summed in
+    through tuples, lists, dicts, ``ModelOutput`` and dataclasses (``units.io_tensors``, as the
+    profiler finds a module's outputs). Low-precision tensors are summed in
     float32 so the loss does not overflow.
     """
     loss = _loss_member(output)
     if isinstance(loss, torch.Tensor):
         return loss
-    floats = [t for t in _tensors(output) if t.is_floating_point()]
+    floats = [t for t in io_tensors(output) if t.is_floating_point()]
     if not floats:
         raise ProfileError(f"the model output ({type(output).__name__}) holds no floating-point tensor to "
                            f"use as a loss; define loss_fn(output) in the model file")
@@ -412,17 +414,6 @@ def _loss_member(output: Any) -> Any:
 
 def _sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (tuple, list)):
-        for value in obj:
-            yield from _tensors(value)
 
 
 def check_loss(loss: Any, *, finite: bool = False, amp: str | None = None,
@@ -550,7 +541,7 @@ def check_devices(model: torch.nn.Module, inputs: Inputs, dev: torch.device | No
         raise ModelLoadError(f"the model's parameters are on several devices ({names}); remat profiles "
                              f"a model on one device: build it on the CPU and let remat move it")
     (device,) = param_devices
-    for t in _tensors(inputs):
+    for t in io_tensors(inputs):
         if t.device != device and not (device == dev and t.device.type == "cpu"):
             raise ModelLoadError(f"example_inputs() returns a tensor on {t.device} but the model is on {device}; "
                                  f"return CPU tensors (remat moves the model and the inputs to the device)")
