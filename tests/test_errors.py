@@ -281,7 +281,7 @@ def test_profile_for_another_model(tmp_path: Path, profile_path: Path):
     path = model_file(tmp_path, GOOD_MODEL)
     check(invoke("plan", "--budget", "1GB", path, "--profile", profile_path), 2,
           "the profile was made for another model",
-          "model class: plan has SyntheticModel, model is Sequential", "re-profile")
+          "model class: profile has SyntheticModel, model is Sequential", "re-profile")
 
 
 def test_plan_for_another_model_or_renamed_modules(tmp_path: Path):

@@ -388,7 +388,8 @@ def check_profile_matches(profile: Profile, model_file: Any) -> None:
     from planner.errors import PlanMismatch
     from planner.profiling.meta import build_on_meta
 
-    diffs = model_differences(profile.fingerprint, build_on_meta(model_file.build_model), model_file.example_inputs())
+    diffs = model_differences(profile.fingerprint, build_on_meta(model_file.build_model), model_file.example_inputs(),
+                              "profile")
     if diffs:
         raise PlanMismatch.listing("the profile was made for another model or input shapes", diffs, "re-profile it")
 

@@ -367,7 +367,7 @@ def show_cmd(o: ShowOptions) -> None:
         prof = Profile.load(o.profile)
         if prof.fingerprint.digest() != plan.fingerprint_digest:
             raise PlanMismatch(f"{o.profile} was made for another model than {o.path}: pass the profile the plan "
-                               f"was made on", prof.fingerprint.differences(plan.fingerprint))
+                               f"was made on", prof.fingerprint.differences(plan.fingerprint, "profile", "plan"))
         graph = graph_for(prof, granularity=plan.granularity, world_size=plan.world_size, sharding=plan.sharding,
                           solver="ilp" if plan.solver.name == "ilp" else "auto")
         _why(log if o.as_json else out, graph, plan)

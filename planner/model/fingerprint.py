@@ -100,13 +100,13 @@ WRAPPED_ATTR = "_checkpoint_wrapped_module"
 """Attribute under which torch's ``CheckpointWrapper`` keeps the module it checkpoints."""
 
 
-def model_differences(expected: Fingerprint, model: nn.Module, inputs: Any) -> list[str]:
-    """How ``model`` on ``inputs`` differs from the fingerprint a plan or profile was made for
+def model_differences(expected: Fingerprint, model: nn.Module, inputs: Any, made_for: str = "plan") -> list[str]:
+    """How ``model`` on ``inputs`` differs from the fingerprint a plan or profile (``made_for``) was made for
     (checkpoint wrappers and FSDP's class swap ignored; input shapes only when ``inputs`` is given)."""
     mine = _plain_fingerprint(fingerprint(model, inputs)).model_copy(update={"model_class": _plain_class(model)})
     if inputs is None:  # nothing to compare the plan's input shapes with
         mine = mine.model_copy(update={"inputs": expected.inputs})
-    return expected.differences(mine)
+    return expected.differences(mine, made_for)
 
 
 def plain_name(name: str) -> str:

@@ -55,31 +55,32 @@ class Fingerprint(FileModel):
         text = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def differences(self, other: "Fingerprint") -> list[str]:
-        """Human-readable list of what differs between ``self`` (plan) and ``other`` (model); none when
-        ``other`` matches the model either as built or after its first step (``built_modules``)."""
+    def differences(self, other: "Fingerprint", mine: str = "plan", theirs: str = "model") -> list[str]:
+        """Human-readable list of what differs between ``self`` (named ``mine``: the plan, or a profile) and
+        ``other`` (``theirs``: the model); none when ``other`` matches the model either as built or after its
+        first step (``built_modules``)."""
         if self.built_modules is not None:
             built = self.model_copy(update={"modules": self.built_modules, "built_modules": None})
-            if not built.differences(other):
+            if not built.differences(other, mine, theirs):
                 return []
         out: list[str] = []
         if self.model_class != other.model_class:
-            out.append(f"model class: plan has {self.model_class}, model is {other.model_class}")
-        mine, theirs = set(self.modules), set(other.modules)
-        for name in sorted(mine - theirs)[:10]:
-            out.append(f"module {name!r} is in the plan but not in the model")
-        for name in sorted(theirs - mine)[:10]:
-            out.append(f"module {name!r} is in the model but not in the plan")
+            out.append(f"model class: {mine} has {self.model_class}, {theirs} is {other.model_class}")
+        ours, others = set(self.modules), set(other.modules)
+        for name in sorted(ours - others)[:10]:
+            out.append(f"module {name!r} is in the {mine} but not in the {theirs}")
+        for name in sorted(others - ours)[:10]:
+            out.append(f"module {name!r} is in the {theirs} but not in the {mine}")
         pa = {p.name: p for p in self.params}
         pb = {p.name: p for p in other.params}
         for name in sorted(set(pa) & set(pb)):
             if (pa[name].shape, pa[name].dtype) != (pb[name].shape, pb[name].dtype):
                 out.append(
-                    f"parameter {name}: plan has {pa[name].shape} {pa[name].dtype}, "
-                    f"model has {pb[name].shape} {pb[name].dtype}"
+                    f"parameter {name}: {mine} has {pa[name].shape} {pa[name].dtype}, "
+                    f"{theirs} has {pb[name].shape} {pb[name].dtype}"
                 )
         for name in sorted(set(pa) ^ set(pb))[:10]:
-            where = "plan" if name in pa else "model"
+            where = mine if name in pa else theirs
             out.append(f"parameter {name!r} only in the {where}")
         ia = {i.name: i for i in self.inputs}
         ib = {i.name: i for i in other.inputs}
@@ -88,7 +89,7 @@ class Fingerprint(FileModel):
             if a is None or b is None or (a.shape, a.dtype) != (b.shape, b.dtype):
                 fa = f"{a.shape} {a.dtype}" if a else "absent"
                 fb = f"{b.shape} {b.dtype}" if b else "absent"
-                out.append(f"input {name}: plan has {fa}, model has {fb}")
+                out.append(f"input {name}: {mine} has {fa}, {theirs} has {fb}")
         return out
 
 
