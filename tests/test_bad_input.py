@@ -684,3 +684,19 @@ def test_measuring_options_with_device_meta_are_refused(tmp_path: Path):
     for flag in ("--steps", "--threads"):
         check(invoke("plan", "--budget", "1GB", path, "--device", "meta", "--target", "h100", flag, "2"), 2,
               f"{flag} time a real step; --device meta runs two steps on fake tensors")
+
+
+def test_a_plan_or_profile_given_as_the_model_file_is_named_with_the_fix(tmp_path: Path, profile_path: Path):
+    """A plan file or a profile where the model file goes (``remat verify plan.json model.py``, ``remat plan
+    profile.json``) said only "is not a .py file" (round 25 probe): the message says what the file is and where it
+    goes."""
+    plan = tmp_path / "plan.json"
+    check(invoke("plan", "--budget", "10MB", "--profile", profile_path, "-o", plan, "-q"), 0)
+    check(invoke("verify", plan, model_file(tmp_path, CLASSIFIER.format(loss=""))), 2,
+          "is not a .py file: it is a plan file (remat verify takes the model file first: remat verify MODEL.py "
+          "PLAN.json)")
+    check(invoke("plan", "--budget", "10MB", profile_path), 2,
+          "is not a .py file: it is a profile (remat plan takes it as --profile PATH, in place of the model file)")
+    other = tmp_path / "notes.json"
+    other.write_text('{"kind": "notes"}')
+    check(invoke("plan", "--budget", "10MB", other), 2, "is not a .py file; pass the Python file")

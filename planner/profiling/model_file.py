@@ -90,8 +90,8 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelLoadError(f"model file {path} is {kind}; pass the Python file that defines build_model() and "
                              f"example_inputs()")
     if path.suffix != ".py":
-        raise ModelLoadError(f"model file {path} is not a .py file; pass the Python file that defines "
-                             f"build_model() and example_inputs()")
+        raise ModelLoadError(f"model file {path} is not a .py file{_saved_kind(path)}; pass the Python file that "
+                             f"defines build_model() and example_inputs()")
     path = path.resolve()
     module = _import(path)
     for name in _REQUIRED:  # defined, but not as a function (NOTE [ Model-file messages name the fix ])
@@ -122,6 +122,24 @@ def load_model_file(path: str | Path) -> ModelFile:
         loss_fn=loss_fn,
         path=path,
     )
+
+
+_SAVED_KINDS = {"remat-plan": ": it is a plan file (remat verify takes the model file first: remat verify MODEL.py "
+                               "PLAN.json)",
+                "remat-profile": ": it is a profile (remat plan takes it as --profile PATH, in place of the model "
+                                  "file)"}
+
+
+def _saved_kind(path: Path) -> str:
+    """What the file is when it is one of remat's own (a plan or a profile, named by its ``kind`` near the start),
+    for the message that refuses it as a model file; '' otherwise."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    found = re.search(r'"kind"\s*:\s*"(remat-[a-z]+)"', head)
+    return _SAVED_KINDS.get(found.group(1), "") if found else ""
 
 
 def _import(path: Path) -> Any:
