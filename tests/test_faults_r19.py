@@ -346,3 +346,32 @@ def test_an_async_function_in_the_model_file_is_named(tmp_path: Path, body: str,
     result = invoke("plan", "-b", "1GB", model, "--device", "cpu", "--steps", "1", "-q")
     check(result, 2, "error: " + said.format(path=model))
     assert "never awaited" not in result.output
+
+
+def test_a_step_whose_memory_varies_run_to_run_is_refused_naming_the_fix(tmp_path: Path):
+    """A step that slices its activations at a random size allocates differently each run: the refusal said only
+    "the step's memory differs from one run to the next" (round 25 probe), neither the likely cause nor the fix."""
+    check(invoke("plan", "-b", "1GB", model_file(tmp_path, RANDOM_CUT), "--device", "cpu", "--steps", "1"), 2,
+          "the step's memory differs from one run to the next (a shape or a slice drawn at random, routing that "
+          "depends on the data); remat plans one step, so make the step allocate the same each run while profiling "
+          "(fix what varies at its largest case), then plan")
+
+
+RANDOM_CUT = """
+class RandomCut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x)[:int(torch.randint(1, x.shape[0], (1,)))])
+
+
+def build_model():
+    torch.manual_seed(0)  # the same draws in every run of the test
+    return RandomCut()
+
+
+def example_inputs():
+    return torch.randn(256, 64)
+"""

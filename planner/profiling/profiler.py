@@ -134,7 +134,9 @@ def reconcile(prof: schema.Profile, as_run: AsRun) -> None:
     if not measured or abs(timeline_peak - measured) <= RECONCILE_TOLERANCE * measured:
         return
     if step.timeline_source == "as-run":
-        why = "the step's memory differs from one run to the next"
+        why = ("the step's memory differs from one run to the next (a shape or a slice drawn at random, routing "
+               "that depends on the data); remat plans one step, so make the step allocate the same each run while "
+               "profiling (fix what varies at its largest case), then plan")
     else:
         why = ("the step runs differently under remat's tracker (a dispatch mode), and its module calls "
                "differed between steps, so it could not be measured window by window as run")
