@@ -550,6 +550,14 @@ def test_verify_calls_a_negative_overhead_noise_and_says_the_steps_it_ran(tmp_pa
     monkeypatch.setattr(verify_module, "pick_clock", lambda *_a: _ScriptedClock())
     report = json.loads(invoke("verify", path, plan, "--device", "cpu", "--steps", "3", "--json").stdout)
     assert report["recompute_noise"] and report["timing_spread_ms"] == 40.0 and report["steps_run"] == 6
+    # below zero by more than either run's spread: not the steps' own noise but the runs' (round 25 probe: -42.1 ms
+    # was put down to "a spread of 5.2 ms")
+    drift = _ScriptedClock()
+    drift.durations = [100.0, 102.0, 101.0, 60.0, 61.0, 60.0]
+    monkeypatch.setattr(verify_module, "pick_clock", lambda *_a: drift)
+    check(invoke("verify", path, plan, "--device", "cpu", "--steps", "3"), 0, "noise (spread 2.0 ms)",
+          "(-41.0 ms) is below zero: more than the timed steps of one run varied (up to 2.0 ms), so the machine ran "
+          "at another speed during one of the two runs")
 
 
 # ----------------------------------------------------------------------------- 8. checkpointed twice

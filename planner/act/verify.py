@@ -362,9 +362,12 @@ def _noise_note(measured_ms: float, spread_ms: float, steps: int, dev: torch.dev
     what = "below zero" if measured_ms < 0 else "within the timing noise"
     how = (f"the timed steps of one run varied by up to {spread_ms:.1f} ms" if steps > 1
            else "one timed step per run gives no spread to judge it by")
+    if steps > 1 and -measured_ms > spread_ms:  # beyond what one run varied: the two runs ran at different speeds
+        how = (f"more than the timed steps of one run varied (up to {spread_ms:.1f} ms), so the machine ran at "
+               f"another speed during one of the two runs (other processes, frequency scaling)")
     hint = "rerun with --threads 1 (each thread's CPU time, which other processes do not slow down), " \
         if dev.type == "cpu" and threads != 1 else "rerun "
-    return (f"the measured recompute overhead ({measured_ms:+.1f} ms) is {what}: {how}, so it is noise, not a "
+    return (f"the measured recompute overhead ({measured_ms:+.1f} ms) is {what}: {how}; so it is noise, not a "
             f"measurement; {hint}with more --steps, on an idle machine")
 
 
