@@ -174,12 +174,12 @@ def plan_from_profile(profile: Profile, budget: int | str, *, solve: SolveSpec |
         g, sol, est = _robust_choice(profile, spec, usable, g, sol, est, host_budget)
     if solver in _OPTIMISERS:  # baselines (every-2, sqrt, ...) place their checkpoints by rule
         est = canonical(g, est, usable)  # NOTE [ Robust choice ], Rule 2
-    from planner.act.frontier import proven_lowest_peak
-
     if est.peak_bytes > usable:
         raise SolverError(
             f"internal error: plan from {sol.solver} predicts {est.peak_bytes} bytes over the budget "
             f"{budget_bytes}; please report this with the profile and the traceback")
+    from planner.act.frontier import proven_lowest_peak
+
     return _plan_of(profile, g, est, budget_bytes, headroom_bytes=headroom_bytes, host_budget_bytes=host_budget,
                     solver=SolverInfo(name=sol.solver, status=sol.status, gap=sol.gap, detail=sol.detail),
                     min_feasible=proven_lowest_peak(g, sol, offload=host_budget is not None), seconds=seconds)

@@ -122,22 +122,30 @@ def with_offload(report: Tradeoff, g: nx.DiGraph, host_budget_bytes: int | None,
     return report.model_copy(update={"host_budget_bytes": host_budget_bytes, "offload_min_feasible_bytes": lowest})
 
 
-_OFFLOAD_LOWEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOWEST_SEARCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _lowest_peak_search(g: nx.DiGraph, host_budget_bytes: int | None, time_limit_s: float | None) -> tuple[int, object]:
+    """The ILP's minimum-peak search on ``g``: a solve asked for half the lowest peak ``min_feasible_bytes``
+    bounds, which no plan fits, so the ILP minimises the peak. That bound and the search's solution, cached per
+    graph, host budget and time limit (a plan's summary and the offload frontier ask again for the same graph)."""
+    cache = _LOWEST_SEARCHES.setdefault(g, {})
+    key = (host_budget_bytes, time_limit_s)
+    if key not in cache:
+        from planner.act.api import solve_graph
+
+        upper = min_feasible_bytes(g)
+        cache[key] = upper, solve_graph(g, max(1, upper // 2), solver="ilp", time_limit_s=time_limit_s,
+                                        host_budget_bytes=host_budget_bytes)
+    return cache[key]
 
 
 def offload_min_feasible_bytes(g: nx.DiGraph, host_budget_bytes: int, *, time_limit_s: float | None = 30.0) -> int:
     """The lowest peak of any keep/recompute/offload plan within ``host_budget_bytes`` (the ILP's
     minimum-peak search, as when no plan fits; cached per graph and host budget)."""
-    cache = _OFFLOAD_LOWEST.setdefault(g, {})
-    if host_budget_bytes not in cache:
-        from planner.act.api import solve_graph
-
-        lowest = min_feasible_bytes(g)
-        sol = solve_graph(g, max(1, lowest // 2), solver="ilp", time_limit_s=time_limit_s,
-                          host_budget_bytes=host_budget_bytes)
-        found = sol.min_feasible_bytes if sol.status == "infeasible" else sol.peak_bytes
-        cache[host_budget_bytes] = min(lowest, found) if found is not None else lowest
-    return cache[host_budget_bytes]
+    lowest, sol = _lowest_peak_search(g, host_budget_bytes, time_limit_s)
+    found = sol.min_feasible_bytes if sol.status == "infeasible" else sol.peak_bytes
+    return min(lowest, found) if found is not None else lowest
 
 
 LOWEST_PEAK_SEARCH_S = 5.0
@@ -154,9 +162,7 @@ def proven_lowest_peak(g: nx.DiGraph, sol: object, *, offload: bool) -> int | No
     given = getattr(sol, "min_feasible_bytes", None)
     if given is not None or getattr(sol, "solver", None) != "ilp" or offload:
         return given
-    from planner.act.api import solve_graph
-
-    search = solve_graph(g, max(1, min_feasible_bytes(g) // 2), solver="ilp", time_limit_s=LOWEST_PEAK_SEARCH_S)
+    _, search = _lowest_peak_search(g, None, LOWEST_PEAK_SEARCH_S)
     return search.min_feasible_bytes if search.status == "infeasible" and search.stopped == "finished" else None
 
 
