@@ -211,7 +211,7 @@ def _reads_values(func: Any, args: tuple) -> bool:
 @contextlib.contextmanager
 def _bodies_watched(reads: _Reads) -> Iterator[None]:
     """Inside: each ``torch.utils.checkpoint`` body run eagerly (both variants) runs, forward and recompute,
-    under ``_ValueReads`` (Rule 1); ``reads.watched`` says whether this torch's checkpoint could be."""
+    under ``_watching`` (Rule 1); ``reads.watched`` says whether this torch's checkpoint could be."""
     from torch.utils import checkpoint as cp
 
     generator = getattr(cp, "_checkpoint_without_reentrant_generator", None)
@@ -259,7 +259,7 @@ def _with_watch(context_fn: Callable[[], tuple[Any, Any]], reads: _Reads) -> Cal
 
     @contextlib.contextmanager
     def and_watched(context: Any) -> Iterator[None]:
-        with context, _ValueReads(reads), _host_reads(reads):
+        with context, _watching(reads):
             yield
 
     def contexts() -> tuple[Any, Any]:
@@ -270,14 +270,22 @@ def _with_watch(context_fn: Callable[[], tuple[Any, Any]], reads: _Reads) -> Cal
 
 
 def _watched_call(run: Callable[..., T], reads: _Reads) -> Callable[..., T]:
-    """``run`` under ``_ValueReads`` (a reentrant checkpoint's forward and recompute, not its backward)."""
+    """``run`` under ``_watching`` (a reentrant checkpoint's forward and recompute, not its backward)."""
 
     @functools.wraps(run)
     def watched(*args: Any, **kwargs: Any) -> T:
-        with _ValueReads(reads), _host_reads(reads):
+        with _watching(reads):
             return run(*args, **kwargs)
 
     return watched
+
+
+@contextlib.contextmanager
+def _watching(reads: _Reads) -> Iterator[None]:
+    """Inside: every read of values a body can make is recorded into ``reads``, through the dispatcher
+    (``_ValueReads``) or around it (``_host_reads``) (Rule 1)."""
+    with _ValueReads(reads), _host_reads(reads):
+        yield
 
 
 HOST_READS = ("tolist", "numpy")
